@@ -1,0 +1,80 @@
+"""Public API: flamia_attn_varlen_func, differentiable, over packed documents."""
+
+from __future__ import annotations
+
+import torch
+
+from .emulator import EmulatorContext, default_softmax_scale, emulate_backward, emulate_forward
+from .recipes import DEFAULT_RECIPE, Recipe, resolve_recipe
+from .validation import check_attention_inputs
+
+BACKENDS = ("auto", "emulate", "cute")
+
+
+def cute_attention_available(device: torch.device) -> bool:
+    """The CuTe DSL attention kernels run on sm_90 GPUs (they are not built yet: issue 4)."""
+    return False
+
+
+def pick_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "cute" if cute_attention_available(device) else "emulate"
+    if backend == "cute" and not cute_attention_available(device):
+        raise NotImplementedError(
+            "backend='cute': the sm_90a FP8 attention kernels are not available in this build "
+            f"(device {device}); use backend='emulate' or 'auto'"
+        )
+    return backend
+
+
+class _EmulatedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, q, k, v, cu_q, cu_k, softmax_scale, causal, recipe):
+        out, lse, ectx = emulate_forward(q, k, v, cu_q, cu_k, softmax_scale, causal, recipe)
+        fctx.emu = ectx  # FP8 operands, scales, O and LSE: never the bf16 inputs
+        fctx.in_dtype = q.dtype
+        fctx.mark_non_differentiable(lse)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(fctx, dout, _dlse):
+        ectx: EmulatorContext = fctx.emu
+        dq, dk, dv = emulate_backward(dout.contiguous(), ectx)
+        dt = fctx.in_dtype
+        return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None
+
+
+def flamia_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    recipe: str | Recipe = DEFAULT_RECIPE,
+    backend: str = "auto",
+    return_lse: bool = False,
+):
+    """FP8 attention over packed variable-length documents (THD layout).
+
+    q: (total_q, heads, head_dim); k, v: (total_k, kv_heads, head_dim) with
+    heads % kv_heads == 0 (GQA). cu_seqlens_*: int32 prefix sums of document
+    lengths. Returns out (total_q, heads, head_dim) in q's dtype, and with
+    return_lse also lse (heads, total_q) fp32 (natural log).
+    """
+    check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    rec = resolve_recipe(recipe)
+    scale = float(softmax_scale) if softmax_scale is not None else default_softmax_scale(q.shape[-1])
+    chosen = pick_backend(backend, q.device)
+    assert chosen == "emulate"  # pick_backend raises for anything not built
+    out, lse = _EmulatedAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, rec)
+    return (out, lse) if return_lse else out

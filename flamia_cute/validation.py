@@ -1,0 +1,70 @@
+"""Input checks with errors that name the offending argument."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have shape (total_tokens, heads, head_dim), got rank {t.dim()}")
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"{name} must be bfloat16 or float16, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    d = q.shape[2]
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q head_dim {d} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
+    if k.shape[2] != d or v.shape[2] != d:
+        raise ValueError(f"k and v head_dim must equal q's ({d}), got k {k.shape[2]}, v {v.shape[2]}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must have the same (tokens, heads), got {tuple(k.shape[:2])} and {tuple(v.shape[:2])}")
+    hq, hk = q.shape[1], k.shape[1]
+    if hk == 0 or hq % hk:
+        raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hk}) for GQA")
+    _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], k.device)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents, "
+            f"got {cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
+        )
+    for name, mx, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k, cu_seqlens_k)):
+        if not isinstance(mx, int) or isinstance(mx, bool) or mx < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {mx!r}")
+        if cu.numel() > 1 and (cu.device.type == "cpu" or os.environ.get("FLAMIA_CUTE_TRUST_CU_SEQLENS") != "1"):
+            cu = cu.cpu()
+            longest = int((cu[1:] - cu[:-1]).max())
+            if longest > mx:
+                raise ValueError(f"{name} ({mx}) is smaller than the longest document ({longest})")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
+
+
+def _check_cu(name, cu, total, device):
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-D with at least 2 entries (num_docs + 1), got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on {device}, got {cu.device}")
+    # Checking values of a GPU tensor costs one small host sync; FLAMIA_CUTE_TRUST_CU_SEQLENS=1 skips it.
+    if cu.device.type == "cpu" or os.environ.get("FLAMIA_CUTE_TRUST_CU_SEQLENS") != "1":
+        cu = cu.cpu()
+        if int(cu[0]) != 0:
+            raise ValueError(f"{name} must start at 0, got {int(cu[0])}")
+        if bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"{name} must be non-decreasing")
+        if int(cu[-1]) != total:
+            raise ValueError(f"{name} must end at the token count {total}, got {int(cu[-1])}")

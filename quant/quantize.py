@@ -1,0 +1,110 @@
+"""Reference quantization of packed THD tensors: the bit-exact specification
+that the fused-quantization kernels must reproduce.
+
+Layouts (T tokens, H heads, D head dim):
+- data_td: (T, H, D) float8, token-major (K-major for products reducing over D);
+- data_dt: (H, D, T_pad) float8, head-dim-major with tokens contiguous (K-major
+  for products reducing over tokens); T_pad = round_up(T, TOKEN_PAD), pad = 0;
+- scale:   (H, T) fp32, every token holding the scale of its block, so a kernel
+  reads the scales of a tile as one contiguous vector.
+
+Scale blocks are document-local: block k of document b covers tokens
+[start_b + k*B, min(start_b + (k+1)*B, end_b)). No block spans two documents.
+One set of scales serves both orientations (the scale is shared across D).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .formats import E4M3, FloatFormat, abs_bits, cast_to, pow2_scale_from_amax_bits
+
+# Tokens of the transposed copy are padded to this multiple: TMA needs 16-byte
+# aligned strides, and kernels load whole 128-token tiles.
+TOKEN_PAD = 128
+
+
+def round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+@dataclass(frozen=True)
+class QuantizedTHD:
+    """FP8 data of one operand in both orientations plus its one set of scales."""
+
+    data_td: torch.Tensor  # (T, H, D) float8
+    data_dt: torch.Tensor | None  # (H, D, T_pad) float8, or None if not requested
+    scale: torch.Tensor  # (H, T) fp32, power of two
+    block_tokens: int
+    fmt_name: str
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 (T, H, D) values that the quantized operand stands for."""
+        return self.data_td.float() * self.scale.t().unsqueeze(-1)
+
+
+def token_block_ids(cu_seqlens: torch.Tensor, total_tokens: int, block_tokens: int) -> torch.Tensor:
+    """Global id of the document-local scale block of every token, shape (T,)."""
+    cu = cu_seqlens.to(torch.int64)
+    tok = torch.arange(total_tokens, device=cu.device)
+    doc = torch.searchsorted(cu[1:], tok, right=True)
+    pos_in_doc = tok - cu[doc]
+    blocks_per_doc = (cu[1:] - cu[:-1] + block_tokens - 1) // block_tokens
+    first_block = torch.cumsum(blocks_per_doc, 0) - blocks_per_doc
+    return first_block[doc] + pos_in_doc // block_tokens
+
+
+def block_amax_bits(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    """Per-(head, token) amax bit pattern over the token's scale block, (H, T) int32."""
+    T, H, _ = x.shape
+    tok_bits = abs_bits(x).amax(dim=-1)  # (T, H) per-token amax over D
+    if block_tokens == 1:
+        return tok_bits.t().contiguous()
+    ids = token_block_ids(cu_seqlens, T, block_tokens)
+    nblocks = int(ids.max().item()) + 1 if T > 0 else 0
+    blk = torch.zeros(nblocks, H, dtype=torch.int32, device=x.device)
+    blk = blk.scatter_reduce(0, ids.unsqueeze(1).expand(T, H), tok_bits, reduce="amax", include_self=True)
+    return blk[ids].t().contiguous()
+
+
+def quantize_with_scale(x: torch.Tensor, scale_ht: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """x (T, H, D) / scale (H, T), rounded to fmt; returned as the fmt dtype."""
+    inv = torch.reciprocal(scale_ht).t().unsqueeze(-1)  # exact: scales are powers of two
+    return (x.float() * inv).to(fmt.torch_dtype)
+
+
+def quantize_thd(
+    x: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_tokens: int = 1,
+    fmt: FloatFormat = E4M3,
+    transposed: bool = True,
+) -> QuantizedTHD:
+    """Quantize a packed (T, H, D) tensor with document-local token-block scales.
+
+    block_tokens = 1 is per-token scaling. This is the specification of the
+    fused-quantization kernels, bit for bit.
+    """
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    scale = pow2_scale_from_amax_bits(block_amax_bits(x, cu_seqlens, block_tokens), fmt)
+    data_td = quantize_with_scale(x, scale, fmt)
+    data_dt = transpose_tokens(data_td) if transposed else None
+    return QuantizedTHD(data_td, data_dt, scale, block_tokens, fmt.name)
+
+
+def transpose_tokens(data_td: torch.Tensor) -> torch.Tensor:
+    """(T, H, D) -> (H, D, T_pad), tokens contiguous, zero pad."""
+    T, H, D = data_td.shape
+    out = torch.zeros(H, D, round_up(max(T, 1), TOKEN_PAD), dtype=data_td.dtype, device=data_td.device)
+    out[:, :, :T] = data_td.permute(1, 2, 0)
+    return out
+
+
+def quantize_per_tensor(x: torch.Tensor, fmt: FloatFormat = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+    """One amax over the whole tensor (the cuDNN-like, leaky control). Returns (values fp32, scale)."""
+    bits = abs_bits(x).amax()
+    scale = pow2_scale_from_amax_bits(bits.reshape(1), fmt)[0]
+    return cast_to(x.float() / scale, fmt), scale

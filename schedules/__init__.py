@@ -1,0 +1,1 @@
+"""Tile scheduling for packed variable-length documents (installed as flamia_cute.schedules)."""
