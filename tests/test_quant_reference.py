@@ -1,0 +1,86 @@
+"""The quantization reference: power-of-two scale rule, document-local blocks, edge cases."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flamia_cute.quant import E4M3, E5M2, TOKEN_PAD, pow2_scale, quantize_thd, token_block_ids
+from flamia_cute.testing import cu_seqlens_from_lengths
+
+
+def test_pow2_scale_is_smallest_power_of_two_that_fits():
+    amax = torch.tensor([448.0, 448.0001, 1.0, 1.75, 1.76, 3.0e5, 2.0**-110])
+    s = pow2_scale(amax, E4M3)
+    assert torch.all(amax / s <= 448.0)
+    assert torch.all(amax / (s / 2) > 448.0)  # half the scale would overflow
+    assert torch.all(torch.log2(s) == torch.round(torch.log2(s)))
+
+
+def test_pow2_scale_edge_cases():
+    s = pow2_scale(torch.tensor([0.0, float("inf"), float("nan"), 1e-40]), E4M3)
+    assert s[0] == 1.0  # all-zero block: finite, nonzero
+    assert math.isnan(s[1]) and math.isnan(s[2])  # non-finite poisons its block only
+    assert s[3] == 2.0**-126  # subnormal amax: clamped, finite
+    assert pow2_scale(torch.tensor([57344.0]), E5M2)[0] == 1.0
+
+
+def test_blocks_are_document_local():
+    cu = cu_seqlens_from_lengths([3, 0, 5, 1])
+    ids = token_block_ids(cu, 9, 4)
+    # doc0: [0,1,2] block 0; doc2: [3..6] block 1, [7] block 2; doc3: [8] block 3
+    assert ids.tolist() == [0, 0, 0, 1, 1, 1, 1, 2, 3]
+
+
+def test_transposed_copy_matches_and_pads_with_zero():
+    x = torch.randn(130, 3, 64).bfloat16()
+    qt = quantize_thd(x, cu_seqlens_from_lengths([100, 30]), 128)
+    assert qt.data_dt.shape == (3, 64, 2 * TOKEN_PAD // 1 if 130 > TOKEN_PAD else TOKEN_PAD)
+    assert torch.equal(qt.data_dt[:, :, :130].view(torch.uint8), qt.data_td.permute(1, 2, 0).view(torch.uint8))
+    assert not qt.data_dt[:, :, 130:].view(torch.uint8).any()
+
+
+def test_zero_block_and_nan_block():
+    x = torch.randn(20, 1, 64).bfloat16()
+    x[0:8] = 0
+    x[12, 0, 5] = float("nan")
+    qt = quantize_thd(x, cu_seqlens_from_lengths([8, 12]), 4)
+    assert torch.all(qt.scale[0, :8] == 1.0) and not qt.data_td[:8].float().any()
+    nan_scale = torch.isnan(qt.scale[0])
+    assert nan_scale.tolist() == [False] * 8 + [False] * 4 + [True] * 4 + [False] * 4  # only block [12, 16)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 2000), min_size=1, max_size=5).filter(lambda ls: sum(ls) > 0),
+    block=st.sampled_from([1, 64, 128]),
+    magnitude=st.sampled_from([1e-30, 1e-3, 1.0, 1e4, 1e30]),
+)
+def test_roundtrip_within_format_bounds(lengths, block, magnitude):
+    T = sum(lengths)
+    x = (torch.randn(T, 2, 64) * magnitude).bfloat16()
+    qt = quantize_thd(x, cu_seqlens_from_lengths(lengths), block, transposed=False)
+    assert torch.isfinite(qt.scale).all() and (qt.scale > 0).all()
+    xf = x.float()
+    deq = qt.dequantize()
+    assert torch.isfinite(deq).all()
+    # e4m3 relative rounding error <= 2**-4 for normals; absolute floor = half the smallest subnormal step
+    step = qt.scale.t().unsqueeze(-1) * 2.0**-10
+    assert torch.all((deq - xf).abs() <= xf.abs() * 2.0**-4 + step)
+    assert torch.all(qt.data_td.float().abs() <= 448.0)
+
+
+@pytest.mark.parametrize("block", [1, 128])
+def test_future_tokens_do_not_change_earlier_blocks(block):
+    lengths = [300, 257]
+    cu = cu_seqlens_from_lengths(lengths)
+    x = torch.randn(557, 2, 64).bfloat16()
+    y = x.clone()
+    cut = 300 + 130
+    y[cut:] = torch.randn(557 - cut, 2, 64).bfloat16() * 100
+    a, b = quantize_thd(x, cu, block), quantize_thd(y, cu, block)
+    safe_end = cut if block == 1 else 300 + 128  # tokens in blocks that end before the cut
+    assert torch.equal(a.data_td[:safe_end].view(torch.uint8), b.data_td[:safe_end].view(torch.uint8))
+    assert torch.equal(a.scale[:, :safe_end], b.scale[:, :safe_end])

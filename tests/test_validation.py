@@ -1,0 +1,87 @@
+"""Bad input gets a clear error that names the argument."""
+
+import pytest
+import torch
+
+from flamia_cute import Recipe, flamia_attn_varlen_func
+from flamia_cute.recipes import OperandQuant
+from flamia_cute.testing import cu_seqlens_from_lengths, make_inputs
+
+
+@pytest.fixture
+def ok():
+    q, k, v, do, cu, scale = make_inputs([5, 7], heads_q=4, heads_kv=2, head_dim=64)
+    return dict(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7, max_seqlen_k=7)
+
+
+def call(args, **over):
+    a = dict(args) | over
+    return flamia_attn_varlen_func(**a)
+
+
+@pytest.mark.parametrize(
+    "over,exc,match",
+    [
+        (dict(q="x"), TypeError, "q must be a torch.Tensor"),
+        (dict(q=torch.zeros(12, 4, 64)), TypeError, "q must be bfloat16"),
+        (dict(k=torch.zeros(12, 64, dtype=torch.bfloat16)), ValueError, "k must have shape"),
+        (dict(q=torch.zeros(12, 4, 96, dtype=torch.bfloat16)), ValueError, "head_dim 96"),
+        (dict(k=torch.zeros(12, 3, 64, dtype=torch.bfloat16), v=torch.zeros(12, 3, 64, dtype=torch.bfloat16)),
+         ValueError, "multiple of k/v heads"),
+        (dict(v=torch.zeros(12, 1, 64, dtype=torch.bfloat16)), ValueError, "k and v must have the same"),
+        (dict(cu_seqlens_q=torch.tensor([0, 5, 12])), TypeError, "cu_seqlens_q must be int32"),
+        (dict(cu_seqlens_k=torch.tensor([1, 5, 12], dtype=torch.int32)), ValueError, "cu_seqlens_k must start at 0"),
+        (dict(cu_seqlens_q=torch.tensor([0, 8, 5, 12], dtype=torch.int32)), ValueError, "cu_seqlens_q must be non-decreasing"),
+        (dict(cu_seqlens_q=torch.tensor([0, 5, 11], dtype=torch.int32)), ValueError, "cu_seqlens_q must end at the token count 12"),
+        (dict(cu_seqlens_k=torch.tensor([0, 12], dtype=torch.int32)), ValueError, "same number of documents"),
+        (dict(max_seqlen_q=3), ValueError, "max_seqlen_q"),
+        (dict(max_seqlen_k=-1), ValueError, "max_seqlen_k"),
+        (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
+        (dict(recipe="fp9"), ValueError, "recipe: unknown name 'fp9'"),
+        (dict(recipe=3), TypeError, "recipe must be"),
+        (dict(backend="tpu"), ValueError, "backend must be"),
+        (dict(backend="cute"), NotImplementedError, "backend='cute'"),
+    ],
+)
+def test_errors_name_the_argument(ok, over, exc, match):
+    with pytest.raises(exc, match=match):
+        call(ok, **over)
+
+
+def test_empty_documents_are_allowed():
+    q, k, v, do, cu, scale = make_inputs([0, 5, 0, 7, 0], heads_q=2, heads_kv=2, head_dim=64)
+    out = flamia_attn_varlen_func(q, k, v, cu, cu, 7, 7)
+    assert out.shape == q.shape and torch.isfinite(out.float()).all()
+
+
+def test_all_documents_empty():
+    q = torch.zeros(0, 2, 64, dtype=torch.bfloat16)
+    cu = cu_seqlens_from_lengths([0, 0])
+    out = flamia_attn_varlen_func(q, q, q, cu, cu, 0, 0)
+    assert out.shape == (0, 2, 64)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(fmt="fp6"), "OperandQuant.fmt"),
+        (dict(scaling="row"), "OperandQuant.scaling"),
+        (dict(scaling="tokenblock", block_tokens=1), "needs block_tokens > 1"),
+        (dict(fmt="bf16", scaling="token"), "bf16"),
+    ],
+)
+def test_operand_quant_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        OperandQuant(**kwargs)
+
+
+def test_recipe_validation():
+    with pytest.raises(ValueError, match="query-side"):
+        Recipe("x", q=OperandQuant("e4m3", "tokenblock", 64))
+    with pytest.raises(ValueError, match="p_cast"):
+        Recipe("x", p_cast="fp16")
+    with pytest.raises(ValueError, match="key_tile"):
+        Recipe("x", key_tile=100)
+    with pytest.raises(ValueError, match="p_scale"):
+        Recipe("x", p_scale=512.0)
+    assert Recipe.from_name("fp8_tokenblock").k.block_tokens == 128
