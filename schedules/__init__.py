@@ -1,1 +1,6 @@
 """Tile scheduling for packed variable-length documents (installed as flamia_cute.schedules)."""
+
+from .varlen_chunks import build_varlen_chunks, max_chunks
+from .varlen_tiles import causal_flops, enumerate_tiles
+
+__all__ = ["build_varlen_chunks", "max_chunks", "causal_flops", "enumerate_tiles"]

@@ -1,0 +1,34 @@
+# flamia_cute developer targets. PYTHON is the interpreter of the active environment.
+PYTHON ?= python3
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-gpu bench ptx lint accuracy
+
+# torch: CPU machines get the CPU build; a GPU machine keeps the torch it has.
+install:
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -m pip install -q -e ".[test,sass]"
+
+demo:
+	$(PYTHON) -m flamia_cute
+
+# pytest exits 5 when nothing is collected: that is a failure of the suite, said plainly.
+test:
+	$(PYTHON) -m pytest -q -m "not gpu" $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: no tests collected" >&2; exit 1; fi; exit $$rc
+
+test-gpu:
+	$(PYTHON) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-gpu: no tests collected" >&2; exit 1; fi; exit $$rc
+
+accuracy:
+	$(PYTHON) -m flamia_cute.cli accuracy
+
+bench:
+	$(PYTHON) -m flamia_cute.cli bench
+
+ptx:
+	$(PYTHON) -m flamia_cute.cli ptx --all --out perf/out/ptx
+
+lint:
+	$(PYTHON) -m ruff check flamia_cute quant schedules tests perf

@@ -1,0 +1,35 @@
+"""Accuracy table of recipes against fp64 (the emulator's baseline in perf/RESULTS.md)."""
+
+from __future__ import annotations
+
+from .reference import reference_attention
+from .testing import attention_fn_for, make_inputs, rel_l2, sqnr_db
+
+OPERANDS = ("out", "lse", "dq", "dk", "dv")
+
+
+def accuracy_rows(recipes, kinds=("normal", "outliers"), lengths=(517, 300, 1, 0, 130, 64), heads_q=4, heads_kv=2,
+                  head_dim=128, seed=7, device="cpu"):
+    """One row per (input set, recipe): SQNR (dB) and relative L2 of O, LSE, dQ, dK, dV against fp64."""
+    rows = []
+    for kind in kinds:
+        q, k, v, do, cu, scale = make_inputs(list(lengths), heads_q, heads_kv, head_dim, kind, seed, device)
+        ref = reference_attention(q, k, v, cu, cu, scale, True, do)
+        for name in recipes:
+            got = attention_fn_for(name, scale)(q, k, v, cu, do)
+            row = {"inputs": kind, "recipe": name}
+            for op in OPERANDS:
+                row[f"{op}_sqnr_db"] = round(sqnr_db(got[op], ref[op]), 2)
+                row[f"{op}_rel_l2"] = float(f"{rel_l2(got[op], ref[op]):.3e}")
+            rows.append(row)
+    return rows
+
+
+def format_table(rows) -> str:
+    head = f"| inputs | recipe | {' | '.join(f'{op} dB' for op in OPERANDS)} | O rel L2 | dQ rel L2 |"
+    sep = "|" + "---|" * (len(OPERANDS) + 4)
+    lines = [head, sep]
+    for r in rows:
+        vals = " | ".join(f"{r[f'{op}_sqnr_db']:.1f}" for op in OPERANDS)
+        lines.append(f"| {r['inputs']} | {r['recipe']} | {vals} | {r['out_rel_l2']:.2e} | {r['dq_rel_l2']:.2e} |")
+    return "\n".join(lines)

@@ -1,0 +1,44 @@
+"""FLOP and byte floors of every workload (perf/NOTES.md's table): `python perf/floors.py`."""
+
+import json
+import pathlib
+
+from flamia_cute.schedules import causal_flops
+
+FP8_TFLOPS = 1380.0  # dense FP8 GEMM measured on the H200 (design note)
+BF16_TFLOPS = 750.0
+COPY_TBPS = 4.3
+
+
+def floors(lengths, hq=16, hkv=16, d=128):
+    T = sum(lengths)
+    f_fwd = causal_flops(lengths, hq, d)
+    f_bwd = causal_flops(lengths, hq, d, backward=True)
+    q_el, kv_el = T * hq * d, T * hkv * d
+    # fused quantization: read bf16, write e4m3 in two orientations (+ per-token diagonal copies of K, V
+    # for fp8_tokenblock, both orientations)
+    quant_token = (q_el + 2 * kv_el) * (2 + 2)
+    quant_tokenblock = quant_token + 2 * kv_el * 2
+    fwd_bytes = q_el + 2 * kv_el + q_el * 2  # fp8 Q, K, V in; bf16 O out
+    return {
+        "T": T,
+        "fwd_TFLOP": f_fwd / 1e12,
+        "fwd_ms_fp8": f_fwd / FP8_TFLOPS / 1e9,
+        "fwd_ms_bf16": f_fwd / BF16_TFLOPS / 1e9,
+        "fwd_mem_ms": fwd_bytes / COPY_TBPS / 1e9,
+        "bwd_ms_fp8": f_bwd / FP8_TFLOPS / 1e9,
+        "quant_ms_token": quant_token / COPY_TBPS / 1e9,
+        "quant_ms_tokenblock": quant_tokenblock / COPY_TBPS / 1e9,
+    }
+
+
+if __name__ == "__main__":
+    wl = json.loads((pathlib.Path(__file__).parent / "workloads.json").read_text())["workloads"]
+    print("| workload | tokens | fwd TFLOP | fwd floor fp8 ms | fwd floor bf16 ms | fwd bytes ms | bwd floor fp8 ms "
+          "| quant floor token ms | quant floor tokenblock ms |")
+    print("|---" * 9 + "|")
+    for name, lengths in wl.items():
+        f = floors(lengths)
+        print(f"| {name} | {f['T']} | {f['fwd_TFLOP']:.3f} | {f['fwd_ms_fp8']:.3f} | {f['fwd_ms_bf16']:.3f} | "
+              f"{f['fwd_mem_ms']:.3f} | {f['bwd_ms_fp8']:.3f} | {f['quant_ms_token']:.3f} | "
+              f"{f['quant_ms_tokenblock']:.3f} |")

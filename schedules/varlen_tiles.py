@@ -1,0 +1,68 @@
+"""Attention work tiles of packed causal documents: (document chunk, head) with causal cost.
+
+Built on the document-local chunk table (varlen_chunks): a forward tile is one
+chunk of queries for one head; a backward tile is one chunk of keys for one
+head. Costs are exact causal FLOP counts, computed on the device of cu_seqlens
+with no host sync, so a scheduler can order tiles longest-first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .varlen_chunks import build_varlen_chunks
+
+
+def chunk_doc_start(cu_seqlens: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
+    """Start token of the document of each chunk (padding rows: 0)."""
+    cu = cu_seqlens.to(torch.int64)
+    start = chunks[:, 0].to(torch.int64)
+    doc = torch.searchsorted(cu[1:], start, right=True).clamp(max=cu.numel() - 2)
+    return torch.where(chunks[:, 1] > 0, cu[doc], 0)
+
+
+def causal_pairs(chunks: torch.Tensor, doc_start: torch.Tensor, backward: bool, doc_end: torch.Tensor | None = None):
+    """Visible (query, key) pairs of each chunk (int64).
+
+    Forward (queries in the chunk): row at document offset p sees p + 1 keys.
+    Backward (keys in the chunk): key at offset p is seen by (len - p) queries.
+    """
+    off = chunks[:, 0].to(torch.int64) - doc_start
+    n = chunks[:, 1].to(torch.int64)
+    if not backward:
+        # sum_{p=off}^{off+n-1} (p + 1)
+        return n * off + n * (n + 1) // 2
+    assert doc_end is not None
+    length = doc_end - doc_start
+    # sum_{p=off}^{off+n-1} (length - p)
+    return n * (length - off) - n * (n - 1) // 2
+
+
+def enumerate_tiles(cu_seqlens: torch.Tensor, total_tokens: int, heads: int, head_dim: int, tile: int = 128,
+                    backward: bool = False) -> dict[str, torch.Tensor]:
+    """All (chunk, head) tiles with their causal FLOPs; padding chunks have cost 0.
+
+    Returns dict of 1-D tensors of length max_chunks * heads: start, length, head, flops.
+    Forward FLOPs are 4*D per visible pair (S and P V); backward 10*D (S, dP, dV, dQ, dK).
+    """
+    chunks = build_varlen_chunks(cu_seqlens, total_tokens, tile)
+    ds = chunk_doc_start(cu_seqlens, chunks)
+    cu = cu_seqlens.to(torch.int64)
+    doc = torch.searchsorted(cu[1:], chunks[:, 0].to(torch.int64), right=True).clamp(max=cu.numel() - 2)
+    de = torch.where(chunks[:, 1] > 0, cu[doc + 1], 0)
+    pairs = causal_pairs(chunks, ds, backward, de)
+    per_pair = (10 if backward else 4) * head_dim
+    nc = chunks.shape[0]
+    rep = lambda t: t.repeat_interleave(heads)
+    return {
+        "start": rep(chunks[:, 0]),
+        "length": rep(chunks[:, 1]),
+        "head": torch.arange(heads, device=chunks.device, dtype=torch.int32).repeat(nc),
+        "flops": rep(pairs * per_pair),
+    }
+
+
+def causal_flops(lengths, heads: int, head_dim: int, backward: bool = False) -> int:
+    """Total causal attention FLOPs of a document mix (the FLOP floor's numerator)."""
+    pairs = sum(n * (n + 1) // 2 for n in lengths)
+    return pairs * heads * head_dim * (10 if backward else 4)
