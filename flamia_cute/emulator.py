@@ -64,6 +64,17 @@ def _doc_ranges(cu: torch.Tensor):
     return list(zip(c[:-1], c[1:], strict=True))
 
 
+def operand_from_quantized(main: QuantizedTHD, diag: QuantizedTHD | None = None) -> EmuOperand:
+    """The emulator's view of what a fused-quantization kernel produced (block copy + optional diagonal copy)."""
+    vals = main.dequantize()
+    out = EmuOperand(vals, vals, main.scale, block_tokens=main.block_tokens, quantized=(main,))
+    if diag is not None:
+        dv = diag.dequantize()
+        out.diag_along_d, out.diag_along_t, out.diag_scale = dv, dv, diag.scale
+        out.quantized = (main, diag)
+    return out
+
+
 def quantize_operand(
     x: torch.Tensor, cu: torch.Tensor, op: OperandQuant, key_side: bool, recipe: Recipe, s_path_nvfp4: bool = False
 ) -> EmuOperand:
@@ -78,14 +89,10 @@ def quantize_operand(
     if op.scaling in ("token", "tokenblock"):
         fmt = format_by_name(op.fmt)
         main = quantize_thd(x, cu, op.block_tokens, fmt, transposed=False)
-        vals = main.dequantize()
-        out = EmuOperand(vals, vals, main.scale, block_tokens=op.block_tokens, quantized=(main,))
+        diag = None
         if key_side and op.block_tokens > 1 and recipe.diagonal_safeguard:
-            tok = quantize_thd(x, cu, 1, fmt, transposed=False)
-            dv = tok.dequantize()
-            out.diag_along_d, out.diag_along_t, out.diag_scale = dv, dv, tok.scale
-            out.quantized = (main, tok)
-        return out
+            diag = quantize_thd(x, cu, 1, fmt, transposed=False)
+        return operand_from_quantized(main, diag)
     # MX family, document-local blocks
     along_d = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     along_t = torch.empty_like(along_d)

@@ -14,7 +14,7 @@ def reference_attention(q, k, v, cu_q, cu_k, softmax_scale, causal=True, dout=No
     vv = v.detach().to(dtype).requires_grad_(dout is not None)
     outs, lses = [], []
     cq, ck = cu_q.tolist(), cu_k.tolist()
-    for (qs, qe), (ks, ke) in zip(zip(cq[:-1], cq[1:]), zip(ck[:-1], ck[1:]), strict=True):
+    for (qs, qe), (ks, ke) in zip(zip(cq[:-1], cq[1:], strict=True), zip(ck[:-1], ck[1:], strict=True), strict=True):
         lq, lk = qe - qs, ke - ks
         if lq == 0:
             continue
