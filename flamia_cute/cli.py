@@ -24,6 +24,13 @@ def cmd_accuracy(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from .bench import DEFAULT_WORKLOADS, main_bench
+
+    args.workloads = args.workloads or str(DEFAULT_WORKLOADS)
+    return main_bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flamia-cute", description="FP8 attention kernels for training (CuTe DSL)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -32,6 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--device", default="cpu")
     a.add_argument("--json", default="", help="also write the rows as JSON here")
     a.set_defaults(func=cmd_accuracy)
+    b = sub.add_parser("bench", help="ours against every importable baseline, side by side")
+    b.add_argument("--workloads", default=None, help="JSON in the format of perf/workloads.json")
+    b.add_argument("--only", default="", help="comma-separated workload names")
+    b.add_argument("--heads", default="h16_d128", help="head config name from the workloads file")
+    b.add_argument("--recipe", default="fp8_tokenblock")
+    b.add_argument("--impls", default="", help="comma-separated name prefixes (flamia, fa4, cudnn, flex, sdpa)")
+    b.add_argument("--modes", default="fwd,bwd,fwdbwd")
+    b.add_argument("--reps", type=int, default=15)
+    b.add_argument("--device", default="")
+    b.add_argument("--out", default="perf/out")
+    b.set_defaults(func=cmd_bench)
     return p
 
 

@@ -59,7 +59,7 @@ def make_inputs(lengths, heads_q=2, heads_kv=2, head_dim=128, kind="normal", see
 
 
 def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.double()
+    ref, x = ref.detach().double(), x.detach()
     err = (x.double() - ref).pow(2).sum()
     if err == 0:
         return math.inf
@@ -67,7 +67,7 @@ def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.double()
+    ref, x = ref.detach().double(), x.detach()
     return float((x.double() - ref).norm() / ref.norm().clamp_min(1e-300))
 
 

@@ -1,0 +1,1 @@
+"""Attention implementations the benchmark compares against, each importable or reported absent."""

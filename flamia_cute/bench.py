@@ -1,0 +1,404 @@
+"""`flamia-cute bench`: ours against every importable baseline, side by side in one process.
+
+Forward, backward and forward+backward (ours including quantization), medians
+of CUDA-event timings after warm-up, rotating input sets so L2 does not flatter
+anyone, never zeros. Error of O and dQ against an fp32 reference on a causal
+prefix of the first document (a prefix is exact: queries < n see only keys < n).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from .schedules import causal_flops
+from .testing import cu_seqlens_from_lengths, rel_l2
+
+DEFAULT_WORKLOADS = pathlib.Path(__file__).resolve().parent.parent / "perf" / "workloads.json"
+MODES = ("fwd", "bwd", "fwdbwd")
+L2_BYTES = 50 * 2**20
+
+
+@dataclasses.dataclass
+class Case:
+    """One workload at one head config: packed inputs, rotated between timed calls."""
+
+    workload: str
+    lengths: list[int]
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    device: str
+    sets: list = dataclasses.field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    def build(self, seed: int = 0):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        per_set = self.total * (2 * self.heads_q + 2 * self.heads_kv) * self.head_dim * 2
+        n_sets = max(2, min(8, math.ceil(4 * L2_BYTES / max(per_set, 1))))
+        self.cu = cu_seqlens_from_lengths(self.lengths, self.device)
+        self.max_len = max(self.lengths)
+        for _ in range(n_sets):
+            mk = lambda h: torch.randn(self.total, h, self.head_dim, generator=g).to(self.device, torch.bfloat16)
+            self.sets.append((mk(self.heads_q), mk(self.heads_kv), mk(self.heads_kv), mk(self.heads_q)))
+        return self
+
+
+class Impl:
+    """An attention implementation: forward(q, k, v) -> out, differentiable through autograd."""
+
+    name = "?"
+
+    def available(self, case: Case) -> str | None:
+        """None if it can run this case, else why not."""
+        return None
+
+    def prepare(self, case: Case):
+        pass
+
+    def forward(self, case: Case, q, k, v):
+        raise NotImplementedError
+
+
+class Ours(Impl):
+    def __init__(self, recipe: str, backend: str):
+        self.recipe, self.backend = recipe, backend
+        self.name = f"flamia_{recipe}" + ("" if backend == "cute" else f"[{backend}]")
+
+    def available(self, case):
+        from .interface import pick_backend
+
+        try:
+            pick_backend(self.backend, torch.device(case.device))
+        except NotImplementedError as e:
+            return str(e)
+        return None
+
+    def forward(self, case, q, k, v):
+        from .interface import flamia_attn_varlen_func
+
+        return flamia_attn_varlen_func(q, k, v, case.cu, case.cu, case.max_len, case.max_len, case.scale,
+                                       recipe=self.recipe, backend=self.backend)
+
+
+class FA4(Impl):
+    name = "fa4_bf16"
+
+    def available(self, case):
+        from .baselines.torch_impls import fa4_available
+
+        return None if fa4_available() else "flash_attn.cute not importable or no GPU"
+
+    def forward(self, case, q, k, v):
+        from .baselines.torch_impls import fa4_varlen
+
+        return fa4_varlen(q, k, v, case.cu, case.max_len, case.scale)
+
+
+class Flex(Impl):
+    name = "flex_docmask"
+
+    def available(self, case):
+        from .baselines.torch_impls import flex_available
+
+        return None if flex_available() else "flex_attention needs a GPU here"
+
+    def prepare(self, case):
+        from .baselines.torch_impls import FlexDocumentAttention
+
+        self.fn = FlexDocumentAttention(case.cu, case.total, case.heads_q != case.heads_kv)
+
+    def forward(self, case, q, k, v):
+        return self.fn(q, k, v, case.scale)
+
+
+class SDPA(Impl):
+    name = "sdpa_per_doc"
+
+    def available(self, case):
+        return None if len(case.lengths) <= 64 else "more than 64 documents: one launch each"
+
+    def prepare(self, case):
+        self.cu_list = case.cu.tolist()
+
+    def forward(self, case, q, k, v):
+        from .baselines.torch_impls import sdpa_per_document
+
+        return sdpa_per_document(q, k, v, self.cu_list, case.scale)
+
+
+class CudnnFp8(Impl):
+    """Not autograd: forward and backward are separate graph calls."""
+
+    name = "cudnn_fp8"
+
+    def available(self, case):
+        if not torch.cuda.is_available():
+            return "no GPU"
+        if len(set(case.lengths)) != 1:
+            return "equal-length documents only (its Hopper backward rejects packed layouts)"
+        try:
+            import cudnn  # noqa: F401
+        except Exception:
+            return "cudnn-frontend not importable"
+        return None
+
+    def prepare(self, case):
+        from .baselines.cudnn_fp8 import CudnnFp8Attention
+
+        self.b, self.s = len(case.lengths), case.lengths[0]
+        self.att = CudnnFp8Attention(self.b, case.heads_q, case.heads_kv, self.s, case.head_dim, case.scale)
+
+    def _bshd(self, t):
+        return t.view(self.b, self.s, *t.shape[1:])
+
+    def run(self, case, q, k, v, do, mode):
+        o, desc, stats, saved = self.att.forward(self._bshd(q), self._bshd(k), self._bshd(v))
+        if mode == "fwd":
+            return (o.float() * desc).view(q.shape), None
+        dq, dk, dv = self.att.backward(self._bshd(do), o, desc, stats, saved)
+        return (o.float() * desc).view(q.shape), dq.view(q.shape)
+
+
+def _sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _time_calls(fn, n_sets, device, warmup=3, reps=15):
+    """Median ms of fn(i) over rotating sets i; CUDA events on GPU, perf_counter on CPU."""
+    for i in range(warmup):
+        fn(i % n_sets)
+    _sync(device)
+    times = []
+    for r in range(reps):
+        i = r % n_sets
+        if device.startswith("cuda"):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn(i)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn(i)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _prefix_reference(case: Case, q, k, v, do, prefix: int):
+    """fp32 O and dQ of the first `prefix` tokens of document 0, heads 0..1."""
+    from .reference import reference_attention
+
+    group = case.heads_q // case.heads_kv
+    hq = min(2, case.heads_q)
+    hk = max(1, hq // group)
+    sl = slice(0, prefix)
+    cu = torch.tensor([0, prefix], dtype=torch.int32, device=q.device)
+    ref = reference_attention(q[sl, :hq], k[sl, :hk], v[sl, :hk], cu, cu, case.scale, True, do[sl, :hq],
+                              dtype=torch.float32)
+    return ref["out"], ref["dq"], (sl, slice(0, hq))
+
+
+def bench_case(case: Case, impl: Impl, modes, reps: int) -> list[dict]:
+    why = impl.available(case)
+    if why:
+        return [{"impl": impl.name, "mode": m, "skipped": why} for m in modes]
+    impl.prepare(case)
+    n = len(case.sets)
+    dev = case.device
+    rows = []
+    prefix = min(case.lengths[0], 2048)
+    q0, k0, v0, do0 = case.sets[0]
+    ref_o, ref_dq, (sl, hs) = _prefix_reference(case, q0, k0, v0, do0, prefix)
+    if isinstance(impl, CudnnFp8):
+        def run(i, mode):
+            q, k, v, do = case.sets[i]
+            return impl.run(case, q, k, v, do, mode)
+        o, dq = run(0, "fwdbwd")
+        err_o, err_dq = rel_l2(o[sl, hs], ref_o), rel_l2(dq[sl, hs], ref_dq)
+        fwd_ms = _time_calls(lambda i: run(i, "fwd"), n, dev, reps=reps)
+        fb_ms = _time_calls(lambda i: run(i, "fwdbwd"), n, dev, reps=reps)
+        times = {"fwd": fwd_ms, "fwdbwd": fb_ms, "bwd": fb_ms - fwd_ms}
+        peak = _peak_mb(lambda: run(0, "fwdbwd"), dev)
+    else:
+        leaves = [tuple(t.detach().clone().requires_grad_(j < 3) for j, t in enumerate(s)) for s in case.sets]
+        q, k, v, do = leaves[0]
+        out = impl.forward(case, q, k, v)
+        (dq,) = torch.autograd.grad(out, (q,), do)
+        err_o, err_dq = rel_l2(out[sl, hs], ref_o), rel_l2(dq[sl, hs], ref_dq)
+        graphs = [impl.forward(case, *s[:3]) for s in leaves]
+
+        def fwd(i):
+            with torch.no_grad():
+                impl.forward(case, *leaves[i][:3])
+
+        def bwd(i):
+            torch.autograd.grad(graphs[i], leaves[i][:3], leaves[i][3], retain_graph=True)
+
+        def fwdbwd(i):
+            o = impl.forward(case, *leaves[i][:3])
+            torch.autograd.grad(o, leaves[i][:3], leaves[i][3])
+
+        times = {m: _time_calls({"fwd": fwd, "bwd": bwd, "fwdbwd": fwdbwd}[m], n, dev, reps=reps) for m in modes}
+        del graphs
+        peak = _peak_mb(lambda: fwdbwd(0), dev)
+    flops = causal_flops(case.lengths, case.heads_q, case.head_dim)
+    flops_b = causal_flops(case.lengths, case.heads_q, case.head_dim, backward=True)
+    per_mode = {"fwd": flops, "bwd": flops_b, "fwdbwd": flops + flops_b}
+    for m in modes:
+        rows.append({"impl": impl.name, "mode": m, "ms": round(times[m], 4),
+                     "tflops": round(per_mode[m] / (times[m] * 1e9), 1), "err_o": err_o, "err_dq": err_dq,
+                     "peak_mem_mb": peak})
+    return rows
+
+
+def _peak_mb(fn, dev):
+    if not dev.startswith("cuda"):
+        return float("nan")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+
+
+def default_impls(recipe: str, device: str) -> list[Impl]:
+    backend = "cute" if device.startswith("cuda") else "emulate"
+    return [Ours(recipe, backend), FA4(), CudnnFp8(), Flex(), SDPA()]
+
+
+def _progress(items):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(items, file=sys.stderr)
+    except ImportError:
+        total = len(items)
+        return (print(f"[{i + 1}/{total}] {it[0]} {it[1].name}", file=sys.stderr) or it for i, it in enumerate(items))
+
+
+def environment() -> dict:
+    env = {"timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "torch": torch.__version__}
+    env["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       cwd=pathlib.Path(__file__).parent).stdout.strip()
+    except OSError:
+        env["commit"] = "unknown"
+    for mod in ("cutlass", "flash_attn", "cudnn"):
+        try:
+            m = __import__(mod)
+            env[mod] = getattr(m, "__version__", "?")
+        except Exception:
+            env[mod] = None
+    return env
+
+
+def run_bench(workloads: dict, head_cfg: dict, impls, modes=MODES, reps=15, device="cuda") -> list[dict]:
+    rows = []
+    items = [(w, impl) for w in workloads for impl in impls]
+    cases = {}
+    for w, impl in _progress(items):
+        if w not in cases:
+            cases[w] = Case(w, workloads[w], head_cfg["heads_q"], head_cfg["heads_kv"], head_cfg["head_dim"],
+                            device).build()
+        try:
+            got = bench_case(cases[w], impl, modes, reps)
+        except Exception as e:  # a baseline that breaks is reported, not fatal
+            got = [{"impl": impl.name, "mode": m, "skipped": f"error: {type(e).__name__}: {e}"[:300]} for m in modes]
+        for r in got:
+            rows.append({"workload": w, **r})
+    return rows
+
+
+def summarize(rows, env, csv_path=None, png_path=None):
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    for k, v in env.items():
+        df[k] = v
+    if csv_path:
+        df.to_csv(csv_path, index=False)
+    ok = df[df.get("ms").notna()] if "ms" in df else df.iloc[0:0]
+    if len(ok):
+        table = ok.pivot_table(index=["workload", "mode"], columns="impl", values="ms")
+        print(table.round(3).to_string())
+        errs = ok.groupby("impl")[["err_o", "err_dq"]].max()
+        print("\nrelative L2 error vs fp32 (max over workloads):")
+        print(errs.to_string(float_format=lambda x: f"{x:.2e}"))
+        if png_path:
+            _plot(table, png_path)
+    skipped = df[df.get("skipped").notna()] if "skipped" in df else df.iloc[0:0]
+    for (impl, why), _ in skipped.groupby(["impl", "skipped"]):
+        print(f"skipped {impl}: {why}")
+    return df
+
+
+def _plot(table, png_path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot written", file=sys.stderr)
+        return
+    ours = [c for c in table.columns if c.startswith("flamia")]
+    base = [c for c in table.columns if not c.startswith("flamia")]
+    if not ours or not base:
+        return
+    fig, ax = plt.subplots(figsize=(9, 4))
+    best = table[base].min(axis=1)
+    for c in ours:
+        (best / table[c]).plot.bar(ax=ax, alpha=0.8, label=c)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_ylabel("speedup over the fastest baseline")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+
+
+def main_bench(args) -> int:
+    data = json.loads(pathlib.Path(args.workloads).read_text())
+    wl = data["workloads"]
+    if args.only:
+        missing = [w for w in args.only.split(",") if w not in wl]
+        if missing:
+            print(f"--only: unknown workloads {missing}; known: {sorted(wl)}", file=sys.stderr)
+            return 2
+        wl = {w: wl[w] for w in args.only.split(",")}
+    head_cfg = data.get("head_configs", {}).get(args.heads)
+    if head_cfg is None:
+        print(f"--heads: unknown head config {args.heads!r}; known: {sorted(data.get('head_configs', {}))}",
+              file=sys.stderr)
+        return 2
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    impls = default_impls(args.recipe, device)
+    if args.impls:
+        impls = [i for i in impls if any(i.name.startswith(p) for p in args.impls.split(","))]
+    rows = run_bench(wl, head_cfg, impls, tuple(args.modes.split(",")), args.reps, device)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"bench_{args.heads}"
+    summarize(rows, environment() | {"heads": args.heads}, out / f"{stem}.csv", out / f"{stem}.png")
+    print(f"\nwrote {out / (stem + '.csv')}")
+    return 0

@@ -1,0 +1,30 @@
+"""The benchmark harness's plumbing on the CPU (timings there mean nothing; columns and skips do)."""
+
+import json
+
+import pandas as pd
+
+from flamia_cute.cli import main
+
+
+def test_bench_runs_and_writes_csv(tmp_path, capsys):
+    wl = {"head_configs": {"tiny": {"heads_q": 2, "heads_kv": 1, "head_dim": 64}},
+          "workloads": {"two": [64, 64], "mix": [100, 1, 27]}}
+    path = tmp_path / "wl.json"
+    path.write_text(json.dumps(wl))
+    rc = main(["bench", "--workloads", str(path), "--heads", "tiny", "--reps", "2", "--device", "cpu",
+               "--impls", "flamia,sdpa,cudnn", "--out", str(tmp_path)])
+    assert rc == 0
+    df = pd.read_csv(tmp_path / "bench_tiny.csv")
+    timed = df[df["ms"].notna()]
+    assert set(timed["impl"]) == {"flamia_fp8_tokenblock[emulate]", "sdpa_per_doc"}
+    assert set(timed["mode"]) == {"fwd", "bwd", "fwdbwd"}
+    assert (timed["err_o"] < 0.1).all() and (timed["err_dq"] < 0.15).all()
+    assert df[df["impl"] == "cudnn_fp8"]["skipped"].notna().all()
+    for col in ("gpu", "torch", "commit", "timestamp"):
+        assert col in df.columns
+
+
+def test_bench_rejects_unknown_names(tmp_path, capsys):
+    assert main(["bench", "--heads", "nope", "--device", "cpu"]) == 2
+    assert "--heads" in capsys.readouterr().err
