@@ -1,0 +1,300 @@
+"""Compile cache for CuTe DSL kernels: in memory, then on disk.
+
+Key: sha256 over (kernel source files' bytes, DSL version, Python version, GPU name, target
+arch, config class and fields). Any edit of a kernel source file, a DSL upgrade or a config
+change gives a new key, so stale binaries are never loaded.
+
+Disk format (nvidia-cutlass-dsl 4.8.1): `JitCompiledFunction.export_to_c(dir, name,
+function_prefix)` writes a host object `name.o` that embeds the cubin plus a C header;
+`cutlass.cute.runtime.load_module(path)[prefix]` JIT-links the object back into a callable
+with the same call signature (~ms instead of ~1 s of tracing, MLIR lowering and ptxas).
+This path needs no tvm_ffi. Cache entries are written to a temp file and renamed into
+place under an exclusive flock, so concurrent processes never read a partial object.
+
+Environment:
+  FLAMIA_CUTE_CACHE_DIR    cache root (default ~/.cache/flamia_cute)
+  FLAMIA_CUTE_DISK_CACHE=0 disable the disk layer (the in-memory layer stays)
+  FLAMIA_ARCH              target arch (sm_90a, sm_100a, ...) when compiling without a GPU
+
+Exporting needs the DSL's import-time arch (CUTE_DSL_ARCH, else the detected GPU) to equal the
+compile arch; flamia_cute.quantize_sm90 sets CUTE_DSL_ARCH from FLAMIA_ARCH before importing
+cutlass. Otherwise the kernel is cached in memory only (see STATS.export_errors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_MEMORY: dict[str, Any] = {}
+_MODULES: dict[str, Any] = {}  # loaded ExternalBinaryModules, kept alive with their functions
+
+
+@dataclass
+class CacheStats:
+    memory_hits: int = 0
+    disk_hits: int = 0
+    compiles: int = 0
+    export_errors: list[str] = field(default_factory=list)
+
+
+STATS = CacheStats()
+
+# Compute capability -> arch string the DSL accepts; "a" targets use wgmma/tcgen05 features.
+_ARCH_BY_CC = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a", (12, 0): "sm_120a"}
+
+
+def dsl_version() -> str:
+    import cutlass
+
+    return str(getattr(cutlass, "__version__", "unknown"))
+
+
+def target_arch() -> str:
+    """FLAMIA_ARCH if set, else the arch of the current CUDA device."""
+    env = os.environ.get("FLAMIA_ARCH")
+    if env:
+        return env
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device: set FLAMIA_ARCH (e.g. sm_90a) to compile without a GPU")
+    cc = torch.cuda.get_device_capability()
+    return _ARCH_BY_CC.get(cc, f"sm_{cc[0]}{cc[1]}")
+
+
+def gpu_name() -> str:
+    """Name of the current GPU, or 'cross:<arch>' when FLAMIA_ARCH overrides detection."""
+    env = os.environ.get("FLAMIA_ARCH")
+    if env:
+        return f"cross:{env}"
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("FLAMIA_CUTE_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "flamia_cute"
+
+
+def disk_cache_enabled() -> bool:
+    return os.environ.get("FLAMIA_CUTE_DISK_CACHE", "1") != "0"
+
+
+def _config_fields(config: Any) -> tuple:
+    if dataclasses.is_dataclass(config):
+        return tuple((f.name, repr(getattr(config, f.name))) for f in dataclasses.fields(config))
+    return (repr(config),)
+
+
+def cache_key(kernel_source_files: Iterable[str | Path], config: Any, arch: str) -> str:
+    h = hashlib.sha256()
+    for path in sorted(Path(p).resolve() for p in kernel_source_files):
+        data = path.read_bytes()
+        h.update(path.name.encode())
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    parts = (
+        f"dsl={dsl_version()}",
+        f"py={sys.version_info.major}.{sys.version_info.minor}",
+        f"gpu={gpu_name()}",
+        f"arch={arch}",
+        f"config={type(config).__module__}.{type(config).__qualname__}",
+        repr(_config_fields(config)),
+    )
+    for p in parts:
+        h.update(b"\0" + p.encode())
+    return h.hexdigest()
+
+
+def dsl_default_arch() -> str | None:
+    """The arch the DSL fixed at import (CUTE_DSL_ARCH or the detected GPU)."""
+    try:
+        from cutlass.base_dsl.dsl import BaseDSL
+
+        return BaseDSL._get_dsl().envar.arch
+    except Exception:
+        return None
+
+
+def _symbol_prefix(key: str) -> str:
+    return f"flamia_{key[:24]}"  # a C identifier, unique per key
+
+
+class _FileLock:
+    def __init__(self, path: Path, exclusive: bool):
+        self.path, self.exclusive, self.fd = path, exclusive, -1
+
+    def __enter__(self):
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX if self.exclusive else fcntl.LOCK_SH)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _load(obj_path: Path, key: str):
+    import cutlass.cute as cute
+
+    module = cute.runtime.load_module(str(obj_path))
+    fn = module[_symbol_prefix(key)]
+    _MODULES[key] = module
+    return fn
+
+
+def compile_cached(
+    kernel_source_files: Iterable[str | Path],
+    config: Any,
+    arch: str,
+    build_fn: Callable[[Any, str], Any],
+) -> Any:
+    """The compiled kernel for (sources, config, arch): memory, else disk, else build_fn(config, arch).
+
+    build_fn must return a `cute.compile` result for `arch`. A second process with the same key
+    loads the exported object instead of compiling.
+    """
+    key = cache_key(kernel_source_files, config, arch)
+    fn = _MEMORY.get(key)
+    if fn is not None:
+        STATS.memory_hits += 1
+        return fn
+    if not disk_cache_enabled():
+        fn = build_fn(config, arch)
+        STATS.compiles += 1
+        _MEMORY[key] = fn
+        return fn
+
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    obj = root / f"{key}.o"
+    lock = root / f"{key}.lock"
+    with _FileLock(lock, exclusive=True):
+        if obj.exists():
+            try:
+                fn = _load(obj, key)
+                STATS.disk_hits += 1
+            except Exception:  # truncated or foreign object: rebuild it
+                obj.unlink(missing_ok=True)
+                fn = None
+        if fn is None:
+            fn = build_fn(config, arch)
+            STATS.compiles += 1
+            default = dsl_default_arch()
+            if default is not None and default != arch:
+                # export_to_c of a kernel built for another arch than the DSL's import-time
+                # default fails in 4.8.1 (unresolved cudart symbols in the PIC dump)
+                STATS.export_errors.append(f"not exported: DSL default arch {default} != {arch}")
+                _MEMORY[key] = fn
+                return fn
+            try:
+                with tempfile.TemporaryDirectory(dir=root) as tmp:
+                    fn.export_to_c(tmp, "kernel", function_prefix=_symbol_prefix(key))
+                    os.replace(Path(tmp) / "kernel.o", obj)
+            except Exception as e:  # keep the in-memory kernel; the next process recompiles
+                STATS.export_errors.append(f"{type(e).__name__}: {e}")
+    _MEMORY[key] = fn
+    return fn
+
+
+def clear_memory_cache() -> None:
+    _MEMORY.clear()
+    _MODULES.clear()
+
+
+# ----------------------------------------------------------------------------------------------
+# Artifacts for tests and `flamia-cute ptx`
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class KernelArtifacts:
+    arch: str
+    ptx: str
+    cubin: bytes | None
+    sass: str | None  # None when no nvdisasm is available
+    registers: int | None
+    frame_bytes: int | None  # per-thread local memory (stack); > 0 usually means spills
+
+
+def find_nvdisasm() -> str | None:
+    try:
+        from cutlass.base_dsl.env_manager import _find_nvdisasm_binary
+
+        path = _find_nvdisasm_binary()
+        if path:
+            return path
+    except Exception:
+        pass
+    return shutil.which("nvdisasm")
+
+
+def disassemble(cubin: bytes) -> str | None:
+    tool = find_nvdisasm()
+    if tool is None:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([tool, "-c", f.name], capture_output=True, text=True)
+    return res.stdout if res.returncode == 0 else None
+
+
+def cubin_resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers, frame bytes) of the (single) kernel, read from the cubin's .nv.info attributes."""
+    import struct
+
+    regs = frame = None
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    stroff = headers[shstrndx][4]
+    for hdr in headers:
+        name = cubin[stroff + hdr[0] : cubin.index(b"\0", stroff + hdr[0])]
+        if not name.startswith(b".nv.info"):
+            continue
+        p, end = hdr[4], hdr[4] + hdr[5]
+        while p < end:
+            fmt, attr = cubin[p], cubin[p + 1]
+            if fmt == 0x04:  # EIFMT_SVAL: u16 size + payload
+                size = struct.unpack_from("<H", cubin, p + 2)[0]
+                if size == 8 and attr == 0x2F:  # EIATTR_REGCOUNT (symbol, value)
+                    regs = struct.unpack_from("<II", cubin, p + 4)[1]
+                elif size == 8 and attr == 0x12:  # EIATTR_FRAME_SIZE
+                    frame = struct.unpack_from("<II", cubin, p + 4)[1]
+                p += 4 + size
+            elif fmt == 0x03:  # EIFMT_HVAL
+                p += 4
+            elif fmt == 0x02:  # EIFMT_BVAL
+                p += 4
+            elif fmt == 0x01:  # EIFMT_NVAL
+                p += 2
+            else:
+                break
+    return regs, frame
+
+
+def compile_artifacts(build_fn: Callable[[Any, str, str], Any], config: Any, arch: str) -> KernelArtifacts:
+    """Compile for `arch` (no GPU needed) keeping PTX and cubin; disassemble when nvdisasm exists.
+
+    build_fn(config, arch, extra_options) -> cute.compile result.
+    """
+    compiled = build_fn(config, arch, "--keep-ptx --keep-cubin")
+    cubin = compiled.__cubin__
+    if isinstance(cubin, str):
+        cubin = cubin.encode("latin-1")
+    regs, frame = cubin_resource_usage(cubin) if cubin else (None, None)
+    sass = disassemble(cubin) if cubin else None
+    return KernelArtifacts(arch, compiled.__ptx__, cubin, sass, regs, frame)
