@@ -156,9 +156,7 @@ def _pow2_scale_bits(amax_bits):
     k = Int32(cutlass.min(k, Int32(127)))
     scale = (k + 127) << 23
     inv = (127 - k) << 23
-    is_zero = amax_bits == 0
-    scale = _select(is_zero, Int32(0x3F800000), scale)
-    inv = _select(is_zero, Int32(0x3F800000), inv)
+    # amax == 0 falls out as the smallest scale 2**-126: finite, and never the max of a scale fold
     non_finite = biased == 255
     scale = _select(non_finite, Int32(0x7FC00000), scale)
     inv = _select(non_finite, Int32(0x7FC00000), inv)

@@ -55,8 +55,11 @@ def pow2_scale_from_amax_bits(amax_bits: torch.Tensor, fmt: FloatFormat) -> torc
 
     Exact integer rule on the bits of amax (= 1.M * 2**e): fmt.max_value is
     1.75 * 2**8 for e4m3 and 1.75 * 2**15 for e5m2, so k = e - emax when
-    1.M <= 1.75, else e - emax + 1. amax == 0 gives scale 1; a non-finite
-    amax gives a NaN scale (documented: a non-finite input poisons its block).
+    1.M <= 1.75, else e - emax + 1, clamped to [2**-126, 2**127]. amax == 0
+    gives the smallest scale 2**-126: finite, and never the largest scale of
+    a tile, so an all-zero token (the last token of every document has a zero
+    dO row) cannot dominate a scale fold. A non-finite amax gives a NaN scale
+    (documented: a non-finite input poisons its block).
     """
     if fmt.name not in ("e4m3", "e5m2"):
         raise ValueError(f"pow2 scale rule is defined for e4m3/e5m2, not {fmt.name}")
@@ -68,7 +71,6 @@ def pow2_scale_from_amax_bits(amax_bits: torch.Tensor, fmt: FloatFormat) -> torc
     k = k.clamp(SCALE_EXP_MIN, SCALE_EXP_MAX)
     scale_bits = (k + 127) << 23
     scale = scale_bits.view(torch.float32).clone()
-    scale = torch.where(bits == 0, torch.ones_like(scale), scale)
     scale = torch.where(biased == 255, torch.full_like(scale, float("nan")), scale)
     return scale
 

@@ -21,7 +21,7 @@ def test_pow2_scale_is_smallest_power_of_two_that_fits():
 
 def test_pow2_scale_edge_cases():
     s = pow2_scale(torch.tensor([0.0, float("inf"), float("nan"), 1e-40]), E4M3)
-    assert s[0] == 1.0  # all-zero block: finite, nonzero
+    assert s[0] == 2.0**-126  # all-zero block: finite, nonzero, the smallest scale
     assert math.isnan(s[1]) and math.isnan(s[2])  # non-finite poisons its block only
     assert s[3] == 2.0**-126  # subnormal amax: clamped, finite
     assert pow2_scale(torch.tensor([57344.0]), E5M2)[0] == 1.0
@@ -47,7 +47,7 @@ def test_zero_block_and_nan_block():
     x[0:8] = 0
     x[12, 0, 5] = float("nan")
     qt = quantize_thd(x, cu_seqlens_from_lengths([8, 12]), 4)
-    assert torch.all(qt.scale[0, :8] == 1.0) and not qt.data_td[:8].float().any()
+    assert torch.all(qt.scale[0, :8] == 2.0**-126) and not qt.data_td[:8].float().any()
     nan_scale = torch.isnan(qt.scale[0])
     assert nan_scale.tolist() == [False] * 8 + [False] * 4 + [True] * 4 + [False] * 4  # only block [12, 16)
 

@@ -332,13 +332,14 @@ def test_empty_and_single_token_inputs():
 
 @gpu
 @needs_sm90
-def test_all_zero_blocks_get_scale_one():
+def test_all_zero_blocks_get_the_smallest_scale():
     x, cu = _input([300, 5], 2, 128)
     x[:128] = 0
     x[300:, 1] = 0
     out0, out1 = _check(x, cu, 128, True)
-    assert torch.all(out0.scale[:, :128] == 1.0) and torch.all(out0.scale[1, 300:] == 1.0)
-    assert torch.all(out1.scale[:, :128] == 1.0)
+    tiny = 2.0**-126
+    assert torch.all(out0.scale[:, :128] == tiny) and torch.all(out0.scale[1, 300:] == tiny)
+    assert torch.all(out1.scale[:, :128] == tiny)
 
 
 @gpu
