@@ -1,11 +1,21 @@
 """Scale layouts and quantization (installed as flamia_cute.quant)."""
 
 from .formats import BF16, E2M1, E4M3, E5M2, FloatFormat, cast_to, format_by_name, pow2_scale
-from .quantize import TOKEN_PAD, QuantizedTHD, quantize_per_tensor, quantize_thd, round_up, token_block_ids
+from .quantize import (
+    DT_DOC_ALIGN,
+    TOKEN_PAD,
+    QuantizedTHD,
+    dt_cu_seqlens,
+    quantize_per_tensor,
+    quantize_thd,
+    round_up,
+    token_block_ids,
+    transposed_tokens,
+)
 
 __all__ = [
     "BF16", "E2M1", "E4M3", "E5M2", "FloatFormat", "cast_to", "format_by_name", "pow2_scale",
-    "TOKEN_PAD", "QuantizedTHD", "quantize_per_tensor", "quantize_thd", "round_up", "token_block_ids",
+    "DT_DOC_ALIGN", "TOKEN_PAD", "dt_cu_seqlens", "transposed_tokens", "QuantizedTHD", "quantize_per_tensor", "quantize_thd", "round_up", "token_block_ids",
 ]
 
 from .microscaling import mx_quantize, mx_quantize_2d, nvfp4_quantize  # noqa: E402

@@ -3,8 +3,12 @@ that the fused-quantization kernels must reproduce.
 
 Layouts (T tokens, H heads, D head dim):
 - data_td: (T, H, D) float8, token-major (K-major for products reducing over D);
-- data_dt: (H, D, T_pad) float8, head-dim-major with tokens contiguous (K-major
-  for products reducing over tokens); T_pad = round_up(T, TOKEN_PAD), pad = 0;
+- data_dt: (H, D, T_dt) float8, head-dim-major with tokens contiguous (K-major
+  for products reducing over tokens). Every document starts at a multiple of
+  DT_DOC_ALIGN tokens (dt_cu_seqlens), because TMA needs 16-byte aligned
+  coordinates on the contiguous axis; T_dt = transposed_tokens(T, num_docs), an
+  upper bound known from shapes alone (no host sync). Columns that hold no token
+  are 0;
 - scale:   (H, T) fp32, every token holding the scale of its block, so a kernel
   reads the scales of a tile as one contiguous vector.
 
@@ -24,6 +28,24 @@ from .formats import E4M3, FloatFormat, abs_bits, cast_to, pow2_scale_from_amax_
 # Tokens of the transposed copy are padded to this multiple: TMA needs 16-byte
 # aligned strides, and kernels load whole 128-token tiles.
 TOKEN_PAD = 128
+# Each document's first column in data_dt is a multiple of this: a TMA box on the
+# contiguous axis must start 16-byte aligned (seen on the H200: unaligned starts
+# fault with an illegal instruction).
+DT_DOC_ALIGN = 16
+
+
+def transposed_tokens(total_tokens: int, num_docs: int) -> int:
+    """Columns of data_dt: room for every document rounded up to DT_DOC_ALIGN, then to TOKEN_PAD."""
+    return round_up(max(total_tokens + (DT_DOC_ALIGN - 1) * num_docs, 1), TOKEN_PAD)
+
+
+def dt_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Start column of every document in data_dt (int32 prefix sums of lengths rounded up to DT_DOC_ALIGN)."""
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    padded = (lens + DT_DOC_ALIGN - 1) // DT_DOC_ALIGN * DT_DOC_ALIGN
+    out = torch.zeros(cu_seqlens.numel(), dtype=torch.int64, device=cu_seqlens.device)
+    out[1:] = torch.cumsum(padded, 0)
+    return out.to(torch.int32)
 
 
 def round_up(n: int, m: int) -> int:
@@ -35,7 +57,7 @@ class QuantizedTHD:
     """FP8 data of one operand in both orientations plus its one set of scales."""
 
     data_td: torch.Tensor  # (T, H, D) float8
-    data_dt: torch.Tensor | None  # (H, D, T_pad) float8, or None if not requested
+    data_dt: torch.Tensor | None  # (H, D, T_dt) float8, documents at dt_cu_seqlens; None if not requested
     scale: torch.Tensor  # (H, T) fp32, power of two
     block_tokens: int
     fmt_name: str
@@ -91,15 +113,20 @@ def quantize_thd(
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
     scale = pow2_scale_from_amax_bits(block_amax_bits(x, cu_seqlens, block_tokens), fmt)
     data_td = quantize_with_scale(x, scale, fmt)
-    data_dt = transpose_tokens(data_td) if transposed else None
+    data_dt = transpose_tokens(data_td, cu_seqlens) if transposed else None
     return QuantizedTHD(data_td, data_dt, scale, block_tokens, fmt.name)
 
 
-def transpose_tokens(data_td: torch.Tensor) -> torch.Tensor:
-    """(T, H, D) -> (H, D, T_pad), tokens contiguous, zero pad."""
+def transpose_tokens(data_td: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """(T, H, D) -> (H, D, T_dt): tokens contiguous, each document starting at its dt_cu_seqlens column."""
     T, H, D = data_td.shape
-    out = torch.zeros(H, D, round_up(max(T, 1), TOKEN_PAD), dtype=data_td.dtype, device=data_td.device)
-    out[:, :, :T] = data_td.permute(1, 2, 0)
+    num_docs = cu_seqlens.numel() - 1
+    out = torch.zeros(H, D, transposed_tokens(T, num_docs), dtype=data_td.dtype, device=data_td.device)
+    cu = cu_seqlens.to(torch.int64)
+    tok = torch.arange(T, device=data_td.device)
+    doc = torch.searchsorted(cu[1:], tok, right=True)
+    col = dt_cu_seqlens(cu_seqlens).to(torch.int64)[doc] + tok - cu[doc]
+    out[:, :, col] = data_td.permute(1, 2, 0)
     return out
 
 

@@ -7,7 +7,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flamia_cute.quant import E4M3, E5M2, TOKEN_PAD, pow2_scale, quantize_thd, token_block_ids
+from flamia_cute.quant import (
+    E4M3,
+    E5M2,
+    TOKEN_PAD,
+    dt_cu_seqlens,
+    pow2_scale,
+    quantize_thd,
+    token_block_ids,
+    transposed_tokens,
+)
 from flamia_cute.testing import cu_seqlens_from_lengths
 
 
@@ -35,11 +44,20 @@ def test_blocks_are_document_local():
 
 
 def test_transposed_copy_matches_and_pads_with_zero():
-    x = torch.randn(130, 3, 64).bfloat16()
-    qt = quantize_thd(x, cu_seqlens_from_lengths([100, 30]), 128)
-    assert qt.data_dt.shape == (3, 64, 2 * TOKEN_PAD // 1 if 130 > TOKEN_PAD else TOKEN_PAD)
-    assert torch.equal(qt.data_dt[:, :, :130].view(torch.uint8), qt.data_td.permute(1, 2, 0).view(torch.uint8))
-    assert not qt.data_dt[:, :, 130:].view(torch.uint8).any()
+    x = torch.randn(136, 3, 64).bfloat16()
+    lengths = [100, 0, 1, 35]
+    cu = cu_seqlens_from_lengths(lengths)
+    qt = quantize_thd(x, cu, 128)
+    starts = dt_cu_seqlens(cu).tolist()
+    assert starts == [0, 112, 112, 128, 176]  # every document starts 16-aligned
+    assert qt.data_dt.shape == (3, 64, transposed_tokens(136, 4)) and qt.data_dt.shape[2] % TOKEN_PAD == 0
+    dt = qt.data_dt.view(torch.uint8)
+    written = torch.zeros(dt.shape[2], dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        s, c = int(cu[b]), starts[b]
+        assert torch.equal(dt[:, :, c : c + n], qt.data_td[s : s + n].permute(1, 2, 0).view(torch.uint8))
+        written[c : c + n] = True
+    assert not dt[:, :, ~written].any()  # pad columns are zero
 
 
 def test_zero_block_and_nan_block():

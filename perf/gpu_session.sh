@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Everything one device-tool call runs, by stage: bash perf/gpu_session.sh STAGE...
+# Stages: setup, quant-tests, quant-bench, fwd-tests, gpu-tests, bench-smoke, bench, demo.
+# Logs go to $OUT (at most 8 files come back).
+set -uo pipefail
+OUT=${OUT:-/tmp/flamia-out}
+mkdir -p "$OUT"
+. /root/gpu-bundle/env.sh
+export FLAMIA_CUTE_CACHE_DIR=/tmp/flamia_cache PYTHONUNBUFFERED=1
+if ! python3 -c "import flamia_cute.quant" 2>/dev/null; then
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || {
+    echo "editable install failed; linking sub-packages instead" | tee -a "$OUT/pip.log"
+    ln -sfn ../quant flamia_cute/quant && ln -sfn ../schedules flamia_cute/schedules
+    export PYTHONPATH=$PWD:$PYTHONPATH
+  }
+fi
+run() { local name=$1 limit=$2; shift 2; echo "=== $name" | tee -a "$OUT/session.log"
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -40; echo "=== $name rc=${PIPESTATUS[0]}" | tee -a "$OUT/session.log"; }
+for stage in "$@"; do
+  case $stage in
+    setup) nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used --format=csv | tee "$OUT/env.txt"
+           python3 -c "import torch, cutlass; print(torch.__version__, cutlass.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/env.txt" ;;
+    quant-tests) run quant_tests 300 python3 -m pytest -q -x -m gpu tests/test_quantize_kernel.py ;;
+    quant-bench) run quant_bench 240 env OUT="$OUT" python3 perf/bench_quantize.py ;;
+    fwd-tests) run fwd_tests 300 python3 -m pytest -q -x -m gpu tests/test_attention_fwd_kernel.py ;;
+    gpu-tests) run gpu_tests 420 python3 -m pytest -q -m gpu ;;
+    bench-smoke) run bench_smoke 240 python3 -m flamia_cute.cli bench --only 1x16k,16x1k --modes fwd,fwdbwd \
+                   --reps 10 --out "$OUT" ;;
+    bench) run bench 540 python3 -m flamia_cute.cli bench --modes fwd,bwd,fwdbwd --out "$OUT" ;;
+    demo) run demo 240 python3 -m flamia_cute ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
