@@ -15,7 +15,8 @@ from .quantize import (
 
 __all__ = [
     "BF16", "E2M1", "E4M3", "E5M2", "FloatFormat", "cast_to", "format_by_name", "pow2_scale",
-    "DT_DOC_ALIGN", "TOKEN_PAD", "dt_cu_seqlens", "transposed_tokens", "QuantizedTHD", "quantize_per_tensor", "quantize_thd", "round_up", "token_block_ids",
+    "DT_DOC_ALIGN", "TOKEN_PAD", "dt_cu_seqlens", "transposed_tokens", "QuantizedTHD",
+    "quantize_per_tensor", "quantize_thd", "round_up", "token_block_ids",
 ]
 
 from .microscaling import mx_quantize, mx_quantize_2d, nvfp4_quantize  # noqa: E402
