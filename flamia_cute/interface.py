@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .cute_backend import CuteAttention, cute_attention_available, kernel_block_tokens, unsupported_reason
 from .emulator import EmulatorContext, default_softmax_scale, emulate_backward, emulate_forward
 from .recipes import DEFAULT_RECIPE, Recipe, resolve_recipe
 from .validation import check_attention_inputs
@@ -11,21 +12,16 @@ from .validation import check_attention_inputs
 BACKENDS = ("auto", "emulate", "cute")
 
 
-def cute_attention_available(device: torch.device) -> bool:
-    """The CuTe DSL attention kernels run on sm_90 GPUs (they are not built yet: issue 4)."""
-    return False
-
-
-def pick_backend(backend: str, device: torch.device) -> str:
+def pick_backend(backend: str, device: torch.device, why_not_cute: str | None = None) -> str:
+    """'auto' takes the kernels where they exist for this call; 'cute' insists and says why it cannot."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not cute_attention_available(device):
+        why_not_cute = f"the sm_90a kernels need an sm_90 GPU and the CuTe DSL (device {device})"
     if backend == "auto":
-        return "cute" if cute_attention_available(device) else "emulate"
-    if backend == "cute" and not cute_attention_available(device):
-        raise NotImplementedError(
-            "backend='cute': the sm_90a FP8 attention kernels are not available in this build "
-            f"(device {device}); use backend='emulate' or 'auto'"
-        )
+        return "emulate" if why_not_cute else "cute"
+    if backend == "cute" and why_not_cute:
+        raise NotImplementedError(f"backend='cute': {why_not_cute}; use backend='emulate' or 'auto'")
     return backend
 
 
@@ -74,7 +70,11 @@ def flamia_attn_varlen_func(
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     rec = resolve_recipe(recipe)
     scale = float(softmax_scale) if softmax_scale is not None else default_softmax_scale(q.shape[-1])
-    chosen = pick_backend(backend, q.device)
-    assert chosen == "emulate"  # pick_backend raises for anything not built
-    out, lse = _EmulatedAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, rec)
+    why_not = None
+    if backend != "emulate" and cute_attention_available(q.device):
+        why_not = unsupported_reason(rec, causal, q, k, cu_seqlens_q, cu_seqlens_k)
+    if pick_backend(backend, q.device, why_not) == "cute":
+        out, lse = CuteAttention.apply(q, k, v, cu_seqlens_q, max_seqlen_q, scale, rec, kernel_block_tokens(rec))
+    else:
+        out, lse = _EmulatedAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, rec)
     return (out, lse) if return_lse else out

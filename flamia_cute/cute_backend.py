@@ -1,0 +1,106 @@
+"""The GPU path of flamia_attn_varlen_func on sm_90a: fused quantization + the FP8 forward kernel.
+
+The autograd context keeps the FP8 operands and scales the forward used (never
+the bf16 inputs). Until the sm_90a backward kernel lands, the backward runs the
+emulator's backward on the GPU from exactly those saved operands, so forward
+and backward stay consistent.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .recipes import NAMED_RECIPES, Recipe
+
+# Recipes the sm_90a kernels implement, with the token-block size of K and V.
+KERNEL_RECIPES = {"fp8_token": 1, "fp8_tokenblock": 128}
+
+
+@functools.cache
+def _dsl_importable() -> bool:
+    try:
+        import cutlass  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def cute_attention_available(device: torch.device) -> bool:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0) and _dsl_importable()
+
+
+def kernel_block_tokens(recipe: Recipe) -> int | None:
+    """K/V token-block size if the sm_90a kernels implement this recipe, else None."""
+    for name, block in KERNEL_RECIPES.items():
+        if recipe == NAMED_RECIPES[name]:
+            return block
+    return None
+
+
+def unsupported_reason(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | None:
+    if kernel_block_tokens(recipe) is None:
+        return f"recipe {recipe.name!r} has no sm_90a kernel (kernels: {sorted(KERNEL_RECIPES)})"
+    if not causal:
+        return "causal=False has no sm_90a kernel"
+    if q.shape[0] != k.shape[0] or not (cu_q is cu_k or torch.equal(cu_q, cu_k)):
+        return "the sm_90a kernel is self-attention only (cu_seqlens_q == cu_seqlens_k)"
+    if q.shape[-1] not in (64, 128):
+        return f"head_dim {q.shape[-1]} has no sm_90a forward kernel (64, 128)"
+    return None
+
+
+def quantize_operands(q, k, v, cu, block: int):
+    """One fused pass per operand: Q per token; K, V per block plus the per-token diagonal copies."""
+    from .quantize_sm90 import QuantizeConfig, fused_quantize_sm90
+
+    def run(x, block_tokens, token_copy):
+        cfg = QuantizeConfig(head_dim=x.shape[2], num_heads=x.shape[1], block_tokens=block_tokens,
+                             emit_token_copy=token_copy)
+        return fused_quantize_sm90(x.contiguous(), cu, cfg)
+
+    qq, _ = run(q, 1, False)
+    kq, kt = run(k, block, block > 1)
+    vq, vt = run(v, block, block > 1)
+    return qq, (kq, kt), (vq, vt)
+
+
+def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block):
+    """Quantize + forward kernel. Returns (out bf16, lse (H, T) fp32, saved quantized operands)."""
+    from .attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
+    from .quant import dt_cu_seqlens
+
+    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block)
+    cfg = FwdConfig(head_dim=q.shape[2], qhead_per_kvhead=q.shape[1] // k.shape[1], diagonal_copy=block > 1)
+    out, lse = flamia_fwd_sm90(
+        qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale,
+        kt.data_td if kt else None, kt.scale if kt else None, vt.data_dt if vt else None, vt.scale if vt else None,
+        cu, max_seqlen, softmax_scale, cfg, dt_cu_seqlens=dt_cu_seqlens(cu),
+    )
+    return out, lse, (qq, (kq, kt), (vq, vt))
+
+
+class CuteAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, q, k, v, cu, max_seqlen, softmax_scale, recipe, block):
+        out, lse, saved = forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block)
+        fctx.saved = saved
+        fctx.meta = (cu, softmax_scale, recipe, q.dtype)
+        fctx.save_for_backward(out, lse)
+        fctx.mark_non_differentiable(lse)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(fctx, dout, _dlse):
+        from .emulator import EmulatorContext, emulate_backward, operand_from_quantized
+
+        out, lse = fctx.saved_tensors
+        cu, scale, recipe, dt = fctx.meta
+        qq, (kq, kt), (vq, vt) = fctx.saved
+        ectx = EmulatorContext(recipe, scale, True, cu, cu, operand_from_quantized(qq),
+                               operand_from_quantized(kq, kt), operand_from_quantized(vq, vt), out, lse)
+        dq, dk, dv = emulate_backward(dout.contiguous(), ectx)
+        return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None

@@ -1,0 +1,74 @@
+"""Routing of flamia_attn_varlen_func to the sm_90a kernels, and the kernel path end to end on the GPU."""
+
+import pytest
+import torch
+
+from flamia_cute import NAMED_RECIPES, flamia_attn_varlen_func
+from flamia_cute.cute_backend import kernel_block_tokens, unsupported_reason
+from flamia_cute.interface import pick_backend
+from flamia_cute.testing import attention_fn_for, check_leakage, make_inputs, rel_l2
+
+
+def test_kernel_recipes_and_reasons():
+    assert kernel_block_tokens(NAMED_RECIPES["fp8_tokenblock"]) == 128
+    assert kernel_block_tokens(NAMED_RECIPES["fp8_token"]) == 1
+    assert kernel_block_tokens(NAMED_RECIPES["mxfp8"]) is None
+    q, k, v, _, cu, _ = make_inputs([5, 7], 2, 2, 128)
+    assert unsupported_reason(NAMED_RECIPES["fp8_tokenblock"], True, q, k, cu, cu) is None
+    assert "mxfp8" in unsupported_reason(NAMED_RECIPES["mxfp8"], True, q, k, cu, cu)
+    assert "causal" in unsupported_reason(NAMED_RECIPES["fp8_token"], False, q, k, cu, cu)
+    other = torch.tensor([0, 6, 12], dtype=torch.int32)
+    assert "self-attention" in unsupported_reason(NAMED_RECIPES["fp8_token"], True, q, k, cu, other)
+
+
+def test_auto_falls_back_to_the_emulator_without_a_gpu():
+    assert pick_backend("auto", torch.device("cpu")) == "emulate"
+    with pytest.raises(NotImplementedError, match="sm_90"):
+        pick_backend("cute", torch.device("cpu"))
+    assert pick_backend("auto", torch.device("cpu"), "some reason") == "emulate"
+
+
+LENGTHS = [1000, 1, 0, 517, 4096, 33, 129]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 1)])
+def test_kernel_path_matches_emulator(recipe, heads):
+    q, k, v, do, cu, scale = make_inputs(LENGTHS, *heads, 128, device="cuda", seed=2)
+    got = attention_fn_for(recipe, scale, backend="cute")(q, k, v, cu, do)
+    ref = attention_fn_for(recipe, scale, backend="emulate")(q, k, v, cu, do)
+    # forward: fp32-accumulation-order noise and Hopper's reduced-precision FP8 accumulation (see the
+    # forward kernel's tests for the derivation); backward: the emulator from the kernel's own operands
+    assert rel_l2(got["out"], ref["out"]) < 8e-3
+    for name in ("dq", "dk", "dv"):
+        assert rel_l2(got[name], ref[name]) < 2e-2, name
+
+
+@pytest.mark.gpu
+def test_auto_routes_to_the_kernels_on_sm90(monkeypatch):
+    import flamia_cute.cute_backend as cb
+
+    calls = []
+    real = cb.forward_kernels
+    monkeypatch.setattr(cb, "forward_kernels", lambda *a: calls.append(1) or real(*a))
+    q, k, v, _, cu, scale = make_inputs([300, 44], 2, 2, 128, device="cuda")
+    flamia_attn_varlen_func(q, k, v, cu, cu, 300, 300)
+    assert calls, "backend='auto' did not use the sm_90a kernels"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token"])
+def test_kernel_path_is_leak_free(recipe):
+    q, k, v, do, cu, scale = make_inputs(LENGTHS, 2, 2, 128, device="cuda", seed=4)
+    for cut in (None, 128, 129, 1001):
+        rep = check_leakage(attention_fn_for(recipe, scale, backend="cute"), q, k, v, cu, do, doc=4, cut=cut)
+        assert rep.ok, str(rep)
+
+
+@pytest.mark.gpu
+def test_leaky_control_fails_on_the_gpu_path():
+    """The same check run on the leaky recipe's GPU path (emulated on the GPU) must fail."""
+    q, k, v, do, cu, scale = make_inputs(LENGTHS, 2, 2, 128, device="cuda", seed=4)
+    rep = check_leakage(attention_fn_for("fp8_tensor_current", scale, backend="auto"), q, k, v, cu, do, doc=4)
+    assert not rep.ok
