@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 
 
@@ -31,6 +32,54 @@ def cmd_bench(args) -> int:
     return main_bench(args)
 
 
+def cmd_ptx(args) -> int:
+    from .kernels import KERNELS, set_target_arch, summarize
+
+    if args.list:
+        for k in KERNELS.values():
+            print(f"{k.name:10s} arches {', '.join(k.arches):10s} configs: {', '.join(k.configs)}")
+        return 0
+    names = list(KERNELS) if args.all else [args.kernel]
+    if names == [None]:
+        print("ptx: name a KERNEL, or use --all / --list", file=sys.stderr)
+        return 2
+    for n in names:
+        if n not in KERNELS:
+            print(f"ptx: unknown kernel {n!r}; kernels: {sorted(KERNELS)}", file=sys.stderr)
+            return 2
+        if args.arch not in KERNELS[n].arches:
+            print(f"ptx: kernel {n!r} exists for {KERNELS[n].arches}, not {args.arch}", file=sys.stderr)
+            return 2
+    overrides = {}
+    for kv in args.set:
+        key, _, val = kv.partition("=")
+        overrides[key] = json.loads(val) if val not in ("True", "False") else val == "True"
+    set_target_arch(args.arch)
+    out_dir = pathlib.Path(args.out) if args.out else None
+    for n in names:
+        entry = KERNELS[n]
+        cfg_names = list(entry.configs) if args.all else [args.config or next(iter(entry.configs))]
+        for cname in cfg_names:
+            try:
+                cfg = entry.config(cname, overrides)
+            except ValueError as e:
+                print(f"ptx: {e}", file=sys.stderr)
+                return 2
+            art = entry.artifacts(cfg, args.arch)
+            print(f"== {n} [{cname}] {args.arch}: {cfg}")
+            for key, val in summarize(art).items():
+                print(f"   {key:28s} {val}")
+            if out_dir:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                stem = out_dir / f"{n}_{cname}_{args.arch}"
+                stem.with_suffix(".ptx").write_text(art.ptx)
+                if art.cubin:
+                    stem.with_suffix(".cubin").write_bytes(art.cubin)
+                if art.sass:
+                    stem.with_suffix(".sass").write_text(art.sass)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flamia-cute", description="FP8 attention kernels for training (CuTe DSL)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -50,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="")
     b.add_argument("--out", default="perf/out")
     b.set_defaults(func=cmd_bench)
+    x = sub.add_parser("ptx", help="compile a kernel for an arch (no GPU needed) and summarize its PTX/SASS")
+    x.add_argument("kernel", nargs="?", help="kernel name (see --list)")
+    x.add_argument("--arch", default="sm_90a")
+    x.add_argument("--config", default="", help="named config (see --list); default: the first")
+    x.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a config field")
+    x.add_argument("--out", default="", help="write PTX, cubin and SASS here")
+    x.add_argument("--list", action="store_true", help="list kernels and configs")
+    x.add_argument("--all", action="store_true", help="every kernel and config")
+    x.set_defaults(func=cmd_ptx)
     return p
 
 
