@@ -108,6 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--list", action="store_true", help="list kernels and configs")
     x.add_argument("--all", action="store_true", help="every kernel and config")
     x.set_defaults(func=cmd_ptx)
+    t = sub.add_parser("tune", help="autotune the kernels for this GPU; winners cached per GPU")
+    t.add_argument("--workloads", default=None)
+    t.add_argument("--only", default="")
+    t.add_argument("--heads", default="h16_d128")
+    t.add_argument("--recipe", default="fp8_tokenblock")
+    t.add_argument("--reps", type=int, default=20)
+    t.add_argument("--dry-run", action="store_true", help="enumerate and prune the space; no GPU needed")
+    t.add_argument("--print", action="store_true", help="show the current tuned choices")
+    t.add_argument("--force", action="store_true", help="retune workload classes already tuned")
+    t.set_defaults(func=lambda a: __import__("flamia_cute.tuning", fromlist=["run_tune"]).run_tune(a))
     return p
 
 

@@ -72,9 +72,11 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block):
     """Quantize + forward kernel. Returns (out bf16, lse (H, T) fp32, saved quantized operands)."""
     from .attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
     from .quant import dt_cu_seqlens
+    from .tuning import tuned_fwd_config
 
     qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block)
     cfg = FwdConfig(head_dim=q.shape[2], qhead_per_kvhead=q.shape[1] // k.shape[1], diagonal_copy=block > 1)
+    cfg = tuned_fwd_config(cfg, max_seqlen, q.shape[0], cu.numel() - 1)
     out, lse = flamia_fwd_sm90(
         qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale,
         kt.data_td if kt else None, kt.scale if kt else None, vt.data_dt if vt else None, vt.scale if vt else None,
