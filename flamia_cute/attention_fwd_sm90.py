@@ -1,0 +1,876 @@
+"""FP8 causal attention forward for Hopper (sm_90a) over packed documents, in the CuTe DSL.
+
+Numerics: the spec is `flamia_cute.emulator.emulate_forward` for recipes fp8_token and
+fp8_tokenblock (per-token Q scales; K/V scales per token or per 128-token document-local
+block; a per-token K/V copy on the diagonal tile when blocks are used).
+
+Organization (one CTA per (128-query block, query head, document)):
+- warp 0 of the producer warpgroup issues TMA loads of Q (two 64-row boxes) and of K and V
+  tiles (separate K and V pipelines, `kv_stages` deep); the diagonal tile (processed first)
+  comes from the per-token copies when `diagonal_copy`;
+- warp 1 of the producer warpgroup copies the tile's K and V scales (the 128 fp32 of each)
+  into shared memory through its own pipeline: the scale rows are only 4-byte aligned at a
+  document start, which TMA cannot address;
+- two consumer warpgroups own query rows 0-63 and 64-127. Per key tile, from the diagonal
+  down: S = Q K^T (wgmma e4m3, fp32), online softmax in the log2 domain, P cast to e4m3 with
+  the V scale folded in (r = max visible V scale of the row in the tile), P moved from the
+  accumulator layout to the A-operand layout by two shuffles + two byte permutes per 8
+  bytes, P V (wgmma e4m3, A from registers, B = V^T tile with tokens contiguous) into a
+  fresh fp32 tile accumulator that is added to the running output in fp32 registers: the
+  fp8 tensor-core accumulation is promoted once per 128 keys;
+- a named-barrier ping-pong orders the two warpgroups' GEMM issue (FA3's warp scheduler
+  barrier) so one warpgroup's softmax overlaps the other's MMAs;
+- epilogue: O in bf16x2 words, transposed across each quad (4 shuffles) so every thread
+  writes 16 contiguous bytes per store (st.global.v4: 2 * D/32 stores per thread).
+
+Varlen: TMA tensors span the whole packed batch; the document start is a domain offset of
+the token coordinate: cu_seqlens[doc] for Q, K (token-major) and the scales, dt_cu_seqlens[doc]
+(16-aligned) for V^T. Keys past the document end (only in the diagonal tile) are masked;
+query rows past the end are computed on whatever TMA brought and never stored.
+Self-attention only (cu_seqlens_q == cu_seqlens_k): the runtime entry takes one cu_seqlens.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+# The DSL fixes its default arch at import: a GPU-less cross-compile announces it first.
+if os.environ.get("FLAMIA_ARCH") and not os.environ.get("CUTE_DSL_ARCH"):
+    os.environ["CUTE_DSL_ARCH"] = os.environ["FLAMIA_ARCH"]
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+from .quant import dt_cu_seqlens as quant_dt_cu_seqlens
+from .quant import transposed_tokens
+
+SOURCE_FILES = (Path(__file__),)
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+P_SCALE = 256.0  # the recipe's fixed power-of-two P scale: P * 256 <= 256 < 448
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Compile-time shape of the forward kernel. Everything else (T, heads, documents) is dynamic."""
+
+    head_dim: int
+    qhead_per_kvhead: int = 1  # GQA group: query head h reads kv head h // group
+    diagonal_copy: bool = False  # fp8_tokenblock: per-token K/V copy on the diagonal tile
+    tile_m: int = 128
+    tile_n: int = 128
+    kv_stages: int = 2
+    num_consumer_warpgroups: int = 2
+    pingpong: bool = True  # order the two consumer warpgroups' GEMM issue (FA3 style)
+
+    def __post_init__(self):
+        def bad(name, msg):
+            raise ValueError(f"FwdConfig.{name}: {msg} (got {getattr(self, name)!r})")
+
+        if self.head_dim not in (64, 128):
+            bad("head_dim", "must be 64 or 128 (256 would need more than 240 registers per thread)")
+        if self.qhead_per_kvhead < 1:
+            bad("qhead_per_kvhead", "must be >= 1")
+        if self.tile_n != 128:
+            bad("tile_n", "must be 128: the recipe's key tile defines the P scale fold")
+        if self.tile_m != 128:
+            bad("tile_m", "must be 128 (= tile_n: the diagonal tile is then exactly one key tile)")
+        if self.num_consumer_warpgroups != 2:
+            bad("num_consumer_warpgroups", "must be 2 (64 query rows each)")
+        if not 2 <= self.kv_stages <= 4:
+            bad("kv_stages", "must be 2, 3 or 4")
+        if not isinstance(self.diagonal_copy, bool):
+            bad("diagonal_copy", "must be a bool")
+        if not isinstance(self.pingpong, bool):
+            bad("pingpong", "must be a bool")
+
+
+# ----------------------------------------------------------------------------------------------
+# Small device helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _prmt(a, b, sel: int):
+    return Uint32(
+        llvm.inline_asm(
+            Uint32.mlir_type,
+            [Uint32(a).ir_value(), Uint32(b).ir_value(), Uint32(sel).ir_value()],
+            "prmt.b32 $0, $1, $2, $3;",
+            "=r,r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def _cvt_e4m3x4(a, b, c, d):
+    """Four fp32 -> four e4m3 (RNE, satfinite) packed in a u32, `a` in the lowest byte."""
+    return Uint32(
+        llvm.inline_asm(
+            Uint32.mlir_type,
+            [Float32(a).ir_value(), Float32(b).ir_value(), Float32(c).ir_value(), Float32(d).ir_value()],
+            "{\n.reg .b16 lo, hi;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+            "mov.b32 $0, {lo, hi};\n}",
+            "=r,f,f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def _cvt_bf16x2(lo, hi):
+    """Two fp32 -> two bf16 (RNE) packed in a u32, `lo` in the low half (the lower address)."""
+    return Uint32(
+        llvm.inline_asm(
+            Uint32.mlir_type,
+            [Float32(hi).ir_value(), Float32(lo).ir_value()],
+            "cvt.rn.bf16x2.f32 $0, $1, $2;",
+            "=r,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def _st_global_v4(addr, w):
+    """One 16-byte global store of four u32 words (addr: Int64, 16-byte aligned)."""
+    llvm.inline_asm(
+        None,
+        [Int64(addr).ir_value()] + [Uint32(x).ir_value() for x in w],
+        "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
+        "l,r,r,r,r,~{memory}",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+def quad_transpose4(w, b0, b1, shfl_xor, sel):
+    """4x4 word transpose across the 4 lanes of a quad: lane t gets [lane i's w[t] for i in 0..3].
+
+    w: this lane's 4 words; b0, b1: bits 0 and 1 of the lane's index t in its quad; shfl_xor(x, k):
+    x from lane t ^ k; sel(c, a, b): a if c else b. Plain Python over the primitives, so the
+    CPU tests run the very same code on a lane model. Two butterfly stages (partners t^2, then
+    t^1), 4 shuffles and 16 selects.
+    """
+    # stage 1: keep words j with bit1(j) == bit1(t), trade the other two with lane t^2
+    keep = [sel(b1, w[2 + b], w[b]) for b in range(2)]
+    recv = [shfl_xor(sel(b1, w[b], w[2 + b]), 2) for b in range(2)]
+    # y[s1][b]: word 2*bit1(t) + b of the quad lane with bit1 = s1 and bit0 = bit0(t)
+    y = [[sel(b1, recv[b], keep[b]) for b in range(2)], [sel(b1, keep[b], recv[b]) for b in range(2)]]
+    # stage 2: keep word b = bit0(t), trade the other with lane t^1
+    keep2 = [sel(b0, y[s][1], y[s][0]) for s in range(2)]
+    recv2 = [shfl_xor(sel(b0, y[s][0], y[s][1]), 1) for s in range(2)]
+    out = []
+    for s in range(2):
+        out += [sel(b0, recv2[s], keep2[s]), sel(b0, keep2[s], recv2[s])]
+    return out
+
+
+def _quad_max(x):
+    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+    return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+
+
+def _quad_sum(x):
+    x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
+    return x + cute.arch.shuffle_sync_bfly(x, offset=2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+class FlamiaFwdSm90:
+    def __init__(self, config: FwdConfig):
+        self.cfg = config
+        self.D = config.head_dim
+        self.group = config.qhead_per_kvhead
+        self.diag_copy = config.diagonal_copy
+        self.stages = config.kv_stages
+        self.tile_n = config.tile_n
+        self.wg_m = 64  # rows per consumer warpgroup (one m64 wgmma)
+        self.num_threads = 128 * (1 + config.num_consumer_warpgroups)
+        self.regs_producer = 24
+        self.regs_consumer = 240
+        self.pingpong = config.pingpong
+
+    @cute.jit
+    def __call__(
+        self,
+        q_ptr: cute.Pointer,
+        sq_ptr: cute.Pointer,
+        k_ptr: cute.Pointer,
+        sk_ptr: cute.Pointer,
+        v_ptr: cute.Pointer,
+        sv_ptr: cute.Pointer,
+        kt_ptr: cute.Pointer,
+        skt_ptr: cute.Pointer,
+        vt_ptr: cute.Pointer,
+        svt_ptr: cute.Pointer,
+        cu_ptr: cute.Pointer,
+        dtcu_ptr: cute.Pointer,
+        o_ptr: cute.Pointer,
+        lse_ptr: cute.Pointer,
+        T: Int32,
+        T_dt: Int32,
+        num_kv_heads: Int32,
+        num_docs: Int32,
+        max_m_blocks: Int32,
+        scale_log2: Float32,
+        stream: cuda.CUstream,
+    ):
+        D, tn, wm = self.D, self.tile_n, self.wg_m
+        H = num_kv_heads * self.group
+        hd = cute.assume(H * D, divby=D)
+        khd = cute.assume(num_kv_heads * D, divby=D)
+        tdt = cute.assume(T_dt, divby=128)
+        # (token, d, head): d contiguous, so the reduction of S = Q K^T is K-major for both
+        mQ = cute.make_tensor(q_ptr, cute.make_layout((T, D, H), stride=(hd, 1, D)))
+        mK = cute.make_tensor(k_ptr, cute.make_layout((T, D, num_kv_heads), stride=(khd, 1, D)))
+        mKt = cute.make_tensor(kt_ptr, cute.make_layout((T, D, num_kv_heads), stride=(khd, 1, D)))
+        # V^T (d, column, head): tokens contiguous, K-major for O = P V. Document b starts at
+        # column dt_cu_seqlens[b] (a multiple of 16: a TMA box on the contiguous axis must start
+        # 16-byte aligned); columns between documents and past the last one are zero.
+        vl = cute.make_layout((D, tdt, num_kv_heads), stride=(tdt, 1, cute.assume(D * tdt, divby=128)))
+        mV = cute.make_tensor(v_ptr, vl)
+        mVt = cute.make_tensor(vt_ptr, vl)
+        mO = cute.make_tensor(o_ptr, cute.make_layout((T, D, H), stride=(hd, 1, D)))
+        sl = cute.make_layout((T, H), stride=(1, T))
+        skl = cute.make_layout((T, num_kv_heads), stride=(1, T))
+        mSQ = cute.make_tensor(sq_ptr, sl)
+        mLSE = cute.make_tensor(lse_ptr, sl)
+        mSK = cute.make_tensor(sk_ptr, skl)
+        mSV = cute.make_tensor(sv_ptr, skl)
+        mSKt = cute.make_tensor(skt_ptr, skl)
+        mSVt = cute.make_tensor(svt_ptr, skl)
+        mCu = cute.make_tensor(cu_ptr, cute.make_layout(num_docs + 1))
+        mDtCu = cute.make_tensor(dtcu_ptr, cute.make_layout(num_docs + 1))
+
+        K_MAJOR = OperandMajorMode.K
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
+            Float8E4M3FN, Float8E4M3FN, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, tn)
+        )
+        pv_mma = sm90_utils.make_trivial_tiled_mma(
+            Float8E4M3FN, Float8E4M3FN, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, D),
+            warpgroup.OperandSource.RMEM,
+        )
+        row_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
+        # Q: two 64-row "stages", one per consumer warpgroup
+        sQ_layout = sm90_utils.make_smem_layout_a(row_major, (wm, tn, D), Float8E4M3FN, 2)
+        sK_layout = sm90_utils.make_smem_layout_b(row_major, (wm, tn, D), Float8E4M3FN, self.stages)
+        sV_layout = sm90_utils.make_smem_layout_b(row_major, (wm, D, tn), Float8E4M3FN, self.stages)
+
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tQ = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mQ, cute.slice_(sQ_layout, (None, None, 0)), (wm, D))
+        sK1 = cute.slice_(sK_layout, (None, None, 0))
+        sV1 = cute.slice_(sV_layout, (None, None, 0))
+        tma_k, tK = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mK, sK1, (tn, D))
+        tma_v, tV = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mV, sV1, (D, tn))
+        tma_kt, tKt = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mKt, sK1, (tn, D))
+        tma_vt, tVt = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mVt, sV1, (D, tn))
+        self.q_bytes = 2 * wm * D
+        self.kv_bytes = tn * D
+
+        stages = self.stages
+
+        @cute.struct
+        class SharedStorage:
+            q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            k_mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            v_mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            s_mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sScale: cute.struct.Align[cute.struct.MemRange[Float32, 2 * tn * stages], 16]
+            sQ: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        self.kernel(
+            qk_mma, pv_mma,
+            tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
+            mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mDtCu,
+            sQ_layout, sK_layout, sV_layout, scale_log2,
+        ).launch(
+            grid=[max_m_blocks, H, num_docs],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        tQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        tK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        tV: cute.Tensor,
+        tma_kt: cute.CopyAtom,
+        tKt: cute.Tensor,
+        tma_vt: cute.CopyAtom,
+        tVt: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mSQ: cute.Tensor,
+        mSK: cute.Tensor,
+        mSV: cute.Tensor,
+        mSKt: cute.Tensor,
+        mSVt: cute.Tensor,
+        mCu: cute.Tensor,
+        mDtCu: cute.Tensor,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        scale_log2: Float32,
+    ):
+        tn = self.tile_n
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, head, doc = cute.arch.block_idx()
+        nblk_x, _, _ = cute.arch.grid_dim()
+        # heaviest (longest causal row) query blocks first
+        m_block = nblk_x - 1 - bidx
+        doc_start = mCu[doc]
+        doc_len = mCu[doc + 1] - doc_start
+        kv_head = head // self.group
+
+        # Whole CTA leaves before any barrier when the block lies past the document end
+        if m_block * tn < doc_len:
+            n_tiles = m_block + 1  # key tiles 0..m_block; tiles past the diagonal are skipped
+            smem = cutlass.memory.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+            sScale = storage.sScale.get_tensor(cute.make_layout((2 * tn, self.stages)))
+
+            tma_producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+            consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, 8)
+            pipe_q = pipeline.PipelineTmaAsync.create(
+                num_stages=1, producer_group=tma_producer, consumer_group=consumer_warps,
+                tx_count=self.q_bytes, barrier_storage=storage.q_mbar.data_ptr(), defer_sync=True,
+            )
+            pipe_k = pipeline.PipelineTmaAsync.create(
+                num_stages=self.stages, producer_group=tma_producer, consumer_group=consumer_warps,
+                tx_count=self.kv_bytes, barrier_storage=storage.k_mbar.data_ptr(), defer_sync=True,
+            )
+            pipe_v = pipeline.PipelineTmaAsync.create(
+                num_stages=self.stages, producer_group=tma_producer, consumer_group=consumer_warps,
+                tx_count=self.kv_bytes, barrier_storage=storage.v_mbar.data_ptr(), defer_sync=True,
+            )
+            pipe_s = pipeline.PipelineAsync.create(
+                num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 256),
+                barrier_storage=storage.s_mbar.data_ptr(), defer_sync=True,
+            )
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+            if wg_idx == 0:
+                cute.arch.setmaxregister_decrease(self.regs_producer)
+                if warp_idx == 0:
+                    self.load_tma(
+                        tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
+                        sQ, sK, sV, pipe_q, pipe_k, pipe_v,
+                        head, kv_head, doc_start, mDtCu[doc], m_block, n_tiles,
+                    )
+                if warp_idx == 1:
+                    self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, kv_head, doc_start, doc_len, m_block, n_tiles)
+            else:
+                cute.arch.setmaxregister_increase(self.regs_consumer)
+                self.consume(
+                    qk_mma, pv_mma, sQ, sK, sV, sScale, pipe_q, pipe_k, pipe_v, pipe_s,
+                    mO, mLSE, mSQ, scale_log2, head, doc_start, doc_len, m_block, n_tiles, wg_idx - 1,
+                )
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def load_tma(
+        self, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
+        sQ, sK, sV, pipe_q, pipe_k, pipe_v, head, kv_head, doc_start, dt_start, m_block, n_tiles,
+    ):
+        D, tn, wm = self.D, self.tile_n, self.wg_m
+        one = cute.make_layout(1)
+        # document-local tiles: shift the token coordinate by the document start. Q and K are
+        # token-major (the token is the outer, strided TMA coordinate: any start is fine); V^T's
+        # token axis is the contiguous one, so its tiles start at the document's 16-aligned
+        # column dt_start. The diagonal V tile may run past the document into zero pad, the next
+        # document's columns, or past T_dt (TMA zero fill): always finite, and P = 0 there
+        # (masked score and zero V scale), so it adds exactly 0.
+        gQ = cute.local_tile(cute.domain_offset((doc_start, 0), tQ[None, None, head]), (wm, D), (None, 0))
+        tQs, tQg = cute.nvgpu.cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+
+        def k_part(atom, t):
+            g = cute.local_tile(cute.domain_offset((doc_start, 0), t[None, None, kv_head]), (tn, D), (None, 0))
+            return cute.nvgpu.cpasync.tma_partition(atom, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(g, 0, 2))
+
+        def v_part(atom, t):
+            g = cute.local_tile(cute.domain_offset((0, dt_start), t[None, None, kv_head]), (D, tn), (0, None))
+            return cute.nvgpu.cpasync.tma_partition(atom, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(g, 0, 2))
+
+        tKs, tKg = k_part(tma_k, tK)
+        tVs, tVg = v_part(tma_v, tV)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_q.producer_acquire(q_state)
+        for w in cutlass.range_constexpr(2):
+            cute.copy(tma_q, tQg[None, 2 * m_block + w], tQs[None, w], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        # diagonal tile first: from the per-token copies when the recipe has block scales
+        if cutlass.const_expr(self.diag_copy):
+            tKts, tKtg = k_part(tma_kt, tKt)
+            tVts, tVtg = v_part(tma_vt, tVt)
+            pipe_k.producer_acquire(k_state)
+            cute.copy(tma_kt, tKtg[None, m_block], tKts[None, k_state.index], tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+            k_state.advance()
+            pipe_v.producer_acquire(v_state)
+            cute.copy(tma_vt, tVtg[None, m_block], tVts[None, v_state.index], tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+            v_state.advance()
+        else:
+            pipe_k.producer_acquire(k_state)
+            cute.copy(tma_k, tKg[None, m_block], tKs[None, k_state.index], tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+            k_state.advance()
+            pipe_v.producer_acquire(v_state)
+            cute.copy(tma_v, tVg[None, m_block], tVs[None, v_state.index], tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+            v_state.advance()
+        for i in cutlass.range(1, n_tiles, unroll=1):
+            n = m_block - i
+            pipe_k.producer_acquire(k_state)
+            cute.copy(tma_k, tKg[None, n], tKs[None, k_state.index], tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+            k_state.advance()
+            pipe_v.producer_acquire(v_state)
+            cute.copy(tma_v, tVg[None, n], tVs[None, v_state.index], tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+            v_state.advance()
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def load_scales(self, mSK, mSV, mSKt, mSVt, sScale, pipe_s, kv_head, doc_start, doc_len, m_block, n_tiles):
+        """Warp 1: the K and V scales of each key tile into shared memory (0 past the document end)."""
+        tn = self.tile_n
+        lane = cute.arch.lane_idx()
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for i in cutlass.range(n_tiles, unroll=1):
+            n = m_block - i
+            pipe_s.producer_acquire(s_state)
+            for c in cutlass.range_constexpr(tn // 32):
+                col = lane + 32 * c
+                key = n * tn + col
+                sk = Float32(0.0)
+                sv = Float32(0.0)
+                if key < doc_len:
+                    if cutlass.const_expr(self.diag_copy):
+                        if i == 0:
+                            sk = mSKt[doc_start + key, kv_head]
+                            sv = mSVt[doc_start + key, kv_head]
+                        else:
+                            sk = mSK[doc_start + key, kv_head]
+                            sv = mSV[doc_start + key, kv_head]
+                    else:
+                        sk = mSK[doc_start + key, kv_head]
+                        sv = mSV[doc_start + key, kv_head]
+                sScale[col, s_state.index] = sk
+                sScale[tn + col, s_state.index] = sv
+            pipe_s.producer_commit(s_state)  # every lane arrives: releases its own stores
+            s_state.advance()
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def consume(
+        self, qk_mma, pv_mma, sQ, sK, sV, sScale, pipe_q, pipe_k, pipe_v, pipe_s,
+        mO, mLSE, mSQ, scale_log2, head, doc_start, doc_len, m_block, n_tiles, wg,
+    ):
+        D, tn, wm = self.D, self.tile_n, self.wg_m
+        tidx, _, _ = cute.arch.thread_idx()
+        ctid = tidx % 128
+        lane = cute.arch.lane_idx()
+        quad = lane % 4
+        qk_thr = qk_mma.get_slice(ctid)
+        pv_thr = pv_mma.get_slice(ctid)
+        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))  # (MMA, 1, D/32, 2)
+        tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))  # (MMA, 1, D/32, stages)
+        tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))  # (MMA, 1, 4, stages)
+        acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((wm, tn)))  # ((2,2,16),1,1)
+        acc_t = pv_thr.make_fragment_C(pv_thr.partition_shape_C((wm, D)))  # this tile's P V
+        acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((wm, D)))  # running output
+        tOrP = pv_thr.make_fragment_A(pv_thr.partition_shape_A((wm, tn)))  # ((4,2,2),1,4) e4m3
+        p8 = cute.make_rmem_tensor(cute.make_layout(cute.size(acc_s) // 4), Uint32)  # acc-order bytes
+        tOrP32 = cute.recast_tensor(tOrP, Uint32)
+        tScS = qk_thr.partition_C(cute.make_identity_tensor((wm, tn)))
+        n_acc_o = cute.size(acc_o)
+
+        # Rows of this thread: value index a = v0 + 2*v1 + 4*v2 (v1 picks the row g or g+8)
+        row_in_blk = cute.make_rmem_tensor(cute.make_layout(2), Int32)
+        rs = cute.make_rmem_tensor(cute.make_layout(2), Float32)  # softmax_scale*log2e*sQ[row]
+        m_run = cute.make_rmem_tensor(cute.make_layout(2), Float32)  # running max (scaled, log2)
+        l_run = cute.make_rmem_tensor(cute.make_layout(2), Float32)  # per-thread partial row sum
+        r_run = cute.make_rmem_tensor(cute.make_layout(2), Float32)  # V-scale fold of the last tile
+        for v1 in cutlass.range_constexpr(2):
+            row = m_block * tn + wg * wm + tScS[2 * v1][0]
+            row_in_blk[v1] = row
+            sq = Float32(1.0)  # rows past the end: any finite positive scale (never stored)
+            if row < doc_len:
+                sq = mSQ[doc_start + row, head]
+            rs[v1] = sq * scale_log2
+            m_run[v1] = -Float32.inf
+            l_run[v1] = Float32(0.0)
+            r_run[v1] = Float32(1.0)
+        acc_o.fill(0.0)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        pipe_q.consumer_wait(q_state)
+
+        if cutlass.const_expr(self.pingpong):
+            # warpgroup 0 issues first: warpgroup 1 pre-arrives on warpgroup 0's barrier
+            if wg == 1:
+                cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
+
+        frags = (tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS)
+        rowst = (rs, m_run, l_run, r_run)
+        k_state, v_state, s_state = self.tile_step(
+            True, m_block, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
+            k_state, v_state, s_state, doc_len, wg, quad, lane,
+        )
+        for i in cutlass.range(1, n_tiles, unroll=1):
+            k_state, v_state, s_state = self.tile_step(
+                False, m_block - i, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
+                k_state, v_state, s_state, doc_len, wg, quad, lane,
+            )
+
+        if cutlass.const_expr(self.pingpong):
+            # consume warpgroup 1's last arrive (it arrives once more than warpgroup 0 waits)
+            if wg == 0:
+                cute.arch.barrier(barrier_id=1, number_of_threads=256)
+
+        # ---- epilogue: O = acc * (r/256) / l (bf16), LSE = ln2 * (m + log2 l)
+        o_base = mO.iterator.toint()
+        o_row_stride = mO.stride[0]  # H * D elements
+        odd_lane = quad % 2 == 1
+        hi_lane = quad >= 2
+
+        def shfl_xor(x, k):
+            return Uint32(cute.arch.shuffle_sync_bfly(x, offset=k))
+
+        def sel(c, a, b):
+            return Uint32(cutlass.select_(c, a, b))
+
+        for v1 in cutlass.range_constexpr(2):
+            l_tot = _quad_sum(l_run[v1])
+            f = Float32(0.0)
+            lse = -Float32.inf
+            if l_tot > Float32(0.0):
+                f = (r_run[v1] / Float32(P_SCALE)) / l_tot
+                lse = (m_run[v1] + cute.math.log2(l_tot, fastmath=False)) * Float32(LN2)
+            row = row_in_blk[v1]
+            if row < doc_len:
+                if quad == 0:
+                    mLSE[doc_start + row, head] = lse
+            # O row: lane t of a quad holds columns 8j + 2t, +1 (one bf16x2 word per j). Four
+            # consecutive j are transposed across the quad so lane t owns the 16 contiguous
+            # bytes at column 32G + 8t: one st.global.v4 instead of eight 2-byte stores. Every
+            # lane shuffles; only the store is predicated (the row is quad-uniform).
+            row_addr = o_base + (Int64(doc_start + row) * Int64(o_row_stride) + Int64(head * D + 8 * quad)) * 2
+            for G in cutlass.range_constexpr(n_acc_o // 16):
+                w = [
+                    _cvt_bf16x2(acc_o[2 * v1 + 4 * (4 * G + jj)] * f, acc_o[1 + 2 * v1 + 4 * (4 * G + jj)] * f)
+                    for jj in range(4)
+                ]
+                ow = quad_transpose4(w, odd_lane, hi_lane, shfl_xor, sel)
+                if row < doc_len:
+                    _st_global_v4(row_addr + 64 * G, ow)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def tile_step(
+        self, diag: cutlass.Constexpr, n, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
+        k_state, v_state, s_state, doc_len, wg, quad, lane,
+    ):
+        """One key tile n. diag: the diagonal tile (first), the only one with a mask."""
+        tn, wm = self.tile_n, self.wg_m
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
+        rs, m_run, l_run, r_run = rowst
+        n_acc_s = cute.size(acc_s)
+        n_acc_o = cute.size(acc_o)
+        # ---- S = Q K^T
+        pipe_k.consumer_wait(k_state)
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(self.D // 32):
+            qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(qk_mma, acc_s, tSrQ[None, None, k, wg], tSrK[None, None, k, k_state.index], acc_s)
+        warpgroup.commit_group()
+        if cutlass.const_expr(self.pingpong):
+            # the other warpgroup may issue its GEMMs while this one does the softmax
+            cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
+        pipe_s.consumer_wait(s_state)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(k_state)
+        k_state.advance()
+
+        # ---- online softmax (log2 domain) and the P cast with the V scale folded in
+        lim = doc_len - n * tn  # diagonal tile: visible keys are col < lim and col <= row
+        # Block-scaled off-diagonal tile: it is exactly one 128-key scale block, so the K and V
+        # scales are constant over it: sK folds into the row factor and w / r == 1.
+        uniform = cutlass.const_expr((not diag) and self.diag_copy)
+        sk_t = sScale[0, s_state.index]
+        w_t = sScale[tn, s_state.index]
+        for v1 in cutlass.range_constexpr(2):
+            tmax = -Float32.inf
+            wmax = Float32(0.0)
+            for v2 in cutlass.range_constexpr(n_acc_s // 4):
+                for v0 in cutlass.range_constexpr(2):
+                    a = v0 + 2 * v1 + 4 * v2
+                    col = tScS[a][1]
+                    if cutlass.const_expr(uniform):
+                        tmax = cute.arch.fmax(tmax, acc_s[a])
+                    else:
+                        s = acc_s[a] * sScale[col, s_state.index]
+                        w = sScale[tn + col, s_state.index]
+                        if cutlass.const_expr(diag):
+                            if col > tScS[a][0] + wg * wm:
+                                s = -Float32.inf
+                                w = Float32(0.0)
+                            if col >= lim:
+                                s = -Float32.inf
+                                w = Float32(0.0)
+                        acc_s[a] = s
+                        tmax = cute.arch.fmax(tmax, s)
+                        wmax = cute.arch.fmax(wmax, w)
+            tmax = _quad_max(tmax)
+            rsv = rs[v1]
+            r = w_t
+            if cutlass.const_expr(uniform):
+                rsv = rs[v1] * sk_t
+            else:
+                wmax = _quad_max(wmax)
+                r = wmax
+                if wmax == Float32(0.0):
+                    r = Float32(1.0)
+            # rsv > 0, so max(s) * rsv == max(s * rsv) exactly
+            m_new = cute.arch.fmax(m_run[v1], tmax * rsv)
+            m_safe = m_new
+            if m_new == -Float32.inf:
+                m_safe = Float32(0.0)
+            alpha = cute.math.exp2(m_run[v1] - m_safe, fastmath=True)
+            inv = Float32(P_SCALE) / r  # exact: r is a power of two
+            psum = Float32(0.0)
+            for v2 in cutlass.range_constexpr(n_acc_s // 4):
+                for v0 in cutlass.range_constexpr(2):
+                    a = v0 + 2 * v1 + 4 * v2
+                    col = tScS[a][1]
+                    p = cute.math.exp2(acc_s[a] * rsv - m_safe, fastmath=True)
+                    psum = psum + p
+                    if cutlass.const_expr(uniform):
+                        acc_s[a] = p * Float32(P_SCALE)
+                    else:
+                        acc_s[a] = p * (sScale[tn + col, s_state.index] * inv)
+            l_run[v1] = l_run[v1] * alpha + psum
+            # running output: softmax correction times the fold change r_prev / r (exact)
+            c = alpha * (r_run[v1] / r)
+            for j in cutlass.range_constexpr(n_acc_o // 4):
+                for v0 in cutlass.range_constexpr(2):
+                    acc_o[v0 + 2 * v1 + 4 * j] = acc_o[v0 + 2 * v1 + 4 * j] * c
+            m_run[v1] = m_new
+            r_run[v1] = r
+        pipe_s.consumer_release(s_state)
+        s_state.advance()
+
+        # ---- P: fp32 accumulator layout -> e4m3 A-operand layout
+        for w in cutlass.range_constexpr(n_acc_s // 4):
+            p8[w] = _cvt_e4m3x4(acc_s[4 * w], acc_s[4 * w + 1], acc_s[4 * w + 2], acc_s[4 * w + 3])
+        self.permute_p(p8, tOrP32, quad, lane)
+
+        # ---- O_tile = P V in a fresh accumulator, promoted into the fp32 running output
+        pipe_v.consumer_wait(v_state)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(tn // 32):
+            pv_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(pv_mma, acc_t, tOrP[None, None, k], tOrV[None, None, k, v_state.index], acc_t)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(v_state)
+        v_state.advance()
+        for a in cutlass.range_constexpr(n_acc_o):
+            acc_o[a] = acc_o[a] + acc_t[a]
+        return k_state, v_state, s_state
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def permute_p(self, p8, tOrP32, quad, lane):
+        """Move e4m3 P from the accumulator's byte order to the wgmma A-fragment order.
+
+        In each 32-key chunk, thread t of a quad holds (acc) words W0..W3: W_v = rows g, g+8
+        at keys 8v+2t, 8v+2t+1; the A fragment wants A0/A1 = rows g/g+8 at keys 4t..4t+3
+        and A2/A3 = the same at keys 16+4t..16+4t+3. A0/A1 gather W_{t//2} of quad lanes
+        2(t%2) (keys +0,+1) and 2(t%2)+1 (keys +2,+3); A2/A3 the same from W_{2+t//2}.
+        Two shuffles per word pair: even lanes send W_even first, odd lanes W_odd first.
+        """
+        base = lane - quad
+        src1 = base + 2 * (quad % 2) + quad // 2
+        src2 = base + 2 * (quad % 2) + 1 - quad // 2
+        odd = quad % 2 == 1
+        hi_half = quad >= 2
+        for c in cutlass.range_constexpr(cute.size(p8) // 4):
+            for h in cutlass.range_constexpr(2):
+                wx = p8[4 * c + 2 * h]
+                wy = p8[4 * c + 2 * h + 1]
+                send1 = wx
+                send2 = wy
+                if odd:
+                    send1 = wy
+                    send2 = wx
+                r1 = cute.arch.shuffle_sync(send1, src1)
+                r2 = cute.arch.shuffle_sync(send2, src2)
+                e = r1
+                o = r2
+                if hi_half:
+                    e = r2
+                    o = r1
+                tOrP32[4 * c + 2 * h] = _prmt(e, o, 0x5410)
+                tOrP32[4 * c + 2 * h + 1] = _prmt(e, o, 0x7632)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile and launch
+# ----------------------------------------------------------------------------------------------
+
+
+def _fake_ptr(dtype, align=16):
+    return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def compile_fwd_sm90(config: FwdConfig, arch: str = "sm_90a", extra_options: str = ""):
+    """cute.compile the forward for `arch` from plain values only (no tensors, no GPU needed)."""
+    op = FlamiaFwdSm90(config)
+    f8 = lambda: _fake_ptr(Float8E4M3FN)  # noqa: E731
+    f32 = lambda: _fake_ptr(Float32, 4)  # noqa: E731
+    args = (
+        f8(), f32(), f8(), f32(), f8(), f32(), f8(), f32(), f8(), f32(),
+        _fake_ptr(Int32, 4), _fake_ptr(Int32, 4), _fake_ptr(BFloat16), f32(),
+        Int32(1), Int32(128), Int32(1), Int32(1), Int32(1), Float32(1.0),
+        cute.runtime.make_fake_stream(),
+    )
+    options = f"--gpu-arch {arch} {extra_options}".strip()
+    return cute.compile(op, *args, options=options)
+
+
+def get_compiled(config: FwdConfig, arch: str | None = None):
+    from .compile_cache import compile_cached, target_arch
+
+    arch = arch or target_arch()
+    return compile_cached(SOURCE_FILES, config, arch, lambda cfg, a: compile_fwd_sm90(cfg, a))
+
+
+def kernel_artifacts(config: FwdConfig, arch: str = "sm_90a"):
+    """PTX, cubin, SASS (when nvdisasm exists) and register/stack usage, for tests and inspection."""
+    from .compile_cache import compile_artifacts
+
+    return compile_artifacts(compile_fwd_sm90, config, arch)
+
+
+def _ptr(t: torch.Tensor, dtype, align=16):
+    return cute.runtime.make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+def flamia_fwd_sm90(
+    q_td, sq, k_td, sk, v_dt, sv, k_tok_td, sk_tok, v_tok_dt, sv_tok,
+    cu_seqlens, max_seqlen: int, softmax_scale: float, config: FwdConfig, poison_outputs: bool = False,
+    dt_cu_seqlens=None,
+):
+    """Causal FP8 attention forward on the current stream; returns (out bf16 (T,H,D), lse fp32 (H,T)).
+
+    q_td (T, H, D), k_td (T, Hk, D) e4m3; v_dt (Hk, D, T_dt) e4m3 tokens contiguous, document b
+    from column dt_cu_seqlens[b] (quant.quantize layout: T_dt = transposed_tokens(T, num_docs),
+    unused columns 0);
+    scales (heads, T) fp32 powers of two. k_tok_td/sk_tok/v_tok_dt/sv_tok: the per-token copies
+    used on the diagonal tile when config.diagonal_copy (else ignored: pass None or the same).
+    Self-attention only: one cu_seqlens (int32, num_docs + 1) for queries and keys, with
+    cu_seqlens[-1] == T (not checked: it would synchronize). max_seqlen >= every document length.
+    poison_outputs: fill out/lse with NaN first (tests: every element must be written).
+    dt_cu_seqlens: int32 (num_docs + 1) start columns in v_dt (quant.dt_cu_seqlens(cu_seqlens));
+    computed here on the device when None. Not checked against cu_seqlens (it would synchronize).
+    """
+    T, H, D = q_td.shape
+    Hk = k_td.shape[1]
+    if D != config.head_dim or H != Hk * config.qhead_per_kvhead:
+        raise ValueError(f"shapes (H={H}, Hk={Hk}, D={D}) do not match {config}")
+    if not config.diagonal_copy or k_tok_td is None:
+        if config.diagonal_copy:
+            raise ValueError("config.diagonal_copy needs k_tok_td, sk_tok, v_tok_dt, sv_tok")
+        k_tok_td, sk_tok, v_tok_dt, sv_tok = k_td, sk, v_dt, sv
+    f8 = torch.float8_e4m3fn
+    T_dt = v_dt.shape[2]
+    for name, t, shape, dt in (
+        ("q_td", q_td, (T, H, D), f8), ("k_td", k_td, (T, Hk, D), f8), ("k_tok_td", k_tok_td, (T, Hk, D), f8),
+        ("v_dt", v_dt, (Hk, D, T_dt), f8), ("v_tok_dt", v_tok_dt, (Hk, D, T_dt), f8),
+        ("sq", sq, (H, T), torch.float32), ("sk", sk, (Hk, T), torch.float32), ("sv", sv, (Hk, T), torch.float32),
+        ("sk_tok", sk_tok, (Hk, T), torch.float32), ("sv_tok", sv_tok, (Hk, T), torch.float32),
+    ):
+        if tuple(t.shape) != shape or t.dtype != dt or not t.is_cuda or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous CUDA {dt} tensor of shape {shape}, got "
+                             f"{tuple(t.shape)} {t.dtype}")
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned")
+    num_docs = cu_seqlens.numel() - 1
+    if T_dt != transposed_tokens(T, num_docs):
+        raise ValueError(f"v_dt's token dim must be transposed_tokens(T, num_docs) = "
+                         f"{transposed_tokens(T, num_docs)}, got {T_dt}")
+    if not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
+    cu = cu_seqlens.to(device=q_td.device, dtype=torch.int32).contiguous()
+    if dt_cu_seqlens is None:
+        dt_cu_seqlens = quant_dt_cu_seqlens(cu)
+    dtcu = dt_cu_seqlens.to(device=q_td.device, dtype=torch.int32).contiguous()
+    if dtcu.shape != cu.shape:
+        raise ValueError(f"dt_cu_seqlens must have num_docs + 1 = {cu.numel()} entries, got {tuple(dtcu.shape)}")
+    out = torch.empty(T, H, D, dtype=torch.bfloat16, device=q_td.device)
+    lse = torch.empty(H, T, dtype=torch.float32, device=q_td.device)
+    if poison_outputs:
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+    max_m_blocks = (int(max_seqlen) + config.tile_m - 1) // config.tile_m
+    if T == 0 or num_docs == 0 or max_m_blocks == 0:
+        return out, lse
+    if max_m_blocks > 2**31 - 1 or H > 65535 or num_docs > 65535:
+        raise ValueError("grid too large")
+    fn = get_compiled(config)
+    stream = cuda.CUstream(torch.cuda.current_stream(q_td.device).cuda_stream)
+    fn(
+        _ptr(q_td, Float8E4M3FN), _ptr(sq, Float32, 4), _ptr(k_td, Float8E4M3FN), _ptr(sk, Float32, 4),
+        _ptr(v_dt, Float8E4M3FN), _ptr(sv, Float32, 4), _ptr(k_tok_td, Float8E4M3FN), _ptr(sk_tok, Float32, 4),
+        _ptr(v_tok_dt, Float8E4M3FN), _ptr(sv_tok, Float32, 4), _ptr(cu, Int32, 4), _ptr(dtcu, Int32, 4),
+        _ptr(out, BFloat16), _ptr(lse, Float32, 4),
+        Int32(T), Int32(T_dt), Int32(Hk), Int32(num_docs), Int32(max_m_blocks),
+        Float32(softmax_scale * LOG2E), stream,
+    )
+    return out, lse

@@ -1,0 +1,443 @@
+"""FP8 attention forward kernel (sm_90a): compile checks on CPU, emulator agreement on an sm_90 GPU.
+
+CPU: real sm_90a cubins from fake pointers (no GPU): QGMMA (wgmma e4m3), TMA, no spills; a
+pure-torch model of the kernel's tile/index math (same tile order, masks, scale selection,
+P fold, log2-domain online softmax) checked against the emulator; config validation.
+GPU (marker `gpu`): the kernel against `emulate_forward` on the same device, poisoned
+outputs, GQA, and the leakage checks (bit-identical O and LSE before the cut).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # GPU-less CI compiles for sm_90a; the DSL fixes its default arch at import
+    os.environ.setdefault("FLAMIA_ARCH", "sm_90a")
+    os.environ.setdefault("CUTE_DSL_ARCH", os.environ["FLAMIA_ARCH"])
+
+from flamia_cute.emulator import emulate_forward
+from flamia_cute.quant import DT_DOC_ALIGN, dt_cu_seqlens, quantize_thd, transposed_tokens
+from flamia_cute.recipes import Recipe
+from flamia_cute.testing import check_leakage, cu_seqlens_from_lengths, make_inputs, rel_l2
+
+try:
+    import cutlass  # noqa: F401
+
+    from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90, kernel_artifacts, quad_transpose4
+
+    HAVE_DSL = True
+except Exception:  # pragma: no cover - CI without the DSL
+    HAVE_DSL = False
+
+needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl not importable")
+
+# GPU tolerances. The kernel computes the emulator's quantized operands exactly (same e4m3 codes,
+# power-of-two scales, the same P cast relative to the same per-tile r); what differs is how the
+# products are accumulated, and every such difference is amplified by the P cast:
+# 1. Hopper's fp8 wgmma does not accumulate in full fp32: inside one MMA k-chain the addends are
+#    aligned to the largest exponent and low bits are dropped, ~14 significant bits retained
+#    (DeepSeek-V3 report, sec. 3.3.2). `_mma_trunc` models this per k32 step. S = Q K^T (D/32
+#    steps) gets relative errors ~2^-13 of the largest product: ~1e-4 in the logits.
+# 2. ex2.approx.ftz vs exp: ~2^-22 relative, negligible; fp32 order of the row sums: ~1e-7.
+# 3. P e4m3 flips: the ~1e-4 logit perturbation moves a P value across an e4m3 rounding boundary
+#    with probability ~(1e-4 / ulp spacing 2^-4..2^-3): 0.3% of the P entries (the model counts
+#    0.26-0.31% at 14 bits, 0.7% at 13 bits), each a one-ulp (6-12%) change of that weight. This
+#    dominates O's error: sqrt(0.3%) * 9% * (weight of one key) over the rows' keys.
+# 4. P V accumulates 128 keys in the same reduced-precision chain (promoted to fp32 every tile,
+#    as the kernel does): ~1e-4 relative, and O's bf16 rounding (2^-9): a different rounding of
+#    the bf16 output wherever the fp32 values differ, ~sqrt(1e-4 * 2^-9) ~ 5e-4.
+# The tile model with `acc_bits=14` reproduces the H200 measurements (token recipe, H=2, D=128):
+# model rel_l2(O) [300] 2.6e-3 (H200 2.50e-3), [64,300] 3.3e-3 (3.25e-3), [128,300] 3.8e-3, doc 1
+# 4.7e-3 (3.99e-3, 5.06e-3), max|dLSE| 2.5e-4..5.5e-4 (3e-4..6e-4). The pessimistic 13-bit model
+# on the GPU test's LENGTHS (D=128): rel_l2 4.9e-3, worst document 6.2e-3 (the 4096 one), max abs
+# error 1.4e-2 of max|O|, max|dLSE| 1.1e-3 (1.5e-3 on [64,300]); test_error_model_within_tolerances
+# re-checks a small case. Bounds: 1.6x (whole batch) to 3.6x over the pessimistic model. An index,
+# mask or scale bug moves whole rows: errors of order 1e-1 and more (rel_l2 0.38..1.3, max|dLSE|
+# ~2 in test_error_checks_catch_index_bugs, for the pre-fix V layout, a mask and a scale shift).
+O_REL_L2_TOL = 1e-2  # whole batch
+O_DOC_REL_L2_TOL = 1.5e-2  # every document on its own (a bug confined to one document shows)
+O_MAX_ABS_TOL = 5e-2  # max |O - O_emu| over a document, relative to max |O_emu| of the document
+LSE_ABS_TOL = 4e-3  # natural log: S truncation ~1e-4 of |S| = O(10) plus row-sum changes from flips
+
+RECIPES = {"fp8_token": 1, "fp8_tokenblock": 128}
+
+
+def _configs():
+    return [(d, dc) for d in (64, 128) for dc in (False, True)]
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: config
+# ----------------------------------------------------------------------------------------------
+
+
+@needs_dsl
+@pytest.mark.parametrize(
+    "field, value",
+    [("head_dim", 96), ("head_dim", 256), ("tile_n", 64), ("tile_m", 64), ("kv_stages", 1),
+     ("num_consumer_warpgroups", 1), ("qhead_per_kvhead", 0)],
+)
+def test_config_rejects(field, value):
+    with pytest.raises(ValueError, match=f"FwdConfig.{field}"):
+        FwdConfig(**{"head_dim": 128, field: value})
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: sm_90a compile, PTX and SASS evidence
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def artifacts():
+    cache = {}
+
+    def get(d, dc):
+        if (d, dc) not in cache:
+            cache[(d, dc)] = kernel_artifacts(FwdConfig(head_dim=d, diagonal_copy=dc), "sm_90a")
+        return cache[(d, dc)]
+
+    return get
+
+
+@needs_dsl
+@pytest.mark.parametrize("head_dim, diagonal_copy", _configs())
+def test_compiles_with_fp8_wgmma_and_tma(artifacts, head_dim, diagonal_copy):
+    art = artifacts(head_dim, diagonal_copy)
+    ptx = art.ptx
+    qk = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx)
+    pv = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim}k32\.f32\.e4m3\.e4m3", ptx)
+    assert qk and pv, "S = Q K^T and O = P V must both run on fp8 wgmma"
+    # two copies of the tile step (diagonal, off-diagonal): D/32 k-steps for S, 4 for P V
+    n_expected = 2 * (head_dim // 32 + 4)
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == n_expected
+    assert "cp.async.bulk.tensor" in ptx, "K/V/Q must be loaded with TMA"
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, "P is cast to e4m3 with RNE + satfinite"
+    assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx, "warp-specialized register split"
+    assert not re.search(r"\b(ld|st)\.local\b", ptx), "no local memory in PTX"
+    if art.frame_bytes is not None:
+        assert art.frame_bytes == 0, f"stack frame {art.frame_bytes} bytes: register spills"
+    if art.registers is not None:
+        assert art.registers * 384 <= 65536
+    if art.sass is not None:
+        assert len(re.findall(r"\bQGMMA\b", art.sass)) == n_expected
+        assert "UTMALDG" in art.sass
+        assert not re.search(r"\b(STL|LDL)\b", art.sass), "register spills in SASS"
+        # O leaves in 16-byte stores: 2 rows x D/32 per thread; no 2-byte stores
+        assert len(re.findall(r"\bSTG\.E\.128\b", art.sass)) == 2 * head_dim // 32
+        assert not re.search(r"\bSTG\.E\.U16\b", art.sass)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: a model of the kernel's tile and index math against the emulator
+# ----------------------------------------------------------------------------------------------
+
+
+def _e4m3(x):
+    return x.to(torch.float8_e4m3fn).float()  # RNE; P * 256 <= 256 never saturates
+
+
+def _mma_trunc(a, b, bits, kstep=32):
+    """a @ b as an fp8 wgmma k-chain with `bits` significant bits retained (error model).
+
+    Per k32 instruction the accumulator and the 32 exact products are aligned to the largest
+    exponent among them and truncated (toward zero) to `bits` significant bits, then summed.
+    """
+    a, b = a.double(), b.double()
+    acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64)
+    for k0 in range(0, a.shape[1], kstep):
+        add = torch.cat([acc[:, None, :], a[:, k0 : k0 + kstep, None] * b[None, k0 : k0 + kstep, :]], 1)
+        mx = add.abs().amax(1, keepdim=True)
+        grid = torch.exp2(torch.floor(torch.log2(torch.where(mx > 0, mx, 1.0))) - (bits - 1))
+        acc = (torch.trunc(add / grid) * grid).sum(1)
+    return acc.float()
+
+
+def _kernel_model(qq, kq, vq, kt, vt, cu, scale, group, diag_copy, acc_bits=None, bug=None, seed=0):
+    """What one CTA (m_block, head, doc) computes, row-vectorized, in the kernel's formulas.
+
+    Same grid order, same TMA tile origins (Q/K rows at cu_seqlens[doc] + 128 n, V^T columns at
+    dt_cu_seqlens[doc] + 128 n), zero fill past T and past T_dt, the scale warp's zero scales
+    past the document end, the diagonal mask (col > row or col >= lim), log2-domain online
+    softmax with rs = softmax_scale * log2(e) * sQ, r = max visible V scale,
+    P = e4m3(p * sV * 256 / r), acc *= alpha * r_prev / r, O = acc * r / 256 / l.
+    acc_bits: model the tensor core's reduced-precision accumulation (`_mma_trunc`) and
+    ex2.approx's 2^-22 relative error. bug: inject a known indexing bug (error-check tests):
+    "v_at_cu" (V^T tiles at cu_seqlens: the pre-fix layout), "mask_off_by_one", "sk_shift".
+    """
+    T, H, D = qq.data_td.shape
+    out = torch.full((T, H, D), float("nan"))
+    lse = torch.full((H, T), float("nan"))
+    qc, kc, ktc = qq.data_td.float(), kq.data_td.float(), kt.data_td.float()
+    vc, vtc = vq.data_dt.float(), vt.data_dt.float()
+    T_dt = vc.shape[2]
+    c = cu.tolist()
+    dtc = (cu if bug == "v_at_cu" else dt_cu_seqlens(cu)).tolist()
+    mm = (lambda x, y: x @ y) if acc_bits is None else (lambda x, y: _mma_trunc(x, y, acc_bits))
+    gen = torch.Generator().manual_seed(seed)
+    nblk = (max(b - a for a, b in zip(c[:-1], c[1:], strict=True)) + 127) // 128
+    rows = torch.arange(128)
+    col = torch.arange(128)
+    for doc in range(len(c) - 1):
+        ds, dl, dts = c[doc], c[doc + 1] - c[doc], dtc[doc]
+        for bx in range(nblk):
+            m = nblk - 1 - bx
+            if not m * 128 < dl:
+                continue
+            for h in range(H):
+                kh = h // group
+                rowg = ds + m * 128 + rows
+                valid = (m * 128 + rows) < dl
+                Q = torch.zeros(128, D)
+                inb = rowg < T
+                Q[inb] = qc[rowg[inb], h]
+                sq = torch.where(valid, qq.scale[h, rowg.clamp(max=T - 1)], torch.ones(128))
+                rs = sq * (scale * math.log2(math.e))
+                M = torch.full((128,), -math.inf)
+                L = torch.zeros(128)
+                R = torch.ones(128)
+                acc = torch.zeros(128, D)
+                for i in range(m + 1):
+                    n = m - i
+                    use_tok = i == 0 and diag_copy
+                    keys = ds + n * 128 + col
+                    K = torch.zeros(128, D)
+                    kin = keys < T
+                    K[kin] = (ktc if use_tok else kc)[keys[kin], kh]
+                    # the V^T box: columns past T_dt are TMA zero fill; inside they are the
+                    # document, zero pad or the next document: finite, never uninitialized
+                    v0 = dts + n * 128
+                    assert v0 % DT_DOC_ALIGN == 0 or bug == "v_at_cu", "TMA box must start 16-byte aligned"
+                    V = (vtc if use_tok else vc)[kh][:, v0 : v0 + 128]
+                    V = torch.nn.functional.pad(V, (0, 128 - V.shape[1])).t()
+                    assert v0 < T_dt and torch.isfinite(V).all()
+                    kvis = (n * 128 + col) < dl
+                    skeys = (keys + 1) if bug == "sk_shift" else keys
+                    sk = torch.where(kvis, (kt if use_tok else kq).scale[kh, skeys.clamp(max=T - 1)], 0.0)
+                    sv = torch.where(kvis, (vt if use_tok else vq).scale[kh, keys.clamp(max=T - 1)], 0.0)
+                    S = mm(Q, K.t()) * sk[None, :]
+                    W = sv[None, :].expand(128, 128).clone()
+                    if i == 0:
+                        shift = 1 if bug == "mask_off_by_one" else 0
+                        mask = (col[None, :] > rows[:, None] + shift) | (col[None, :] >= dl - n * 128)
+                        S = S.masked_fill(mask, -math.inf)
+                        W = W.masked_fill(mask, 0.0)
+                    m_new = torch.maximum(M, S.amax(1) * rs)
+                    m_safe = torch.where(m_new == -math.inf, 0.0, m_new)
+                    alpha = torch.exp2(M - m_safe)
+                    r = torch.where(W.amax(1) == 0, 1.0, W.amax(1))
+                    P = torch.exp2(S * rs[:, None] - m_safe[:, None])
+                    if acc_bits is not None:
+                        P = P * (1 + 2.0**-22 * (2 * torch.rand(P.shape, generator=gen) - 1))
+                    L = L * alpha + P.sum(1)
+                    P8 = _e4m3(P * (sv[None, :] * (256.0 / r)[:, None]))
+                    # masked keys: P = 0 exactly (exp2(-inf) = 0, times a zero V scale)
+                    if i == 0:
+                        assert (P8[mask] == 0).all()
+                    acc = acc * (alpha * (R / r))[:, None] + mm(P8, V)
+                    M, R = m_new, r
+                f = torch.where(L > 0, (R / 256.0) / L, 0.0)
+                ls = torch.where(L > 0, (M + torch.log2(L)) * math.log(2), -math.inf)
+                out[rowg[valid], h] = (acc * f[:, None])[valid]
+                lse[h, rowg[valid]] = ls[valid]
+    return out.to(torch.bfloat16), lse
+
+
+def _quantized(q, k, v, cu, block):
+    qq = quantize_thd(q, cu, 1)
+    kq, vq = quantize_thd(k, cu, block), quantize_thd(v, cu, block)
+    kt, vt = (quantize_thd(k, cu, 1), quantize_thd(v, cu, 1)) if block > 1 else (kq, vq)
+    return qq, kq, vq, kt, vt
+
+
+def _errors(out, lse, eo, else_, cu):
+    """Error statistics of (out, lse) against the emulator: whole batch and per document."""
+    out, eo = out.float().cpu(), eo.float().cpu()
+    lse, else_ = lse.cpu(), else_.cpu()
+    res = {"rel_l2": rel_l2(out, eo), "doc_rel_l2": 0.0, "doc_max_abs": 0.0, "lse": 0.0, "nan": 0}
+    res["nan"] = int(torch.isnan(out).sum() + torch.isnan(lse).sum())
+    res["inf_pattern"] = torch.equal(torch.isinf(lse), torch.isinf(else_))
+    fin = torch.isfinite(else_)
+    if fin.any():
+        res["lse"] = (lse[fin] - else_[fin]).abs().max().item()
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        if e > s:
+            res["doc_rel_l2"] = max(res["doc_rel_l2"], rel_l2(out[s:e], eo[s:e]))
+            ref = eo[s:e].abs().max().clamp_min(1e-30)
+            res["doc_max_abs"] = max(res["doc_max_abs"], ((out[s:e] - eo[s:e]).abs().max() / ref).item())
+    return res
+
+
+def _violations(res):
+    """Which tolerances the statistics break (empty: the kernel agrees with the emulator)."""
+    bad = []
+    if res["nan"]:
+        bad.append(f"{res['nan']} NaN outputs")
+    if not res["inf_pattern"]:
+        bad.append("LSE -inf pattern differs")
+    for key, tol in (("rel_l2", O_REL_L2_TOL), ("doc_rel_l2", O_DOC_REL_L2_TOL), ("doc_max_abs", O_MAX_ABS_TOL),
+                     ("lse", LSE_ABS_TOL)):
+        if not res[key] < tol:  # NaN fails too
+            bad.append(f"{key} {res[key]:.3e} >= {tol:.0e}")
+    return bad
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize(
+    "lengths, H, Hk, D",
+    [([1, 127, 128, 129, 300, 0, 33], 2, 1, 64), ([257, 5, 130], 4, 2, 128), ([8, 300, 4, 131, 1, 16], 2, 2, 64)],
+)
+def test_tile_model_matches_emulator(recipe, lengths, H, Hk, D):
+    q, k, v, _, cu, scale = make_inputs(lengths, heads_q=H, heads_kv=Hk, head_dim=D, seed=3)
+    block = RECIPES[recipe]
+    qz = _quantized(q, k, v, cu, block)
+    # the kernel's preconditions on the transposed layout: 16-aligned starts, room for each document
+    dtc = dt_cu_seqlens(cu)
+    assert qz[2].data_dt.shape[2] == transposed_tokens(q.shape[0], len(lengths)) and int(dtc[-1]) <= qz[2].data_dt.shape[2]
+    assert (dtc % DT_DOC_ALIGN == 0).all() and ((dtc[1:] - dtc[:-1]) >= (cu[1:] - cu[:-1])).all()
+    o, lse = _kernel_model(*qz, cu, scale, H // Hk, block > 1)
+    eo, else_, _ = emulate_forward(q, k, v, cu, cu, scale, True, Recipe.from_name(recipe))
+    assert not torch.isnan(o.float()).any() and not torch.isnan(lse).any(), "a row was never written"
+    assert rel_l2(o.float(), eo.float()) < 1e-4
+    assert torch.equal(torch.isinf(lse), torch.isinf(else_))
+    fin = torch.isfinite(else_)
+    assert (lse[fin] - else_[fin]).abs().max() < 1e-5
+
+
+ERR_LENGTHS = [1, 127, 128, 129, 300, 0, 33]
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_error_model_within_tolerances(recipe):
+    """The tensor-core accumulation model (13 bits: pessimistic) stays within half the GPU bounds."""
+    q, k, v, _, cu, scale = make_inputs(ERR_LENGTHS, heads_q=2, heads_kv=2, head_dim=64, seed=1)
+    block = RECIPES[recipe]
+    eo, else_, _ = emulate_forward(q, k, v, cu, cu, scale, True, Recipe.from_name(recipe))
+    o, lse = _kernel_model(*_quantized(q, k, v, cu, block), cu, scale, 1, block > 1, acc_bits=13)
+    res = _errors(o, lse, eo, else_, cu)
+    assert res["rel_l2"] > 1e-3, "the model should reproduce the measured error level"
+    half = {k_: v_ / 2 for k_, v_ in (("rel_l2", O_REL_L2_TOL), ("doc_rel_l2", O_DOC_REL_L2_TOL),
+                                      ("doc_max_abs", O_MAX_ABS_TOL), ("lse", LSE_ABS_TOL))}
+    assert all(res[k_] < v_ for k_, v_ in half.items()) and not _violations(res), res
+
+
+@pytest.mark.parametrize("bug", ["v_at_cu", "mask_off_by_one", "sk_shift"])
+def test_error_checks_catch_index_bugs(bug):
+    """Each indexing bug we met or could plausibly make breaks the GPU checks by a wide margin."""
+    q, k, v, _, cu, scale = make_inputs(ERR_LENGTHS, heads_q=2, heads_kv=2, head_dim=64, seed=1)
+    eo, else_, _ = emulate_forward(q, k, v, cu, cu, scale, True, Recipe.from_name("fp8_token"))
+    o, lse = _kernel_model(*_quantized(q, k, v, cu, 1), cu, scale, 1, False, bug=bug)
+    assert _violations(_errors(o, lse, eo, else_, cu)), f"{bug} passes the checks"
+
+
+@needs_dsl
+def test_quad_transpose4_on_lane_model():
+    """The epilogue's quad transpose (the kernel's own code) run on a 32-lane model."""
+    lane = torch.arange(32)
+    t = lane % 4
+    w = [lane * 16 + j for j in range(4)]  # word j of lane l: 16 l + j
+    out = quad_transpose4(w, t % 2 == 1, t >= 2, lambda x, k: x[lane ^ k], torch.where)
+    for i in range(4):
+        # lane l (index t in its quad) gets word t of quad lane i
+        assert torch.equal(out[i], (lane - t + i) * 16 + t), i
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------
+
+LENGTHS = [1, 127, 128, 129, 1000, 0, 4096, 33]
+
+
+def _run_kernel(q, k, v, cu, scale, recipe, poison=False):
+    """Quantize with the reference quantizer on q's device, run the kernel; (out, lse)."""
+    block = RECIPES[recipe]
+    dev = q.device
+    cu = cu.to(dev)
+    qq = quantize_thd(q, cu, 1)
+    kq, vq = quantize_thd(k, cu, block), quantize_thd(v, cu, block)
+    kt = vt = None
+    if block > 1:
+        kt, vt = quantize_thd(k, cu, 1), quantize_thd(v, cu, 1)
+    lens = (cu[1:] - cu[:-1]).tolist()
+    cfg = FwdConfig(head_dim=q.shape[2], qhead_per_kvhead=q.shape[1] // k.shape[1], diagonal_copy=block > 1)
+    out, lse = flamia_fwd_sm90(
+        qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale,
+        kt.data_td if kt else None, kt.scale if kt else None, vt.data_dt if vt else None, vt.scale if vt else None,
+        cu, max(lens) if lens else 0, scale, cfg, poison_outputs=poison, dt_cu_seqlens=dt_cu_seqlens(cu),
+    )
+    return out, lse
+
+
+def _check_gpu(lengths, recipe, head_dim, H, Hk, seed):
+    q, k, v, _, cu, scale = make_inputs(lengths, heads_q=H, heads_kv=Hk, head_dim=head_dim, seed=seed, device="cuda")
+    out, lse = _run_kernel(q, k, v, cu, scale, recipe, poison=True)
+    torch.cuda.synchronize()
+    # every element written (outputs were NaN-poisoned before the launch)
+    eo, else_, _ = emulate_forward(q, k, v, cu, cu, scale, True, Recipe.from_name(recipe))
+    res = _errors(out, lse, eo, else_, cu.cpu())
+    assert not _violations(res), res
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("head_dim, H, Hk", [(128, 2, 2), (64, 4, 2), (128, 4, 1)])
+def test_gpu_matches_emulator(recipe, head_dim, H, Hk):
+    _check_gpu(LENGTHS, recipe, head_dim, H, Hk, seed=1)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("lengths", [[8, 300], [4, 300], [1, 127], [300, 300], [16, 300], [3, 5, 7, 200, 129]])
+def test_gpu_unaligned_document_starts(recipe, lengths):
+    """Documents starting at tokens that are not multiples of 16 (the V^T TMA box alignment fault)."""
+    _check_gpu(lengths, recipe, 128, 2, 2, seed=4)
+
+
+@pytest.mark.gpu
+@needs_dsl
+def test_gpu_single_long_document():
+    q, k, v, _, cu, scale = make_inputs([3000], heads_q=2, heads_kv=1, head_dim=128, seed=5, device="cuda")
+    out, lse = _run_kernel(q, k, v, cu, scale, "fp8_tokenblock")
+    eo, else_, _ = emulate_forward(q, k, v, cu.cuda(), cu.cuda(), scale, True, Recipe.from_name("fp8_tokenblock"))
+    res = _errors(out, lse, eo, else_, cu.cpu())
+    assert not _violations(res), res
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_gpu_leakage(recipe):
+    q, k, v, _, cu, scale = make_inputs([300, 700, 129, 1], heads_q=4, heads_kv=2, head_dim=128, seed=7)
+
+    def fn(q_, k_, v_, cu_, dout=None):
+        out, lse = _run_kernel(q_.cuda(), k_.cuda(), v_.cuda(), cu_.cuda(), scale, recipe)
+        return {"out": out.cpu(), "lse": lse.cpu()}
+
+    rep = check_leakage(fn, q, k, v, cu)
+    assert rep.ok, str(rep)
+    # the cut inside the diagonal tile's own 128-token block exercises the per-token copy
+    rep = check_leakage(fn, q, k, v, cu, doc=1, cut=200 + 1)
+    assert rep.ok, str(rep)
+
+
+@pytest.mark.gpu
+@needs_dsl
+def test_gpu_empty_and_tiny_batches():
+    for lengths in ([0, 1], [1], [0, 0, 5]):
+        q, k, v, _, cu, scale = make_inputs(lengths, heads_q=2, heads_kv=2, head_dim=64, seed=2, device="cuda")
+        out, lse = _run_kernel(q, k, v, cu, scale, "fp8_token", poison=True)
+        eo, else_, _ = emulate_forward(q, k, v, cu.cuda(), cu.cuda(), scale, True, Recipe.from_name("fp8_token"))
+        res = _errors(out, lse, eo, else_, cu.cpu())
+        assert not _violations(res), (lengths, res)
+
+
+def test_cu_helper_consistent():
+    assert cu_seqlens_from_lengths([3, 0, 2]).tolist() == [0, 3, 3, 5]
