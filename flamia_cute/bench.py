@@ -239,12 +239,16 @@ def bench_case(case: Case, impl: Impl, modes, reps: int) -> list[dict]:
         times = {"fwd": fwd_ms, "fwdbwd": fb_ms, "bwd": fb_ms - fwd_ms}
         peak = _peak_mb(lambda: run(0, "fwdbwd"), dev)
     else:
-        leaves = [tuple(t.detach().clone().requires_grad_(j < 3) for j, t in enumerate(s)) for s in case.sets]
+        grads = any(m != "fwd" for m in modes)
+        leaves = [tuple(t.detach().clone().requires_grad_(grads and j < 3) for j, t in enumerate(s))
+                  for s in case.sets]
         q, k, v, do = leaves[0]
         out = impl.forward(case, q, k, v)
-        (dq,) = torch.autograd.grad(out, (q,), do)
-        err_o, err_dq = rel_l2(out[sl, hs], ref_o), rel_l2(dq[sl, hs], ref_dq)
-        graphs = [impl.forward(case, *s[:3]) for s in leaves]
+        err_o, err_dq = rel_l2(out[sl, hs], ref_o), float("nan")
+        if grads:
+            (dq,) = torch.autograd.grad(out, (q,), do)
+            err_dq = rel_l2(dq[sl, hs], ref_dq)
+        graphs = [impl.forward(case, *s[:3]) for s in leaves] if "bwd" in modes else []
 
         def fwd(i):
             with torch.no_grad():
@@ -259,7 +263,7 @@ def bench_case(case: Case, impl: Impl, modes, reps: int) -> list[dict]:
 
         times = {m: _time_calls({"fwd": fwd, "bwd": bwd, "fwdbwd": fwdbwd}[m], n, dev, reps=reps) for m in modes}
         del graphs
-        peak = _peak_mb(lambda: fwdbwd(0), dev)
+        peak = _peak_mb(lambda: fwdbwd(0) if grads else fwd(0), dev)
     flops = causal_flops(case.lengths, case.heads_q, case.head_dim)
     flops_b = causal_flops(case.lengths, case.heads_q, case.head_dim, backward=True)
     per_mode = {"fwd": flops, "bwd": flops_b, "fwdbwd": flops + flops_b}
@@ -347,9 +351,9 @@ def summarize(rows, env, csv_path=None, png_path=None):
         print(errs.to_string(float_format=lambda x: f"{x:.2e}"))
         if png_path:
             _plot(table, png_path)
-    skipped = df[df.get("skipped").notna()] if "skipped" in df else df.iloc[0:0]
-    for (impl, why), _ in skipped.groupby(["impl", "skipped"]):
-        print(f"skipped {impl}: {why}")
+    if "skipped" in df:
+        for (impl, why), _ in df[df["skipped"].notna()].groupby(["impl", "skipped"]):
+            print(f"skipped {impl}: {why}")
     return df
 
 

@@ -1,17 +1,25 @@
 """Fused FP8 (e4m3) quantization of packed THD tensors for Hopper (sm_90a).
 
 One pass over x (T, H, D) bf16 writes, bit-exactly as `quant.quantize_thd`:
-  set 0: data_td (T,H,D), data_dt (H,D,T_pad), scale (H,T) with block_tokens = B;
+  set 0: data_td (T,H,D), data_dt (H,D,T_dt), scale (H,T) with block_tokens = B;
   set 1 (optional, `emit_token_copy`): the same three with block_tokens = 1.
+data_dt has T_dt = quant.transposed_tokens(T, docs) columns; document b starts at column
+quant.dt_cu_seqlens(cu)[b] (a multiple of 16), and columns without a token are 0.
 
-Work decomposition. One CTA per (document-local chunk of 128 tokens, head group
-of HG heads). A chunk starting at token s is processed in a 144-token window
-starting at s0 = s - s % 16: window slot tau <-> token s0 + tau, and slots
-outside [s, s + n) are masked. Aligning the window to 16 tokens makes every
-16-token group of data_dt a 16-byte aligned segment, so the transposed copy is
-written with 16-byte stores even when documents start at arbitrary tokens; only
-the (at most two) segments a chunk shares with a neighbouring chunk fall back
-to byte stores. Warp w (9 warps) owns window slots [16w, 16w + 16).
+Work decomposition. One CTA per (document-local chunk of 128 tokens, head group of HG
+heads); warp w (8 warps) owns chunk tokens [16w, 16w + 16). A chunk starts at a document
+start plus a multiple of 128, so in data_dt it starts at a multiple of 16 columns: every
+16-token group is one aligned 16-byte segment, written with one 16-byte store, tokens past
+the chunk as 0 (that is how the last chunk of a document writes the document's pad columns).
+
+Scheduling without a table. The grid has chunk_grid_slots(T, docs) = T // 128 + docs + 1
+CTAs per head group, an upper bound from shapes alone. Each CTA scans cu_seqlens itself:
+thread t sums ceil(len/128) and round_up(len, 16) over its ceil(docs/256) documents, a
+block-wide exclusive scan (warp shfl.up, then the 8 warp totals through shared memory)
+gives every thread its documents' first chunk and first data_dt column, and the thread
+owning chunk `blockIdx.x` publishes (start token, length, data_dt column). CTAs past the
+last chunk are spare: they zero the tail columns [dt_total, T_dt) in 128-column blocks.
+(`schedules.varlen_chunks.locate_chunk_model` is this index math in Python.)
 
 Thread mapping. A thread owns "slots" (quad, hl, j): 4 consecutive tokens
 4*quad .. 4*quad+3 of its warp's group, head hl of the group, and the 16
@@ -19,10 +27,11 @@ consecutive elements 16j .. 16j+15 of the head dim. So it issues 16-byte
 loads (2 per token), 16-byte stores of data_td (1 per token), and holds a
 4-token x 16-dim block that turns into 16 words of data_dt (4 tokens each)
 with byte permutes. The L = D/16 lanes of a token reduce its amax with
-shuffles; block amax goes through shared memory (one value per warp).
+shuffles; block amax goes through shared memory (one value per warp: 16 | B,
+so a warp's tokens lie in one scale block).
 
-Shared memory. The transposed tile of a set is [HG*D rows][9 segments][16 B].
-Segment g of row r sits at slot (g + r // 16) % 9: the lanes of a warp store
+Shared memory. The transposed tile of a set is [HG*D rows][8 segments][16 B].
+Segment g of row r sits at slot (g + r // 16) % 8: the lanes of a warp store
 rows 16 apart, and without the rotation they would all hit one bank.
 """
 
@@ -42,17 +51,18 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint8, Uint32, const_expr
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint32, const_expr
 from cutlass._mlir.dialects import arith, llvm
 
-from .quant import TOKEN_PAD, QuantizedTHD, round_up
-from .schedules.varlen_chunks import build_varlen_chunks, max_chunks
+from .quant import DT_DOC_ALIGN, TOKEN_PAD, QuantizedTHD, transposed_tokens
+from .schedules.varlen_chunks import chunk_grid_slots
 
 TILE_TOKENS = 128
 GROUP_TOKENS = 16  # tokens per warp and per data_dt segment (16 fp8 = 16 bytes)
-WINDOW_GROUPS = TILE_TOKENS // GROUP_TOKENS + 1  # 9: one extra group for the s % 16 shift
-NUM_WARPS = WINDOW_GROUPS
-NUM_THREADS = 32 * NUM_WARPS  # 288
+TILE_GROUPS = TILE_TOKENS // GROUP_TOKENS  # 8 segments of 16 tokens per chunk
+NUM_WARPS = TILE_GROUPS
+NUM_THREADS = 32 * NUM_WARPS  # 256
+assert DT_DOC_ALIGN == GROUP_TOKENS, "a document's first data_dt column must start a 16-byte segment"
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_BLOCK_TOKENS = (1, 64, 128)
 
@@ -85,7 +95,7 @@ class QuantizeConfig:
         if self.tile_tokens != TILE_TOKENS:
             bad("tile_tokens", f"only {TILE_TOKENS} is supported (the data_dt pad and block 128), got {self.tile_tokens}")
         if self.threads not in (0, NUM_THREADS):
-            bad("threads", f"the 144-token window needs {NUM_THREADS} threads (9 warps), got {self.threads}")
+            bad("threads", f"the 128-token chunk needs {NUM_THREADS} threads (8 warps), got {self.threads}")
         object.__setattr__(self, "threads", NUM_THREADS)
         hg = self.heads_per_cta or _auto_heads_per_cta(self.head_dim, self.num_heads)
         if hg & (hg - 1):
@@ -103,8 +113,8 @@ class QuantizeConfig:
 
     @property
     def smem_bytes(self) -> int:
-        tile = self.heads_per_cta * self.head_dim * WINDOW_GROUPS * GROUP_TOKENS if self.emit_transposed else 0
-        return self.num_sets * tile + NUM_WARPS * 2 * self.heads_per_cta * 4 + 64
+        tile = self.heads_per_cta * self.head_dim * TILE_GROUPS * GROUP_TOKENS if self.emit_transposed else 0
+        return self.num_sets * tile + NUM_WARPS * self.heads_per_cta * 4 + NUM_WARPS * 2 * 4 + 16 + 64
 
 
 def _auto_heads_per_cta(head_dim: int, num_heads: int) -> int:
@@ -176,13 +186,12 @@ class FusedQuantizeSm90:
         self.slots = 4 * self.HG * self.L  # (quad, hl, j) slots per warp
         self.spt = max(1, self.slots // 32)  # slots per thread
         self.rows = self.HG * self.D  # rows of the transposed tile
-        self.nblk = TILE_TOKENS // self.B if self.B > 1 else 0  # scale blocks per chunk
 
     @cute.jit
     def __call__(
         self,
         x_ptr: cute.Pointer,
-        chunks_ptr: cute.Pointer,
+        cu_ptr: cute.Pointer,
         td0_ptr: cute.Pointer,
         dt0_ptr: cute.Pointer,
         sc0_ptr: cute.Pointer,
@@ -190,18 +199,19 @@ class FusedQuantizeSm90:
         dt1_ptr: cute.Pointer,
         sc1_ptr: cute.Pointer,
         num_tokens: Int32,
-        padded_tokens: Int32,
-        num_chunks: Int32,
+        dt_tokens: Int32,
+        num_docs: Int32,
+        grid_slots: Int32,
         stream: cuda.CUstream,
     ):
         D, H = self.D, self.H
         T = num_tokens
-        Tp = cute.assume(padded_tokens, divby=TOKEN_PAD)
+        Tdt = cute.assume(dt_tokens, divby=TOKEN_PAD)
         thd = cute.make_layout((T, H, D), stride=(H * D, D, 1))
-        hdt = cute.make_layout((H, D, Tp), stride=(D * Tp, Tp, 1))
+        hdt = cute.make_layout((H, D, Tdt), stride=(D * Tdt, Tdt, 1))
         ht = cute.make_layout((H, T), stride=(T, 1))
         mX = cute.make_tensor(x_ptr, thd)
-        mChunks = cute.make_tensor(chunks_ptr, cute.make_layout((num_chunks, 2), stride=(2, 1)))
+        mCu = cute.make_tensor(cu_ptr, cute.make_layout((num_docs + 1,)))
         outs = []
         for s_i, (td, dt, sc) in enumerate(((td0_ptr, dt0_ptr, sc0_ptr), (td1_ptr, dt1_ptr, sc1_ptr))):
             if const_expr(s_i < self.cfg.num_sets):
@@ -209,8 +219,10 @@ class FusedQuantizeSm90:
                 outs.append((cute.make_tensor(td, thd), mDT, cute.make_tensor(sc, ht)))
             else:
                 outs.append((None, None, None))
-        self.kernel(mX, mChunks, outs[0][0], outs[0][1], outs[0][2], outs[1][0], outs[1][1], outs[1][2], T, Tp).launch(
-            grid=[num_chunks, H // self.HG, 1],
+        self.kernel(
+            mX, mCu, outs[0][0], outs[0][1], outs[0][2], outs[1][0], outs[1][1], outs[1][2], Tdt, num_docs, grid_slots
+        ).launch(
+            grid=[grid_slots, H // self.HG, 1],
             block=[NUM_THREADS, 1, 1],
             stream=stream,
         )
@@ -219,15 +231,16 @@ class FusedQuantizeSm90:
     def kernel(
         self,
         mX: cute.Tensor,
-        mChunks: cute.Tensor,
+        mCu: cute.Tensor,
         mTD0: cute.Tensor,
         mDT0: cute.Tensor,
         mS0: cute.Tensor,
         mTD1: cute.Tensor,
         mDT1: cute.Tensor,
         mS1: cute.Tensor,
-        T: Int32,
-        Tp: Int32,
+        Tdt: Int32,
+        num_docs: Int32,
+        grid_slots: Int32,
     ):
         D, HG, L, B, SPT = self.D, self.HG, self.L, self.B, self.spt
         NSETS = self.cfg.num_sets
@@ -238,25 +251,81 @@ class FusedQuantizeSm90:
         lane = tidx % 32
 
         smem = cutlass.memory.SmemAllocator()
-        sAmax = smem.allocate_tensor(Int32, cute.make_layout((NUM_WARPS, 2, HG), stride=(2 * HG, HG, 1)), 16)
+        sAmax = smem.allocate_tensor(Int32, cute.make_layout((NUM_WARPS, HG), stride=(HG, 1)), 16)
+        sScan = smem.allocate_tensor(Int32, cute.make_layout((NUM_WARPS, 2), stride=(2, 1)), 16)
+        sInfo = smem.allocate_tensor(Int32, cute.make_layout((4,)), 16)
         tiles = []
         for _s in cutlass.range_constexpr(NSETS):
             if const_expr(TRANS):
                 tiles.append(
                     smem.allocate_tensor(
                         Uint32,
-                        cute.make_layout((self.rows, WINDOW_GROUPS, 4), stride=(WINDOW_GROUPS * 4, 4, 1)),
+                        cute.make_layout((self.rows, TILE_GROUPS, 4), stride=(TILE_GROUPS * 4, 4, 1)),
                         16,
                     )
                 )
             else:
                 tiles.append(None)
 
-        start = mChunks[cta, 0]
-        n = mChunks[cta, 1]
-        if n > 0:
-            end = start + n
-            s0 = start - (start & 15)
+        # ---- which chunk is this CTA's: block-wide scan over documents (no table) ---------
+        # Thread t owns documents [t*k, t*k + k); a chunk is `cta`-th in (document, position)
+        # order, and a document's first data_dt column is the sum of the earlier documents'
+        # lengths rounded up to DT_DOC_ALIGN (quant.dt_cu_seqlens).
+        nd = num_docs
+        k = (nd + NUM_THREADS - 1) // NUM_THREADS
+        d0 = tidx * k
+        my_c = Int32(0)
+        my_p = Int32(0)
+        for i in cutlass.range(k):
+            b = d0 + i
+            if b < nd:
+                ln = mCu[b + 1] - mCu[b]
+                my_c = my_c + ((ln + TILE_TOKENS - 1) >> 7)
+                my_p = my_p + ((ln + DT_DOC_ALIGN - 1) & -DT_DOC_ALIGN)
+        inc_c = my_c
+        inc_p = my_p
+        for sh in cutlass.range_constexpr(5):
+            up_c = cute.arch.shuffle_sync_up(inc_c, offset=1 << sh)
+            up_p = cute.arch.shuffle_sync_up(inc_p, offset=1 << sh)
+            inc_c = inc_c + _select(lane >= (1 << sh), up_c, Int32(0))
+            inc_p = inc_p + _select(lane >= (1 << sh), up_p, Int32(0))
+        if lane == 31:
+            sScan[warp, 0] = inc_c
+            sScan[warp, 1] = inc_p
+        cute.arch.sync_threads()
+        ex_c = inc_c - my_c
+        ex_p = inc_p - my_p
+        tot_c = Int32(0)
+        tot_p = Int32(0)
+        for w2 in cutlass.range_constexpr(NUM_WARPS):
+            vc = sScan[w2, 0]
+            vp = sScan[w2, 1]
+            ex_c = ex_c + _select(warp > w2, vc, Int32(0))
+            ex_p = ex_p + _select(warp > w2, vp, Int32(0))
+            tot_c = tot_c + vc
+            tot_p = tot_p + vp
+        if (cta >= ex_c) & (cta < ex_c + my_c):
+            c_acc = ex_c
+            p_acc = ex_p
+            for i in cutlass.range(k):
+                b = d0 + i
+                if b < nd:
+                    s_b = mCu[b]
+                    ln = mCu[b + 1] - s_b
+                    nch = (ln + TILE_TOKENS - 1) >> 7
+                    if (cta >= c_acc) & (cta < c_acc + nch):
+                        loc = (cta - c_acc) * TILE_TOKENS
+                        sInfo[0] = s_b + loc
+                        sInfo[1] = Int32(cutlass.min(ln - loc, Int32(TILE_TOKENS)))
+                        sInfo[2] = p_acc + loc
+                    c_acc = c_acc + nch
+                    p_acc = p_acc + ((ln + DT_DOC_ALIGN - 1) & -DT_DOC_ALIGN)
+        cute.arch.sync_threads()
+
+        if cta < tot_c:
+            start = sInfo[0]
+            n = sInfo[1]
+            dcol = sInfo[2]  # data_dt column of token `start`: a multiple of 16
             # lane fields; hl is lane-only because HG*L divides 32
             j = lane % L
             hl = (lane // L) % HG
@@ -267,58 +336,54 @@ class FusedQuantizeSm90:
             st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float8E4M3FN, num_bits_per_copy=128)
             w_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=128)
 
-            # ---- load: SPT slots x 4 tokens x 16 bf16; masked tokens read as 0 --------------
+            # ---- load: SPT slots x 4 tokens x 16 bf16; tokens past the chunk read as 0 -----
             rx = []
-            tok = []
+            tau = []
             valid = []
             tamax = []
             for i in cutlass.range_constexpr(SPT):
                 quad = (lane + 32 * i) // (L * HG)
                 for p in cutlass.range_constexpr(4):
-                    t = s0 + 16 * warp + 4 * quad + p
-                    ok = (t >= start) & (t < end) & active
+                    ta = 16 * warp + 4 * quad + p  # token of the chunk
+                    ok = (ta < n) & active
                     frag = cute.make_rmem_tensor(16, BFloat16)
                     frag.fill(0.0)
                     if ok:
-                        cute.copy(ld_atom, cute.local_tile(mX[t, head, None], (16,), (j,)), frag)
+                        cute.copy(ld_atom, cute.local_tile(mX[start + ta, head, None], (16,), (j,)), frag)
                     rx.append(frag)
-                    tok.append(t)
+                    tau.append(ta)
                     valid.append(ok)
             # ---- per-token amax on |x| bits (integer max: NaN > inf > finite) ---------------
             for it in cutlass.range_constexpr(SPT * 4):
                 words = cute.recast_tensor(rx[it], Uint32)
                 m = Uint32(0)
-                for k in cutlass.range_constexpr(8):
-                    w = words[k] & Uint32(0x7FFF7FFF)
+                for kk in cutlass.range_constexpr(8):
+                    w = words[kk] & Uint32(0x7FFF7FFF)
                     m = Uint32(cutlass.max(m, Uint32(cutlass.max(w & Uint32(0xFFFF), w >> 16))))
                 a = Int32(m) << 16  # bf16 |x| bits -> fp32 |x| bits
                 for off in cutlass.range_constexpr(int(math.log2(L))):
                     a = _imax(a, cute.arch.shuffle_sync_bfly(a, offset=1 << off))
                 tamax.append(a)
 
-            # ---- block amax: per warp in registers + shuffles, across warps in smem --------
+            # ---- block amax: a warp's 16 tokens lie in one block (16 | B); warps meet in smem
+            blk_amax = Int32(0)
             if const_expr(B > 1):
-                for b in cutlass.range_constexpr(self.nblk):
-                    acc = Int32(0)
-                    for it in cutlass.range_constexpr(SPT * 4):
-                        in_b = ((tok[it] - start) // B) == b  # masked tokens carry amax 0
-                        acc = _imax(acc, _select(in_b, tamax[it], Int32(0)))
-                    for sh in cutlass.range_constexpr(int(math.log2(32 // (L * HG)))):
-                        acc = _imax(acc, cute.arch.shuffle_sync_bfly(acc, offset=(L * HG) << sh))
-                    if (lane < L * HG) & (j == 0):
-                        sAmax[warp, b, hl] = acc
+                acc = tamax[0]
+                for it in cutlass.range_constexpr(1, SPT * 4):
+                    acc = _imax(acc, tamax[it])  # masked tokens carry amax 0
+                for sh in cutlass.range_constexpr(int(math.log2(32 // (L * HG)))):
+                    acc = _imax(acc, cute.arch.shuffle_sync_bfly(acc, offset=(L * HG) << sh))
+                if (lane < L * HG) & (j == 0):
+                    sAmax[warp, hl] = acc
                 cute.arch.sync_threads()
+                WPB = B // GROUP_TOKENS  # warps per scale block
+                w_first = (warp // WPB) * WPB
+                for q in cutlass.range_constexpr(WPB):
+                    blk_amax = _imax(blk_amax, sAmax[w_first + q, hl])
 
             # ---- scales, quantize, data_td, scale, transposed tile ---------------------------
-            blk_bits = []
-            if const_expr(B > 1):
-                for b in cutlass.range_constexpr(self.nblk):
-                    acc = Int32(0)
-                    for w2 in cutlass.range_constexpr(NUM_WARPS):
-                        acc = _imax(acc, sAmax[w2, b, hl])
-                    blk_bits.append(acc)
             # rows 16j .. 16j+15 of head hl share one rotated segment slot
-            slot_w = (warp + hl * L + j) % WINDOW_GROUPS
+            slot_w = (warp + hl * L + j) % TILE_GROUPS
             for i in cutlass.range_constexpr(SPT):
                 quad = (lane + 32 * i) // (L * HG)
                 # both sets are quantized per token while its fp32 values are live, so the
@@ -330,26 +395,21 @@ class FusedQuantizeSm90:
                     xf = rx[it].load().to(Float32)
                     for st in cutlass.range_constexpr(NSETS):
                         mTD = mTD0 if const_expr(st == 0) else mTD1
-                        if const_expr(B == 1 or st == 1):
-                            amax = tamax[it]
-                        elif const_expr(self.nblk == 1):
-                            amax = blk_bits[0]
-                        else:
-                            amax = _select(tok[it] - start >= B, blk_bits[1], blk_bits[0])
+                        amax = tamax[it] if const_expr(B == 1 or st == 1) else blk_amax
                         sb, ib = _pow2_scale_bits(amax)
                         sbits[st].append(sb)
                         q = cute.make_rmem_tensor(16, Float8E4M3FN)
                         q.store((xf * _as_f32(ib)).to(Float8E4M3FN))
                         if valid[it]:
-                            cute.copy(st_atom, q, cute.local_tile(mTD[tok[it], head, None], (16,), (j,)))
+                            cute.copy(st_atom, q, cute.local_tile(mTD[start + tau[it], head, None], (16,), (j,)))
                         qw = cute.recast_tensor(q, Uint32)
-                        # masked tokens must be 0 in the tile: they become data_dt pad bytes
+                        # tokens past the chunk must be 0 in the tile: they become data_dt pad bytes
                         zw = []
                         for m in cutlass.range_constexpr(4):
                             zw.append(_select(valid[it], qw[m], Uint32(0)))
                         qwords[st].append(zw)
-                t_j = s0 + 16 * warp + 4 * quad + j
-                write_scale = (j < 4) & (t_j >= start) & (t_j < end) & active
+                ta_j = 16 * warp + 4 * quad + j
+                write_scale = (j < 4) & (ta_j < n) & active
                 for st in cutlass.range_constexpr(NSETS):
                     mS = mS0 if const_expr(st == 0) else mS1
                     # scale: lane j < 4 of the token's lane group writes token 4*quad + j
@@ -357,7 +417,7 @@ class FusedQuantizeSm90:
                     for p in cutlass.range_constexpr(1, 4):
                         sel = _select(j == p, sbits[st][p], sel)
                     if write_scale:
-                        mS[head, t_j] = sel
+                        mS[head, start + ta_j] = sel
                     if const_expr(TRANS):
                         sT = tiles[st]
                         for m in cutlass.range_constexpr(4):
@@ -377,54 +437,53 @@ class FusedQuantizeSm90:
                                 for b in cutlass.range_constexpr(4):
                                     sT[hl * D + 16 * j + 4 * m + b, slot_w, quad] = tw[b]
 
-            # ---- transposed copy: 16-byte segments, byte stores at chunk edges, pad -------
+            # ---- transposed copy: whole 16-byte segments only --------------------------------
+            # Segment g holds chunk tokens 16g .. 16g+15 at columns dcol + 16g ..; it is written
+            # when it holds a token, tokens past the chunk as 0, so the last chunk of a document
+            # also writes the document's pad columns up to round_up(len, 16).
             if const_expr(TRANS):
                 cute.arch.sync_threads()
-                is_last = end == T
-                seg0 = start >> 4
+                seg0 = dcol >> 4
                 for st in cutlass.range_constexpr(NSETS):
                     mDT = mDT0 if const_expr(st == 0) else mDT1
                     sT = tiles[st]
-                    for mm in cutlass.range_constexpr(self.rows * WINDOW_GROUPS // NUM_THREADS):
+                    for mm in cutlass.range_constexpr(self.rows * TILE_GROUPS // NUM_THREADS):
                         e = tidx + NUM_THREADS * mm
-                        row = e // WINDOW_GROUPS
-                        g = e % WINDOW_GROUPS
-                        slot = (g + (row >> 4)) % WINDOW_GROUPS
-                        h = hgrp * HG + row // D
-                        d = row % D
-                        seg_lo = s0 + 16 * g
-                        lo = _imax(start, seg_lo)
-                        hi = Int32(cutlass.min(end, seg_lo + 16))
-                        # the last chunk also owns the pad bytes of the segment holding token T-1
-                        # (segments past it are the pad loop's; extending those would overrun Tp)
-                        hi = _select(is_last & (hi == T) & (lo < hi), seg_lo + 16, hi)
-                        if (lo == seg_lo) & (hi == seg_lo + 16):
+                        row = e // TILE_GROUPS
+                        g = e % TILE_GROUPS
+                        slot = (g + (row >> 4)) % TILE_GROUPS
+                        if GROUP_TOKENS * g < n:
                             src = sT[row, slot, None]
-                            dst = cute.recast_tensor(cute.local_tile(mDT[h, d, None], (16,), (seg0 + g,)), Uint32)
+                            dst = cute.recast_tensor(
+                                cute.local_tile(mDT[hgrp * HG + row // D, row % D, None], (16,), (seg0 + g,)), Uint32
+                            )
                             cute.copy(w_atom, src, dst)
-                        elif lo < hi:
-                            src8 = cute.recast_tensor(sT[row, slot, None], Uint8)
-                            dst8 = cute.recast_tensor(mDT[h, d, None], Uint8)
-                            for b in cutlass.range_constexpr(16):
-                                tb = seg_lo + b
-                                if (tb >= lo) & (tb < hi):
-                                    dst8[tb] = src8[b]
-                    if is_last:
-                        # whole pad segments [round_up(T, 16), Tp): at most 7 per row
-                        pad_seg0 = (T + 15) >> 4
-                        n_pad = (Tp >> 4) - pad_seg0
-                        zero = cute.make_rmem_tensor(4, Uint32)
-                        zero.fill(0)
-                        for mm in cutlass.range_constexpr((self.rows * 7 + NUM_THREADS - 1) // NUM_THREADS):
-                            ep = tidx + NUM_THREADS * mm
-                            prow = ep // 7
-                            pseg = ep % 7
-                            if (prow < self.rows) & (pseg < n_pad):
-                                pdst = cute.recast_tensor(
-                                    cute.local_tile(mDT[hgrp * HG + prow // D, prow % D, None], (16,), (pad_seg0 + pseg,)),
-                                    Uint32,
+        else:
+            # ---- spare CTA: zero the tail columns [dt_total, T_dt) of this head group -------
+            # dt_total (tot_p) is a multiple of 16 and T_dt of 128: whole 16-byte segments.
+            # Spare CTA s of S zeroes 128-column blocks s, s + S, ...
+            if const_expr(TRANS):
+                w_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=128)
+                zero = cute.make_rmem_tensor(4, Uint32)
+                zero.fill(0)
+                tail_seg0 = tot_p >> 4
+                end_seg = Tdt >> 4
+                n_blk = (Tdt - tot_p + TILE_TOKENS - 1) >> 7
+                for blk in cutlass.range(cta - tot_c, n_blk, grid_slots - tot_c):
+                    for mm in cutlass.range_constexpr(self.rows * TILE_GROUPS // NUM_THREADS):
+                        e = tidx + NUM_THREADS * mm
+                        row = e // TILE_GROUPS
+                        seg = tail_seg0 + blk * TILE_GROUPS + e % TILE_GROUPS
+                        if seg < end_seg:
+                            dst = cute.recast_tensor(
+                                cute.local_tile(mDT0[hgrp * HG + row // D, row % D, None], (16,), (seg,)), Uint32
+                            )
+                            cute.copy(w_atom, zero, dst)
+                            if const_expr(NSETS == 2):
+                                dst1 = cute.recast_tensor(
+                                    cute.local_tile(mDT1[hgrp * HG + row // D, row % D, None], (16,), (seg,)), Uint32
                                 )
-                                cute.copy(w_atom, zero, pdst)
+                                cute.copy(w_atom, zero, dst1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -441,13 +500,14 @@ def compile_fused_quantize_sm90(config: QuantizeConfig, arch: str = "sm_90a", ex
     op = FusedQuantizeSm90(config)
     args = (
         _fake_ptr(BFloat16),
-        _fake_ptr(Int32, 8),
-        _fake_ptr(Float8E4M3FN),
-        _fake_ptr(Float8E4M3FN),
         _fake_ptr(Int32, 4),
         _fake_ptr(Float8E4M3FN),
         _fake_ptr(Float8E4M3FN),
         _fake_ptr(Int32, 4),
+        _fake_ptr(Float8E4M3FN),
+        _fake_ptr(Float8E4M3FN),
+        _fake_ptr(Int32, 4),
+        Int32(0),
         Int32(0),
         Int32(0),
         Int32(0),
@@ -486,27 +546,32 @@ def fused_quantize_sm90(
 ) -> tuple[QuantizedTHD, QuantizedTHD | None]:
     """Quantize x (T, H, D) bf16 on the current stream; returns (block-scaled set, per-token set or None).
 
-    `chunks` is the table from `build_varlen_chunks(cu_seqlens, T)`; pass it when several operands
-    share cu_seqlens so it is built once. `debug_fill` (tests only) fills every output byte with
-    that value before the launch, so a byte the kernel fails to write shows up.
+    One kernel launch and no host sync: every CTA locates its chunk from cu_seqlens itself, so no
+    chunk table is built. `chunks` is accepted for compatibility and ignored. `debug_fill` (tests
+    only) fills every output byte with that value before the launch, so a byte the kernel fails
+    to write shows up.
     """
+    del chunks  # the kernel schedules itself from cu_seqlens
     if x.dim() != 3 or x.dtype != torch.bfloat16 or not x.is_cuda:
         raise ValueError("x must be a CUDA bf16 tensor of shape (T, H, D)")
     T, H, D = x.shape
     if (H, D) != (config.num_heads, config.head_dim):
         raise ValueError(f"x has (H, D) = {(H, D)}, config expects {(config.num_heads, config.head_dim)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens must be a 1-D tensor of num_docs + 1 prefix sums")
     x = x.contiguous()
     if x.data_ptr() % 16:
         raise ValueError("x must be 16-byte aligned")
-    Tp = round_up(max(T, 1), TOKEN_PAD)
-    if H * D * Tp >= 2**31:
-        raise ValueError("tensor too large for 32-bit indexing")
     dev = x.device
     num_docs = cu_seqlens.numel() - 1
+    Tdt = transposed_tokens(T, num_docs)
+    if H * D * Tdt >= 2**31 or T * H * D >= 2**31:
+        raise ValueError("tensor too large for 32-bit indexing")
+    cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
 
     def alloc():
         td = torch.empty(T, H, D, dtype=torch.float8_e4m3fn, device=dev)
-        dt = torch.empty(H, D, Tp, dtype=torch.float8_e4m3fn, device=dev) if config.emit_transposed else None
+        dt = torch.empty(H, D, Tdt, dtype=torch.float8_e4m3fn, device=dev) if config.emit_transposed else None
         sc = torch.empty(H, T, dtype=torch.float32, device=dev)
         return td, dt, sc
 
@@ -514,33 +579,41 @@ def fused_quantize_sm90(
     if debug_fill is not None:
         for t in (t for st in sets for t in st if t is not None):
             t.view(torch.uint8).fill_(debug_fill)
-    n_chunks = max_chunks(T, num_docs, TILE_TOKENS)
-    if T == 0 or n_chunks == 0:
-        for _, dt, _ in sets:
-            if dt is not None:
-                dt.zero_()
-    else:
-        if chunks is None:
-            chunks = build_varlen_chunks(cu_seqlens.to(dev), T, TILE_TOKENS)
-        if chunks.shape != (n_chunks, 2) or chunks.dtype != torch.int32:
-            raise ValueError(f"chunks must be an int32 ({n_chunks}, 2) table from build_varlen_chunks")
-        fn = get_compiled(config)
-        s1 = sets[1] if config.num_sets == 2 else (None, None, None)
-        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-        fn(
-            _ptr(x, BFloat16),
-            _ptr(chunks, Int32, 8),
-            _ptr(sets[0][0], Float8E4M3FN),
-            _ptr(sets[0][1], Float8E4M3FN),
-            _ptr(sets[0][2], Int32, 4),
-            _ptr(s1[0], Float8E4M3FN),
-            _ptr(s1[1], Float8E4M3FN),
-            _ptr(s1[2], Int32, 4),
-            Int32(T),
-            Int32(Tp),
-            Int32(n_chunks),
-            stream,
-        )
+    launch_fused_quantize_sm90(x, cu, config, sets)
     out0 = QuantizedTHD(sets[0][0], sets[0][1], sets[0][2], config.block_tokens, "e4m3")
     out1 = QuantizedTHD(*sets[1], 1, "e4m3") if config.num_sets == 2 else None
     return out0, out1
+
+
+def launch_fused_quantize_sm90(x: torch.Tensor, cu_seqlens: torch.Tensor, config: QuantizeConfig, sets) -> None:
+    """Launch into preallocated outputs: `sets` is [(data_td, data_dt or None, scale)] per set.
+
+    x must be contiguous, cu_seqlens int32 on x's device, data_dt of shape (H, D, transposed_tokens(T, docs)).
+    One kernel, no host sync (benchmarks time this to see the kernel alone).
+    """
+    T = x.shape[0]
+    num_docs = cu_seqlens.numel() - 1
+    Tdt = transposed_tokens(T, num_docs)
+    if T == 0 or num_docs == 0:
+        for _, dt, _ in sets:
+            if dt is not None:
+                dt.zero_()
+        return
+    fn = get_compiled(config)
+    s1 = sets[1] if config.num_sets == 2 else (None, None, None)
+    stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
+    fn(
+        _ptr(x, BFloat16),
+        _ptr(cu_seqlens, Int32, 4),
+        _ptr(sets[0][0], Float8E4M3FN),
+        _ptr(sets[0][1], Float8E4M3FN),
+        _ptr(sets[0][2], Int32, 4),
+        _ptr(s1[0], Float8E4M3FN),
+        _ptr(s1[1], Float8E4M3FN),
+        _ptr(s1[2], Int32, 4),
+        Int32(T),
+        Int32(Tdt),
+        Int32(num_docs),
+        Int32(chunk_grid_slots(T, num_docs, TILE_TOKENS)),
+        stream,
+    )

@@ -9,6 +9,9 @@ The table is built with torch ops on the device of cu_seqlens and never reads
 values back to the host: its length is the upper bound max_chunks(T, docs) =
 T // tile + docs, known from shapes alone, and unused rows have length 0 (their
 CTAs exit at once). One table serves every operand that shares cu_seqlens.
+
+Kernels may also skip the table: `chunk_grid_slots` and `locate_chunk_model` describe
+(in Python) how the quantization kernel finds its chunk from cu_seqlens in-kernel.
 """
 
 from __future__ import annotations
@@ -48,3 +51,56 @@ def build_varlen_chunks(cu_seqlens: torch.Tensor, total_tokens: int, tile: int =
     length = (cu[doc + 1] - start).clamp(0, tile)
     table = torch.stack([torch.where(valid, start, 0), torch.where(valid, length, 0)], dim=1)
     return table.to(torch.int32).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# In-kernel chunk location (no table): the index math of flamia_cute.quantize_sm90, in Python
+# ----------------------------------------------------------------------------------------------
+
+
+def chunk_grid_slots(total_tokens: int, num_docs: int, tile: int = 128) -> int:
+    """CTAs per head group of a table-free varlen launch: max_chunks + 1.
+
+    Slots [0, n_chunks) are the chunks in table order; the rest (always >= 1) are spare and
+    zero the tail columns [dt_total, T_dt) of the transposed copy.
+    """
+    return max_chunks(total_tokens, num_docs, tile) + 1
+
+
+def locate_chunk_model(cu_seqlens: list[int], cta: int, threads: int = 256, tile: int = 128, align: int = 16):
+    """What CTA `cta` of the quantization kernel computes from cu_seqlens alone (pure Python model).
+
+    The kernel's threads each own ceil(docs / threads) consecutive documents, sum their chunk
+    counts ceil(len / tile) and aligned lengths round_up(len, align), take a block-wide exclusive
+    scan of both, and the thread whose chunk range holds `cta` publishes the chunk. Returns
+    ("chunk", start_token, length, dt_column) or ("spare", n_chunks, dt_total).
+    """
+    nd = len(cu_seqlens) - 1
+    k = (nd + threads - 1) // threads
+    sums = []
+    for t in range(threads):
+        c = p = 0
+        for b in range(t * k, min((t + 1) * k, nd)):
+            n = cu_seqlens[b + 1] - cu_seqlens[b]
+            c += (n + tile - 1) // tile
+            p += (n + align - 1) // align * align
+        sums.append((c, p))
+    tot_c = sum(c for c, _ in sums)
+    tot_p = sum(p for _, p in sums)
+    if cta >= tot_c:
+        return ("spare", tot_c, tot_p)
+    ex_c = ex_p = 0
+    for t in range(threads):
+        c, p = sums[t]
+        if ex_c <= cta < ex_c + c:
+            for b in range(t * k, min((t + 1) * k, nd)):
+                n = cu_seqlens[b + 1] - cu_seqlens[b]
+                nch = (n + tile - 1) // tile
+                if ex_c <= cta < ex_c + nch:
+                    loc = cta - ex_c
+                    return ("chunk", cu_seqlens[b] + tile * loc, min(tile, n - tile * loc), ex_p + tile * loc)
+                ex_c += nch
+                ex_p += (n + align - 1) // align * align
+        ex_c += c
+        ex_p += p
+    raise AssertionError("unreachable")

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from flamia_cute.quant import TOKEN_PAD, quantize_thd, round_up
-from flamia_cute.schedules.varlen_chunks import build_varlen_chunks, max_chunks
+
+from flamia_cute.quant import DT_DOC_ALIGN, dt_cu_seqlens, quantize_thd, round_up, transposed_tokens
+from flamia_cute.schedules.varlen_chunks import build_varlen_chunks, chunk_grid_slots, locate_chunk_model, max_chunks
 
 if not torch.cuda.is_available():
     # GPU-less CI compiles for sm_90a; the DSL fixes its default arch at import (exports need it)
@@ -87,6 +88,121 @@ def test_varlen_chunks_upper_bound_is_tight_enough():
 
 
 # ----------------------------------------------------------------------------------------------
+# CPU: the kernel's table-free chunk location and data_dt coverage (Python model of its index math)
+# ----------------------------------------------------------------------------------------------
+
+TILE = 128
+SEG = 16  # data_dt segment: 16 fp8 = one 16-byte store
+
+
+def _cu_list(lengths):
+    return [0] + [sum(lengths[: i + 1]) for i in range(len(lengths))]
+
+
+def _model_dt_writes(lengths, threads):
+    """Columns of data_dt that the kernel writes, per CTA of one head group: {column: token or None (zero)}.
+
+    Mirrors quantize_sm90: a chunk CTA writes segment g (columns dcol + 16g ..) when 16g < n, token
+    dcol-relative tau for tau < n and 0 beyond; a spare CTA s of S zeroes 128-column tail blocks
+    s, s + S, ... from dt_total, whole segments below T_dt.
+    """
+    T, nd = sum(lengths), len(lengths)
+    cu = _cu_list(lengths)
+    Tdt = transposed_tokens(T, nd)
+    slots = chunk_grid_slots(T, nd)
+    writes = {}
+
+    def put(col, tok):
+        assert col not in writes, f"column {col} written twice"
+        assert 0 <= col < Tdt
+        writes[col] = tok
+
+    for cta in range(slots):
+        r = locate_chunk_model(cu, cta, threads)
+        if r[0] == "chunk":
+            _, start, n, dcol = r
+            assert dcol % SEG == 0 and 1 <= n <= TILE
+            for g in range(TILE // SEG):
+                if SEG * g < n:
+                    for b in range(SEG):
+                        tau = SEG * g + b
+                        put(dcol + tau, start + tau if tau < n else None)
+        else:
+            _, tot_c, tot_p = r
+            assert tot_p % SEG == 0 and Tdt % TILE == 0
+            S = slots - tot_c
+            assert S >= 1
+            n_blk = (Tdt - tot_p + TILE - 1) // TILE
+            for blk in range(cta - tot_c, n_blk, S):
+                for g in range(TILE // SEG):
+                    seg = tot_p // SEG + blk * (TILE // SEG) + g
+                    if seg < Tdt // SEG:
+                        for b in range(SEG):
+                            put(seg * SEG + b, None)
+    return writes, Tdt
+
+
+LONGTAIL32K = [216, 2820, 2164, 441, 1026, 895, 1581, 2331, 147, 43, 2709, 850, 2154, 32, 884, 1917, 389, 4358]
+LONGTAIL32K += [3475, 46, 38, 1169, 3083]
+MODEL_CASES = [
+    [16384],
+    [1],
+    [0, 5, 0],
+    [128, 129, 127, 1, 0, 256],
+    [4096] * 4,
+    [3, 1000, 0, 0, 77, 5000, 1],
+    [16, 192, 16],  # one spare CTA zeroes two tail blocks
+    [16] * 40,
+    [144] * 9,
+    [17, 15, 33, 0, 0, 1],
+    LONGTAIL32K,
+]
+
+
+@pytest.mark.parametrize("threads", [256, 4, 1])
+@pytest.mark.parametrize("lengths", MODEL_CASES)
+def test_in_kernel_chunk_location_matches_table(lengths, threads):
+    """The block scan (threads own ceil(docs/threads) documents each) finds the table's chunks in order."""
+    T, nd = sum(lengths), len(lengths)
+    cu = _cu_list(lengths)
+    ref = _chunks_reference(lengths)
+    dt_start = dt_cu_seqlens(torch.tensor(cu, dtype=torch.int32)).tolist()
+    for cta in range(chunk_grid_slots(T, nd)):
+        got = locate_chunk_model(cu, cta, threads)
+        if cta < len(ref):
+            start, n = ref[cta]
+            doc = max(b for b in range(nd) if cu[b] <= start and lengths[b] > 0 and start < cu[b + 1])
+            assert got == ("chunk", start, n, dt_start[doc] + start - cu[doc])
+        else:
+            assert got == ("spare", len(ref), dt_start[-1])
+
+
+@pytest.mark.parametrize("threads", [256, 3])
+@pytest.mark.parametrize("lengths", MODEL_CASES)
+def test_model_writes_every_dt_column_once(lengths, threads):
+    """Every column of data_dt is written exactly once: tokens where quantize_thd puts them, 0 elsewhere."""
+    writes, Tdt = _model_dt_writes(lengths, threads)
+    assert sorted(writes) == list(range(Tdt)), "some data_dt column is never written"
+    cu = _cu_list(lengths)
+    dt_start = dt_cu_seqlens(torch.tensor(cu, dtype=torch.int32)).tolist()
+    expect = {}
+    for b, n in enumerate(lengths):
+        assert dt_start[b] % DT_DOC_ALIGN == 0
+        for p in range(n):
+            expect[dt_start[b] + p] = cu[b] + p
+    assert {c: t for c, t in writes.items() if t is not None} == expect
+
+
+def test_model_writes_random_mixes():
+    rng = random.Random(7)
+    for _ in range(150):
+        nd = rng.randint(1, 40)
+        lengths = [rng.choice([0, 1, 15, 16, 17, 112, 128, 144, rng.randint(0, 700)]) for _ in range(nd)]
+        writes, Tdt = _model_dt_writes(lengths, rng.choice([256, 5, 2]))
+        assert sorted(writes) == list(range(Tdt))
+
+
+# ----------------------------------------------------------------------------------------------
 # CPU: config validation and compilation for sm_90a
 # ----------------------------------------------------------------------------------------------
 
@@ -100,7 +216,7 @@ def test_varlen_chunks_upper_bound_is_tight_enough():
         (dict(head_dim=128, num_heads=4, block_tokens=32), "block_tokens"),
         (dict(head_dim=128, num_heads=4, block_tokens=1, emit_token_copy=True), "emit_token_copy"),
         (dict(head_dim=128, num_heads=4, tile_tokens=64), "tile_tokens"),
-        (dict(head_dim=128, num_heads=4, threads=256), "threads"),
+        (dict(head_dim=128, num_heads=4, threads=288), "threads"),
         (dict(head_dim=128, num_heads=6, heads_per_cta=4), "heads_per_cta"),
         (dict(head_dim=128, num_heads=6, heads_per_cta=3), "heads_per_cta"),
         (dict(head_dim=256, num_heads=4, heads_per_cta=4), "heads_per_cta"),
@@ -116,7 +232,7 @@ def test_config_auto_heads_per_cta():
     assert QuantizeConfig(head_dim=64, num_heads=32).heads_per_cta == 2
     assert QuantizeConfig(head_dim=64, num_heads=3).heads_per_cta == 1
     assert QuantizeConfig(head_dim=128, num_heads=16).heads_per_cta == 1
-    assert QuantizeConfig(head_dim=128, num_heads=16).threads == 288
+    assert QuantizeConfig(head_dim=128, num_heads=16).threads == 256
 
 
 def _count(pattern, text):
@@ -142,21 +258,32 @@ def test_compiles_for_sm90a(head_dim, block, token_copy):
     # scaling must keep fp32 denormals (torch on CPU does): no flush-to-zero multiply
     assert _count(r"mul\.rn\.f32|mul\.f32", ptx) >= sets * 64
     assert "mul.ftz" not in ptx and "mul.rn.ftz" not in ptx
+    # data_dt documents start 16-aligned: no byte stores anywhere (they were the longtail bottleneck)
+    assert _count(r"st\.global(\.[a-z0-9:_]+)*\.(u8|b8|s8)\b", ptx) == 0
     assert art.frame_bytes in (0, None), "register spills to local memory"
     if art.registers is not None and head_dim <= 128:
-        assert art.registers * cfg.threads <= 65536 // 3, f"{art.registers} registers: < 3 CTAs per SM"
+        # CTAs of 256 threads per SM that the 64K-register file holds: 4 at <= 64 registers (head
+        # dim 128, the benchmarked case), at least 3 (as the 288-thread kernel) for head dim 64
+        need = 4 if head_dim == 128 else 3
+        assert 65536 // (cfg.threads * round_up(art.registers, 8)) >= need, f"{art.registers} registers"
     if art.sass is not None:
         assert _count(r"F2FP\.SATFINITE\.E4M3\.F32\.PACK_AB", art.sass) >= sets * 32
         assert _count(r"LDG\.E\.128", art.sass) >= 8
         assert _count(r"STG\.E\.128", art.sass) >= 3 * sets
+        assert _count(r"STG\.E\.U8|STG\.E\.S8", art.sass) == 0
+        assert _count(r"\b(STL|LDL)", art.sass) == 0
+        # the chunk is found in-kernel by a warp scan (shfl.up), not read from a table
+        assert _count(r"SHFL\.UP", art.sass) >= 10
 
 
 @needs_dsl
 def test_compiles_for_transposed_off():
     cfg = QuantizeConfig(head_dim=128, num_heads=8, block_tokens=128, emit_transposed=False)
     ptx = compile_fused_quantize_sm90(cfg, "sm_90a", "--keep-ptx").__ptx__
-    assert "bar.sync" in ptx  # block amax still needs the CTA barrier
-    assert _count(r"st\.shared\.b32", ptx) == 1  # only the per-warp amax; no transposed tile
+    assert "bar.sync" in ptx  # block amax and the chunk scan still need CTA barriers
+    # per-warp amax, scan totals, chunk info (the scan loop is unrolled); the tile alone would be 16+
+    assert _count(r"st\.shared", ptx) < 16
+    assert _count(r"st\.shared\.v4", ptx) == 0  # the tile is written in 32-bit words; none here
     assert "prmt.b32" not in ptx  # no byte transposes
 
 
@@ -272,12 +399,33 @@ def _run(x, cu, block, token_copy, transposed=True):
     return out
 
 
+def _token_columns(cu):
+    """Bool mask over data_dt columns: True where a token lives (documents at dt_cu_seqlens)."""
+    cu = cu.cpu().to(torch.int64)
+    lens = (cu[1:] - cu[:-1]).tolist()
+    starts = dt_cu_seqlens(cu.to(torch.int32)).tolist()
+    mask = torch.zeros(transposed_tokens(int(cu[-1]), len(lens)), dtype=torch.bool)
+    for s0, n in zip(starts[:-1], lens, strict=True):
+        mask[s0 : s0 + n] = True
+    return mask
+
+
+def _assert_pad_zero(out, cu, what=""):
+    """Every column without a token (document pads, tail up to T_dt) is 0, not the 0x7F poison."""
+    dt = out.data_dt.cpu().view(torch.uint8)
+    assert dt.shape[-1] == transposed_tokens(int(cu[-1]), cu.numel() - 1)
+    pad = ~_token_columns(cu)
+    assert (dt[..., pad] == 0).all(), f"data_dt pad columns not zero {what}"
+
+
 def _check(x, cu, block, token_copy, what=""):
     out0, out1 = _run(x, cu, block, token_copy)
     xc, cuc = x.cpu(), cu.cpu()
     _assert_same(out0, quantize_thd(xc, cuc, block), f"block={block} {what}")
+    _assert_pad_zero(out0, cuc, what)
     if token_copy:
         _assert_same(out1, quantize_thd(xc, cuc, 1), f"token copy {what}")
+        _assert_pad_zero(out1, cuc, what)
     else:
         assert out1 is None
     return out0, out1
@@ -324,6 +472,38 @@ def test_random_document_mixes(seed):
 
 @gpu
 @needs_sm90
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [16, 192, 16],  # one spare CTA zeroes two tail blocks
+        [16] * 40,  # no per-document pad: the tail is 15 * 40 columns + slack
+        [1] * 300,  # > 256 documents: threads own 2 documents each in the in-kernel scan
+        [3, 0, 0, 17] * 200 + [900],  # 801 documents, empty ones between
+    ],
+)
+def test_many_documents_and_long_tails(lengths):
+    x, cu = _input(lengths, 2, 128, seed=11)
+    _check(x, cu, 128, True, f"{len(lengths)} docs")
+    _check(x, cu, 1, False, f"{len(lengths)} docs")
+
+
+@gpu
+@needs_sm90
+def test_cu_seqlens_int64_and_emit_transposed_off():
+    lengths = [100, 37, 300]
+    x, cu = _input(lengths, 4, 64, seed=12)
+    cfg = QuantizeConfig(head_dim=64, num_heads=4, block_tokens=64, emit_token_copy=True)
+    out0, out1 = fused_quantize_sm90(x, cu.to(torch.int64), cfg, debug_fill=POISON)
+    _assert_same(out0, quantize_thd(x.cpu(), cu.cpu(), 64))
+    _assert_same(out1, quantize_thd(x.cpu(), cu.cpu(), 1))
+    out0, _ = _run(x, cu, 128, False, transposed=False)
+    ref = quantize_thd(x.cpu(), cu.cpu(), 128, transposed=False)
+    assert out0.data_dt is None
+    _assert_same(out0, ref)
+
+
+@gpu
+@needs_sm90
 def test_empty_and_single_token_inputs():
     for lengths in ([1], [0, 1, 0], [0], [3, 0]):
         x, cu = _input(lengths, 2, 128)
@@ -356,8 +536,10 @@ def test_document_isolation():
     for a, b in ((a0, b0), (a1, b1)):
         assert torch.equal(a.scale[:, other].view(torch.int32), b.scale[:, other].view(torch.int32))
         assert torch.equal(a.data_td[other].view(torch.uint8), b.data_td[other].view(torch.uint8))
-        tok = torch.arange(a.data_dt.shape[-1])
-        keep = torch.cat([other, torch.ones(len(tok) - len(other), dtype=torch.bool)]).cuda()
+        dts = dt_cu_seqlens(cu.cpu()).tolist()
+        keep = torch.ones(a.data_dt.shape[-1], dtype=torch.bool)
+        keep[dts[2] : dts[3]] = False  # document 2's columns (tokens and pad)
+        keep = keep.cuda()
         assert torch.equal(a.data_dt[..., keep].view(torch.uint8), b.data_dt[..., keep].view(torch.uint8))
 
 
@@ -402,24 +584,29 @@ def test_nan_poisons_only_its_block():
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("lengths", [[130], [1, 17], [128], [16], [31, 0, 97]])
+@pytest.mark.parametrize("lengths", [[130], [1, 17], [128], [16], [31, 0, 97], [5, 16, 1, 144, 127]])
 def test_transposed_pad_is_zero(lengths):
     x, cu = _input(lengths, 2, 64)
-    out0, out1 = _check(x, cu, 128, True)
-    T = sum(lengths)
-    assert out0.data_dt.shape[-1] == round_up(max(T, 1), TOKEN_PAD)
+    out0, out1 = _check(x, cu, 128, True)  # poisons outputs with 0x7F and checks every pad column
+    T, nd = sum(lengths), len(lengths)
+    assert out0.data_dt.shape[-1] == transposed_tokens(T, nd) == round_up(T + (DT_DOC_ALIGN - 1) * nd, 128)
+    dts = dt_cu_seqlens(cu.cpu()).tolist()
     for out in (out0, out1):
-        assert (out.data_dt[..., T:].view(torch.uint8) == 0).all()
+        dt = out.data_dt.cpu().view(torch.uint8)
+        assert (dt[..., dts[-1] :] == 0).all()  # the tail
+        for b, n in enumerate(lengths):  # each document's pad up to its 16-column boundary
+            assert (dt[..., dts[b] + n : dts[b + 1]] == 0).all()
 
 
 @gpu
 @needs_sm90
-def test_shared_chunk_table_and_stream():
+def test_side_stream_and_legacy_chunks_argument():
     lengths = [1000, 24, 0, 3000]
     x, cu = _input(lengths, 4, 128)
-    chunks = build_varlen_chunks(cu, x.shape[0])
+    chunks = build_varlen_chunks(cu, x.shape[0])  # accepted and ignored: the kernel schedules itself
     cfg = QuantizeConfig(head_dim=128, num_heads=4, block_tokens=128, emit_token_copy=True)
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         out0, out1 = fused_quantize_sm90(x, cu, cfg, chunks=chunks)
     stream.synchronize()
