@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything one device-tool call runs, by stage: bash perf/gpu_session.sh STAGE...
-# Stages: setup, quant-tests, quant-bench, fwd-tests, gpu-tests, bench-smoke, bench, demo.
+# Stages: setup, quant-tests, quant-bench, fwd-tests, gpu-tests, bench-smoke, bench, bench-fwd, demo.
 # Logs go to $OUT (at most 8 files come back).
 set -uo pipefail
 OUT=${OUT:-/tmp/flamia-out}
@@ -23,10 +23,12 @@ for stage in "$@"; do
     quant-tests) run quant_tests 300 python3 -m pytest -q -x -m gpu tests/test_quantize_kernel.py ;;
     quant-bench) run quant_bench 240 env OUT="$OUT" python3 perf/bench_quantize.py ;;
     fwd-tests) run fwd_tests 300 python3 -m pytest -q -x -m gpu tests/test_attention_fwd_kernel.py ;;
-    gpu-tests) run gpu_tests 420 python3 -m pytest -q -m gpu ;;
+    gpu-tests) run gpu_tests 450 python3 -m pytest -q -m gpu -p no:cacheprovider ;;
     bench-smoke) run bench_smoke 240 python3 -m flamia_cute.cli bench --only 1x16k,16x1k --modes fwd,fwdbwd \
                    --reps 10 --out "$OUT" ;;
     bench) run bench 540 python3 -m flamia_cute.cli bench --modes fwd,bwd,fwdbwd --out "$OUT" ;;
+    bench-fwd) run bench_fwd 420 python3 -m flamia_cute.cli bench --modes fwd --impls flamia,fa4,cudnn --reps 20 \
+                 --out "$OUT" ;;
     demo) run demo 240 python3 -m flamia_cute ;;
     *) echo "unknown stage $stage" ;;
   esac
