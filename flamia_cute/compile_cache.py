@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 _MEMORY: dict[str, Any] = {}
+_FAST: dict[tuple, Any] = {}  # (source paths, config, arch) -> compiled: this process's sources do not change
 _MODULES: dict[str, Any] = {}  # loaded ExternalBinaryModules, kept alive with their functions
 
 
@@ -166,6 +167,18 @@ def compile_cached(
     build_fn must return a `cute.compile` result for `arch`. A second process with the same key
     loads the exported object instead of compiling.
     """
+    # Hot path: a launch must not re-hash the kernel sources (that cost ~0.1 ms per call).
+    fast_key = (tuple(str(p) for p in kernel_source_files), config, arch)
+    fn = _FAST.get(fast_key)
+    if fn is not None:
+        STATS.memory_hits += 1
+        return fn
+    fn = _compile_cached_slow(kernel_source_files, config, arch, build_fn)
+    _FAST[fast_key] = fn
+    return fn
+
+
+def _compile_cached_slow(kernel_source_files, config, arch, build_fn):
     key = cache_key(kernel_source_files, config, arch)
     fn = _MEMORY.get(key)
     if fn is not None:
