@@ -224,6 +224,7 @@ def _compile_cached_slow(kernel_source_files, config, arch, build_fn):
 
 def clear_memory_cache() -> None:
     _MEMORY.clear()
+    _FAST.clear()
     _MODULES.clear()
 
 
