@@ -31,7 +31,7 @@ def call(args, **over):
         (dict(v=torch.zeros(12, 1, 64, dtype=torch.bfloat16)), ValueError, "k and v must have the same"),
         (dict(cu_seqlens_q=torch.tensor([0, 5, 12])), TypeError, "cu_seqlens_q must be int32"),
         (dict(cu_seqlens_k=torch.tensor([1, 5, 12], dtype=torch.int32)), ValueError, "cu_seqlens_k must start at 0"),
-        (dict(cu_seqlens_q=torch.tensor([0, 8, 5, 12], dtype=torch.int32)), ValueError, "cu_seqlens_q must be non-decreasing"),
+        (dict(cu_seqlens_q=torch.tensor([0, 13, 12], dtype=torch.int32)), ValueError, "cu_seqlens_q must be non-decreasing"),
         (dict(cu_seqlens_q=torch.tensor([0, 5, 11], dtype=torch.int32)), ValueError, "must end at the token count 12"),
         (dict(cu_seqlens_k=torch.tensor([0, 12], dtype=torch.int32)), ValueError, "same number of documents"),
         (dict(max_seqlen_q=3), ValueError, "max_seqlen_q"),
