@@ -30,6 +30,8 @@ for stage in "$@"; do
     bench-fwd) run bench_fwd 420 python3 -m flamia_cute.cli bench --modes fwd --impls flamia,fa4,cudnn --reps 20 \
                  --out "$OUT" ;;
     demo) run demo 240 python3 -m flamia_cute ;;
+    profile) run profile_api 200 python3 perf/profile_api.py 16x1k ;;
+    fwd-breakdown) run fwd_breakdown 300 env OUT="$OUT" python3 perf/bench_fwd_breakdown.py ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -88,7 +88,9 @@ def cast_to(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     """Round fp32 values to fmt (RNE, saturating as cvt.rn.satfinite) and return them as fp32."""
     if fmt.name == "e2m1":
         return round_e2m1(x)
-    return x.float().to(fmt.torch_dtype).float()
+    # Saturate explicitly: torch's CPU cast saturates, its CUDA cast gives NaN past the max (MX values
+    # reach 512 before the OCP clamp). clamp keeps NaN, as cvt.rn.satfinite does.
+    return x.float().clamp(-fmt.max_value, fmt.max_value).to(fmt.torch_dtype).float()
 
 
 _E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])

@@ -30,9 +30,14 @@ def _pad_to_multiple(x: torch.Tensor, dim: int, block: int) -> tuple[torch.Tenso
 
 
 def e8m0_scale(amax: torch.Tensor) -> torch.Tensor:
-    """OCP MX shared scale 2**(floor(log2(amax)) - emax_elem); amax 0 -> 2**-127 (elements become 0)."""
-    exp = torch.floor(torch.log2(amax.clamp_min(2.0**-127)))
-    return torch.exp2((exp - E4M3_EMAX).clamp(-127, 127))
+    """OCP MX shared scale 2**(floor(log2(amax)) - emax_elem), kept in fp32's normal range.
+
+    An all-zero block gets scale 1 (its elements are 0 either way): 2**-127 is an fp32
+    denormal, which GPU math may flush to 0, and 0/0 would turn the block into NaN.
+    """
+    exp = torch.floor(torch.log2(amax.clamp_min(2.0**-126)))
+    scale = torch.exp2((exp - E4M3_EMAX).clamp(-126, 127))
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
 
 
 def mx_quantize(x: torch.Tensor, dim: int, block: int = 32) -> torch.Tensor:
