@@ -30,6 +30,7 @@ from flamia_cute.quant import (
     quantize_per_tensor,
     quantize_thd,
 )
+from flamia_cute.quant.microscaling import pad_to_multiple
 from flamia_cute.quant.quantize import QuantizedTHD
 
 from .recipes import MX_BLOCK, OperandQuant, Recipe
@@ -125,12 +126,7 @@ def quantize_operand(
 def _tile_view(x: torch.Tensor, dim: int, tile: int) -> tuple[torch.Tensor, int]:
     """Pad `dim` to a multiple of tile and split it into (n_tiles, tile)."""
     dim = dim % x.dim()
-    n = x.shape[dim]
-    pad = (-n) % tile
-    if pad:
-        shape = list(x.shape)
-        shape[dim] = pad
-        x = torch.cat([x, x.new_zeros(shape)], dim=dim)
+    x, n = pad_to_multiple(x, dim, tile)
     shape = list(x.shape)
     return x.reshape(shape[:dim] + [shape[dim] // tile, tile] + shape[dim + 1 :]), n
 

@@ -19,7 +19,8 @@ from .formats import E2M1, E4M3, cast_to
 E4M3_EMAX = 8  # floor(log2(448))
 
 
-def _pad_to_multiple(x: torch.Tensor, dim: int, block: int) -> tuple[torch.Tensor, int]:
+def pad_to_multiple(x: torch.Tensor, dim: int, block: int) -> tuple[torch.Tensor, int]:
+    """Zero-pad `dim` to a multiple of block; returns (padded, original length)."""
     n = x.shape[dim]
     pad = (-n) % block
     if pad:
@@ -43,7 +44,7 @@ def e8m0_scale(amax: torch.Tensor) -> torch.Tensor:
 def mx_quantize(x: torch.Tensor, dim: int, block: int = 32) -> torch.Tensor:
     """MXFP8 (e4m3) fake quantization with blocks of `block` along `dim`."""
     dim = dim % x.dim()
-    xp, n = _pad_to_multiple(x.float(), dim, block)
+    xp, n = pad_to_multiple(x.float(), dim, block)
     shape = list(xp.shape)
     blocked = xp.reshape(shape[:dim] + [shape[dim] // block, block] + shape[dim + 1 :])
     scale = e8m0_scale(blocked.abs().amax(dim=dim + 1, keepdim=True))
@@ -57,8 +58,8 @@ def mx_quantize_2d(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     The same scale is a valid 1x32 MX scale along D and along L, so one
     quantized copy serves both orientations (FLAMIA's token-block reuse).
     """
-    xp, n_l = _pad_to_multiple(x.float(), -2, block)
-    xp, n_d = _pad_to_multiple(xp, -1, block)
+    xp, n_l = pad_to_multiple(x.float(), -2, block)
+    xp, n_d = pad_to_multiple(xp, -1, block)
     *lead, L, D = xp.shape
     tiles = xp.reshape(*lead, L // block, block, D // block, block)
     scale = e8m0_scale(tiles.abs().amax(dim=(-3, -1), keepdim=True))
@@ -72,7 +73,7 @@ def nvfp4_quantize(x: torch.Tensor, dim: int = -1, block: int = 16) -> torch.Ten
     xf = x.float()
     row_amax = xf.abs().amax(dim=dim, keepdim=True)
     glob = torch.where(row_amax > 0, row_amax / (448.0 * 6.0), torch.ones_like(row_amax))
-    xp, n = _pad_to_multiple(xf / glob, dim, block)
+    xp, n = pad_to_multiple(xf / glob, dim, block)
     shape = list(xp.shape)
     blocked = xp.reshape(shape[:dim] + [shape[dim] // block, block] + shape[dim + 1 :])
     bscale = cast_to(blocked.abs().amax(dim=dim + 1, keepdim=True) / 6.0, E4M3)
