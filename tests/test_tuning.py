@@ -56,3 +56,41 @@ def test_dry_run_enumerates_the_space(capsys):
 
 def test_tune_rejects_unknown_recipe(capsys):
     assert main(["tune", "--dry-run", "--recipe", "mxfp8"]) == 2
+
+
+_FRESH = """
+import json, torch
+from flamia_cute import compile_cache, flamia_attn_varlen_func
+from flamia_cute.testing import make_inputs
+from flamia_cute.tuning import tuned_fwd_config
+from flamia_cute.attention_fwd_sm90 import FwdConfig
+q, k, v, _, cu, scale = make_inputs([1024] * 4, 16, 16, 128, device="cuda")
+cfg = tuned_fwd_config(FwdConfig(head_dim=128, diagonal_copy=True), 1024, 4096, 4)
+flamia_attn_varlen_func(q, k, v, cu, cu, 1024, 1024)
+torch.cuda.synchronize()
+print(json.dumps({"stages": cfg.kv_stages, "pingpong": cfg.pingpong, "compiles": compile_cache.STATS.compiles,
+                  "disk_hits": compile_cache.STATS.disk_hits}))
+"""
+
+
+@pytest.mark.gpu
+def test_short_real_tune_then_fresh_process_uses_it(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    wl = {"head_configs": {"h16_d128": {"heads_q": 16, "heads_kv": 16, "head_dim": 128}},
+          "workloads": {"4x1k": [1024] * 4}}
+    path = tmp_path / "wl.json"
+    path.write_text(json.dumps(wl))
+    env = dict(os.environ, FLAMIA_CUTE_CACHE_DIR=str(tmp_path / "cache"))
+    run = subprocess.run([sys.executable, "-m", "flamia_cute.cli", "tune", "--workloads", str(path), "--reps", "5"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    tuned = json.loads(next((tmp_path / "cache" / "tuning").glob("*.json")).read_text())
+    rec = tuned["entries"]["fwd"]["d128_g1_tokenblock/mid-uniform"]
+    fresh = subprocess.run([sys.executable, "-c", _FRESH], env=env, capture_output=True, text=True, timeout=600)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    got = json.loads(fresh.stdout.strip().splitlines()[-1])
+    assert (got["stages"], got["pingpong"]) == (rec["config"]["kv_stages"], rec["config"]["pingpong"])
+    assert got["compiles"] == 0 and got["disk_hits"] >= 1, got  # no recompiling, no retiming
