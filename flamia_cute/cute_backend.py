@@ -54,17 +54,11 @@ def unsupported_reason(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | 
 
 
 def quantize_operands(q, k, v, cu, block: int):
-    """One fused pass per operand: Q per token; K, V per block plus the per-token diagonal copies."""
-    from .quantize_sm90 import QuantizeConfig, fused_quantize_sm90
+    """Q, K, V in ONE fused launch: Q per token; K, V per block plus the per-token diagonal copies."""
+    from .quantize_sm90 import fused_quantize_multi_sm90, qkv_config
 
-    def run(x, block_tokens, token_copy):
-        cfg = QuantizeConfig(head_dim=x.shape[2], num_heads=x.shape[1], block_tokens=block_tokens,
-                             emit_token_copy=token_copy)
-        return fused_quantize_sm90(x.contiguous(), cu, cfg)
-
-    qq, _ = run(q, 1, False)
-    kq, kt = run(k, block, block > 1)
-    vq, vt = run(v, block, block > 1)
+    cfg = qkv_config(q.shape[2], q.shape[1], k.shape[1], block)
+    (qq, _), (kq, kt), (vq, vt) = fused_quantize_multi_sm90((q, k, v), cu, cfg)
     return qq, (kq, kt), (vq, vt)
 
 

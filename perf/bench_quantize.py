@@ -128,6 +128,99 @@ def compile_times() -> dict:
     return res
 
 
+def _alloc_sets(cfg, T, Tdt, dev):
+    H, D = cfg.num_heads, cfg.head_dim
+    return [
+        (
+            torch.empty(T, H, D, dtype=torch.float8_e4m3fn, device=dev),
+            torch.empty(H, D, Tdt, dtype=torch.float8_e4m3fn, device=dev),
+            torch.empty(H, T, dtype=torch.float32, device=dev),
+        )
+        for _ in range(cfg.num_sets)
+    ]
+
+
+def bench_raster(workloads, dev, H, D) -> list:
+    """Single tensor, kernel only: CTA order heads-fastest (default) vs chunks-fastest (the old order)."""
+    from flamia_cute.quant import transposed_tokens
+    from flamia_cute.quantize_sm90 import MultiQuantizeConfig, QuantizeConfig, launch_fused_quantize_sm90
+
+    rows = []
+    for wname in ("1x16k", "longtail32k"):
+        lengths = workloads[wname]
+        T, cu = sum(lengths), cu_from(lengths, dev)
+        Tdt = transposed_tokens(T, len(lengths))
+        xs = [torch.randn(T, H, D, device=dev).to(torch.bfloat16) for _ in range(BUFFERS)]
+        for rname, kw in RECIPES.items():
+            base = QuantizeConfig(head_dim=D, num_heads=H, **kw)
+            sets = _alloc_sets(base, T, Tdt, dev)
+            for raster in ("heads", "chunks"):
+                for min_ctas in (4, 5):
+                    cfg = MultiQuantizeConfig((base,), raster=raster, min_ctas_per_sm=min_ctas)
+                    ms = statistics.median(
+                        time_ms(lambda x, cu=cu, cfg=cfg, sets=sets: launch_fused_quantize_sm90(x, cu, cfg, sets), xs))
+                    gbps = moved_bytes(T, H, D, base.num_sets) / (ms * 1e-3) / 1e9
+                    rows.append(dict(workload=wname, recipe=rname, raster=raster, min_ctas_per_sm=min_ctas, median_ms=ms,
+                                     gbps=gbps, pct_of_peak=100 * gbps / PEAK_GBPS))
+                    print(f"raster {wname:12s} {rname:10s} {raster:6s} min_ctas={min_ctas} {ms * 1e3:8.1f} us "
+                          f"{100 * gbps / PEAK_GBPS:5.1f}% of peak")
+    return rows
+
+
+def bench_qkv(workloads, dev) -> list:
+    """Q, K, V: one fused launch vs three single launches, kernel only and host us per call."""
+    from flamia_cute.cute_backend import quantize_operands
+    from flamia_cute.quant import quantize_thd, transposed_tokens
+    from flamia_cute.quantize_sm90 import (
+        fused_quantize_multi_sm90,
+        fused_quantize_sm90,
+        launch_fused_quantize_multi_sm90,
+        launch_fused_quantize_sm90,
+        qkv_config,
+    )
+
+    rows = []
+    for hname, (hq, hkv, D) in (("h16_d128", (16, 16, 128)), ("gqa32x8_d128", (32, 8, 128))):
+        for wname in ("16x1k", "1x16k", "longtail32k"):
+            lengths = workloads[wname]
+            T, cu = sum(lengths), cu_from(lengths, dev)
+            Tdt = transposed_tokens(T, len(lengths))
+            for rname, block in (("token", 1), ("tokenblock", 128)):
+                m = qkv_config(D, hq, hkv, block)
+                ins = [
+                    [torch.randn(T, h, D, device=dev).to(torch.bfloat16) for h in (hq, hkv, hkv)] for _ in range(BUFFERS)
+                ]
+                outs = fused_quantize_multi_sm90(ins[0], cu, m, debug_fill=0x7F)
+                for x, cfg, (o0, o1) in zip(ins[0], m.parts, outs, strict=True):
+                    check_exact(o0, quantize_thd(x, cu, cfg.block_tokens), f"qkv {wname} {rname}")
+                    if o1 is not None:
+                        check_exact(o1, quantize_thd(x, cu, 1), f"qkv {wname} {rname} copy")
+                sets = [_alloc_sets(cfg, T, Tdt, dev) for cfg in m.parts]
+                fused_ms = statistics.median(
+                    time_ms(lambda xs, m=m, cu=cu, sets=sets: launch_fused_quantize_multi_sm90(xs, cu, m, sets), ins))
+
+                def three(xs, m=m, cu=cu, sets=sets):
+                    for x, cfg, st in zip(xs, m.parts, sets, strict=True):
+                        launch_fused_quantize_sm90(x, cu, cfg, st)
+
+                three_ms = statistics.median(time_ms(three, ins))
+                host_fused = host_us_per_call(lambda xs, m=m, cu=cu: fused_quantize_multi_sm90(xs, cu, m), ins[0])
+                host_three = host_us_per_call(
+                    lambda xs, m=m, cu=cu: [fused_quantize_sm90(x, cu, cfg) for x, cfg in zip(xs, m.parts, strict=True)], ins[0])
+                host_ops = host_us_per_call(lambda xs, cu=cu, block=block: quantize_operands(*xs, cu, block), ins[0])
+                nbytes = sum(moved_bytes(T, cfg.num_heads, D, cfg.num_sets) for cfg in m.parts)
+                row = dict(heads=hname, workload=wname, recipe=rname, bytes=nbytes, fused_ms=fused_ms, three_ms=three_ms,
+                           fused_pct_of_peak=100 * nbytes / (fused_ms * 1e-3) / 1e9 / PEAK_GBPS,
+                           three_pct_of_peak=100 * nbytes / (three_ms * 1e-3) / 1e9 / PEAK_GBPS,
+                           host_us_fused=host_fused, host_us_three=host_three, host_us_quantize_operands=host_ops)
+                rows.append(row)
+                print(f"qkv {hname:12s} {wname:12s} {rname:10s} kernel fused {fused_ms * 1e3:8.1f} us "
+                      f"({row['fused_pct_of_peak']:5.1f}%) vs 3 launches {three_ms * 1e3:8.1f} us "
+                      f"({row['three_pct_of_peak']:5.1f}%)  host us/call fused {host_fused:6.1f} vs 3x {host_three:6.1f} "
+                      f"quantize_operands {host_ops:6.1f}  exact")
+    return rows
+
+
 def main():
     from flamia_cute.quant import quantize_thd, transposed_tokens
     from flamia_cute.quantize_sm90 import QuantizeConfig, fused_quantize_sm90, launch_fused_quantize_sm90
@@ -195,6 +288,9 @@ def main():
                 f"{row['pct_of_peak']:5.1f}% of {PEAK_GBPS:.0f}  ({row['pct_of_copy']:5.1f}% of copy "
                 f"{ceiling:.0f} GB/s)  e2e {row['e2e_median_ms'] * 1e3:.1f} us  host {host_us:.1f} us/call  exact"
             )
+
+    results["raster"] = bench_raster(workloads, dev, H, D)
+    results["qkv"] = bench_qkv(workloads, dev)
 
     out_dir = os.environ.get("OUT")
     if out_dir:

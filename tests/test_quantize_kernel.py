@@ -31,10 +31,13 @@ try:
     from flamia_cute import compile_cache
     from flamia_cute.quantize_sm90 import (
         SOURCE_FILES,
+        MultiQuantizeConfig,
         QuantizeConfig,
         compile_fused_quantize_sm90,
+        fused_quantize_multi_sm90,
         fused_quantize_sm90,
         kernel_artifacts,
+        qkv_config,
     )
 
     HAVE_DSL = True
@@ -285,6 +288,142 @@ def test_compiles_for_transposed_off():
     assert _count(r"st\.shared", ptx) < 16
     assert _count(r"st\.shared\.v4", ptx) == 0  # the tile is written in 32-bit words; none here
     assert "prmt.b32" not in ptx  # no byte transposes
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the Q/K/V variant (one launch for up to three tensors)
+# ----------------------------------------------------------------------------------------------
+
+
+def _model_cta_decode(head_groups, slots, raster):
+    """quantize_sm90's flat CTA -> (part, chunk slot, head group), in Python."""
+    out = []
+    for lin in range(slots * sum(head_groups)):
+        pid, local, base = 0, lin, 0
+        for p in range(1, len(head_groups)):
+            base += slots * head_groups[p - 1]
+            if lin >= base:
+                pid, local = p, lin - base
+        nhg = head_groups[pid]
+        if raster == "heads":
+            c, h = local // nhg, local % nhg
+        else:
+            h, c = local // slots, local % slots
+        out.append((pid, c, h))
+    return out
+
+
+@pytest.mark.parametrize("raster", ["heads", "chunks"])
+@pytest.mark.parametrize("head_groups", [(16,), (16, 16, 16), (32, 8, 8), (16, 4, 4), (3, 1, 1), (1, 2)])
+@pytest.mark.parametrize("slots", [1, 2, 130, 280])
+def test_qkv_cta_decode_covers_every_work_item_once(head_groups, slots, raster):
+    got = _model_cta_decode(head_groups, slots, raster)
+    want = {(p, c, h) for p, nhg in enumerate(head_groups) for c in range(slots) for h in range(nhg)}
+    assert len(got) == len(want) and set(got) == want
+    if raster == "heads" and len(head_groups) == 1:
+        # CTAs that run together cover all heads of consecutive chunks
+        assert got[: head_groups[0]] == [(0, 0, h) for h in range(head_groups[0])]
+
+
+@needs_dsl
+def test_multi_config_validation_and_qkv_config():
+    q = QuantizeConfig(head_dim=128, num_heads=32)
+    kv = QuantizeConfig(head_dim=128, num_heads=8, block_tokens=128, emit_token_copy=True)
+    with pytest.raises(ValueError, match=r"MultiQuantizeConfig\.parts"):
+        MultiQuantizeConfig((q, kv, kv, kv))
+    with pytest.raises(ValueError, match=r"MultiQuantizeConfig\.parts"):
+        MultiQuantizeConfig(())
+    with pytest.raises(ValueError, match=r"MultiQuantizeConfig\.raster"):
+        MultiQuantizeConfig((q,), raster="diagonal")
+    with pytest.raises(ValueError, match=r"MultiQuantizeConfig\.smem_carveout"):
+        MultiQuantizeConfig((q,), smem_carveout=101)
+    m = qkv_config(128, 32, 8, 128)
+    assert m.parts == (q, kv, kv) and m.head_groups == (32, 8, 8)
+    assert m is qkv_config(128, 32, 8, 128)  # cached: no config is built per attention call
+    assert m.grid_ctas(16384, 1) == chunk_grid_slots(16384, 1) * 48
+    t = qkv_config(128, 16, 16, 1)
+    assert all(p.block_tokens == 1 and not p.emit_token_copy for p in t.parts)
+    assert MultiQuantizeConfig(q).parts == (q,)  # a bare QuantizeConfig is one part
+
+
+@needs_dsl
+@pytest.mark.parametrize("block", [1, 128])
+@pytest.mark.parametrize("T, docs", [(16384, 1), (32768, 23), (1, 1), (300, 4)])
+def test_qkv_output_buffer_layout(T, docs, block):
+    """All outputs are views of one allocation: disjoint, 512-byte aligned, inside the buffer."""
+    from flamia_cute.quantize_sm90 import _layout_outputs
+
+    m = qkv_config(128, 32, 8, block)
+    Tdt = transposed_tokens(T, docs)
+    plan, nbytes = _layout_outputs(m, T, Tdt)
+    spans = []
+    for cfg, part in zip(m.parts, plan, strict=True):
+        assert len(part) == cfg.num_sets
+        for st in part:
+            for kind, shape, _stride, off in st:
+                n = 1
+                for d in shape:
+                    n *= d
+                size = n * (4 if kind == "f32" else 1)
+                assert off % 512 == 0
+                spans.append((off, off + size))
+            assert st[0][1] == (T, cfg.num_heads, 128) and st[1][1] == (cfg.num_heads, 128, Tdt)
+            assert st[2][1] == (cfg.num_heads, T)
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+    assert spans[-1][1] <= nbytes
+
+
+QKV_COMPILE_CASES = [(128, 16, 16, 1), (128, 16, 16, 128), (128, 32, 8, 128), (64, 32, 32, 128), (64, 32, 32, 1)]
+
+
+@needs_dsl
+@pytest.mark.parametrize("D, hq, hkv, block", QKV_COMPILE_CASES)
+def test_qkv_variant_compiles_for_sm90a(D, hq, hkv, block):
+    m = qkv_config(D, hq, hkv, block)
+    art = kernel_artifacts(m, "sm_90a")
+    ptx = art.ptx
+    sets = sum(p.num_sets for p in m.parts)
+    assert re.search(r"^\.target sm_90a", ptx, flags=re.M)
+    assert re.search(rf"^\s*\.minnctapersm {m.min_ctas_per_sm}\b", ptx, flags=re.M)
+    assert _count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) >= sets * 32
+    assert _count(r"st\.global(\.[a-z0-9:_]+)*\.(u8|b8|s8)\b", ptx) == 0
+    assert "mul.ftz" not in ptx and "mul.rn.ftz" not in ptx
+    assert art.frame_bytes in (0, None), "register spills to local memory"
+    if art.registers is not None:
+        assert 65536 // (256 * round_up(art.registers, 8)) >= m.min_ctas_per_sm, f"{art.registers} registers"
+    if art.sass is not None:
+        assert _count(r"F2FP\.SATFINITE\.E4M3\.F32\.PACK_AB", art.sass) >= sets * 32
+        assert _count(r"LDG\.E\.128", art.sass) >= 8 * 3  # every part loads x with 16-byte loads
+        assert _count(r"STG\.E\.128", art.sass) >= 3 * sets
+        assert _count(r"STG\.E\.U8|STG\.E\.S8", art.sass) == 0
+        assert _count(r"\b(STL|LDL)", art.sass) == 0
+        assert _count(r"SHFL\.UP", art.sass) >= 10  # one chunk scan, shared by the three parts
+        assert _count(r"SHFL\.UP", art.sass) < 30
+
+
+@needs_dsl
+def test_qkv_shared_memory_fits_the_register_occupancy():
+    """The CTAs that the registers allow also fit in shared memory under the max carveout."""
+    for block in (1, 128):
+        m = qkv_config(128, 16, 16, block)
+        assert m.smem_carveout == 100
+        per_cta = m.smem_bytes + 1024  # + the 1 KB the driver reserves per CTA
+        assert m.min_ctas_per_sm * per_cta <= 228 * 1024
+
+
+@needs_dsl
+def test_cached_launch_arguments_match_dsl_marshalling(tmp_path, monkeypatch):
+    """The per-launch fast path writes raw values where the DSL's own argument marshalling would."""
+    from flamia_cute.quantize_sm90 import _CachedArgs, get_compiled
+
+    monkeypatch.setenv("FLAMIA_CUTE_CACHE_DIR", str(tmp_path))
+    fn = get_compiled(qkv_config(128, 32, 8, 128), "sm_90a")
+    assert _CachedArgs().matches_dsl(fn)
+    if compile_cache.dsl_default_arch() == "sm_90a":  # the object exported to disk loads with the same ABI
+        compile_cache.clear_memory_cache()
+        fn2 = get_compiled(qkv_config(128, 32, 8, 128), "sm_90a")
+        assert fn2 is not fn and _CachedArgs().matches_dsl(fn2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -612,3 +751,133 @@ def test_side_stream_and_legacy_chunks_argument():
     stream.synchronize()
     _assert_same(out0, quantize_thd(x.cpu(), cu.cpu(), 128))
     _assert_same(out1, quantize_thd(x.cpu(), cu.cpu(), 1))
+
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the Q/K/V launch against three quantize_thd calls
+# ----------------------------------------------------------------------------------------------
+
+
+def _qkv_inputs(lengths, hq, hkv, D, seed):
+    q, cu = _input(lengths, hq, D, seed=seed)
+    k, _ = _input(lengths, hkv, D, seed=seed + 100)
+    v, _ = _input(lengths, hkv, D, seed=seed + 200)
+    return q, k, v, cu
+
+
+def _check_qkv(q, k, v, cu, block, what="", **kw):
+    m = qkv_config(q.shape[2], q.shape[1], k.shape[1], block, **kw)
+    outs = fused_quantize_multi_sm90((q, k, v), cu, m, debug_fill=POISON)
+    torch.cuda.synchronize()
+    cuc = cu.cpu()
+    (qq, q1), (kq, kt), (vq, vt) = outs
+    assert q1 is None
+    _assert_same(qq, quantize_thd(q.cpu(), cuc, 1), f"Q {what}")
+    _assert_pad_zero(qq, cuc, f"Q {what}")
+    for name, x, main, diag in (("K", k, kq, kt), ("V", v, vq, vt)):
+        _assert_same(main, quantize_thd(x.cpu(), cuc, block), f"{name} block={block} {what}")
+        _assert_pad_zero(main, cuc, f"{name} {what}")
+        if block > 1:
+            _assert_same(diag, quantize_thd(x.cpu(), cuc, 1), f"{name} token copy {what}")
+            _assert_pad_zero(diag, cuc, f"{name} copy {what}")
+        else:
+            assert diag is None
+    return outs
+
+
+QKV_HEADS = [(16, 16, 128), (32, 8, 128), (32, 32, 64)]  # workloads.json head_configs
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("block", [1, 128])
+@pytest.mark.parametrize("hq, hkv, D", QKV_HEADS)
+@pytest.mark.parametrize("name", ["1x16k", "mixed16k", "longtail32k", "16x1k", "4x4k"])
+def test_qkv_launch_matches_three_quantize_thd(name, hq, hkv, D, block):
+    lengths = _workloads()[name]
+    q, k, v, cu = _qkv_inputs(lengths, hq, hkv, D, seed=21)
+    _check_qkv(q, k, v, cu, block, f"{name} {hq}/{hkv}x{D}")
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("seed", range(8))
+def test_qkv_random_document_mixes(seed):
+    rng = random.Random(100 + seed)
+    lengths = [rng.choice([0, 1, 1, 2, 15, 16, 17, 127, 128, 129, rng.randint(1, 3000)]) for _ in range(rng.randint(1, 30))]
+    if sum(lengths) == 0:
+        lengths.append(1)
+    hq, hkv, D = rng.choice([(4, 2, 128), (8, 8, 64), (6, 3, 64), (32, 8, 128), (2, 1, 256)])
+    block = rng.choice([1, 64, 128])
+    raster = rng.choice(["heads", "chunks"])
+    q, k, v, cu = _qkv_inputs(lengths, hq, hkv, D, seed=seed)
+    _check_qkv(q, k, v, cu, block, f"lengths={lengths} {hq}/{hkv}x{D} raster={raster}", raster=raster)
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("lengths", [[1], [0, 1, 0], [3, 0], [1] * 300, [16, 192, 16]])
+def test_qkv_tiny_and_many_documents(lengths):
+    q, k, v, cu = _qkv_inputs(lengths, 4, 2, 128, seed=5)
+    _check_qkv(q, k, v, cu, 128, f"{len(lengths)} docs")
+    _check_qkv(q, k, v, cu, 1, f"{len(lengths)} docs")
+
+
+@gpu
+@needs_sm90
+def test_qkv_empty_input():
+    q, k, v, cu = _qkv_inputs([0], 4, 2, 128, seed=5)
+    (qq, _), (kq, kt), (vq, vt) = _check_qkv(q, k, v, cu, 128, "empty")
+    assert qq.data_td.shape == (0, 4, 128) and kt.data_dt.shape == (2, 128, 128)
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("kw", [dict(raster="chunks"), dict(min_ctas_per_sm=4), dict(min_ctas_per_sm=0, smem_carveout=-1)])
+def test_qkv_launch_variants_agree(kw):
+    q, k, v, cu = _qkv_inputs(_workloads()["mixed16k"], 16, 16, 128, seed=8)
+    _check_qkv(q, k, v, cu, 128, str(kw), **kw)
+    _check_qkv(q, k, v, cu, 1, str(kw), **kw)
+
+
+@gpu
+@needs_sm90
+def test_qkv_slow_argument_path(monkeypatch):
+    """FLAMIA_QUANT_FAST_ARGS=0 launches through the DSL's own marshalling; same bytes."""
+    from flamia_cute import quantize_sm90
+
+    monkeypatch.setattr(quantize_sm90, "_LAUNCH_STATE", {})
+    monkeypatch.setenv("FLAMIA_QUANT_FAST_ARGS", "0")
+    q, k, v, cu = _qkv_inputs([700, 1, 333], 8, 4, 128, seed=9)
+    _check_qkv(q, k, v, cu, 128, "slow args")
+    assert all(st[1] is None for st in quantize_sm90._LAUNCH_STATE.values())
+
+
+@gpu
+@needs_sm90
+def test_quantize_operands_uses_one_launch_and_matches():
+    from flamia_cute.cute_backend import quantize_operands
+
+    q, k, v, cu = _qkv_inputs([1000, 24, 0, 3000], 32, 8, 128, seed=10)
+    launches = []
+    from flamia_cute import quantize_sm90
+
+    orig = quantize_sm90._launch
+    quantize_sm90._launch = lambda *a: (launches.append(a[0]), orig(*a))[1]
+    try:
+        qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, 128)
+        q2, (k2, kt2), (v2, vt2) = quantize_operands(q, k, v, cu, 1)
+    finally:
+        quantize_sm90._launch = orig
+    torch.cuda.synchronize()
+    assert len(launches) == 2
+    cuc = cu.cpu()
+    _assert_same(qq, quantize_thd(q.cpu(), cuc, 1))
+    _assert_same(kq, quantize_thd(k.cpu(), cuc, 128))
+    _assert_same(kt, quantize_thd(k.cpu(), cuc, 1))
+    _assert_same(vq, quantize_thd(v.cpu(), cuc, 128))
+    _assert_same(vt, quantize_thd(v.cpu(), cuc, 1))
+    assert kt2 is None and vt2 is None
+    _assert_same(k2, quantize_thd(k.cpu(), cuc, 1))
+    assert qq.block_tokens == 1 and kq.block_tokens == 128 and kt.block_tokens == 1
