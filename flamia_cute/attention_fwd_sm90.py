@@ -20,12 +20,17 @@ Organization (one CTA per (128-query block, query head, document)):
   fp8 tensor-core accumulation is promoted once per 128 keys;
 - a named-barrier ping-pong orders the two warpgroups' GEMM issue (FA3's warp scheduler
   barrier) so one warpgroup's softmax overlaps the other's MMAs;
+- intra-warpgroup overlap (config.intra_wg_overlap, FA3): S of tile n+1 and P V of tile n are
+  issued back to back, the softmax of tile n+1 runs while the tensor cores do both; the running
+  output's rescale for tile n+1 is deferred until tile n's P V has been added (same operations,
+  same order, same numbers as the serial schedule);
 - epilogue: O in bf16x2 words, transposed across each quad (4 shuffles) so every thread
   writes 16 contiguous bytes per store (st.global.v4: 2 * D/32 stores per thread).
 
 Varlen: TMA tensors span the whole packed batch; the document start is a domain offset of
 the token coordinate: cu_seqlens[doc] for Q, K (token-major) and the scales, dt_cu_seqlens[doc]
-(16-aligned) for V^T. Keys past the document end (only in the diagonal tile) are masked;
+(16-aligned) for V^T, which the TMA warp sums from cu_seqlens itself (no host-side table).
+Keys past the document end (only in the diagonal tile) are masked;
 query rows past the end are computed on whatever TMA brought and never stored.
 Self-attention only (cu_seqlens_q == cu_seqlens_k): the runtime entry takes one cu_seqlens.
 """
@@ -51,14 +56,24 @@ from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-from .quant import dt_cu_seqlens as quant_dt_cu_seqlens
-from .quant import transposed_tokens
+from .quant import DT_DOC_ALIGN, transposed_tokens
 
 SOURCE_FILES = (Path(__file__),)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 P_SCALE = 256.0  # the recipe's fixed power-of-two P scale: P * 256 <= 256 < 448
+
+
+def overlap_default(head_dim: int, diagonal_copy: bool) -> bool:
+    """intra_wg_overlap's default: on where the sm_90a build has no spills (tests check it).
+
+    Block-scaled recipes (diagonal_copy) have tile-constant K/V scales off the diagonal, and the
+    overlapped softmax fits in 240 registers with the P V accumulator in flight (64+64+64+16
+    fp32/e4m3 registers at D=128). The per-token recipe also needs each column's K and V scale
+    there: 147 spill instructions at D=128, 0-13 at D=64 (depending on pingpong), so it stays serial.
+    """
+    return bool(diagonal_copy)
 
 
 @dataclass(frozen=True)
@@ -73,6 +88,9 @@ class FwdConfig:
     kv_stages: int = 2
     num_consumer_warpgroups: int = 2
     pingpong: bool = True  # order the two consumer warpgroups' GEMM issue (FA3 style)
+    # Issue S of tile n+1 with P V of tile n, softmax while both run (FA3). None: the default, on
+    # where it compiles without register spills (overlap_default), else off.
+    intra_wg_overlap: bool | None = None
 
     def __post_init__(self):
         def bad(name, msg):
@@ -94,6 +112,10 @@ class FwdConfig:
             bad("diagonal_copy", "must be a bool")
         if not isinstance(self.pingpong, bool):
             bad("pingpong", "must be a bool")
+        if self.intra_wg_overlap is None:
+            object.__setattr__(self, "intra_wg_overlap", overlap_default(self.head_dim, self.diagonal_copy))
+        if not isinstance(self.intra_wg_overlap, bool):
+            bad("intra_wg_overlap", "must be a bool or None")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,6 +233,7 @@ class FlamiaFwdSm90:
         self.regs_producer = 24
         self.regs_consumer = 240
         self.pingpong = config.pingpong
+        self.overlap = config.intra_wg_overlap
 
     @cute.jit
     def __call__(
@@ -226,7 +249,6 @@ class FlamiaFwdSm90:
         vt_ptr: cute.Pointer,
         svt_ptr: cute.Pointer,
         cu_ptr: cute.Pointer,
-        dtcu_ptr: cute.Pointer,
         o_ptr: cute.Pointer,
         lse_ptr: cute.Pointer,
         T: Int32,
@@ -262,7 +284,6 @@ class FlamiaFwdSm90:
         mSKt = cute.make_tensor(skt_ptr, skl)
         mSVt = cute.make_tensor(svt_ptr, skl)
         mCu = cute.make_tensor(cu_ptr, cute.make_layout(num_docs + 1))
-        mDtCu = cute.make_tensor(dtcu_ptr, cute.make_layout(num_docs + 1))
 
         K_MAJOR = OperandMajorMode.K
         qk_mma = sm90_utils.make_trivial_tiled_mma(
@@ -307,7 +328,7 @@ class FlamiaFwdSm90:
         self.kernel(
             qk_mma, pv_mma,
             tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
-            mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mDtCu,
+            mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu,
             sQ_layout, sK_layout, sV_layout, scale_log2,
         ).launch(
             grid=[max_m_blocks, H, num_docs],
@@ -339,7 +360,6 @@ class FlamiaFwdSm90:
         mSKt: cute.Tensor,
         mSVt: cute.Tensor,
         mCu: cute.Tensor,
-        mDtCu: cute.Tensor,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -397,7 +417,7 @@ class FlamiaFwdSm90:
                     self.load_tma(
                         tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
                         sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-                        head, kv_head, doc_start, mDtCu[doc], m_block, n_tiles,
+                        head, kv_head, doc_start, mCu, doc, m_block, n_tiles,
                     )
                 if warp_idx == 1:
                     self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, kv_head, doc_start, doc_len, m_block, n_tiles)
@@ -412,7 +432,7 @@ class FlamiaFwdSm90:
     @cute.jit
     def load_tma(
         self, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
-        sQ, sK, sV, pipe_q, pipe_k, pipe_v, head, kv_head, doc_start, dt_start, m_block, n_tiles,
+        sQ, sK, sV, pipe_q, pipe_k, pipe_v, head, kv_head, doc_start, mCu, doc, m_block, n_tiles,
     ):
         D, tn, wm = self.D, self.tile_n, self.wg_m
         one = cute.make_layout(1)
@@ -429,12 +449,9 @@ class FlamiaFwdSm90:
             g = cute.local_tile(cute.domain_offset((doc_start, 0), t[None, None, kv_head]), (tn, D), (None, 0))
             return cute.nvgpu.cpasync.tma_partition(atom, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(g, 0, 2))
 
-        def v_part(atom, t):
+        def v_part(atom, t, dt_start):
             g = cute.local_tile(cute.domain_offset((0, dt_start), t[None, None, kv_head]), (D, tn), (0, None))
             return cute.nvgpu.cpasync.tma_partition(atom, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(g, 0, 2))
-
-        tKs, tKg = k_part(tma_k, tK)
-        tVs, tVg = v_part(tma_v, tV)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_q.producer_acquire(q_state)
@@ -443,23 +460,37 @@ class FlamiaFwdSm90:
 
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        # diagonal tile first: from the per-token copies when the recipe has block scales
+        # diagonal K tile first: from the per-token copy when the recipe has block scales
+        tKs, tKg = k_part(tma_k, tK)
+        pipe_k.producer_acquire(k_state)
         if cutlass.const_expr(self.diag_copy):
             tKts, tKtg = k_part(tma_kt, tKt)
-            tVts, tVtg = v_part(tma_vt, tVt)
-            pipe_k.producer_acquire(k_state)
             cute.copy(tma_kt, tKtg[None, m_block], tKts[None, k_state.index], tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
-            k_state.advance()
-            pipe_v.producer_acquire(v_state)
-            cute.copy(tma_vt, tVtg[None, m_block], tVts[None, v_state.index], tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
-            v_state.advance()
         else:
-            pipe_k.producer_acquire(k_state)
             cute.copy(tma_k, tKg[None, m_block], tKs[None, k_state.index], tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
-            k_state.advance()
-            pipe_v.producer_acquire(v_state)
+        k_state.advance()
+
+        # The document's first V^T column (= quant.dt_cu_seqlens(cu)[doc], so the host builds no
+        # table): the sum over earlier documents of their lengths rounded up to DT_DOC_ALIGN.
+        # Lane l adds documents l, l + 32, ...; a butterfly sum gives every lane the total.
+        # ceil(doc / 32) pairs of L2-resident loads per lane, while the Q and K loads fly.
+        lane = cute.arch.lane_idx()
+        dt_start = Int32(0)
+        for it in cutlass.range((doc + 31) // 32, unroll=1):
+            b = lane + 32 * it
+            if b < doc:
+                dt_start = dt_start + ((mCu[b + 1] - mCu[b] + (DT_DOC_ALIGN - 1)) & -DT_DOC_ALIGN)
+        for sh in cutlass.range_constexpr(5):
+            dt_start = dt_start + cute.arch.shuffle_sync_bfly(dt_start, offset=16 >> sh)
+
+        tVs, tVg = v_part(tma_v, tV, dt_start)
+        pipe_v.producer_acquire(v_state)
+        if cutlass.const_expr(self.diag_copy):
+            tVts, tVtg = v_part(tma_vt, tVt, dt_start)
+            cute.copy(tma_vt, tVtg[None, m_block], tVts[None, v_state.index], tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+        else:
             cute.copy(tma_v, tVg[None, m_block], tVs[None, v_state.index], tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
-            v_state.advance()
+        v_state.advance()
         for i in cutlass.range(1, n_tiles, unroll=1):
             n = m_block - i
             pipe_k.producer_acquire(k_state)
@@ -531,6 +562,7 @@ class FlamiaFwdSm90:
         m_run = cute.make_rmem_tensor(cute.make_layout(2), Float32)  # running max (scaled, log2)
         l_run = cute.make_rmem_tensor(cute.make_layout(2), Float32)  # per-thread partial row sum
         r_run = cute.make_rmem_tensor(cute.make_layout(2), Float32)  # V-scale fold of the last tile
+        c_pend = cute.make_rmem_tensor(cute.make_layout(2), Float32)  # overlap: deferred O rescale
         for v1 in cutlass.range_constexpr(2):
             row = m_block * tn + wg * wm + tScS[2 * v1][0]
             row_in_blk[v1] = row
@@ -555,16 +587,31 @@ class FlamiaFwdSm90:
                 cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
 
         frags = (tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS)
-        rowst = (rs, m_run, l_run, r_run)
-        k_state, v_state, s_state = self.tile_step(
-            True, m_block, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
-            k_state, v_state, s_state, doc_len, wg, quad, lane,
-        )
-        for i in cutlass.range(1, n_tiles, unroll=1):
+        rowst = (rs, m_run, l_run, r_run, c_pend)
+        if cutlass.const_expr(self.overlap):
+            # Intra-warpgroup overlap (FA3): S of tile n+1 and P V of tile n are issued together,
+            # then the softmax of tile n+1 runs while the tensor cores work on both.
+            k_state, s_state = self.overlap_prologue(
+                m_block, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len, wg, quad, lane,
+            )
+            for i in cutlass.range(1, n_tiles, unroll=1):
+                # the MMA atoms carry their ACCUMULATE field as staged state: rebinding them here
+                # makes them loop-carried, so the epilogue's GEMM may use them after the loop
+                k_state, v_state, s_state, qk_mma, pv_mma = self.overlap_step(
+                    m_block - i, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
+                    k_state, v_state, s_state, doc_len, wg, quad, lane,
+                )
+            v_state = self.overlap_epilogue(frags, pv_mma, pipe_v, v_state, wg)
+        else:
             k_state, v_state, s_state = self.tile_step(
-                False, m_block - i, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
+                True, m_block, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
                 k_state, v_state, s_state, doc_len, wg, quad, lane,
             )
+            for i in cutlass.range(1, n_tiles, unroll=1):
+                k_state, v_state, s_state = self.tile_step(
+                    False, m_block - i, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
+                    k_state, v_state, s_state, doc_len, wg, quad, lane,
+                )
 
         if cutlass.const_expr(self.pingpong):
             # consume warpgroup 1's last arrive (it arrives once more than warpgroup 0 waits)
@@ -609,25 +656,146 @@ class FlamiaFwdSm90:
                     _st_global_v4(row_addr + 64 * G, ow)
 
     # ------------------------------------------------------------------------------------------
+    # Tile phases. Both schedules run the same phases on the same data; only the order of
+    # independent work differs, so P, the row statistics and O are the same numbers.
+    @cute.jit
+    def gemm_qk(self, qk_mma, frags, k_state, wg):
+        """Issue S = Q K^T for the K tile in stage k_state (async; the caller commits)."""
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
+        for k in cutlass.range_constexpr(self.D // 32):
+            qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(qk_mma, acc_s, tSrQ[None, None, k, wg], tSrK[None, None, k, k_state.index], acc_s)
+
+    @cute.jit
+    def gemm_pv(self, pv_mma, frags, v_state):
+        """Issue O_tile = P V (P from registers) into the fresh tile accumulator acc_t (async)."""
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
+        for k in cutlass.range_constexpr(self.tile_n // 32):
+            pv_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(pv_mma, acc_t, tOrP[None, None, k], tOrV[None, None, k, v_state.index], acc_t)
+
+    @cute.jit
+    def softmax(self, diag: cutlass.Constexpr, defer: cutlass.Constexpr, n, frags, rowst, sScale, s_state, doc_len, wg):
+        """Online softmax (log2 domain) of acc_s = S and the P values with the V scale folded in.
+
+        Leaves p * sV * 256 / r (fp32) in acc_s and updates the row statistics. The running
+        output's factor c = alpha * r_prev / r is applied to acc_o here, or (defer) stored in
+        c_pend for the caller to apply once the previous tile's P V has been added.
+        diag: the diagonal tile (first), the only one with a mask. The caller waits for and
+        releases the scale stage s_state.
+        """
+        tn, wm = self.tile_n, self.wg_m
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
+        rs, m_run, l_run, r_run, c_pend = rowst
+        n_acc_s = cute.size(acc_s)
+        n_acc_o = cute.size(acc_o)
+        lim = doc_len - n * tn  # diagonal tile: visible keys are col < lim and col <= row
+        # Block-scaled off-diagonal tile: it is exactly one 128-key scale block, so the K and V
+        # scales are constant over it: sK folds into the row factor and w / r == 1.
+        uniform = cutlass.const_expr((not diag) and self.diag_copy)
+        sk_t = sScale[0, s_state.index]
+        w_t = sScale[tn, s_state.index]
+        # Both rows of the thread in one pass over its columns: each column's scales are loaded
+        # once and are dead right after (no 32 x 2 scale registers kept between passes; that
+        # matters while a P V accumulator is in flight). Max is exact, so its order is free;
+        # each row's sum keeps the column order v2, v0.
+        tmax = [-Float32.inf, -Float32.inf]
+        wmax = [Float32(0.0), Float32(0.0)]
+        for v2 in cutlass.range_constexpr(n_acc_s // 4):
+            for v0 in cutlass.range_constexpr(2):
+                col = tScS[v0 + 4 * v2][1]
+                if cutlass.const_expr(uniform):
+                    for v1 in cutlass.range_constexpr(2):
+                        tmax[v1] = cute.arch.fmax(tmax[v1], acc_s[v0 + 2 * v1 + 4 * v2])
+                else:
+                    sk = sScale[col, s_state.index]
+                    sw = sScale[tn + col, s_state.index]
+                    for v1 in cutlass.range_constexpr(2):
+                        a = v0 + 2 * v1 + 4 * v2
+                        s = acc_s[a] * sk
+                        w = sw
+                        if cutlass.const_expr(diag):
+                            if col > tScS[a][0] + wg * wm:
+                                s = -Float32.inf
+                                w = Float32(0.0)
+                            if col >= lim:
+                                s = -Float32.inf
+                                w = Float32(0.0)
+                        acc_s[a] = s
+                        tmax[v1] = cute.arch.fmax(tmax[v1], s)
+                        wmax[v1] = cute.arch.fmax(wmax[v1], w)
+        rsv = [rs[0], rs[1]]
+        m_safe = [Float32(0.0), Float32(0.0)]
+        inv = [Float32(0.0), Float32(0.0)]
+        alphas = [Float32(0.0), Float32(0.0)]
+        for v1 in cutlass.range_constexpr(2):
+            tm = _quad_max(tmax[v1])
+            r = w_t
+            if cutlass.const_expr(uniform):
+                rsv[v1] = rs[v1] * sk_t
+            else:
+                wm_ = _quad_max(wmax[v1])
+                r = wm_
+                if wm_ == Float32(0.0):
+                    r = Float32(1.0)
+            # rsv > 0, so max(s) * rsv == max(s * rsv) exactly
+            m_new = cute.arch.fmax(m_run[v1], tm * rsv[v1])
+            ms = m_new
+            if m_new == -Float32.inf:
+                ms = Float32(0.0)
+            alpha = cute.math.exp2(m_run[v1] - ms, fastmath=True)
+            inv[v1] = Float32(P_SCALE) / r  # exact: r is a power of two
+            m_safe[v1] = ms
+            # running output: softmax correction times the fold change r_prev / r (exact)
+            c = alpha * (r_run[v1] / r)
+            c_pend[v1] = c
+            alphas[v1] = alpha
+            m_run[v1] = m_new
+            r_run[v1] = r
+        psum = [Float32(0.0), Float32(0.0)]
+        for v2 in cutlass.range_constexpr(n_acc_s // 4):
+            for v0 in cutlass.range_constexpr(2):
+                col = tScS[v0 + 4 * v2][1]
+                sw = w_t
+                if cutlass.const_expr(not uniform):
+                    sw = sScale[tn + col, s_state.index]
+                for v1 in cutlass.range_constexpr(2):
+                    a = v0 + 2 * v1 + 4 * v2
+                    p = cute.math.exp2(acc_s[a] * rsv[v1] - m_safe[v1], fastmath=True)
+                    psum[v1] = psum[v1] + p
+                    if cutlass.const_expr(uniform):
+                        acc_s[a] = p * Float32(P_SCALE)
+                    else:
+                        acc_s[a] = p * (sw * inv[v1])
+        for v1 in cutlass.range_constexpr(2):
+            l_run[v1] = l_run[v1] * alphas[v1] + psum[v1]
+            if cutlass.const_expr(not defer):
+                for j in cutlass.range_constexpr(n_acc_o // 4):
+                    for v0 in cutlass.range_constexpr(2):
+                        acc_o[v0 + 2 * v1 + 4 * j] = acc_o[v0 + 2 * v1 + 4 * j] * c_pend[v1]
+
+    @cute.jit
+    def convert_p(self, frags, quad, lane):
+        """P: fp32 accumulator layout (acc_s) -> e4m3 A-operand layout (tOrP)."""
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
+        for w in cutlass.range_constexpr(cute.size(acc_s) // 4):
+            p8[w] = _cvt_e4m3x4(acc_s[4 * w], acc_s[4 * w + 1], acc_s[4 * w + 2], acc_s[4 * w + 3])
+        self.permute_p(p8, tOrP32, quad, lane)
+
+    # ------------------------------------------------------------------------------------------
     @cute.jit
     def tile_step(
         self, diag: cutlass.Constexpr, n, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
         k_state, v_state, s_state, doc_len, wg, quad, lane,
     ):
-        """One key tile n. diag: the diagonal tile (first), the only one with a mask."""
-        tn, wm = self.tile_n, self.wg_m
+        """One key tile n, serially: S, softmax, P, P V. diag: the diagonal tile (first)."""
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
-        rs, m_run, l_run, r_run = rowst
-        n_acc_s = cute.size(acc_s)
-        n_acc_o = cute.size(acc_o)
         # ---- S = Q K^T
         pipe_k.consumer_wait(k_state)
         if cutlass.const_expr(self.pingpong):
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
         warpgroup.fence()
-        for k in cutlass.range_constexpr(self.D // 32):
-            qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(qk_mma, acc_s, tSrQ[None, None, k, wg], tSrK[None, None, k, k_state.index], acc_s)
+        self.gemm_qk(qk_mma, frags, k_state, wg)
         warpgroup.commit_group()
         if cutlass.const_expr(self.pingpong):
             # the other warpgroup may issue its GEMMs while this one does the softmax
@@ -638,91 +806,107 @@ class FlamiaFwdSm90:
         k_state.advance()
 
         # ---- online softmax (log2 domain) and the P cast with the V scale folded in
-        lim = doc_len - n * tn  # diagonal tile: visible keys are col < lim and col <= row
-        # Block-scaled off-diagonal tile: it is exactly one 128-key scale block, so the K and V
-        # scales are constant over it: sK folds into the row factor and w / r == 1.
-        uniform = cutlass.const_expr((not diag) and self.diag_copy)
-        sk_t = sScale[0, s_state.index]
-        w_t = sScale[tn, s_state.index]
-        for v1 in cutlass.range_constexpr(2):
-            tmax = -Float32.inf
-            wmax = Float32(0.0)
-            for v2 in cutlass.range_constexpr(n_acc_s // 4):
-                for v0 in cutlass.range_constexpr(2):
-                    a = v0 + 2 * v1 + 4 * v2
-                    col = tScS[a][1]
-                    if cutlass.const_expr(uniform):
-                        tmax = cute.arch.fmax(tmax, acc_s[a])
-                    else:
-                        s = acc_s[a] * sScale[col, s_state.index]
-                        w = sScale[tn + col, s_state.index]
-                        if cutlass.const_expr(diag):
-                            if col > tScS[a][0] + wg * wm:
-                                s = -Float32.inf
-                                w = Float32(0.0)
-                            if col >= lim:
-                                s = -Float32.inf
-                                w = Float32(0.0)
-                        acc_s[a] = s
-                        tmax = cute.arch.fmax(tmax, s)
-                        wmax = cute.arch.fmax(wmax, w)
-            tmax = _quad_max(tmax)
-            rsv = rs[v1]
-            r = w_t
-            if cutlass.const_expr(uniform):
-                rsv = rs[v1] * sk_t
-            else:
-                wmax = _quad_max(wmax)
-                r = wmax
-                if wmax == Float32(0.0):
-                    r = Float32(1.0)
-            # rsv > 0, so max(s) * rsv == max(s * rsv) exactly
-            m_new = cute.arch.fmax(m_run[v1], tmax * rsv)
-            m_safe = m_new
-            if m_new == -Float32.inf:
-                m_safe = Float32(0.0)
-            alpha = cute.math.exp2(m_run[v1] - m_safe, fastmath=True)
-            inv = Float32(P_SCALE) / r  # exact: r is a power of two
-            psum = Float32(0.0)
-            for v2 in cutlass.range_constexpr(n_acc_s // 4):
-                for v0 in cutlass.range_constexpr(2):
-                    a = v0 + 2 * v1 + 4 * v2
-                    col = tScS[a][1]
-                    p = cute.math.exp2(acc_s[a] * rsv - m_safe, fastmath=True)
-                    psum = psum + p
-                    if cutlass.const_expr(uniform):
-                        acc_s[a] = p * Float32(P_SCALE)
-                    else:
-                        acc_s[a] = p * (sScale[tn + col, s_state.index] * inv)
-            l_run[v1] = l_run[v1] * alpha + psum
-            # running output: softmax correction times the fold change r_prev / r (exact)
-            c = alpha * (r_run[v1] / r)
-            for j in cutlass.range_constexpr(n_acc_o // 4):
-                for v0 in cutlass.range_constexpr(2):
-                    acc_o[v0 + 2 * v1 + 4 * j] = acc_o[v0 + 2 * v1 + 4 * j] * c
-            m_run[v1] = m_new
-            r_run[v1] = r
+        self.softmax(diag, False, n, frags, rowst, sScale, s_state, doc_len, wg)
         pipe_s.consumer_release(s_state)
         s_state.advance()
-
-        # ---- P: fp32 accumulator layout -> e4m3 A-operand layout
-        for w in cutlass.range_constexpr(n_acc_s // 4):
-            p8[w] = _cvt_e4m3x4(acc_s[4 * w], acc_s[4 * w + 1], acc_s[4 * w + 2], acc_s[4 * w + 3])
-        self.permute_p(p8, tOrP32, quad, lane)
+        self.convert_p(frags, quad, lane)
 
         # ---- O_tile = P V in a fresh accumulator, promoted into the fp32 running output
         pipe_v.consumer_wait(v_state)
         warpgroup.fence()
-        for k in cutlass.range_constexpr(tn // 32):
-            pv_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(pv_mma, acc_t, tOrP[None, None, k], tOrV[None, None, k, v_state.index], acc_t)
+        self.gemm_pv(pv_mma, frags, v_state)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         v_state.advance()
-        for a in cutlass.range_constexpr(n_acc_o):
+        for a in cutlass.range_constexpr(cute.size(acc_o)):
             acc_o[a] = acc_o[a] + acc_t[a]
         return k_state, v_state, s_state
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def overlap_prologue(
+        self, n, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len, wg, quad, lane,
+    ):
+        """Overlap schedule, diagonal tile n: S, softmax, P (its P V is issued by the next phase)."""
+        pipe_k.consumer_wait(k_state)
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
+        warpgroup.fence()
+        self.gemm_qk(qk_mma, frags, k_state, wg)
+        warpgroup.commit_group()
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
+        pipe_s.consumer_wait(s_state)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(k_state)
+        k_state.advance()
+        # nothing in flight: acc_o (zero) is rescaled at once, as in the serial schedule
+        self.softmax(True, False, n, frags, rowst, sScale, s_state, doc_len, wg)
+        pipe_s.consumer_release(s_state)
+        s_state.advance()
+        self.convert_p(frags, quad, lane)
+        return k_state, s_state
+
+    @cute.jit
+    def overlap_step(
+        self, n, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
+        k_state, v_state, s_state, doc_len, wg, quad, lane,
+    ):
+        """Overlap schedule, off-diagonal tile n: issue S_n and P_prev V_prev, softmax of S_n
+        while P V runs, then O = (O + O_tile) * c_n and P_n."""
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
+        rs, m_run, l_run, r_run, c_pend = rowst
+        pipe_k.consumer_wait(k_state)
+        pipe_v.consumer_wait(v_state)
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
+        warpgroup.fence()
+        self.gemm_qk(qk_mma, frags, k_state, wg)
+        warpgroup.commit_group()
+        self.gemm_pv(pv_mma, frags, v_state)
+        warpgroup.commit_group()
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
+        pipe_s.consumer_wait(s_state)
+        warpgroup.wait_group(1)  # S_n is done (groups retire in order); P V may still run
+        pipe_k.consumer_release(k_state)
+        k_state.advance()
+        # reads and writes acc_s only (and the row statistics): P V reads tOrP, writes acc_t
+        self.softmax(False, True, n, frags, rowst, sScale, s_state, doc_len, wg)
+        pipe_s.consumer_release(s_state)
+        s_state.advance()
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(v_state)
+        v_state.advance()
+        # the serial schedule's operations in its order: O += O_tile(prev), then O *= c_n
+        for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
+            for v1 in cutlass.range_constexpr(2):
+                for v0 in cutlass.range_constexpr(2):
+                    a = v0 + 2 * v1 + 4 * j
+                    acc_o[a] = acc_o[a] + acc_t[a]
+                    acc_o[a] = acc_o[a] * c_pend[v1]
+        self.convert_p(frags, quad, lane)
+        return k_state, v_state, s_state, qk_mma, pv_mma
+
+    @cute.jit
+    def overlap_epilogue(self, frags, pv_mma, pipe_v, v_state, wg):
+        """Overlap schedule: P V of the last tile, O += O_tile."""
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
+        pipe_v.consumer_wait(v_state)
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
+        warpgroup.fence()
+        self.gemm_pv(pv_mma, frags, v_state)
+        warpgroup.commit_group()
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(v_state)
+        v_state.advance()
+        for a in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[a] = acc_o[a] + acc_t[a]
+        return v_state
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -769,37 +953,66 @@ def _fake_ptr(dtype, align=16):
     return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def compile_fwd_sm90(config: FwdConfig, arch: str = "sm_90a", extra_options: str = ""):
-    """cute.compile the forward for `arch` from plain values only (no tensors, no GPU needed)."""
+_F8, _F32, _I32, _BF16 = ("ptr", Float8E4M3FN, 16), ("ptr", Float32, 4), ("ptr", Int32, 4), ("ptr", BFloat16, 16)
+# The runtime entry's parameters (FlamiaFwdSm90.__call__) for compile_cache.compile_launcher
+ARG_KINDS = (
+    _F8, _F32, _F8, _F32, _F8, _F32, _F8, _F32, _F8, _F32,  # q, sq, k, sk, v, sv, k_tok, sk_tok, v_tok, sv_tok
+    _I32, _BF16, _F32,  # cu_seqlens, out, lse
+    ("i32",), ("i32",), ("i32",), ("i32",), ("i32",), ("f32",),  # T, T_dt, Hk, num_docs, max_m_blocks, scale
+    ("stream",),
+)
+
+
+def compile_fwd_sm90(config: FwdConfig, arch: str = "sm_90a", extra_options: str = "", tvm_ffi: bool = False):
+    """cute.compile the forward for `arch` from plain values only (no tensors, no GPU needed).
+
+    tvm_ffi: compile for TVM-FFI calls (raw int/float arguments, explicit stream handle).
+    """
+    from .compile_cache import fake_args
+
     op = FlamiaFwdSm90(config)
-    f8 = lambda: _fake_ptr(Float8E4M3FN)  # noqa: E731
-    f32 = lambda: _fake_ptr(Float32, 4)  # noqa: E731
-    args = (
-        f8(), f32(), f8(), f32(), f8(), f32(), f8(), f32(), f8(), f32(),
-        _fake_ptr(Int32, 4), _fake_ptr(Int32, 4), _fake_ptr(BFloat16), f32(),
-        Int32(1), Int32(128), Int32(1), Int32(1), Int32(1), Float32(1.0),
-        cute.runtime.make_fake_stream(),
-    )
     options = f"--gpu-arch {arch} {extra_options}".strip()
-    return cute.compile(op, *args, options=options)
+    if tvm_ffi:
+        options += " --enable-tvm-ffi"
+    return cute.compile(op, *fake_args(ARG_KINDS), options=options)
 
 
 def get_compiled(config: FwdConfig, arch: str | None = None):
+    """The JitExecutor-callable kernel (DSL pointer objects; see flamia_fwd_sm90 for the fast path)."""
     from .compile_cache import compile_cached, target_arch
 
     arch = arch or target_arch()
     return compile_cached(SOURCE_FILES, config, arch, lambda cfg, a: compile_fwd_sm90(cfg, a))
 
 
-def kernel_artifacts(config: FwdConfig, arch: str = "sm_90a"):
+_ARCH: list[str] = []
+
+
+def get_launcher(config: FwdConfig, arch: str | None = None, use_tvm_ffi: bool | None = None):
+    """launch(*raw) in ARG_KINDS order: TVM-FFI when available (see compile_cache.compile_launcher)."""
+    from .compile_cache import compile_launcher, target_arch
+
+    if arch is None:
+        if not _ARCH:
+            _ARCH.append(target_arch())
+        arch = _ARCH[0]
+    return compile_launcher(
+        SOURCE_FILES, config, arch, lambda cfg, a, t: compile_fwd_sm90(cfg, a, tvm_ffi=t), ARG_KINDS, use_tvm_ffi,
+    )
+
+
+def kernel_artifacts(config: FwdConfig, arch: str = "sm_90a", tvm_ffi: bool = False):
     """PTX, cubin, SASS (when nvdisasm exists) and register/stack usage, for tests and inspection."""
     from .compile_cache import compile_artifacts
 
-    return compile_artifacts(compile_fwd_sm90, config, arch)
+    return compile_artifacts(lambda cfg, a, opts: compile_fwd_sm90(cfg, a, opts, tvm_ffi=tvm_ffi), config, arch)
 
 
-def _ptr(t: torch.Tensor, dtype, align=16):
-    return cute.runtime.make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+try:  # the current stream's raw handle without building a torch.cuda.Stream (inductor uses it)
+    _raw_stream = torch._C._cuda_getCurrentRawStream
+except AttributeError:  # pragma: no cover
+    def _raw_stream(index):
+        return torch.cuda.current_stream(index).cuda_stream
 
 
 def flamia_fwd_sm90(
@@ -817,8 +1030,10 @@ def flamia_fwd_sm90(
     Self-attention only: one cu_seqlens (int32, num_docs + 1) for queries and keys, with
     cu_seqlens[-1] == T (not checked: it would synchronize). max_seqlen >= every document length.
     poison_outputs: fill out/lse with NaN first (tests: every element must be written).
-    dt_cu_seqlens: int32 (num_docs + 1) start columns in v_dt (quant.dt_cu_seqlens(cu_seqlens));
-    computed here on the device when None. Not checked against cu_seqlens (it would synchronize).
+    dt_cu_seqlens: accepted for compatibility and unused: the kernel derives every document's start
+    column in v_dt (quant.dt_cu_seqlens(cu_seqlens)) from cu_seqlens itself.
+    Host cost: one kernel launch, two allocations, no torch ops on cu_seqlens when it is already
+    int32 on the device; the launch goes through TVM-FFI when apache-tvm-ffi is installed.
     """
     T, H, D = q_td.shape
     Hk = k_td.shape[1]
@@ -830,31 +1045,34 @@ def flamia_fwd_sm90(
         k_tok_td, sk_tok, v_tok_dt, sv_tok = k_td, sk, v_dt, sv
     f8 = torch.float8_e4m3fn
     T_dt = v_dt.shape[2]
-    for name, t, shape, dt in (
-        ("q_td", q_td, (T, H, D), f8), ("k_td", k_td, (T, Hk, D), f8), ("k_tok_td", k_tok_td, (T, Hk, D), f8),
-        ("v_dt", v_dt, (Hk, D, T_dt), f8), ("v_tok_dt", v_tok_dt, (Hk, D, T_dt), f8),
-        ("sq", sq, (H, T), torch.float32), ("sk", sk, (Hk, T), torch.float32), ("sv", sv, (Hk, T), torch.float32),
-        ("sk_tok", sk_tok, (Hk, T), torch.float32), ("sv_tok", sv_tok, (Hk, T), torch.float32),
-    ):
-        if tuple(t.shape) != shape or t.dtype != dt or not t.is_cuda or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous CUDA {dt} tensor of shape {shape}, got "
-                             f"{tuple(t.shape)} {t.dtype}")
+    checks = [("q_td", q_td, (T, H, D), f8), ("k_td", k_td, (T, Hk, D), f8), ("v_dt", v_dt, (Hk, D, T_dt), f8),
+              ("sq", sq, (H, T), torch.float32), ("sk", sk, (Hk, T), torch.float32), ("sv", sv, (Hk, T), torch.float32)]
+    if k_tok_td is not k_td:
+        checks += [("k_tok_td", k_tok_td, (T, Hk, D), f8), ("v_tok_dt", v_tok_dt, (Hk, D, T_dt), f8),
+                   ("sk_tok", sk_tok, (Hk, T), torch.float32), ("sv_tok", sv_tok, (Hk, T), torch.float32)]
+    dev = q_td.device
+    for name, t, shape, dt in checks:
+        if t.shape != shape or t.dtype != dt or t.device != dev or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {dt} tensor of shape {shape} on {dev}, got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned")
+    if dev.type != "cuda":
+        raise ValueError(f"the inputs must be CUDA tensors, got {dev}")
     num_docs = cu_seqlens.numel() - 1
     if T_dt != transposed_tokens(T, num_docs):
         raise ValueError(f"v_dt's token dim must be transposed_tokens(T, num_docs) = "
                          f"{transposed_tokens(T, num_docs)}, got {T_dt}")
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
-    cu = cu_seqlens.to(device=q_td.device, dtype=torch.int32).contiguous()
-    if dt_cu_seqlens is None:
-        dt_cu_seqlens = quant_dt_cu_seqlens(cu)
-    dtcu = dt_cu_seqlens.to(device=q_td.device, dtype=torch.int32).contiguous()
-    if dtcu.shape != cu.shape:
-        raise ValueError(f"dt_cu_seqlens must have num_docs + 1 = {cu.numel()} entries, got {tuple(dtcu.shape)}")
-    out = torch.empty(T, H, D, dtype=torch.bfloat16, device=q_td.device)
-    lse = torch.empty(H, T, dtype=torch.float32, device=q_td.device)
+    if dt_cu_seqlens is not None and dt_cu_seqlens.shape != cu_seqlens.shape:
+        raise ValueError(f"dt_cu_seqlens must have num_docs + 1 = {cu_seqlens.numel()} entries, "
+                         f"got {tuple(dt_cu_seqlens.shape)}")
+    cu = cu_seqlens
+    if cu.dtype != torch.int32 or cu.device != dev or not cu.is_contiguous():
+        cu = cu.to(device=dev, dtype=torch.int32).contiguous()
+    out = torch.empty(T, H, D, dtype=torch.bfloat16, device=dev)
+    lse = torch.empty(H, T, dtype=torch.float32, device=dev)
     if poison_outputs:
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
@@ -863,14 +1081,17 @@ def flamia_fwd_sm90(
         return out, lse
     if max_m_blocks > 2**31 - 1 or H > 65535 or num_docs > 65535:
         raise ValueError("grid too large")
-    fn = get_compiled(config)
-    stream = cuda.CUstream(torch.cuda.current_stream(q_td.device).cuda_stream)
-    fn(
-        _ptr(q_td, Float8E4M3FN), _ptr(sq, Float32, 4), _ptr(k_td, Float8E4M3FN), _ptr(sk, Float32, 4),
-        _ptr(v_dt, Float8E4M3FN), _ptr(sv, Float32, 4), _ptr(k_tok_td, Float8E4M3FN), _ptr(sk_tok, Float32, 4),
-        _ptr(v_tok_dt, Float8E4M3FN), _ptr(sv_tok, Float32, 4), _ptr(cu, Int32, 4), _ptr(dtcu, Int32, 4),
-        _ptr(out, BFloat16), _ptr(lse, Float32, 4),
-        Int32(T), Int32(T_dt), Int32(Hk), Int32(num_docs), Int32(max_m_blocks),
-        Float32(softmax_scale * LOG2E), stream,
+    launch = get_launcher(config)
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    args = (
+        q_td.data_ptr(), sq.data_ptr(), k_td.data_ptr(), sk.data_ptr(), v_dt.data_ptr(), sv.data_ptr(),
+        k_tok_td.data_ptr(), sk_tok.data_ptr(), v_tok_dt.data_ptr(), sv_tok.data_ptr(), cu.data_ptr(),
+        out.data_ptr(), lse.data_ptr(), T, T_dt, Hk, num_docs, max_m_blocks, float(softmax_scale * LOG2E),
+        _raw_stream(idx),
     )
+    if idx == torch.cuda.current_device():
+        launch(*args)
+    else:  # the kernel module is loaded into, and launched on, the current device's context
+        with torch.cuda.device(idx):
+            launch(*args)
     return out, lse

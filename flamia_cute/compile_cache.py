@@ -11,8 +11,17 @@ with the same call signature (~ms instead of ~1 s of tracing, MLIR lowering and 
 This path needs no tvm_ffi. Cache entries are written to a temp file and renamed into
 place under an exclusive flock, so concurrent processes never read a partial object.
 
+Fast launches (`compile_launcher`): with apache-tvm-ffi importable, kernels are compiled with
+`--enable-tvm-ffi` and called through the raw `tvm_ffi.Function` with plain Python ints (pointer
+addresses, int32 scalars, the CUDA stream handle) and floats: the C wrapper decodes them, no
+`make_ptr` objects and no JitExecutor argument marshalling. Those are cached on disk too:
+`export_to_c(path.o, function_name=prefix)` then `load_module(path, enable_tvm_ffi=True)[prefix]`
+(a separate key: the "tvm_ffi" variant). Without tvm_ffi the launcher converts the same raw
+arguments to DSL objects and calls the JitExecutor (slow but equivalent).
+
 Environment:
   FLAMIA_CUTE_CACHE_DIR    cache root (default ~/.cache/flamia_cute)
+  FLAMIA_CUTE_TVM_FFI=0    launch through the JitExecutor even when tvm_ffi is importable
   FLAMIA_CUTE_DISK_CACHE=0 disable the disk layer (the in-memory layer stays)
   FLAMIA_ARCH              target arch (sm_90a, sm_100a, ...) when compiling without a GPU
 
@@ -26,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -99,7 +109,8 @@ def _config_fields(config: Any) -> tuple:
     return (repr(config),)
 
 
-def cache_key(kernel_source_files: Iterable[str | Path], config: Any, arch: str) -> str:
+def cache_key(kernel_source_files: Iterable[str | Path], config: Any, arch: str, variant: str = "") -> str:
+    """variant: a calling-convention tag ("tvm_ffi"); "" keeps the keys of plain DSL builds."""
     h = hashlib.sha256()
     for path in sorted(Path(p).resolve() for p in kernel_source_files):
         data = path.read_bytes()
@@ -114,6 +125,8 @@ def cache_key(kernel_source_files: Iterable[str | Path], config: Any, arch: str)
         f"config={type(config).__module__}.{type(config).__qualname__}",
         repr(_config_fields(config)),
     )
+    if variant:
+        parts = parts + (f"variant={variant}",)
     for p in parts:
         h.update(b"\0" + p.encode())
     return h.hexdigest()
@@ -147,10 +160,13 @@ class _FileLock:
         os.close(self.fd)
 
 
-def _load(obj_path: Path, key: str):
+def _load(obj_path: Path, key: str, tvm_ffi: bool = False):
     import cutlass.cute as cute
 
-    module = cute.runtime.load_module(str(obj_path))
+    if tvm_ffi:
+        module = cute.runtime.load_module(str(obj_path), enable_tvm_ffi=True)
+    else:
+        module = cute.runtime.load_module(str(obj_path))
     fn = module[_symbol_prefix(key)]
     _MODULES[key] = module
     return fn
@@ -161,31 +177,62 @@ def compile_cached(
     config: Any,
     arch: str,
     build_fn: Callable[[Any, str], Any],
+    tvm_ffi: bool = False,
 ) -> Any:
     """The compiled kernel for (sources, config, arch): memory, else disk, else build_fn(config, arch).
 
     build_fn must return a `cute.compile` result for `arch`. A second process with the same key
     loads the exported object instead of compiling.
+    tvm_ffi: build_fn compiles with `--enable-tvm-ffi`; the result is then a raw `tvm_ffi.Function`
+    (from memory or disk alike) taking plain ints/floats (see `compile_launcher`).
     """
     # Hot path: a launch must not re-hash the kernel sources (that cost ~0.1 ms per call).
-    fast_key = (tuple(str(p) for p in kernel_source_files), config, arch)
+    fast_key = (tuple(str(p) for p in kernel_source_files), config, arch) + (("tvm_ffi",) if tvm_ffi else ())
     fn = _FAST.get(fast_key)
     if fn is not None:
         STATS.memory_hits += 1
         return fn
-    fn = _compile_cached_slow(kernel_source_files, config, arch, build_fn)
+    fn = _compile_cached_slow(kernel_source_files, config, arch, build_fn, tvm_ffi)
     _FAST[fast_key] = fn
     return fn
 
 
-def _compile_cached_slow(kernel_source_files, config, arch, build_fn):
-    key = cache_key(kernel_source_files, config, arch)
+def _raw_tvm_ffi_function(compiled: Any, key: str) -> Any:
+    """The positional-only tvm_ffi.Function inside a `--enable-tvm-ffi` compile result.
+
+    The DSL's wrappers (kwargs wrapper; Python-side pointer-object conversion) are skipped: callers
+    pass plain ints for pointers. The compile result is kept alive (it owns the JIT engine).
+    """
+    import tvm_ffi
+
+    _MODULES[key] = compiled
+    inner = getattr(compiled, "_tvm_ffi_function", None)
+    if inner is not None:
+        return inner
+    if isinstance(compiled, tvm_ffi.Function):  # TVMFFIJitCompiledFunction: skip its Python __call__
+        call = tvm_ffi.Function.__call__
+        return lambda *a: call(compiled, *a)
+    raise TypeError(f"not a TVM-FFI compile result: {type(compiled).__name__}")
+
+
+def _export(fn: Any, tmp: str, key: str, tvm_ffi: bool) -> Path:
+    if tvm_ffi:
+        path = Path(tmp) / "kernel.o"
+        fn.export_to_c(str(path), function_name=_symbol_prefix(key))
+        return path
+    fn.export_to_c(tmp, "kernel", function_prefix=_symbol_prefix(key))
+    return Path(tmp) / "kernel.o"
+
+
+def _compile_cached_slow(kernel_source_files, config, arch, build_fn, tvm_ffi=False):
+    key = cache_key(kernel_source_files, config, arch, "tvm_ffi" if tvm_ffi else "")
+    finish = (lambda f: _raw_tvm_ffi_function(f, key)) if tvm_ffi else (lambda f: f)
     fn = _MEMORY.get(key)
     if fn is not None:
         STATS.memory_hits += 1
         return fn
     if not disk_cache_enabled():
-        fn = build_fn(config, arch)
+        fn = finish(build_fn(config, arch))
         STATS.compiles += 1
         _MEMORY[key] = fn
         return fn
@@ -197,7 +244,7 @@ def _compile_cached_slow(kernel_source_files, config, arch, build_fn):
     with _FileLock(lock, exclusive=True):
         if obj.exists():
             try:
-                fn = _load(obj, key)
+                fn = _load(obj, key, tvm_ffi)
                 STATS.disk_hits += 1
             except Exception:  # truncated or foreign object: rebuild it
                 obj.unlink(missing_ok=True)
@@ -210,22 +257,115 @@ def _compile_cached_slow(kernel_source_files, config, arch, build_fn):
                 # export_to_c of a kernel built for another arch than the DSL's import-time
                 # default fails in 4.8.1 (unresolved cudart symbols in the PIC dump)
                 STATS.export_errors.append(f"not exported: DSL default arch {default} != {arch}")
+                fn = finish(fn)
                 _MEMORY[key] = fn
                 return fn
             try:
                 with tempfile.TemporaryDirectory(dir=root) as tmp:
-                    fn.export_to_c(tmp, "kernel", function_prefix=_symbol_prefix(key))
-                    os.replace(Path(tmp) / "kernel.o", obj)
+                    os.replace(_export(fn, tmp, key, tvm_ffi), obj)
             except Exception as e:  # keep the in-memory kernel; the next process recompiles
                 STATS.export_errors.append(f"{type(e).__name__}: {e}")
+            fn = finish(fn)
     _MEMORY[key] = fn
     return fn
+
+
+# ----------------------------------------------------------------------------------------------
+# Fast launch: raw Python arguments, TVM-FFI when available
+# ----------------------------------------------------------------------------------------------
+
+# Argument kinds of a launcher, in the kernel's parameter order:
+#   ("ptr", dtype, align)  a global-memory pointer, passed as an int address (0 = null)
+#   ("i32",) / ("f32",)    a dynamic scalar, passed as a Python int / float
+#   ("stream",)            the CUDA stream, passed as an int handle (cudaStream_t)
+_LAUNCHERS: dict[tuple, Callable[..., Any]] = {}
+
+
+def tvm_ffi_enabled() -> bool:
+    """TVM-FFI launches: apache-tvm-ffi importable and not disabled by FLAMIA_CUTE_TVM_FFI=0."""
+    if os.environ.get("FLAMIA_CUTE_TVM_FFI", "1") == "0":
+        return False
+    return importlib.util.find_spec("tvm_ffi") is not None
+
+
+def fake_args(arg_kinds: tuple) -> tuple:
+    """cute.compile arguments for `arg_kinds` (null pointers, zero scalars, a fake stream)."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    out = []
+    for kind in arg_kinds:
+        if kind[0] == "ptr":
+            out.append(cute.runtime.make_ptr(kind[1], 0, cute.AddressSpace.gmem, assumed_align=kind[2]))
+        elif kind[0] == "i32":
+            out.append(Int32(0))
+        elif kind[0] == "f32":
+            out.append(Float32(0.0))
+        elif kind[0] == "stream":
+            out.append(cute.runtime.make_fake_stream())
+        else:
+            raise ValueError(f"unknown argument kind {kind!r}")
+    return tuple(out)
+
+
+def _dsl_launcher(fn: Any, arg_kinds: tuple) -> Callable[..., Any]:
+    """The JitExecutor path behind the raw-argument interface (no tvm_ffi)."""
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    gmem = cute.AddressSpace.gmem
+    conv = []
+    for kind in arg_kinds:
+        if kind[0] == "ptr":
+            conv.append(lambda v, dt=kind[1], al=kind[2]: cute.runtime.make_ptr(dt, v, gmem, assumed_align=al))
+        elif kind[0] == "i32":
+            conv.append(Int32)
+        elif kind[0] == "f32":
+            conv.append(Float32)
+        else:
+            conv.append(cuda.CUstream)
+
+    def launch(*args):
+        if len(args) != len(conv):
+            raise TypeError(f"expected {len(conv)} arguments, got {len(args)}")
+        return fn(*[c(a) for c, a in zip(conv, args, strict=True)])
+
+    return launch
+
+
+def compile_launcher(
+    kernel_source_files: Iterable[str | Path],
+    config: Any,
+    arch: str,
+    build_fn: Callable[[Any, str, bool], Any],
+    arg_kinds: tuple,
+    use_tvm_ffi: bool | None = None,
+) -> Callable[..., Any]:
+    """launch(*raw) for the kernel: raw = ints for pointers/int32/stream, floats for f32 (`arg_kinds`).
+
+    build_fn(config, arch, tvm_ffi) -> cute.compile result, compiled with `--enable-tvm-ffi` and an
+    explicit (non-env) fake stream when tvm_ffi. use_tvm_ffi None: `tvm_ffi_enabled()`. Memoized per
+    (sources, config, arch, mode); compile results go through `compile_cached` (memory, disk).
+    Raw pointer arguments are not checked here: the caller validates its tensors.
+    """
+    if use_tvm_ffi is None:
+        use_tvm_ffi = tvm_ffi_enabled()
+    lkey = (tuple(str(p) for p in kernel_source_files), config, arch, use_tvm_ffi, arg_kinds)
+    launch = _LAUNCHERS.get(lkey)
+    if launch is not None:
+        return launch
+    fn = compile_cached(kernel_source_files, config, arch, lambda c, a: build_fn(c, a, use_tvm_ffi), tvm_ffi=use_tvm_ffi)
+    launch = fn if use_tvm_ffi else _dsl_launcher(fn, arg_kinds)
+    _LAUNCHERS[lkey] = launch
+    return launch
 
 
 def clear_memory_cache() -> None:
     _MEMORY.clear()
     _FAST.clear()
     _MODULES.clear()
+    _LAUNCHERS.clear()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ and backward stay consistent.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -65,7 +66,6 @@ def quantize_operands(q, k, v, cu, block: int):
 def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block):
     """Quantize + forward kernel. Returns (out bf16, lse (H, T) fp32, saved quantized operands)."""
     from .attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
-    from .quant import dt_cu_seqlens
     from .tuning import tuned_fwd_config
 
     qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block)
@@ -74,9 +74,18 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block):
     out, lse = flamia_fwd_sm90(
         qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale,
         kt.data_td if kt else None, kt.scale if kt else None, vt.data_dt if vt else None, vt.scale if vt else None,
-        cu, max_seqlen, softmax_scale, cfg, dt_cu_seqlens=dt_cu_seqlens(cu),
+        cu, max_seqlen, softmax_scale, cfg,
     )
     return out, lse, (qq, (kq, kt), (vq, vt))
+
+
+def backward_backend() -> str:
+    """The sm_90a backward kernel is opt-in (FLAMIA_CUTE_BWD=cute) until it has passed its GPU tests;
+    the default backward is the emulator on the GPU from the forward's saved FP8 operands."""
+    choice = os.environ.get("FLAMIA_CUTE_BWD", "emulate")
+    if choice not in ("emulate", "cute"):
+        raise ValueError(f"FLAMIA_CUTE_BWD must be 'emulate' or 'cute', got {choice!r}")
+    return choice
 
 
 class CuteAttention(torch.autograd.Function):
@@ -84,7 +93,7 @@ class CuteAttention(torch.autograd.Function):
     def forward(fctx, q, k, v, cu, max_seqlen, softmax_scale, recipe, block):
         out, lse, saved = forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block)
         fctx.saved = saved
-        fctx.meta = (cu, softmax_scale, recipe, q.dtype)
+        fctx.meta = (cu, softmax_scale, recipe, q.dtype, max_seqlen)
         fctx.save_for_backward(out, lse)
         fctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
@@ -94,8 +103,14 @@ class CuteAttention(torch.autograd.Function):
         from .emulator import EmulatorContext, emulate_backward, operand_from_quantized
 
         out, lse = fctx.saved_tensors
-        cu, scale, recipe, dt = fctx.meta
+        cu, scale, recipe, dt, max_seqlen = fctx.meta
         qq, (kq, kt), (vq, vt) = fctx.saved
+        if backward_backend() == "cute":
+            from .attention_bwd_sm90 import flamia_bwd_sm90_from_saved
+
+            dq, dk, dv = flamia_bwd_sm90_from_saved(dout.contiguous(), out, lse, qq, kq, vq, kt, vt, cu, max_seqlen,
+                                                    scale)
+            return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None
         ectx = EmulatorContext(recipe, scale, True, cu, cu, operand_from_quantized(qq),
                                operand_from_quantized(kq, kt), operand_from_quantized(vq, vt), out, lse)
         dq, dk, dv = emulate_backward(dout.contiguous(), ectx)

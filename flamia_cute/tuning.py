@@ -71,12 +71,20 @@ def fwd_space(head_dim: int, group: int, diagonal_copy: bool):
     from .attention_fwd_sm90 import FwdConfig
 
     keep, pruned = [], []
+    base = FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
+    keep.append((base, "default"))
     for stages in (2, 3, 4):
         for pingpong in (True, False):
-            cfg = FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy,
-                            kv_stages=stages, pingpong=pingpong)
-            smem = fwd_smem_bytes(cfg)
-            (keep if smem <= SMEM_LIMIT_SM90 else pruned).append((cfg, f"smem {smem} B"))
+            for overlap in (True, False):
+                cfg = FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy,
+                                kv_stages=stages, pingpong=pingpong, intra_wg_overlap=overlap)
+                if cfg == base:
+                    continue
+                smem = fwd_smem_bytes(cfg)
+                if overlap and not diagonal_copy:
+                    pruned.append((cfg, "spills: the per-token recipe's overlapped schedule needs > 240 registers"))
+                else:
+                    (keep if smem <= SMEM_LIMIT_SM90 else pruned).append((cfg, f"smem {smem} B"))
     return keep, pruned
 
 
@@ -178,7 +186,7 @@ def run_tune(args) -> int:
     if args.dry_run:
         print(f"fwd search space ({len(keep)} kept, {len(pruned)} pruned):")
         for cfg, why in keep:
-            print(f"  keep   stages={cfg.kv_stages} pingpong={cfg.pingpong}  ({why})")
+            print(f"  keep   stages={cfg.kv_stages} pingpong={cfg.pingpong} overlap={cfg.intra_wg_overlap}  ({why})")
         for cfg, why in pruned:
             print(f"  pruned {cfg}: {why}")
         for w, c in classes.items():
@@ -197,7 +205,6 @@ def run_tune(args) -> int:
     from .attention_fwd_sm90 import flamia_fwd_sm90
     from .bench import Case
     from .cute_backend import quantize_operands
-    from .quant import dt_cu_seqlens
 
     rows = []
     for w, lengths in _progress(list(wl.items())):
@@ -207,21 +214,22 @@ def run_tune(args) -> int:
             continue
         case = Case(w, lengths, head["heads_q"], head["heads_kv"], head["head_dim"], "cuda").build()
         ops = [quantize_operands(q, k, v, case.cu, block) for q, k, v, _ in case.sets]
-        dtcu = dt_cu_seqlens(case.cu)
         times = {}
         for cfg, _ in keep:
-            def call(i, cfg=cfg, ops=ops, case=case, dtcu=dtcu):
+            def call(i, cfg=cfg, ops=ops, case=case):
                 qq, (kq, kt), (vq, vt) = ops[i]
                 flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale,
                                 kt.data_td if kt else None, kt.scale if kt else None,
                                 vt.data_dt if vt else None, vt.scale if vt else None,
-                                case.cu, case.max_len, case.scale, cfg, dt_cu_seqlens=dtcu)
+                                case.cu, case.max_len, case.scale, cfg)
             times[cfg] = _time_calls(call, len(ops), "cuda", reps=args.reps)
         best = min(times, key=times.get)
         default = keep[0][0]
-        rec = {"config": {"kv_stages": best.kv_stages, "pingpong": best.pingpong}, "ms": times[best],
-               "default_ms": times[default], "workload": w,
-               "all": {f"stages={c.kv_stages},pingpong={c.pingpong}": round(t, 4) for c, t in times.items()}}
+        rec = {"config": {"kv_stages": best.kv_stages, "pingpong": best.pingpong,
+                          "intra_wg_overlap": best.intra_wg_overlap},
+               "ms": times[best], "default_ms": times[default], "workload": w,
+               "all": {f"stages={c.kv_stages},pingpong={c.pingpong},overlap={c.intra_wg_overlap}": round(t, 4)
+                       for c, t in times.items()}}
         cache.put("fwd", wclass, shape, rec)
         rows.append((w, wclass, "tuned", rec))
     print(f"\n{'workload':14s} {'class':14s} {'status':7s} {'default ms':>10s} {'tuned ms':>9s}  config")
