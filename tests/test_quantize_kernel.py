@@ -20,11 +20,6 @@ import torch
 from flamia_cute.quant import DT_DOC_ALIGN, dt_cu_seqlens, quantize_thd, round_up, transposed_tokens
 from flamia_cute.schedules.varlen_chunks import build_varlen_chunks, chunk_grid_slots, locate_chunk_model, max_chunks
 
-if not torch.cuda.is_available():
-    # GPU-less CI compiles for sm_90a; the DSL fixes its default arch at import (exports need it)
-    os.environ.setdefault("FLAMIA_ARCH", "sm_90a")
-    os.environ.setdefault("CUTE_DSL_ARCH", os.environ["FLAMIA_ARCH"])
-
 try:
     import cutlass  # noqa: F401
 
