@@ -56,3 +56,49 @@ def test_no_host_sync_needed_for_shapes():
     cu = cu_seqlens_from_lengths([3, 4])
     t = enumerate_tiles(cu, 7, heads=1, head_dim=64)
     assert t["flops"].device == cu.device and t["flops"].dtype == torch.int64
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 3000), min_size=1, max_size=12),
+    heads=st.sampled_from([1, 2, 4]),
+    group=st.sampled_from([1, 2]),
+)
+def test_lpt_order_is_a_permutation_sorted_by_cost(lengths, heads, group):
+    from flamia_cute.schedules import lpt_order
+
+    if heads % group:
+        group = 1
+    T = sum(lengths)
+    tiles = enumerate_tiles(cu_seqlens_from_lengths(lengths), T, heads=heads, head_dim=64)
+    order = lpt_order(tiles["flops"], tiles["head"], group)
+    assert sorted(order.tolist()) == list(range(tiles["flops"].numel()))  # every tile exactly once
+    f = tiles["flops"][order]
+    assert bool((f[:-1] >= f[1:]).all())  # longest first
+    kv = (tiles["head"][order] // group).tolist()
+    fl = f.tolist()
+    for i in range(1, len(fl)):  # within equal cost, kv heads come in non-decreasing runs
+        if fl[i] == fl[i - 1]:
+            assert kv[i] >= kv[i - 1]
+
+
+def test_lpt_balances_better_than_position_order():
+    from flamia_cute.schedules import lpt_order, simulate
+
+    lengths = [216, 2820, 2164, 441, 1026, 895, 1581, 2331, 147, 43, 2709, 850, 2154, 32, 884, 1917, 389,
+               4358, 3475, 46, 38, 1169, 3083]  # longtail32k
+    tiles = enumerate_tiles(cu_seqlens_from_lengths(lengths), sum(lengths), heads=16, head_dim=128)
+    costs = tiles["flops"].tolist()
+    natural = list(range(len(costs)))
+    lpt = lpt_order(tiles["flops"], tiles["head"]).tolist()
+    bound = sum(costs) / 132  # perfect balance on 132 SMs
+    dyn = simulate(costs, lpt, 132, "dynamic")
+    assert dyn <= simulate(costs, natural, 132, "dynamic")
+    assert dyn <= 1.05 * max(bound, max(costs))  # LPT with a counter is within 5% of the bound here
+
+
+def test_simulate_policies():
+    from flamia_cute.schedules import simulate
+
+    assert simulate([4, 3, 3, 2], range(4), 2, "dynamic") == 6  # 4 + 2 | 3 + 3
+    assert simulate([4, 3, 3, 2], range(4), 2, "static") == 7  # worker 0 gets tiles 0 and 2
