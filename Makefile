@@ -31,4 +31,4 @@ ptx:
 	$(PYTHON) -m flamia_cute.cli ptx --all --out perf/out/ptx
 
 lint:
-	$(PYTHON) -m ruff check flamia_cute quant schedules tests perf
+	$(PYTHON) -m ruff check flamia_cute quant schedules tests perf train
