@@ -14,7 +14,6 @@ from flamia_cute import flamia_attn_varlen_func
 from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case
 from flamia_cute.cute_backend import quantize_operands
-from flamia_cute.quant import dt_cu_seqlens
 from flamia_cute.schedules import causal_flops
 
 
@@ -53,36 +52,43 @@ def events_ms(fn, reps=20):
     return statistics.median(times)
 
 
+def measure(name, lengths):
+    """One workload: kernel-only per config, the single quantization launch, and the API call."""
+    case = Case(name, lengths, 16, 16, 128, "cuda").build()
+    q, k, v, _ = case.sets[0]
+    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, case.cu, 128)
+    flops = causal_flops(case.lengths, 16, 128)
+    row = {"workload": name}
+    for label, cfg in (("kernel s2 pp", FwdConfig(128, diagonal_copy=True)),
+                       ("kernel s3 pp", FwdConfig(128, diagonal_copy=True, kv_stages=3)),
+                       ("kernel s2 nopp", FwdConfig(128, diagonal_copy=True, pingpong=False))):
+        def fwd(cfg=cfg):
+            flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
+                            kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale, cfg)
+        try:
+            row[label] = graph_ms(fwd)
+        except Exception as e:  # graph capture of a DSL launch may be refused: fall back to events
+            row[label] = events_ms(fwd)
+            row["note"] = f"events ({type(e).__name__})"
+
+    def quantize():
+        quantize_operands(q, k, v, case.cu, 128)
+
+    try:
+        row["quantize q,k,v"] = graph_ms(quantize)
+    except Exception:
+        row["quantize q,k,v"] = events_ms(quantize)
+    row["api call"] = events_ms(lambda: flamia_attn_varlen_func(q, k, v, case.cu, case.cu, case.max_len,
+                                                                  case.max_len, case.scale))
+    row["TFLOP/s kernel"] = flops / (row["kernel s2 pp"] * 1e9)
+    return row
+
+
 def main():
     wl = json.loads(DEFAULT_WORKLOADS.read_text())["workloads"]
     rows = []
     for name in ("1x16k", "16x1k", "4x4k", "longtail32k", "1x64k"):
-        case = Case(name, wl[name], 16, 16, 128, "cuda").build()
-        q, k, v, _ = case.sets[0]
-        ops = quantize_operands(q, k, v, case.cu, 128)
-        qq, (kq, kt), (vq, vt) = ops
-        dtcu = dt_cu_seqlens(case.cu)
-        flops = causal_flops(case.lengths, 16, 128)
-        row = {"workload": name}
-        for label, cfg in (("kernel s2 pp", FwdConfig(128, diagonal_copy=True)),
-                           ("kernel s3 pp", FwdConfig(128, diagonal_copy=True, kv_stages=3)),
-                           ("kernel s2 nopp", FwdConfig(128, diagonal_copy=True, pingpong=False))):
-            def fwd(cfg=cfg):
-                flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
-                                kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale, cfg,
-                                dt_cu_seqlens=dtcu)
-            try:
-                row[label] = graph_ms(fwd)
-            except Exception as e:  # graph capture of a DSL launch may be refused: fall back to events
-                row[label] = events_ms(fwd)
-                row["note"] = f"events ({type(e).__name__})"
-        try:
-            row["quantize q,k,v"] = graph_ms(lambda: quantize_operands(q, k, v, case.cu, 128))
-        except Exception:
-            row["quantize q,k,v"] = events_ms(lambda: quantize_operands(q, k, v, case.cu, 128))
-        row["api call"] = events_ms(lambda: flamia_attn_varlen_func(q, k, v, case.cu, case.cu, case.max_len,
-                                                                      case.max_len, case.scale))
-        row["TFLOP/s kernel"] = flops / (row["kernel s2 pp"] * 1e9)
+        row = measure(name, wl[name])
         rows.append(row)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     if os.environ.get("OUT"):
