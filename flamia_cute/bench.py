@@ -23,7 +23,7 @@ import torch
 from .schedules import causal_flops
 from .testing import cu_seqlens_from_lengths, rel_l2
 
-DEFAULT_WORKLOADS = pathlib.Path(__file__).resolve().parent.parent / "perf" / "workloads.json"
+DEFAULT_WORKLOADS = pathlib.Path(__file__).resolve().parent / "workloads.json"  # shipped with the package
 MODES = ("fwd", "bwd", "fwdbwd")
 L2_BYTES = 50 * 2**20
 

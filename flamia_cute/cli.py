@@ -1,4 +1,4 @@
-"""`flamia-cute` command line: accuracy, ptx (and bench, tune as they land)."""
+"""`flamia-cute` command line: accuracy, bench, ptx, tune."""
 
 from __future__ import annotations
 
@@ -80,6 +80,12 @@ def cmd_ptx(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    from .tuning import run_tune
+
+    return run_tune(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flamia-cute", description="FP8 attention kernels for training (CuTe DSL)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -89,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", default="", help="also write the rows as JSON here")
     a.set_defaults(func=cmd_accuracy)
     b = sub.add_parser("bench", help="ours against every importable baseline, side by side")
-    b.add_argument("--workloads", default=None, help="JSON in the format of perf/workloads.json")
+    b.add_argument("--workloads", default=None, help="JSON in the format of flamia_cute/workloads.json (default: that file)")
     b.add_argument("--only", default="", help="comma-separated workload names")
     b.add_argument("--heads", default="h16_d128", help="head config name from the workloads file")
     b.add_argument("--recipe", default="fp8_tokenblock")
@@ -117,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dry-run", action="store_true", help="enumerate and prune the space; no GPU needed")
     t.add_argument("--print", action="store_true", help="show the current tuned choices")
     t.add_argument("--force", action="store_true", help="retune workload classes already tuned")
-    t.set_defaults(func=lambda a: __import__("flamia_cute.tuning", fromlist=["run_tune"]).run_tune(a))
+    t.set_defaults(func=cmd_tune)
     return p
 
 

@@ -40,7 +40,7 @@ RECIPES = {
 
 
 def load_workloads() -> dict:
-    return json.loads((REPO / "perf" / "workloads.json").read_text())["workloads"]
+    return json.loads((REPO / "flamia_cute" / "workloads.json").read_text())["workloads"]
 
 
 def cu_from(lengths, device):

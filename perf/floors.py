@@ -33,7 +33,7 @@ def floors(lengths, hq=16, hkv=16, d=128):
 
 
 if __name__ == "__main__":
-    wl = json.loads((pathlib.Path(__file__).parent / "workloads.json").read_text())["workloads"]
+    wl = json.loads((pathlib.Path(__file__).parent.parent / "flamia_cute" / "workloads.json").read_text())["workloads"]
     print("| workload | tokens | fwd TFLOP | fwd floor fp8 ms | fwd floor bf16 ms | fwd bytes ms | bwd floor fp8 ms "
           "| quant floor token ms | quant floor tokenblock ms |")
     print("|---" * 9 + "|")
