@@ -6,7 +6,7 @@ import torch
 
 from .cute_backend import CuteAttention, cute_attention_available, kernel_block_tokens, unsupported_reason
 from .emulator import EmulatorContext, default_softmax_scale, emulate_backward, emulate_forward
-from .recipes import DEFAULT_RECIPE, Recipe, resolve_recipe
+from .recipes import DEFAULT_RECIPE, NAMED_RECIPES, Recipe, resolve_recipe
 from .validation import check_attention_inputs
 
 BACKENDS = ("auto", "emulate", "cute")
@@ -16,13 +16,19 @@ def pick_backend(backend: str, device: torch.device, why_not_cute: str | None = 
     """'auto' takes the kernels where they exist for this call; 'cute' insists and says why it cannot."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not cute_attention_available(device):
+    if not _kernels_available(device):
         why_not_cute = f"the sm_90a kernels need an sm_90 GPU and the CuTe DSL (device {device})"
     if backend == "auto":
         return "emulate" if why_not_cute else "cute"
     if backend == "cute" and why_not_cute:
         raise NotImplementedError(f"backend='cute': {why_not_cute}; use backend='emulate' or 'auto'")
     return backend
+
+
+@torch.compiler.assume_constant_result
+def _kernels_available(device: torch.device) -> bool:
+    # a host-side fact: torch.compile evaluates it once while tracing instead of tracing into it
+    return cute_attention_available(device)
 
 
 class _EmulatedAttention(torch.autograd.Function):
@@ -63,7 +69,11 @@ def flamia_attn_varlen_func(
     lengths. Returns out (total_q, heads, head_dim) in q's dtype, and with
     return_lse also lse (heads, total_q) fp32 (natural log).
     """
-    check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
+    # Under torch.compile the values of cu_seqlens are not read on the host (that would break the
+    # graph); the custom op checks them when it runs.
+    compiling = torch.compiler.is_compiling()
+    check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                           check_values=not compiling)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if not isinstance(return_lse, bool):
@@ -71,9 +81,18 @@ def flamia_attn_varlen_func(
     rec = resolve_recipe(recipe)
     scale = float(softmax_scale) if softmax_scale is not None else default_softmax_scale(q.shape[-1])
     why_not = None
-    if backend != "emulate" and cute_attention_available(q.device):
+    if backend != "emulate" and _kernels_available(q.device):
         why_not = unsupported_reason(rec, causal, q, k, cu_seqlens_q, cu_seqlens_k)
-    if pick_backend(backend, q.device, why_not) == "cute":
+    chosen = pick_backend(backend, q.device, why_not)
+    if NAMED_RECIPES.get(rec.name) == rec and (chosen == "emulate" or compiling):
+        # named recipes: the torch.library custom ops (traceable by torch.compile, fake implementations).
+        # Eager kernel calls keep CuteAttention, the path verified on the H200; the custom op's kernel
+        # path (used under torch.compile on a GPU) has not run on a GPU yet.
+        from .custom_ops import attention
+
+        out, lse = attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                             rec.name, chosen)
+    elif chosen == "cute":
         out, lse = CuteAttention.apply(q, k, v, cu_seqlens_q, max_seqlen_q, scale, rec, kernel_block_tokens(rec))
     else:
         out, lse = _EmulatedAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, rec)

@@ -9,7 +9,8 @@ import torch
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
-def check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+def check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                           check_values: bool = True):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -39,10 +40,11 @@ def check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             f"got {cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
         )
     for name, mx in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if not isinstance(mx, int) or isinstance(mx, bool) or mx < 0:
+        if not isinstance(mx, (int, torch.SymInt)) or isinstance(mx, bool) or mx < 0:
             raise ValueError(f"{name} must be a non-negative int, got {mx!r}")
-    _check_cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
-    _check_cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
+    if check_values:
+        _check_cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
+        _check_cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
 

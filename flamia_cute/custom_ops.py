@@ -1,0 +1,300 @@
+"""flamia_attn_varlen_func as torch.library custom ops, so torch.compile(fullgraph=True) can trace it.
+
+Two ops, ``flamia_cute::varlen_fwd`` and ``flamia_cute::varlen_bwd``, take the recipe by NAME and the
+resolved backend ("emulate" or "cute"). The forward returns (out, lse, saved): ``saved`` is a flat list
+of the tensors the backward needs -- the quantized operands and their scales, never the bf16 inputs --
+whose structure follows from the static arguments (recipe, backend, dtype) and the input shapes, so the
+fake implementations can build it without running anything:
+
+- backend "cute" (recipes fp8_token / fp8_tokenblock): ``[out_bf16]`` then the QuantizedTHD fields
+  (data_td, data_dt, scale) of Q, K, V and of the per-token copies of K, V (tokenblock only);
+- backend "emulate": ``[out_bf16]`` then the EmuOperand fields (along_d, along_t, scale, diag_along_d,
+  diag_along_t, diag_scale) of Q, K, V, as derived from the recipe.
+
+Absent entries (a field the recipe does not have, one that is the same tensor as another field, the
+bf16 copy of out when out is already bf16) are 0-element placeholders: the layout says which.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .quant import QuantizedTHD, transposed_tokens
+from .recipes import MX_BLOCK, OperandQuant, Recipe
+
+LIB = "flamia_cute"
+EMU_FIELDS = ("along_d", "along_t", "scale", "diag_along_d", "diag_along_t", "diag_scale")
+QUANT_FIELDS = ("data_td", "data_dt", "scale")
+OP_BACKENDS = ("emulate", "cute")
+
+# Kinds of saved entries: a (T, H, D) fp32 value tensor, an (H, T) fp32 scale, FP8 data in the two
+# layouts, the bf16 out, or a 0-element placeholder.
+_VALS, _SCALE, _F8_TD, _F8_DT, _OUT, _NONE = "vals", "scale", "f8_td", "f8_dt", "out", None
+
+
+def _recipe(name: str) -> Recipe:
+    return Recipe.from_name(name)
+
+
+def _kernel_block(name: str) -> int:
+    from .cute_backend import KERNEL_RECIPES
+
+    if name not in KERNEL_RECIPES:
+        raise ValueError(f"backend 'cute': recipe {name!r} has no sm_90a kernel (kernels: {sorted(KERNEL_RECIPES)})")
+    return KERNEL_RECIPES[name]
+
+
+def _emu_operand_kinds(op: OperandQuant, key_side: bool, recipe: Recipe) -> tuple:
+    """Which EMU_FIELDS of emulator.quantize_operand's result are distinct tensors (None: absent/alias)."""
+    if op.scaling in ("none", "tensor"):
+        return (_VALS, _NONE, _SCALE, _NONE, _NONE, _NONE)
+    if op.scaling in ("token", "tokenblock"):
+        diag = key_side and op.block_tokens > 1 and recipe.diagonal_safeguard
+        return (_VALS, _NONE, _SCALE, _VALS if diag else _NONE, _NONE, _SCALE if diag else _NONE)
+    diag = key_side and recipe.diagonal_safeguard  # MX: the diagonal block runs in bf16
+    return (_VALS, _VALS, _NONE, _VALS if diag else _NONE, _NONE, _NONE)
+
+
+def _emu_block_tokens(op: OperandQuant) -> int:
+    if op.scaling in ("token", "tokenblock"):
+        return op.block_tokens
+    return MX_BLOCK if op.scaling == "mx" else 1
+
+
+@functools.cache
+def saved_layout(recipe_name: str, backend: str, out_is_bf16: bool) -> tuple[tuple[str, str | None], ...]:
+    """(operand, kind) of every saved entry; operand is 'out', 'q', 'k', 'v', 'kt' or 'vt'."""
+    if backend not in OP_BACKENDS:
+        raise ValueError(f"backend must be one of {OP_BACKENDS}, got {backend!r}")
+    layout = [("out", _NONE if out_is_bf16 else _OUT)]
+    if backend == "cute":
+        block = _kernel_block(recipe_name)
+        for name in ("q", "k", "v", "kt", "vt"):
+            present = name in ("q", "k", "v") or block > 1
+            layout += [(name, k if present else _NONE) for k in (_F8_TD, _F8_DT, _SCALE)]
+        return tuple(layout)
+    rec = _recipe(recipe_name)
+    for name, op, key_side in (("q", rec.q, False), ("k", rec.k, True), ("v", rec.v, True)):
+        layout += [(name, k) for k in _emu_operand_kinds(op, key_side, rec)]
+    return tuple(layout)
+
+
+def _placeholder(device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.float32, device=device)
+
+
+def _fake_entry(kind, shape_thd, num_docs, device):
+    T, H, D = shape_thd
+    if kind == _VALS:
+        return torch.empty(T, H, D, dtype=torch.float32, device=device)
+    if kind == _SCALE:
+        return torch.empty(H, T, dtype=torch.float32, device=device)
+    if kind == _F8_TD:
+        return torch.empty(T, H, D, dtype=torch.float8_e4m3fn, device=device)
+    if kind == _F8_DT:
+        return torch.empty(H, D, transposed_tokens(T, num_docs), dtype=torch.float8_e4m3fn, device=device)
+    if kind == _OUT:
+        return torch.empty(T, H, D, dtype=torch.bfloat16, device=device)
+    return _placeholder(device)
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def _pack_emulated(layout, out_bf16, ctx) -> list[torch.Tensor]:
+    ops = {"q": ctx.q, "k": ctx.k, "v": ctx.v}
+    dev = out_bf16.device
+    saved = [out_bf16 if layout[0][1] == _OUT else _placeholder(dev)]
+    for i, (name, kind) in enumerate(layout[1:]):
+        field = EMU_FIELDS[i % len(EMU_FIELDS)]
+        t = getattr(ops[name], field) if kind is not _NONE else None
+        saved.append(t if t is not None else _placeholder(dev))
+    return saved
+
+
+def _unpack_emulated(layout, saved, recipe: Recipe):
+    from .emulator import EmuOperand
+
+    ops = {}
+    for j, (name, op) in enumerate((("q", recipe.q), ("k", recipe.k), ("v", recipe.v))):
+        base = 1 + j * len(EMU_FIELDS)
+        f = {}
+        for i, field in enumerate(EMU_FIELDS):
+            f[field] = saved[base + i] if layout[base + i][1] is not _NONE else None
+        along_t = f["along_t"] if f["along_t"] is not None else f["along_d"]
+        diag_t = f["diag_along_t"] if f["diag_along_t"] is not None else f["diag_along_d"]
+        ops[name] = EmuOperand(f["along_d"], along_t, f["scale"], f["diag_along_d"], diag_t, f["diag_scale"],
+                               block_tokens=_emu_block_tokens(op))
+    return ops["q"], ops["k"], ops["v"]
+
+
+def _pack_kernel(layout, out_bf16, quantized) -> list[torch.Tensor]:
+    qq, (kq, kt), (vq, vt) = quantized
+    dev = out_bf16.device
+    saved = [out_bf16 if layout[0][1] == _OUT else _placeholder(dev)]
+    for qt in (qq, kq, vq, kt, vt):
+        for field in QUANT_FIELDS:
+            t = getattr(qt, field) if qt is not None else None
+            saved.append(t if t is not None else _placeholder(dev))
+    return saved
+
+
+def _unpack_kernel(layout, saved, block: int):
+    out = []
+    for j, name in enumerate(("q", "k", "v", "kt", "vt")):
+        base = 1 + j * len(QUANT_FIELDS)
+        if layout[base][1] is _NONE:
+            out.append(None)
+            continue
+        td, dt, sc = saved[base : base + 3]
+        out.append(QuantizedTHD(td, dt, sc, block if name in ("k", "v") else 1, "e4m3"))
+    qq, kq, vq, kt, vt = out
+    return qq, kq, vq, kt, vt
+
+
+# ----------------------------------------------------------------------------- forward op
+
+
+@torch.library.custom_op(f"{LIB}::varlen_fwd", mutates_args=())
+def varlen_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    recipe: str,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """out (T, H, D) in q's dtype, lse (H, T) fp32, and the saved list of `saved_layout`."""
+    from .validation import _check_cu_values
+
+    # flamia_attn_varlen_func checks these before the call, except under torch.compile (a host read)
+    _check_cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
+    _check_cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
+    layout = saved_layout(recipe, backend, q.dtype == torch.bfloat16)
+    if backend == "cute":
+        from . import cute_backend
+
+        if not causal:
+            raise NotImplementedError("backend 'cute': causal=False has no sm_90a kernel")
+        out_k, lse, quantized = cute_backend.forward_kernels(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale,
+                                                             _kernel_block(recipe))
+        out = out_k.to(q.dtype)
+        return out, lse, _pack_kernel(layout, out_k, quantized)
+    from .emulator import emulate_forward
+
+    out_e, lse, ectx = emulate_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, _recipe(recipe))
+    # for bf16 q, out IS out_e, and the layout holds a placeholder instead (outputs must not alias)
+    return out_e.to(q.dtype), lse, _pack_emulated(layout, out_e, ectx)
+
+
+@varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                     recipe, backend):
+    layout = saved_layout(recipe, backend, q.dtype == torch.bfloat16)
+    T, H, D = q.shape
+    Tk, Hk, _ = k.shape
+    num_docs = cu_seqlens_q.shape[0] - 1
+    shapes = {"out": (T, H, D), "q": (T, H, D), "k": (Tk, Hk, D), "v": (Tk, Hk, D), "kt": (Tk, Hk, D),
+              "vt": (Tk, Hk, D)}
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(H, T, dtype=torch.float32, device=q.device)
+    saved = [_fake_entry(kind, shapes[name], num_docs, q.device) for name, kind in layout]
+    return out, lse, saved
+
+
+# ----------------------------------------------------------------------------- backward op
+
+
+@torch.library.custom_op(f"{LIB}::varlen_bwd", mutates_args=())
+def varlen_bwd(
+    dout: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    saved: list[torch.Tensor],
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    recipe: str,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv in out's dtype from the forward's saved operands."""
+    dt = out.dtype
+    layout = saved_layout(recipe, backend, dt == torch.bfloat16)
+    out_bf16 = saved[0] if layout[0][1] == _OUT else out
+    rec = _recipe(recipe)
+    dout = dout.contiguous()
+    if backend == "cute":
+        from .cute_backend import backward_backend
+
+        block = _kernel_block(recipe)
+        qq, kq, vq, kt, vt = _unpack_kernel(layout, saved, block)
+        if backward_backend() == "cute":
+            from .attention_bwd_sm90 import flamia_bwd_sm90_from_saved
+
+            dq, dk, dv = flamia_bwd_sm90_from_saved(dout, out_bf16, lse, qq, kq, vq, kt, vt, cu_seqlens_q,
+                                                    max_seqlen_q, softmax_scale)
+            return dq.to(dt), dk.to(dt), dv.to(dt)
+        from .emulator import operand_from_quantized
+
+        qo, ko, vo = operand_from_quantized(qq), operand_from_quantized(kq, kt), operand_from_quantized(vq, vt)
+    else:
+        qo, ko, vo = _unpack_emulated(layout, saved, rec)
+    from .emulator import EmulatorContext, emulate_backward
+
+    ectx = EmulatorContext(rec, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, qo, ko, vo, out_bf16, lse)
+    dq, dk, dv = emulate_backward(dout, ectx)
+    return dq.to(dt), dk.to(dt), dv.to(dt)
+
+
+@varlen_bwd.register_fake
+def _varlen_bwd_fake(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                     causal, recipe, backend):
+    layout = saved_layout(recipe, backend, out.dtype == torch.bfloat16)
+    k_idx = next(i for i, (name, kind) in enumerate(layout) if name == "k" and kind is not _NONE)
+    Tk, Hk, D = saved[k_idx].shape  # K's values / data_td: (Tk, Hk, D)
+    dq = torch.empty_like(out, memory_format=torch.contiguous_format)
+    dk = torch.empty(Tk, Hk, D, dtype=out.dtype, device=out.device)
+    dv = torch.empty(Tk, Hk, D, dtype=out.dtype, device=out.device)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- autograd
+
+
+def _setup_context(ctx, inputs, output):
+    out, lse, saved = output
+    (_q, _k, _v, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend) = inputs
+    ctx.mark_non_differentiable(lse, *saved)
+    # Only what the forward op returned (out, LSE, quantized operands) plus the int32 cu_seqlens.
+    ctx.save_for_backward(out, lse, cu_q, cu_k, *saved)
+    ctx.static = (max_q, max_k, scale, causal, recipe, backend)
+
+
+def _backward(ctx, dout, _dlse, _dsaved):
+    out, lse, cu_q, cu_k, *saved = ctx.saved_tensors
+    max_q, max_k, scale, causal, recipe, backend = ctx.static
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = varlen_bwd(dout, out, lse, saved, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+              recipe: str, backend: str):
+    """(out, lse) through the custom ops; recipe by name, backend 'emulate' or 'cute'."""
+    out, lse, _saved = varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  float(softmax_scale), causal, recipe, backend)
+    return out, lse
