@@ -172,11 +172,11 @@ def varlen_fwd(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """out (T, H, D) in q's dtype, lse (H, T) fp32, and the saved list of `saved_layout`."""
-    from .validation import _check_cu_values
+    from .validation import check_cu_seqlens_values
 
     # flamia_attn_varlen_func checks these before the call, except under torch.compile (a host read)
-    _check_cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
-    _check_cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
+    check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
+    check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
     layout = saved_layout(recipe, backend, q.dtype == torch.bfloat16)
     if backend == "cute":
         from . import cute_backend

@@ -43,8 +43,8 @@ def check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if not isinstance(mx, (int, torch.SymInt)) or isinstance(mx, bool) or mx < 0:
             raise ValueError(f"{name} must be a non-negative int, got {mx!r}")
     if check_values:
-        _check_cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
-        _check_cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
+        check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
+        check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
 
@@ -66,7 +66,7 @@ def _check_cu(name, cu, total, device):
         raise ValueError(f"{name} must be on {device}, got {cu.device}")
 
 
-def _check_cu_values(name, cu, total, mx_name, max_seqlen):
+def check_cu_seqlens_values(name, cu, total, mx_name, max_seqlen):
     """Values of cu_seqlens: starts at 0, non-decreasing, ends at the token count, longest <= max_seqlen.
 
     A GPU tensor is copied to the host once per (address, version, shape, total, max_seqlen): a
