@@ -58,6 +58,23 @@ def make_inputs(lengths, heads_q=2, heads_kv=2, head_dim=128, kind="normal", see
     return conv(q), conv(k), conv(v), conv(do), cu, scale
 
 
+def fp8_mma_truncated(a: torch.Tensor, b: torch.Tensor, bits: int, kstep: int = 32) -> torch.Tensor:
+    """a @ b as Hopper's FP8 wgmma k-chain keeps it: an error model for the kernels' test bounds.
+
+    Per k32 instruction the accumulator and the 32 exact products are aligned to the largest
+    exponent among them and truncated (toward zero) to `bits` significant bits, then summed
+    (~14 bits per the DeepSeek-V3 report, sec. 3.3.2).
+    """
+    a, b = a.double(), b.double()
+    acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64)
+    for k0 in range(0, a.shape[1], kstep):
+        add = torch.cat([acc[:, None, :], a[:, k0 : k0 + kstep, None] * b[None, k0 : k0 + kstep, :]], 1)
+        mx = add.abs().amax(1, keepdim=True)
+        grid = torch.exp2(torch.floor(torch.log2(torch.where(mx > 0, mx, 1.0))) - (bits - 1))
+        acc = (torch.trunc(add / grid) * grid).sum(1)
+    return acc.float()
+
+
 def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
     ref, x = ref.detach().double(), x.detach()
     err = (x.double() - ref).pow(2).sum()

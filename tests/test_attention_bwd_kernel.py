@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from flamia_cute.emulator import EmulatorContext, emulate_backward, emulate_forward, operand_from_quantized
-from flamia_cute.quant import E4M3, dt_cu_seqlens, pow2_scale, quantize_thd
+from flamia_cute.quant import E4M3, cast_to, dt_cu_seqlens, pow2_scale, quantize_thd
 from flamia_cute.recipes import Recipe
-from flamia_cute.testing import check_leakage, make_inputs, rel_l2
+from flamia_cute.testing import check_leakage, fp8_mma_truncated, make_inputs, rel_l2
 
 try:
     import cutlass  # noqa: F401
@@ -170,22 +170,6 @@ def test_d128_no_spills(artifacts, diagonal_copy):
 # ----------------------------------------------------------------------------------------------
 
 
-def _e4m3(x):
-    return x.clamp(-448, 448).to(torch.float8_e4m3fn).float()
-
-
-def _mma_trunc(a, b, bits, kstep=32):
-    """a @ b as an fp8 wgmma k-chain with `bits` significant bits retained (error model, as the forward's tests)."""
-    a, b = a.double(), b.double()
-    acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64)
-    for k0 in range(0, a.shape[1], kstep):
-        add = torch.cat([acc[:, None, :], a[:, k0 : k0 + kstep, None] * b[None, k0 : k0 + kstep, :]], 1)
-        mx = add.abs().amax(1, keepdim=True)
-        grid = torch.exp2(torch.floor(torch.log2(torch.where(mx > 0, mx, 1.0))) - (bits - 1))
-        acc = (torch.trunc(add / grid) * grid).sum(1)
-    return acc.float()
-
-
 def _rows(codes, start, n, T):
     """n token rows from `start` (TMA box): zero fill past T."""
     out = torch.zeros(n, codes.shape[-1])
@@ -215,7 +199,7 @@ def _kernel_model(qq, kq, vq, kt, vt, doq, out, lse, dout, cu, scale, group, dia
     delta = (dout.float() * out.float()).sum(-1).t()
     c = cu.tolist()
     dtc = dt_cu_seqlens(cu).tolist()
-    mm = (lambda x, y: x @ y) if acc_bits is None else (lambda x, y: _mma_trunc(x, y, acc_bits))
+    mm = (lambda x, y: x @ y) if acc_bits is None else (lambda x, y: fp8_mma_truncated(x, y, acc_bits))
     log2e = math.log2(math.e)
     ar = torch.arange(128)
     for doc in range(len(c) - 1):
@@ -262,14 +246,14 @@ def _kernel_model(qq, kq, vq, kt, vt, doq, out, lse, dout, cu, scale, group, dia
                     dS = p * (dP * sv[:, None] * W[None, :] - Dr[None, :])
                     r = R[ar] if diag else R[0].expand(128)
                     r = torch.where(r == 0, 1.0, r)
-                    P8 = _e4m3(p * (W[None, :] * (256.0 / r)[:, None]))
+                    P8 = cast_to(p * (W[None, :] * (256.0 / r)[:, None]), E4M3)
                     dV += mm(P8, dOtc.t()) * (r / 256.0)[:, None]
                     amax_k = (dS * Qs[None, :]).abs().amax(1)
                     s_k = pow2_scale(amax_k, E4M3)
-                    dK += mm(_e4m3(dS * Qs[None, :] / s_k[:, None]), Qtc.t()) * s_k[:, None]
+                    dK += mm(cast_to(dS * Qs[None, :] / s_k[:, None], E4M3), Qtc.t()) * s_k[:, None]
                     amax_q = (dS * sk[:, None]).abs().amax(0)
                     s_q = pow2_scale(amax_q, E4M3)
-                    dS8 = _e4m3(dS * sk[:, None] / s_q[None, :])  # (keys, queries)
+                    dS8 = cast_to(dS * sk[:, None] / s_q[None, :], E4M3)  # (keys, queries)
                     if bug == "dq_scale_dropped":
                         s_q = torch.ones_like(s_q)
                     dq_t = mm(dS8.t(), Ktc.t()) * (s_q * scale)[:, None]

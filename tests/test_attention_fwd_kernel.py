@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from flamia_cute.emulator import emulate_forward
-from flamia_cute.quant import DT_DOC_ALIGN, dt_cu_seqlens, quantize_thd, transposed_tokens
+from flamia_cute.quant import DT_DOC_ALIGN, E4M3, cast_to, dt_cu_seqlens, quantize_thd, transposed_tokens
 from flamia_cute.recipes import Recipe
-from flamia_cute.testing import check_leakage, cu_seqlens_from_lengths, make_inputs, rel_l2
+from flamia_cute.testing import check_leakage, cu_seqlens_from_lengths, fp8_mma_truncated, make_inputs, rel_l2
 
 try:
     import cutlass  # noqa: F401
@@ -42,7 +42,7 @@ needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl not impo
 # products are accumulated, and every such difference is amplified by the P cast:
 # 1. Hopper's fp8 wgmma does not accumulate in full fp32: inside one MMA k-chain the addends are
 #    aligned to the largest exponent and low bits are dropped, ~14 significant bits retained
-#    (DeepSeek-V3 report, sec. 3.3.2). `_mma_trunc` models this per k32 step. S = Q K^T (D/32
+#    (DeepSeek-V3 report, sec. 3.3.2). `fp8_mma_truncated` models this per k32 step. S = Q K^T (D/32
 #    steps) gets relative errors ~2^-13 of the largest product: ~1e-4 in the logits.
 # 2. ex2.approx.ftz vs exp: ~2^-22 relative, negligible; fp32 order of the row sums: ~1e-7.
 # 3. P e4m3 flips: the ~1e-4 logit perturbation moves a P value across an e4m3 rounding boundary
@@ -207,26 +207,6 @@ def _check_artifacts(art, head_dim, spill_free=True):
 # ----------------------------------------------------------------------------------------------
 
 
-def _e4m3(x):
-    return x.to(torch.float8_e4m3fn).float()  # RNE; P * 256 <= 256 never saturates
-
-
-def _mma_trunc(a, b, bits, kstep=32):
-    """a @ b as an fp8 wgmma k-chain with `bits` significant bits retained (error model).
-
-    Per k32 instruction the accumulator and the 32 exact products are aligned to the largest
-    exponent among them and truncated (toward zero) to `bits` significant bits, then summed.
-    """
-    a, b = a.double(), b.double()
-    acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64)
-    for k0 in range(0, a.shape[1], kstep):
-        add = torch.cat([acc[:, None, :], a[:, k0 : k0 + kstep, None] * b[None, k0 : k0 + kstep, :]], 1)
-        mx = add.abs().amax(1, keepdim=True)
-        grid = torch.exp2(torch.floor(torch.log2(torch.where(mx > 0, mx, 1.0))) - (bits - 1))
-        acc = (torch.trunc(add / grid) * grid).sum(1)
-    return acc.float()
-
-
 def _kernel_model(qq, kq, vq, kt, vt, cu, scale, group, diag_copy, acc_bits=None, bug=None, seed=0):
     """What one CTA (m_block, head, doc) computes, row-vectorized, in the kernel's formulas.
 
@@ -235,7 +215,7 @@ def _kernel_model(qq, kq, vq, kt, vt, cu, scale, group, diag_copy, acc_bits=None
     past the document end, the diagonal mask (col > row or col >= lim), log2-domain online
     softmax with rs = softmax_scale * log2(e) * sQ, r = max visible V scale,
     P = e4m3(p * sV * 256 / r), acc *= alpha * r_prev / r, O = acc * r / 256 / l.
-    acc_bits: model the tensor core's reduced-precision accumulation (`_mma_trunc`) and
+    acc_bits: model the tensor core's reduced-precision accumulation (`fp8_mma_truncated`) and
     ex2.approx's 2^-22 relative error. bug: inject a known indexing bug (error-check tests):
     "v_at_cu" (V^T tiles at cu_seqlens: the pre-fix layout), "mask_off_by_one", "sk_shift".
     """
@@ -247,7 +227,7 @@ def _kernel_model(qq, kq, vq, kt, vt, cu, scale, group, diag_copy, acc_bits=None
     T_dt = vc.shape[2]
     c = cu.tolist()
     dtc = (cu if bug == "v_at_cu" else dt_cu_seqlens(cu)).tolist()
-    mm = (lambda x, y: x @ y) if acc_bits is None else (lambda x, y: _mma_trunc(x, y, acc_bits))
+    mm = (lambda x, y: x @ y) if acc_bits is None else (lambda x, y: fp8_mma_truncated(x, y, acc_bits))
     gen = torch.Generator().manual_seed(seed)
     nblk = (max(b - a for a, b in zip(c[:-1], c[1:], strict=True)) + 127) // 128
     rows = torch.arange(128)
@@ -304,7 +284,7 @@ def _kernel_model(qq, kq, vq, kt, vt, cu, scale, group, diag_copy, acc_bits=None
                     if acc_bits is not None:
                         P = P * (1 + 2.0**-22 * (2 * torch.rand(P.shape, generator=gen) - 1))
                     L = L * alpha + P.sum(1)
-                    P8 = _e4m3(P * (sv[None, :] * (256.0 / r)[:, None]))
+                    P8 = cast_to(P * (sv[None, :] * (256.0 / r)[:, None]), E4M3)
                     # masked keys: P = 0 exactly (exp2(-inf) = 0, times a zero V scale)
                     if i == 0:
                         assert (P8[mask] == 0).all()
