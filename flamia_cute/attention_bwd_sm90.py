@@ -952,12 +952,14 @@ def _ptr(t: torch.Tensor, dtype, align=16):
 def preprocess_bwd(dout: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tensor):
     """D = rowsum(dO * O) (H, T) fp32 and dO quantized per token in both orientations (QuantizedTHD).
 
-    Plain torch for now (quant.quantize_thd is the bit-exact spec of the fused quantization).
+    dO goes through the fused quantization kernel (one launch, bit-exact with quant.quantize_thd);
+    D is a torch reduction (summation order as the emulator's).
     """
-    from .quant import quantize_thd
+    from .quantize_sm90 import dout_config, fused_quantize_sm90
 
     delta = (dout.float() * out.float()).sum(-1).t().contiguous()
-    doq = quantize_thd(dout, cu_seqlens, 1, transposed=True)
+    dout = dout.to(torch.bfloat16).contiguous()
+    doq, _ = fused_quantize_sm90(dout, cu_seqlens, dout_config(dout.shape[2], dout.shape[1]))
     return delta, doq
 
 

@@ -1,9 +1,9 @@
 """The GPU path of flamia_attn_varlen_func on sm_90a: fused quantization + the FP8 forward kernel.
 
 The autograd context keeps the FP8 operands and scales the forward used (never
-the bf16 inputs). Until the sm_90a backward kernel lands, the backward runs the
-emulator's backward on the GPU from exactly those saved operands, so forward
-and backward stay consistent.
+the bf16 inputs); the sm_90a backward kernel recomputes from exactly those, so
+forward and backward stay consistent. FLAMIA_CUTE_BWD=emulate runs the
+emulator's backward from the same saved operands instead.
 """
 
 from __future__ import annotations
@@ -80,9 +80,9 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block):
 
 
 def backward_backend() -> str:
-    """The sm_90a backward kernel is opt-in (FLAMIA_CUTE_BWD=cute) until it has passed its GPU tests;
-    the default backward is the emulator on the GPU from the forward's saved FP8 operands."""
-    choice = os.environ.get("FLAMIA_CUTE_BWD", "emulate")
+    """The sm_90a backward kernel (default; it passes its GPU tests on the H200), or with
+    FLAMIA_CUTE_BWD=emulate the emulator on the GPU from the forward's saved FP8 operands."""
+    choice = os.environ.get("FLAMIA_CUTE_BWD", "cute")
     if choice not in ("emulate", "cute"):
         raise ValueError(f"FLAMIA_CUTE_BWD must be 'emulate' or 'cute', got {choice!r}")
     return choice

@@ -922,6 +922,12 @@ def qkv_config(head_dim: int, q_heads: int, kv_heads: int, block_tokens: int, **
 
 
 @functools.cache
+def dout_config(head_dim: int, num_heads: int) -> QuantizeConfig:
+    """dO of the backward: per token, both orientations (dP = dO.V^T reads [t,d], dV = P^T.dO reads [d,t])."""
+    return QuantizeConfig(head_dim=head_dim, num_heads=num_heads, block_tokens=1)
+
+
+@functools.cache
 def _qkv_config(head_dim, q_heads, kv_heads, block_tokens, kw):
     q = QuantizeConfig(head_dim=head_dim, num_heads=q_heads, block_tokens=1)
     kv = QuantizeConfig(head_dim=head_dim, num_heads=kv_heads, block_tokens=block_tokens,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything one device-tool call runs, by stage: bash perf/gpu_session.sh STAGE...
-# Stages: setup, quant-tests, quant-bench, fwd-tests, gpu-tests, bench-smoke, bench, bench-fwd, demo.
+# Stages: see the case below (setup first; bench-main is the side-by-side fwd/bwd/fwdbwd run).
 # Logs go to $OUT (at most 8 files come back).
 set -uo pipefail
 OUT=${OUT:-/tmp/flamia-out}
@@ -20,7 +20,7 @@ for stage in "$@"; do
   case $stage in
     setup) nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used --format=csv | tee "$OUT/env.txt"
            python3 -c "import torch, cutlass; print(torch.__version__, cutlass.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/env.txt" ;;
-    quant-tests) run quant_tests 300 python3 -m pytest -q -x -m gpu tests/test_quantize_kernel.py ;;
+    quant-tests) run quant_tests 460 python3 -m pytest -q -x -m gpu tests/test_quantize_kernel.py ;;
     quant-bench) run quant_bench 240 env OUT="$OUT" python3 perf/bench_quantize.py ;;
     fwd-tests) run fwd_tests 300 python3 -m pytest -q -x -m gpu tests/test_attention_fwd_kernel.py ;;
     gpu-tests) run gpu_tests 450 python3 -m pytest -q -m gpu -p no:cacheprovider ;;
@@ -29,6 +29,9 @@ for stage in "$@"; do
     bench) run bench 540 python3 -m flamia_cute.cli bench --modes fwd,bwd,fwdbwd --out "$OUT" ;;
     bench-fwd) run bench_fwd 420 python3 -m flamia_cute.cli bench --modes fwd --impls flamia,fa4,cudnn --reps 20 \
                  --out "$OUT" ;;
+    bench-main) run bench_main 480 python3 -m flamia_cute.cli bench --modes fwd,bwd,fwdbwd --impls flamia,fa4,cudnn \
+                  --reps 15 --out "$OUT" ;;
+    tune-test) run tune_test 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tuning.py ;;
     demo) run demo 240 python3 -m flamia_cute ;;
     api-tests) run api_tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cute_backend.py ;;
     bwd-tests) run bwd_tests 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_bwd_kernel.py ;;

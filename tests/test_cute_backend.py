@@ -61,8 +61,10 @@ def test_auto_routes_to_the_kernels_on_sm90(monkeypatch):
 @pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token"])
 def test_kernel_path_is_leak_free(recipe):
     q, k, v, do, cu, scale = make_inputs(LENGTHS, 2, 2, 128, device="cuda", seed=4)
+    # O and LSE bit-identical; gradients within the run-to-run spread of the backward's fp32 dQ atomics
     for cut in (None, 128, 129, 1001):
-        rep = check_leakage(attention_fn_for(recipe, scale, backend="cute"), q, k, v, cu, do, doc=4, cut=cut)
+        rep = check_leakage(attention_fn_for(recipe, scale, backend="cute"), q, k, v, cu, do, doc=4, cut=cut,
+                            grad_tol=2e-2)
         assert rep.ok, str(rep)
 
 
