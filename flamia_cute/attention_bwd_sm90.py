@@ -60,7 +60,14 @@ from cutlass._mlir.dialects import arith, llvm
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from . import attention_fwd_sm90 as _fwd
-from .attention_fwd_sm90 import _cvt_bf16x2, _cvt_e4m3x4, _quad_max, _st_global_v4, quad_transpose4
+from .attention_fwd_sm90 import (
+    _cvt_bf16x2,
+    _cvt_e4m3x4,
+    _quad_max,
+    _st_global_v4,
+    pack_a_fragment_e4m3,
+    quad_transpose4,
+)
 from .quant import dt_cu_seqlens as quant_dt_cu_seqlens
 from .quant import transposed_tokens
 from .quantize_sm90 import _as_f32, _pow2_scale_bits
@@ -206,7 +213,6 @@ class FlamiaBwdSm90:
         self.regs_consumer = 240
         # overlap the dK cast with the dV MMA and the dQ cast with the dK MMA (registers: d64 only)
         self.overlap = config.head_dim == 64
-        self._fwd_helper = _fwd.FlamiaFwdSm90(_fwd.FwdConfig(head_dim=config.head_dim))
 
     def _make_mmas(self):
         K_MAJOR = OperandMajorMode.K
@@ -738,7 +744,6 @@ class FlamiaBwdSm90:
         sd_mma_k = self.D // 32
         n_s = cute.size(acc_s)
         n_acc = cute.size(acc_t)
-        helper = self._fwd_helper
         # fresh tiled MMAs per call: ACCUMULATE is state threaded through the IR, and a value set
         # inside one staged loop must not be used by the next loop
         sd_mma, kv_mma, q_mma = self._make_mmas()
@@ -788,9 +793,9 @@ class FlamiaBwdSm90:
                         if krow[v1] >= lim:
                             p = Float32(0.0)
                     acc_dp[a] = p * (acc_dp[a] * rsc[2 + v1] * cw - cd)
-                    pv[v0 + 2 * v1] = p * (cw * cf[v1])
-            p8[w_] = _cvt_e4m3x4(pv[0], pv[1], pv[2], pv[3])
-        helper.permute_p(p8, tOrP32, quad, lane)
+                    acc_s[a] = p * (cw * cf[v1])  # S^T is dead: it holds the dV operand until packed
+        # dO^T comes in P-fragment query order: the A registers are packed in place
+        pack_a_fragment_e4m3(acc_s, tOrP32)
 
         # ---- dV_tile = P8 dO^T-codes (A from registers)
         pipe_b.consumer_wait(b_state)
@@ -822,9 +827,9 @@ class FlamiaBwdSm90:
             for v0 in cutlass.range_constexpr(2):
                 cq = sVec[tScS[4 * w_ + v0][1], 4, vs]
                 for v1 in cutlass.range_constexpr(2):
-                    pv[v0 + 2 * v1] = acc_dp[v0 + 2 * v1 + 4 * w_] * cq * inv[v1]
-            p8[w_] = _cvt_e4m3x4(pv[0], pv[1], pv[2], pv[3])
-        helper.permute_p(p8, tOrS32, quad, lane)
+                    acc_s[v0 + 2 * v1 + 4 * w_] = acc_dp[v0 + 2 * v1 + 4 * w_] * cq * inv[v1]
+        # Q^T comes in P-fragment query order as well
+        pack_a_fragment_e4m3(acc_s, tOrS32)
 
         if cutlass.const_expr(self.overlap):
             warpgroup.wait_group(0)

@@ -13,11 +13,11 @@ Organization (one CTA per (128-query block, query head, document)):
   document start, which TMA cannot address;
 - two consumer warpgroups own query rows 0-63 and 64-127. Per key tile, from the diagonal
   down: S = Q K^T (wgmma e4m3, fp32), online softmax in the log2 domain, P cast to e4m3 with
-  the V scale folded in (r = max visible V scale of the row in the tile), P moved from the
-  accumulator layout to the A-operand layout by two shuffles + two byte permutes per 8
-  bytes, P V (wgmma e4m3, A from registers, B = V^T tile with tokens contiguous) into a
-  fresh fp32 tile accumulator that is added to the running output in fp32 registers: the
-  fp8 tensor-core accumulation is promoted once per 128 keys;
+  the V scale folded in (r = max visible V scale of the row in the tile), P converted
+  straight into the A-operand registers (V^T comes in P-fragment key order, quant.PV_ORDER16,
+  so no data moves between threads), P V (wgmma e4m3, A from registers, B = V^T tile with
+  tokens contiguous) into a fresh fp32 tile accumulator, then O = O * c + O_tile (one FFMA
+  per element): the fp8 tensor-core accumulation is promoted once per 128 keys;
 - a named-barrier ping-pong orders the two warpgroups' GEMM issue (FA3's warp scheduler
   barrier) so one warpgroup's softmax overlaps the other's MMAs;
 - intra-warpgroup overlap (config.intra_wg_overlap, FA3): S of tile n+1 and P V of tile n are
@@ -63,6 +63,7 @@ SOURCE_FILES = (Path(__file__),)
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 P_SCALE = 256.0  # the recipe's fixed power-of-two P scale: P * 256 <= 256 < 448
+P_SCALE_LOG2 = 8.0
 
 
 def overlap_default(head_dim: int, diagonal_copy: bool) -> bool:
@@ -91,6 +92,10 @@ class FwdConfig:
     # Issue S of tile n+1 with P V of tile n, softmax while both run (FA3). None: the default, on
     # where it compiles without register spills (overlap_default), else off.
     intra_wg_overlap: bool | None = None
+    # Overlap schedule: store the row sums to shared memory before the P V wait. ptxas otherwise
+    # sinks the softmax's exp2 past that wait (it cannot see the wgmma latency), which serializes
+    # the MUFU work behind this warpgroup's own P V.
+    pin_softmax: bool = True
 
     def __post_init__(self):
         def bad(name, msg):
@@ -116,6 +121,8 @@ class FwdConfig:
             object.__setattr__(self, "intra_wg_overlap", overlap_default(self.head_dim, self.diagonal_copy))
         if not isinstance(self.intra_wg_overlap, bool):
             bad("intra_wg_overlap", "must be a bool or None")
+        if not isinstance(self.pin_softmax, bool):
+            bad("pin_softmax", "must be a bool")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,6 +160,24 @@ def _cvt_e4m3x4(a, b, c, d):
             asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
+
+
+def pack_a_fragment_e4m3(acc, out32):
+    """fp32 accumulator values (m64nK fragment) -> e4m3 A-operand registers of the next wgmma,
+    in place: no data moves between threads because the B operand's K dimension comes in
+    P-fragment order (quant.PV_ORDER16).
+
+    A register (32-key chunk c, 16-key half h, row r) holds the keys (2t, 2t+1, 8+2t, 9+2t) of
+    the half, which thread t holds in accumulator column blocks v = 4c+2h and 4c+2h+1 (block v:
+    keys 8v+2t, 8v+2t+1; value index v0 + 2*row + 4*v).
+    """
+    for c in range(cute.size(acc) // 16):  # plain Python loops: unrolled while tracing
+        for h in range(2):
+            vl = 4 * (4 * c + 2 * h)
+            vh = vl + 4
+            for r in range(2):
+                out32[4 * c + 2 * h + r] = _cvt_e4m3x4(acc[vl + 2 * r], acc[vl + 2 * r + 1], acc[vh + 2 * r],
+                                                       acc[vh + 2 * r + 1])
 
 
 def _cvt_bf16x2(lo, hi):
@@ -234,6 +259,7 @@ class FlamiaFwdSm90:
         self.regs_consumer = 240
         self.pingpong = config.pingpong
         self.overlap = config.intra_wg_overlap
+        self.pin = config.pin_softmax
 
     @cute.jit
     def __call__(
@@ -319,6 +345,7 @@ class FlamiaFwdSm90:
             v_mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             s_mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sScale: cute.struct.Align[cute.struct.MemRange[Float32, 2 * tn * stages], 16]
+            sPin: cute.struct.Align[cute.struct.MemRange[Float32, 256], 16]  # pin_softmax's stores
             sQ: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sV_layout)], 1024]
@@ -384,6 +411,7 @@ class FlamiaFwdSm90:
             sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
             sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
             sScale = storage.sScale.get_tensor(cute.make_layout((2 * tn, self.stages)))
+            sPin = storage.sPin.get_tensor(cute.make_layout(256))
 
             tma_producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
             consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, 8)
@@ -424,7 +452,7 @@ class FlamiaFwdSm90:
             else:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
                 self.consume(
-                    qk_mma, pv_mma, sQ, sK, sV, sScale, pipe_q, pipe_k, pipe_v, pipe_s,
+                    qk_mma, pv_mma, sQ, sK, sV, sScale, sPin, pipe_q, pipe_k, pipe_v, pipe_s,
                     mO, mLSE, mSQ, scale_log2, head, doc_start, doc_len, m_block, n_tiles, wg_idx - 1,
                 )
 
@@ -534,7 +562,7 @@ class FlamiaFwdSm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def consume(
-        self, qk_mma, pv_mma, sQ, sK, sV, sScale, pipe_q, pipe_k, pipe_v, pipe_s,
+        self, qk_mma, pv_mma, sQ, sK, sV, sScale, sPin, pipe_q, pipe_k, pipe_v, pipe_s,
         mO, mLSE, mSQ, scale_log2, head, doc_start, doc_len, m_block, n_tiles, wg,
     ):
         D, tn, wm = self.D, self.tile_n, self.wg_m
@@ -598,10 +626,10 @@ class FlamiaFwdSm90:
                 # the MMA atoms carry their ACCUMULATE field as staged state: rebinding them here
                 # makes them loop-carried, so the epilogue's GEMM may use them after the loop
                 k_state, v_state, s_state, qk_mma, pv_mma = self.overlap_step(
-                    m_block - i, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
+                    m_block - i, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s,
                     k_state, v_state, s_state, doc_len, wg, quad, lane,
                 )
-            v_state = self.overlap_epilogue(frags, pv_mma, pipe_v, v_state, wg)
+            v_state = self.overlap_epilogue(frags, rowst, pv_mma, pipe_v, v_state, wg)
         else:
             k_state, v_state, s_state = self.tile_step(
                 True, m_block, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
@@ -675,12 +703,12 @@ class FlamiaFwdSm90:
             cute.gemm(pv_mma, acc_t, tOrP[None, None, k], tOrV[None, None, k, v_state.index], acc_t)
 
     @cute.jit
-    def softmax(self, diag: cutlass.Constexpr, defer: cutlass.Constexpr, n, frags, rowst, sScale, s_state, doc_len, wg):
+    def softmax(self, diag: cutlass.Constexpr, n, frags, rowst, sScale, s_state, doc_len, wg):
         """Online softmax (log2 domain) of acc_s = S and the P values with the V scale folded in.
 
         Leaves p * sV * 256 / r (fp32) in acc_s and updates the row statistics. The running
-        output's factor c = alpha * r_prev / r is applied to acc_o here, or (defer) stored in
-        c_pend for the caller to apply once the previous tile's P V has been added.
+        output's factor c = alpha * r_prev / r goes to c_pend: the caller applies it as
+        O = O * c + O_tile in one FFMA per element when this tile's P V has landed.
         diag: the diagonal tile (first), the only one with a mask. The caller waits for and
         releases the scale stage s_state.
         """
@@ -688,7 +716,6 @@ class FlamiaFwdSm90:
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
         rs, m_run, l_run, r_run, c_pend = rowst
         n_acc_s = cute.size(acc_s)
-        n_acc_o = cute.size(acc_o)
         lim = doc_len - n * tn  # diagonal tile: visible keys are col < lim and col <= row
         # Block-scaled off-diagonal tile: it is exactly one 128-key scale block, so the K and V
         # scales are constant over it: sK folds into the row factor and w / r == 1.
@@ -753,6 +780,10 @@ class FlamiaFwdSm90:
             m_run[v1] = m_new
             r_run[v1] = r
         psum = [Float32(0.0), Float32(0.0)]
+        # uniform tiles: P * 256 = exp2(x + 8) saves a multiply per element (P_SCALE = 2^8)
+        m_off = [m_safe[0], m_safe[1]]
+        if cutlass.const_expr(uniform):
+            m_off = [m_safe[0] - Float32(P_SCALE_LOG2), m_safe[1] - Float32(P_SCALE_LOG2)]
         for v2 in cutlass.range_constexpr(n_acc_s // 4):
             for v0 in cutlass.range_constexpr(2):
                 col = tScS[v0 + 4 * v2][1]
@@ -761,26 +792,24 @@ class FlamiaFwdSm90:
                     sw = sScale[tn + col, s_state.index]
                 for v1 in cutlass.range_constexpr(2):
                     a = v0 + 2 * v1 + 4 * v2
-                    p = cute.math.exp2(acc_s[a] * rsv[v1] - m_safe[v1], fastmath=True)
+                    p = cute.math.exp2(acc_s[a] * rsv[v1] - m_off[v1], fastmath=True)
                     psum[v1] = psum[v1] + p
                     if cutlass.const_expr(uniform):
-                        acc_s[a] = p * Float32(P_SCALE)
+                        acc_s[a] = p
                     else:
                         acc_s[a] = p * (sw * inv[v1])
         for v1 in cutlass.range_constexpr(2):
-            l_run[v1] = l_run[v1] * alphas[v1] + psum[v1]
-            if cutlass.const_expr(not defer):
-                for j in cutlass.range_constexpr(n_acc_o // 4):
-                    for v0 in cutlass.range_constexpr(2):
-                        acc_o[v0 + 2 * v1 + 4 * j] = acc_o[v0 + 2 * v1 + 4 * j] * c_pend[v1]
+            ps = psum[v1]
+            if cutlass.const_expr(uniform):
+                ps = ps * Float32(1.0 / P_SCALE)  # exact: a power of two
+            l_run[v1] = l_run[v1] * alphas[v1] + ps
 
     @cute.jit
     def convert_p(self, frags, quad, lane):
-        """P: fp32 accumulator layout (acc_s) -> e4m3 A-operand layout (tOrP)."""
+        """P: fp32 accumulator layout (acc_s) -> e4m3 A-operand registers (tOrP); V^T comes in
+        P-fragment key order, so this is 32 conversions and nothing else."""
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
-        for w in cutlass.range_constexpr(cute.size(acc_s) // 4):
-            p8[w] = _cvt_e4m3x4(acc_s[4 * w], acc_s[4 * w + 1], acc_s[4 * w + 2], acc_s[4 * w + 3])
-        self.permute_p(p8, tOrP32, quad, lane)
+        pack_a_fragment_e4m3(acc_s, tOrP32)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -806,7 +835,7 @@ class FlamiaFwdSm90:
         k_state.advance()
 
         # ---- online softmax (log2 domain) and the P cast with the V scale folded in
-        self.softmax(diag, False, n, frags, rowst, sScale, s_state, doc_len, wg)
+        self.softmax(diag, n, frags, rowst, sScale, s_state, doc_len, wg)
         pipe_s.consumer_release(s_state)
         s_state.advance()
         self.convert_p(frags, quad, lane)
@@ -819,9 +848,18 @@ class FlamiaFwdSm90:
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         v_state.advance()
-        for a in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[a] = acc_o[a] + acc_t[a]
+        self.accumulate_o(frags, rowst[4])
         return k_state, v_state, s_state
+
+    @cute.jit
+    def accumulate_o(self, frags, c):
+        """O = O * c + O_tile (one FFMA per element): rescale and promotion of the fresh tile sum."""
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
+        for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
+            for v1 in cutlass.range_constexpr(2):
+                for v0 in cutlass.range_constexpr(2):
+                    a = v0 + 2 * v1 + 4 * j
+                    acc_o[a] = acc_o[a] * c[v1] + acc_t[a]
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -841,8 +879,8 @@ class FlamiaFwdSm90:
         warpgroup.wait_group(0)
         pipe_k.consumer_release(k_state)
         k_state.advance()
-        # nothing in flight: acc_o (zero) is rescaled at once, as in the serial schedule
-        self.softmax(True, False, n, frags, rowst, sScale, s_state, doc_len, wg)
+        # its factor c (in c_pend) is applied when its P V lands, in the next phase
+        self.softmax(True, n, frags, rowst, sScale, s_state, doc_len, wg)
         pipe_s.consumer_release(s_state)
         s_state.advance()
         self.convert_p(frags, quad, lane)
@@ -850,11 +888,11 @@ class FlamiaFwdSm90:
 
     @cute.jit
     def overlap_step(
-        self, n, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
+        self, n, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s,
         k_state, v_state, s_state, doc_len, wg, quad, lane,
     ):
         """Overlap schedule, off-diagonal tile n: issue S_n and P_prev V_prev, softmax of S_n
-        while P V runs, then O = (O + O_tile) * c_n and P_n."""
+        while P V runs, then O = O * c_prev + O_tile(prev) and P_n."""
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
         rs, m_run, l_run, r_run, c_pend = rowst
         pipe_k.consumer_wait(k_state)
@@ -872,26 +910,26 @@ class FlamiaFwdSm90:
         warpgroup.wait_group(1)  # S_n is done (groups retire in order); P V may still run
         pipe_k.consumer_release(k_state)
         k_state.advance()
+        c_prev = [c_pend[0], c_pend[1]]  # the factor of the tile whose P V is in flight
         # reads and writes acc_s only (and the row statistics): P V reads tOrP, writes acc_t
-        self.softmax(False, True, n, frags, rowst, sScale, s_state, doc_len, wg)
+        self.softmax(False, n, frags, rowst, sScale, s_state, doc_len, wg)
+        if cutlass.const_expr(self.pin):
+            # the row sums depend on every exp2 of the tile: storing them here keeps the exp2 work
+            # ahead of the wait below (ptxas does not move shared-memory stores across it)
+            sPin[cute.arch.thread_idx()[0] % 256] = rowst[2][0] + rowst[2][1]
         pipe_s.consumer_release(s_state)
         s_state.advance()
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         v_state.advance()
-        # the serial schedule's operations in its order: O += O_tile(prev), then O *= c_n
-        for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
-            for v1 in cutlass.range_constexpr(2):
-                for v0 in cutlass.range_constexpr(2):
-                    a = v0 + 2 * v1 + 4 * j
-                    acc_o[a] = acc_o[a] + acc_t[a]
-                    acc_o[a] = acc_o[a] * c_pend[v1]
+        # the serial schedule's operation for the previous tile: O = O * c_prev + O_tile
+        self.accumulate_o(frags, c_prev)
         self.convert_p(frags, quad, lane)
         return k_state, v_state, s_state, qk_mma, pv_mma
 
     @cute.jit
-    def overlap_epilogue(self, frags, pv_mma, pipe_v, v_state, wg):
-        """Overlap schedule: P V of the last tile, O += O_tile."""
+    def overlap_epilogue(self, frags, rowst, pv_mma, pipe_v, v_state, wg):
+        """Overlap schedule: P V of the last tile, O = O * c_last + O_tile."""
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
         pipe_v.consumer_wait(v_state)
         if cutlass.const_expr(self.pingpong):
@@ -904,44 +942,8 @@ class FlamiaFwdSm90:
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         v_state.advance()
-        for a in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[a] = acc_o[a] + acc_t[a]
+        self.accumulate_o(frags, rowst[4])
         return v_state
-
-    # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def permute_p(self, p8, tOrP32, quad, lane):
-        """Move e4m3 P from the accumulator's byte order to the wgmma A-fragment order.
-
-        In each 32-key chunk, thread t of a quad holds (acc) words W0..W3: W_v = rows g, g+8
-        at keys 8v+2t, 8v+2t+1; the A fragment wants A0/A1 = rows g/g+8 at keys 4t..4t+3
-        and A2/A3 = the same at keys 16+4t..16+4t+3. A0/A1 gather W_{t//2} of quad lanes
-        2(t%2) (keys +0,+1) and 2(t%2)+1 (keys +2,+3); A2/A3 the same from W_{2+t//2}.
-        Two shuffles per word pair: even lanes send W_even first, odd lanes W_odd first.
-        """
-        base = lane - quad
-        src1 = base + 2 * (quad % 2) + quad // 2
-        src2 = base + 2 * (quad % 2) + 1 - quad // 2
-        odd = quad % 2 == 1
-        hi_half = quad >= 2
-        for c in cutlass.range_constexpr(cute.size(p8) // 4):
-            for h in cutlass.range_constexpr(2):
-                wx = p8[4 * c + 2 * h]
-                wy = p8[4 * c + 2 * h + 1]
-                send1 = wx
-                send2 = wy
-                if odd:
-                    send1 = wy
-                    send2 = wx
-                r1 = cute.arch.shuffle_sync(send1, src1)
-                r2 = cute.arch.shuffle_sync(send2, src2)
-                e = r1
-                o = r2
-                if hi_half:
-                    e = r2
-                    o = r1
-                tOrP32[4 * c + 2 * h] = _prmt(e, o, 0x5410)
-                tOrP32[4 * c + 2 * h + 1] = _prmt(e, o, 0x7632)
 
 
 # ----------------------------------------------------------------------------------------------

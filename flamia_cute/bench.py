@@ -297,7 +297,8 @@ def _progress(items):
         return tqdm(items, file=sys.stderr)
     except ImportError:
         total = len(items)
-        return (print(f"[{i + 1}/{total}] {it[0]} {it[1].name}", file=sys.stderr) or it for i, it in enumerate(items))
+        return (print(f"[{i + 1}/{total}] {it[0]} {getattr(it[1], 'name', '')}", file=sys.stderr) or it
+                for i, it in enumerate(items))
 
 
 def environment() -> dict:

@@ -120,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--heads", default="h16_d128")
     t.add_argument("--recipe", default="fp8_tokenblock")
     t.add_argument("--reps", type=int, default=20)
+    t.add_argument("--kernels", default="fwd,bwd,quant", help="comma-separated kernels to tune (fwd, bwd, quant)")
     t.add_argument("--dry-run", action="store_true", help="enumerate and prune the space; no GPU needed")
     t.add_argument("--print", action="store_true", help="show the current tuned choices")
     t.add_argument("--force", action="store_true", help="retune workload classes already tuned")

@@ -149,7 +149,7 @@ def _unpack_kernel(layout, saved, block: int):
             out.append(None)
             continue
         td, dt, sc = saved[base : base + 3]
-        out.append(QuantizedTHD(td, dt, sc, block if name in ("k", "v") else 1, "e4m3"))
+        out.append(QuantizedTHD(td, dt, sc, block if name in ("k", "v") else 1, "e4m3", name in ("q", "v", "vt")))
     qq, kq, vq, kt, vt = out
     return qq, kq, vq, kt, vt
 
@@ -234,15 +234,13 @@ def varlen_bwd(
     rec = _recipe(recipe)
     dout = dout.contiguous()
     if backend == "cute":
-        from .cute_backend import backward_backend
+        from .cute_backend import backward_backend, backward_kernels
 
         block = _kernel_block(recipe)
         qq, kq, vq, kt, vt = _unpack_kernel(layout, saved, block)
         if backward_backend() == "cute":
-            from .attention_bwd_sm90 import flamia_bwd_sm90_from_saved
-
-            dq, dk, dv = flamia_bwd_sm90_from_saved(dout, out_bf16, lse, qq, kq, vq, kt, vt, cu_seqlens_q,
-                                                    max_seqlen_q, softmax_scale)
+            dq, dk, dv = backward_kernels(dout, out_bf16, lse, qq, kq, vq, kt, vt, cu_seqlens_q, max_seqlen_q,
+                                          softmax_scale)
             return dq.to(dt), dk.to(dt), dv.to(dt)
         from .emulator import operand_from_quantized
 

@@ -54,11 +54,13 @@ def unsupported_reason(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | 
     return None
 
 
-def quantize_operands(q, k, v, cu, block: int):
+def quantize_operands(q, k, v, cu, block: int, max_seqlen: int):
     """Q, K, V in ONE fused launch: Q per token; K, V per block plus the per-token diagonal copies."""
     from .quantize_sm90 import fused_quantize_multi_sm90, qkv_config
+    from .tuning import tuned_quantize_config
 
     cfg = qkv_config(q.shape[2], q.shape[1], k.shape[1], block)
+    cfg = tuned_quantize_config(cfg, max_seqlen, q.shape[0], cu.numel() - 1)
     (qq, _), (kq, kt), (vq, vt) = fused_quantize_multi_sm90((q, k, v), cu, cfg)
     return qq, (kq, kt), (vq, vt)
 
@@ -68,7 +70,7 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block):
     from .attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
     from .tuning import tuned_fwd_config
 
-    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block)
+    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block, max_seqlen)
     cfg = FwdConfig(head_dim=q.shape[2], qhead_per_kvhead=q.shape[1] // k.shape[1], diagonal_copy=block > 1)
     cfg = tuned_fwd_config(cfg, max_seqlen, q.shape[0], cu.numel() - 1)
     out, lse = flamia_fwd_sm90(
@@ -77,6 +79,18 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block):
         cu, max_seqlen, softmax_scale, cfg,
     )
     return out, lse, (qq, (kq, kt), (vq, vt))
+
+
+def backward_kernels(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale):
+    """The sm_90a backward kernel from the forward's saved operands, with the tuned BwdConfig."""
+    from .attention_bwd_sm90 import BwdConfig, flamia_bwd_sm90_from_saved
+    from .tuning import tuned_bwd_config
+
+    # the default exactly as flamia_bwd_sm90_from_saved builds it for config=None
+    cfg = BwdConfig(head_dim=qq.data_td.shape[2], qhead_per_kvhead=qq.data_td.shape[1] // kq.data_td.shape[1],
+                    diagonal_copy=kt is not None)
+    cfg = tuned_bwd_config(cfg, max_seqlen, qq.data_td.shape[0], cu.numel() - 1)
+    return flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale, config=cfg)
 
 
 def backward_backend() -> str:
@@ -106,10 +120,7 @@ class CuteAttention(torch.autograd.Function):
         cu, scale, recipe, dt, max_seqlen = fctx.meta
         qq, (kq, kt), (vq, vt) = fctx.saved
         if backward_backend() == "cute":
-            from .attention_bwd_sm90 import flamia_bwd_sm90_from_saved
-
-            dq, dk, dv = flamia_bwd_sm90_from_saved(dout.contiguous(), out, lse, qq, kq, vq, kt, vt, cu, max_seqlen,
-                                                    scale)
+            dq, dk, dv = backward_kernels(dout.contiguous(), out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, scale)
             return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None
         ectx = EmulatorContext(recipe, scale, True, cu, cu, operand_from_quantized(qq),
                                operand_from_quantized(kq, kt), operand_from_quantized(vq, vt), out, lse)

@@ -72,6 +72,12 @@ KERNELS = {
             "tokenblock_d64": dict(head_dim=64, diagonal_copy=True),
             "tokenblock_d128_gqa4": dict(head_dim=128, diagonal_copy=True, qhead_per_kvhead=4),
         }),
+        KernelEntry("bwd", ("sm_90a",), "flamia_cute.attention_bwd_sm90", "BwdConfig", {
+            "token_d128": dict(head_dim=128),
+            "tokenblock_d128": dict(head_dim=128, diagonal_copy=True),
+            "tokenblock_d64": dict(head_dim=64, diagonal_copy=True),
+            "tokenblock_d128_gqa4": dict(head_dim=128, diagonal_copy=True, qhead_per_kvhead=4),
+        }),
     )
 }
 

@@ -53,6 +53,7 @@ rows 16 apart, and without the rotation they would all hit one bank.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 import os
@@ -95,6 +96,7 @@ class QuantizeConfig:
     block_tokens: int = 1
     emit_token_copy: bool = False
     emit_transposed: bool = True
+    dt_pv_order: bool = False  # data_dt in the forward's P-fragment key order (quant.PV_ORDER16): V
     tile_tokens: int = TILE_TOKENS
     heads_per_cta: int = 0  # 0: choose automatically
     threads: int = 0  # 0: the only supported value, NUM_THREADS
@@ -109,6 +111,8 @@ class QuantizeConfig:
             bad("num_heads", f"must be a positive int, got {self.num_heads!r}")
         if self.block_tokens not in SUPPORTED_BLOCK_TOKENS:
             bad("block_tokens", f"must be one of {SUPPORTED_BLOCK_TOKENS}, got {self.block_tokens}")
+        if self.dt_pv_order and not self.emit_transposed:
+            bad("dt_pv_order", "orders data_dt columns, so it needs emit_transposed=True")
         if self.emit_token_copy and self.block_tokens == 1:
             bad("emit_token_copy", "the per-token copy duplicates set 0 when block_tokens == 1")
         if self.tile_tokens != TILE_TOKENS:
@@ -606,7 +610,15 @@ class FusedQuantizeSm90:
                                     dst = cute.recast_tensor(
                                         cute.local_tile(mDT[hgrp * HG + row // D, row % D, None], (16,), (seg0 + g,)), Uint32
                                     )
-                                    cute.copy(w_atom, src, dst)
+                                    if const_expr(P.cfg.dt_pv_order):
+                                        # word t of the segment holds tokens PV_ORDER16[4t .. 4t+3]:
+                                        # the low/high byte pairs of token words 0 and 2, then 1 and 3
+                                        pw = cute.make_rmem_tensor(cute.make_layout(4), Uint32)
+                                        for t in cutlass.range_constexpr(4):
+                                            pw[t] = _prmt(src[t // 2], src[2 + t // 2], 0x7632 if t % 2 else 0x5410)
+                                        cute.copy(w_atom, pw, dst)
+                                    else:
+                                        cute.copy(w_atom, src, dst)
                 else:
                     # ---- spare CTA: zero the tail columns [dt_total, T_dt) of this head group -------
                     # dt_total (tot_p) is a multiple of 16 and T_dt of 128: whole 16-byte segments.
@@ -851,8 +863,8 @@ def fused_quantize_multi_sm90(
     launch_fused_quantize_multi_sm90(xs, cu, mcfg, sets)
     outs = []
     for cfg, ps in zip(mcfg.parts, sets, strict=True):
-        out0 = QuantizedTHD(ps[0][0], ps[0][1], ps[0][2], cfg.block_tokens, "e4m3")
-        out1 = QuantizedTHD(*ps[1], 1, "e4m3") if cfg.num_sets == 2 else None
+        out0 = QuantizedTHD(ps[0][0], ps[0][1], ps[0][2], cfg.block_tokens, "e4m3", cfg.dt_pv_order)
+        out1 = QuantizedTHD(*ps[1], 1, "e4m3", cfg.dt_pv_order) if cfg.num_sets == 2 else None
         outs.append((out0, out1))
     return outs
 
@@ -916,24 +928,32 @@ def launch_fused_quantize_sm90(x: torch.Tensor, cu_seqlens: torch.Tensor, config
     launch_fused_quantize_multi_sm90([x], cu_seqlens, as_multi(config), [sets])
 
 
-def qkv_config(head_dim: int, q_heads: int, kv_heads: int, block_tokens: int, **kw) -> MultiQuantizeConfig:
-    """The Q/K/V launch of an attention call: Q per token; K and V per block (+ per-token copy if block > 1)."""
-    return _qkv_config(head_dim, q_heads, kv_heads, block_tokens, tuple(sorted(kw.items())))
+def qkv_config(head_dim: int, q_heads: int, kv_heads: int, block_tokens: int, heads_per_cta: int = 0,
+               **kw) -> MultiQuantizeConfig:
+    """The Q/K/V launch of an attention call: Q per token; K and V per block (+ per-token copy if block > 1).
+
+    heads_per_cta applies to Q, K and V (0: each part's automatic choice); kw go to MultiQuantizeConfig.
+    """
+    return _qkv_config(head_dim, q_heads, kv_heads, block_tokens, heads_per_cta, tuple(sorted(kw.items())))
 
 
 @functools.cache
 def dout_config(head_dim: int, num_heads: int) -> QuantizeConfig:
-    """dO of the backward: per token, both orientations (dP = dO.V^T reads [t,d], dV = P^T.dO reads [d,t])."""
-    return QuantizeConfig(head_dim=head_dim, num_heads=num_heads, block_tokens=1)
+    """dO of the backward: per token, both orientations (dP = dO.V^T reads [t,d], dV = P^T.dO reads [d,t],
+    the latter with P^T from registers, hence P-fragment order)."""
+    return QuantizeConfig(head_dim=head_dim, num_heads=num_heads, block_tokens=1, dt_pv_order=True)
 
 
 @functools.cache
-def _qkv_config(head_dim, q_heads, kv_heads, block_tokens, kw):
-    q = QuantizeConfig(head_dim=head_dim, num_heads=q_heads, block_tokens=1)
-    kv = QuantizeConfig(head_dim=head_dim, num_heads=kv_heads, block_tokens=block_tokens,
-                        emit_token_copy=block_tokens > 1)
+def _qkv_config(head_dim, q_heads, kv_heads, block_tokens, heads_per_cta, kw):
+    # Q^T and V^T are B operands of wgmmas with A from registers: P-fragment order (quant.PV_ORDER16)
+    q = QuantizeConfig(head_dim=head_dim, num_heads=q_heads, block_tokens=1, heads_per_cta=heads_per_cta,
+                       dt_pv_order=True)
+    k = QuantizeConfig(head_dim=head_dim, num_heads=kv_heads, block_tokens=block_tokens,
+                       emit_token_copy=block_tokens > 1, heads_per_cta=heads_per_cta)
+    v = dataclasses.replace(k, dt_pv_order=True)
     kw = dict(kw)
     # block 1 bodies fit 48 registers without spills (5 CTAs/SM); block 128 spills there, so 4
     if block_tokens == 1 and head_dim <= 128:
         kw.setdefault("min_ctas_per_sm", 5)
-    return MultiQuantizeConfig((q, kv, kv), **kw)
+    return MultiQuantizeConfig((q, k, v), **kw)

@@ -17,7 +17,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-SMEM_LIMIT_SM90 = 227 * 1024
+SMEM_LIMIT_SM90 = 227 * 1024  # per CTA
+SMEM_PER_SM_SM90 = 228 * 1024
 
 
 def workload_class(max_seqlen: int, total_tokens: int, num_docs: int) -> str:
@@ -63,7 +64,7 @@ def cache_path(key: TuningKey) -> Path:
 
 def fwd_smem_bytes(cfg) -> int:
     tile = cfg.tile_m * cfg.head_dim
-    return tile + 2 * cfg.kv_stages * cfg.tile_n * cfg.head_dim + 2 * cfg.tile_n * 4 * cfg.kv_stages + 1024
+    return tile + 2 * cfg.kv_stages * cfg.tile_n * cfg.head_dim + 2 * cfg.tile_n * 4 * cfg.kv_stages + 2048
 
 
 def fwd_space(head_dim: int, group: int, diagonal_copy: bool):
@@ -76,32 +77,115 @@ def fwd_space(head_dim: int, group: int, diagonal_copy: bool):
     for stages in (2, 3, 4):
         for pingpong in (True, False):
             for overlap in (True, False):
-                cfg = FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy,
-                                kv_stages=stages, pingpong=pingpong, intra_wg_overlap=overlap)
-                if cfg == base:
+                # pin_softmax only changes the overlapped schedule
+                for pin in (True, False) if overlap else (True,):
+                    cfg = FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy,
+                                    kv_stages=stages, pingpong=pingpong, intra_wg_overlap=overlap, pin_softmax=pin)
+                    if cfg == base:
+                        continue
+                    smem = fwd_smem_bytes(cfg)
+                    if overlap and not diagonal_copy:
+                        pruned.append((cfg, "spills: the per-token recipe's overlapped schedule needs > 240 registers"))
+                    else:
+                        (keep if smem <= SMEM_LIMIT_SM90 else pruned).append((cfg, f"smem {smem} B"))
+    return keep, pruned
+
+
+def quantize_space(head_dim: int, heads_q: int, heads_kv: int, block_tokens: int):
+    """Every Q/K/V quantization launch (qkv_config), with the reason each pruned one was dropped."""
+    from .quantize_sm90 import qkv_config
+
+    default = qkv_config(head_dim, heads_q, heads_kv, block_tokens)
+    keep, pruned = [(default, "default")], []
+    for raster in ("heads", "chunks"):
+        for min_ctas in (0, 3, 4, 5):
+            for hg in (1, 2, 4):
+                fields = {"raster": raster, "min_ctas_per_sm": min_ctas, "heads_per_cta": hg}
+                try:
+                    cfg = qkv_config(head_dim, heads_q, heads_kv, block_tokens, **fields)
+                except ValueError as e:
+                    pruned.append((fields, str(e)))
                     continue
-                smem = fwd_smem_bytes(cfg)
-                if overlap and not diagonal_copy:
-                    pruned.append((cfg, "spills: the per-token recipe's overlapped schedule needs > 240 registers"))
-                else:
-                    (keep if smem <= SMEM_LIMIT_SM90 else pruned).append((cfg, f"smem {smem} B"))
+                if cfg == default:
+                    continue
+                # the launch bound asks for min_ctas resident CTAs: their shared memory must fit one SM too
+                smem = cfg.smem_bytes * max(1, min_ctas)
+                (keep if smem <= SMEM_PER_SM_SM90 else pruned).append((cfg, f"smem {smem} B per SM"))
     return keep, pruned
 
 
-def quantize_space(head_dim: int, num_heads: int, block_tokens: int, token_copy: bool):
-    from .quantize_sm90 import QuantizeConfig
+def bwd_space(head_dim: int, group: int, diagonal_copy: bool):
+    """Every backward config by effective stages, with the reason each pruned one was dropped."""
+    from .attention_bwd_sm90 import BwdConfig, smem_bytes
 
-    keep, pruned = [], []
-    for hg in (1, 2, 4, 8):
-        try:
-            cfg = QuantizeConfig(head_dim=head_dim, num_heads=num_heads, block_tokens=block_tokens,
-                                 emit_token_copy=token_copy, heads_per_cta=hg)
-        except ValueError as e:
-            pruned.append((hg, str(e)))
-            continue
-        smem = cfg.smem_bytes if hasattr(cfg, "smem_bytes") else 0
-        (keep if smem <= SMEM_LIMIT_SM90 else pruned).append((cfg, f"smem {smem} B"))
+    def stages(cfg):
+        return cfg.stages_a, cfg.stages_b, cfg.vec_stages
+
+    default = BwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
+    keep, pruned, seen = [(default, "default")], [], {stages(default)}
+    # q_stages / qt_stages 0 (auto) resolve to 1 or 2, so the explicit values cover every effective config
+    for q_stages in (1, 2):
+        for qt_stages in (1, 2):
+            for vec_stages in (1, 2, 3):
+                fields = {"q_stages": q_stages, "qt_stages": qt_stages, "vec_stages": vec_stages}
+                try:
+                    cfg = BwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy, **fields)
+                except ValueError as e:  # shared memory over SMEM_LIMIT
+                    pruned.append((fields, str(e)))
+                    continue
+                if stages(cfg) not in seen:
+                    seen.add(stages(cfg))
+                    keep.append((cfg, f"smem {smem_bytes(cfg)} B"))
     return keep, pruned
+
+
+TUNED_KERNELS = ("fwd", "bwd", "quant")
+
+
+def search_space(kernel: str, head_dim: int, heads_q: int, heads_kv: int, block_tokens: int):
+    """(kept, pruned) of one kernel for an attention shape; kept[0] is the kernel's default config."""
+    if kernel == "quant":
+        return quantize_space(head_dim, heads_q, heads_kv, block_tokens)
+    space = {"fwd": fwd_space, "bwd": bwd_space}[kernel]
+    return space(head_dim, heads_q // heads_kv, block_tokens > 1)
+
+
+def config_fields(kernel: str, cfg) -> dict:
+    """The fields the search varies, as the plain JSON dict the cache stores."""
+    if kernel == "quant":
+        return {"raster": cfg.raster, "min_ctas_per_sm": cfg.min_ctas_per_sm,
+                "heads_per_cta": [p.heads_per_cta for p in cfg.parts]}
+    names = {"fwd": ("kv_stages", "pingpong", "intra_wg_overlap", "pin_softmax"), "bwd": ("q_stages", "qt_stages", "vec_stages")}
+    return {n: getattr(cfg, n) for n in names[kernel]}
+
+
+def config_from_fields(kernel: str, default, fields: dict):
+    """`default` with the stored fields applied (inverse of config_fields)."""
+    if kernel == "quant":
+        fields = dict(fields)
+        hgs = fields.pop("heads_per_cta")
+        parts = tuple(dataclasses.replace(p, heads_per_cta=h) for p, h in zip(default.parts, hgs, strict=True))
+        return dataclasses.replace(default, parts=parts, **fields)
+    return dataclasses.replace(default, **fields)
+
+
+def config_label(kernel: str, cfg) -> str:
+    fields = cfg if isinstance(cfg, dict) else config_fields(kernel, cfg)
+    return " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def fwd_shape(cfg) -> str:
+    """Cache shape of a FwdConfig or BwdConfig (same field names)."""
+    return f"d{cfg.head_dim}_g{cfg.qhead_per_kvhead}_{'tokenblock' if cfg.diagonal_copy else 'token'}"
+
+
+def quant_shape(cfg) -> str:
+    q, kv = cfg.parts[0], cfg.parts[1]
+    return f"d{q.head_dim}_q{q.num_heads}_kv{kv.num_heads}_{'tokenblock' if kv.block_tokens > 1 else 'token'}"
+
+
+def kernel_shape(kernel: str, default) -> str:
+    return quant_shape(default) if kernel == "quant" else fwd_shape(default)
 
 
 # ----------------------------------------------------------------------------- cache
@@ -135,8 +219,8 @@ class TuningCache:
 _loaded: dict = {}
 
 
-def tuned_fwd_config(default, max_seqlen: int, total_tokens: int, num_docs: int):
-    """The tuned FwdConfig for this workload class, or `default` when nothing (valid) is tuned."""
+def _tuned_config(kernel: str, default, max_seqlen: int, total_tokens: int, num_docs: int):
+    """The tuned config of `kernel` for this workload class, or `default` when nothing (valid) is tuned."""
     if os.environ.get("FLAMIA_CUTE_NO_TUNING") == "1":
         return default
     if "cache" not in _loaded:
@@ -147,17 +231,106 @@ def tuned_fwd_config(default, max_seqlen: int, total_tokens: int, num_docs: int)
     cache = _loaded["cache"]
     if cache is None:
         return default
-    rec = cache.get("fwd", workload_class(max_seqlen, total_tokens, num_docs), fwd_shape(default))
-    if rec is None:
-        return default
-    return dataclasses.replace(default, **rec["config"])
+    wclass = workload_class(max_seqlen, total_tokens, num_docs)
+    # memoized: a lookup runs on every attention call; rebuilding the config each time costs host time
+    resolved = _loaded.setdefault("resolved", {})
+    key = (kernel, default, wclass)
+    if key not in resolved:
+        rec = cache.get(kernel, wclass, kernel_shape(kernel, default))
+        try:
+            resolved[key] = config_from_fields(kernel, default, rec["config"]) if rec else default
+        except (KeyError, TypeError, ValueError) as e:  # written by another version of the fields
+            warnings.warn(f"flamia_cute: ignoring tuned {kernel} config {rec.get('config')}: {e}", stacklevel=3)
+            resolved[key] = default
+    return resolved[key]
 
 
-def fwd_shape(cfg) -> str:
-    return f"d{cfg.head_dim}_g{cfg.qhead_per_kvhead}_{'tokenblock' if cfg.diagonal_copy else 'token'}"
+def tuned_fwd_config(default, max_seqlen: int, total_tokens: int, num_docs: int):
+    return _tuned_config("fwd", default, max_seqlen, total_tokens, num_docs)
+
+
+def tuned_bwd_config(default, max_seqlen: int, total_tokens: int, num_docs: int):
+    return _tuned_config("bwd", default, max_seqlen, total_tokens, num_docs)
+
+
+def tuned_quantize_config(default_multi, max_seqlen: int, total_tokens: int, num_docs: int):
+    return _tuned_config("quant", default_multi, max_seqlen, total_tokens, num_docs)
 
 
 # ----------------------------------------------------------------------------- the tune command
+
+
+def _kernel_calls(case, block: int, kernels) -> dict:
+    """kernel -> (call(cfg, i) launching only that kernel on input set i, number of input sets)."""
+    import torch
+
+    from .attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
+    from .cute_backend import quantize_operands
+
+    calls = {}
+    if "quant" in kernels:
+        from .quant import transposed_tokens
+        from .quantize_sm90 import _alloc_outputs, launch_fused_quantize_multi_sm90, qkv_config
+
+        # one output buffer serves every config: raster, launch bounds and heads_per_cta keep the layout
+        outs = _alloc_outputs(qkv_config(case.head_dim, case.heads_q, case.heads_kv, block), case.total,
+                              transposed_tokens(case.total, len(case.lengths)), case.cu.device)
+
+        def quant(cfg, i):
+            launch_fused_quantize_multi_sm90(case.sets[i][:3], case.cu, cfg, outs)
+
+        calls["quant"] = (quant, len(case.sets))
+    if "fwd" not in kernels and "bwd" not in kernels:
+        return calls
+    ops = [quantize_operands(q, k, v, case.cu, block, case.max_len) for q, k, v, _ in case.sets]
+
+    def fwd(cfg, i):
+        qq, (kq, kt), (vq, vt) = ops[i]
+        return flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale,
+                               kt.data_td if kt else None, kt.scale if kt else None,
+                               vt.data_dt if vt else None, vt.scale if vt else None,
+                               case.cu, case.max_len, case.scale, cfg)
+
+    calls["fwd"] = (fwd, len(ops))
+    if "bwd" in kernels:
+        from .attention_bwd_sm90 import flamia_bwd_sm90_from_saved, preprocess_bwd
+
+        out, lse = fwd(FwdConfig(head_dim=case.head_dim, qhead_per_kvhead=case.heads_q // case.heads_kv,
+                                 diagonal_copy=block > 1), 0)
+        dout = torch.randn(out.shape, device=out.device).to(torch.bfloat16)
+        delta, doq = preprocess_bwd(dout, out, case.cu)  # precomputed: only the kernel is timed
+        qq, (kq, kt), (vq, vt) = ops[0]
+
+        def bwd(cfg, _i):
+            flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
+                                       config=cfg, do_quantized=doq, delta=delta)
+
+        calls["bwd"] = (bwd, 1)
+    return calls
+
+
+def _tune_one(kernel, keep, call, n_sets, reps) -> dict:
+    """Time every kept config; the cache record ("config" None when every config failed)."""
+    import sys
+
+    from .bench import _time_calls
+
+    times, failed = {}, {}
+    for cfg, _ in keep:
+        try:
+            times[cfg] = _time_calls(lambda i, cfg=cfg: call(cfg, i), n_sets, "cuda", reps=reps)
+        except Exception as e:  # a config that does not compile or launch is skipped, not fatal
+            label = config_label(kernel, cfg)
+            failed[label] = f"{type(e).__name__}: {e}"[:300]
+            print(f"tune: {kernel} {label} failed: {failed[label]}", file=sys.stderr)
+    best = min(times, key=times.get) if times else None
+    return {"config": config_fields(kernel, best) if times else None, "ms": times.get(best),
+            "default_ms": times.get(keep[0][0]),
+            "all": {config_label(kernel, c): round(t, 4) for c, t in times.items()}, "failed": failed}
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def run_tune(args) -> int:
@@ -165,7 +338,7 @@ def run_tune(args) -> int:
 
     import torch
 
-    from .bench import DEFAULT_WORKLOADS, _progress, _time_calls
+    from .bench import DEFAULT_WORKLOADS, _progress
     from .cute_backend import KERNEL_RECIPES
 
     data = json.loads(Path(args.workloads or DEFAULT_WORKLOADS).read_text())
@@ -176,19 +349,25 @@ def run_tune(args) -> int:
     if args.recipe not in KERNEL_RECIPES:
         print(f"tune --recipe: kernels exist for {sorted(KERNEL_RECIPES)}, not {args.recipe!r}", file=sys.stderr)
         return 2
+    kernels = list(dict.fromkeys(k for k in args.kernels.split(",") if k))
+    unknown = [k for k in kernels if k not in TUNED_KERNELS]
+    if unknown or not kernels:
+        print(f"tune --kernels: unknown {unknown or args.kernels!r}; tunable: {','.join(TUNED_KERNELS)}", file=sys.stderr)
+        return 2
     wl = data["workloads"]
     if args.only:
         wl = {w: wl[w] for w in args.only.split(",") if w in wl} or wl
     block = KERNEL_RECIPES[args.recipe]
-    group = head["heads_q"] // head["heads_kv"]
-    keep, pruned = fwd_space(head["head_dim"], group, block > 1)
+    spaces = {k: search_space(k, head["head_dim"], head["heads_q"], head["heads_kv"], block) for k in kernels}
+    shapes = {k: kernel_shape(k, keep[0][0]) for k, (keep, _) in spaces.items()}
     classes = {w: workload_class(max(ls), sum(ls), len(ls)) for w, ls in wl.items()}
     if args.dry_run:
-        print(f"fwd search space ({len(keep)} kept, {len(pruned)} pruned):")
-        for cfg, why in keep:
-            print(f"  keep   stages={cfg.kv_stages} pingpong={cfg.pingpong} overlap={cfg.intra_wg_overlap}  ({why})")
-        for cfg, why in pruned:
-            print(f"  pruned {cfg}: {why}")
+        for k, (keep, pruned) in spaces.items():
+            print(f"{k} search space ({len(keep)} kept, {len(pruned)} pruned), shape {shapes[k]}:")
+            for cfg, why in keep:
+                print(f"  keep   {config_label(k, cfg)}  ({why})")
+            for cfg, why in pruned:
+                print(f"  pruned {config_label(k, cfg)}: {why}")
         for w, c in classes.items():
             print(f"  workload {w}: class {c}")
         return 0
@@ -196,44 +375,42 @@ def run_tune(args) -> int:
         print("tune: needs a GPU (use --dry-run to see the space)", file=sys.stderr)
         return 2
     cache = TuningCache(TuningKey.current())
-    shape = fwd_shape(keep[0][0])
     if args.print:
         for k, recs in cache.entries.items():
             for sk, rec in recs.items():
-                print(f"{k} {sk}: {rec['config']}  tuned {rec['ms']:.3f} ms vs default {rec['default_ms']:.3f} ms")
+                print(f"{k} {sk}: {rec['config']}  tuned {_ms(rec['ms'])} ms vs default {_ms(rec['default_ms'])} ms")
         return 0
-    from .attention_fwd_sm90 import flamia_fwd_sm90
     from .bench import Case
-    from .cute_backend import quantize_operands
 
-    rows = []
+    rows = []  # (kernel, workload, class, status, record)
+    tuned_now = set()  # (kernel, class): --force retunes a class once per run, not once per workload
     for w, lengths in _progress(list(wl.items())):
         wclass = classes[w]
-        if cache.get("fwd", wclass, shape) and not args.force:
-            rows.append((w, wclass, "cached", cache.get("fwd", wclass, shape)))
+        todo = []
+        for k in kernels:
+            rec = cache.get(k, wclass, shapes[k])
+            if rec and (not args.force or (k, wclass) in tuned_now):
+                rows.append((k, w, wclass, "cached", rec))
+            else:
+                todo.append(k)
+        if not todo:
             continue
         case = Case(w, lengths, head["heads_q"], head["heads_kv"], head["head_dim"], "cuda").build()
-        ops = [quantize_operands(q, k, v, case.cu, block) for q, k, v, _ in case.sets]
-        times = {}
-        for cfg, _ in keep:
-            def call(i, cfg=cfg, ops=ops, case=case):
-                qq, (kq, kt), (vq, vt) = ops[i]
-                flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale,
-                                kt.data_td if kt else None, kt.scale if kt else None,
-                                vt.data_dt if vt else None, vt.scale if vt else None,
-                                case.cu, case.max_len, case.scale, cfg)
-            times[cfg] = _time_calls(call, len(ops), "cuda", reps=args.reps)
-        best = min(times, key=times.get)
-        default = keep[0][0]
-        rec = {"config": {"kv_stages": best.kv_stages, "pingpong": best.pingpong,
-                          "intra_wg_overlap": best.intra_wg_overlap},
-               "ms": times[best], "default_ms": times[default], "workload": w,
-               "all": {f"stages={c.kv_stages},pingpong={c.pingpong},overlap={c.intra_wg_overlap}": round(t, 4)
-                       for c, t in times.items()}}
-        cache.put("fwd", wclass, shape, rec)
-        rows.append((w, wclass, "tuned", rec))
-    print(f"\n{'workload':14s} {'class':14s} {'status':7s} {'default ms':>10s} {'tuned ms':>9s}  config")
-    for w, c, st, rec in rows:
-        print(f"{w:14s} {c:14s} {st:7s} {rec['default_ms']:10.3f} {rec['ms']:9.3f}  {rec['config']}")
+        calls = _kernel_calls(case, block, todo)
+        for k in todo:
+            rec = _tune_one(k, spaces[k][0], *calls[k], args.reps)
+            rec["workload"] = w
+            tuned_now.add((k, wclass))
+            if rec["config"] is None:
+                rows.append((k, w, wclass, "failed", rec))
+                continue
+            cache.put(k, wclass, shapes[k], rec)
+            rows.append((k, w, wclass, "tuned", rec))
+    print(f"\n{'kernel':6s} {'workload':14s} {'class':14s} {'status':7s} {'default ms':>10s} {'tuned ms':>9s} "
+          f"{'speedup':>7s}  config")
+    for k, w, c, st, rec in rows:
+        speedup = f"{rec['default_ms'] / rec['ms']:.2f}x" if rec["default_ms"] and rec["ms"] else "-"
+        print(f"{k:6s} {w:14s} {c:14s} {st:7s} {_ms(rec['default_ms']):>10s} {_ms(rec['ms']):>9s} {speedup:>7s}  "
+              f"{config_label(k, rec['config']) if rec['config'] else 'every config failed'}")
     print(f"\ntuning file: {cache.path}")
     return 0

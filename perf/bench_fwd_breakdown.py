@@ -56,7 +56,7 @@ def measure(name, lengths):
     """One workload: kernel-only per config, the single quantization launch, and the API call."""
     case = Case(name, lengths, 16, 16, 128, "cuda").build()
     q, k, v, _ = case.sets[0]
-    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, case.cu, 128)
+    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, case.cu, 128, case.max_len)
     flops = causal_flops(case.lengths, 16, 128)
     row = {"workload": name}
     for label, cfg in (("kernel s2 pp", FwdConfig(128, diagonal_copy=True)),
@@ -72,7 +72,7 @@ def measure(name, lengths):
             row["note"] = f"events ({type(e).__name__})"
 
     def quantize():
-        quantize_operands(q, k, v, case.cu, 128)
+        quantize_operands(q, k, v, case.cu, 128, case.max_len)
 
     try:
         row["quantize q,k,v"] = graph_ms(quantize)

@@ -192,9 +192,9 @@ def bench_qkv(workloads, dev) -> list:
                 ]
                 outs = fused_quantize_multi_sm90(ins[0], cu, m, debug_fill=0x7F)
                 for x, cfg, (o0, o1) in zip(ins[0], m.parts, outs, strict=True):
-                    check_exact(o0, quantize_thd(x, cu, cfg.block_tokens), f"qkv {wname} {rname}")
+                    check_exact(o0, quantize_thd(x, cu, cfg.block_tokens, pv_order=cfg.dt_pv_order), f"qkv {wname} {rname}")
                     if o1 is not None:
-                        check_exact(o1, quantize_thd(x, cu, 1), f"qkv {wname} {rname} copy")
+                        check_exact(o1, quantize_thd(x, cu, 1, pv_order=cfg.dt_pv_order), f"qkv {wname} {rname} copy")
                 sets = [_alloc_sets(cfg, T, Tdt, dev) for cfg in m.parts]
                 fused_ms = statistics.median(
                     time_ms(lambda xs, m=m, cu=cu, sets=sets: launch_fused_quantize_multi_sm90(xs, cu, m, sets), ins))
@@ -207,7 +207,9 @@ def bench_qkv(workloads, dev) -> list:
                 host_fused = host_us_per_call(lambda xs, m=m, cu=cu: fused_quantize_multi_sm90(xs, cu, m), ins[0])
                 host_three = host_us_per_call(
                     lambda xs, m=m, cu=cu: [fused_quantize_sm90(x, cu, cfg) for x, cfg in zip(xs, m.parts, strict=True)], ins[0])
-                host_ops = host_us_per_call(lambda xs, cu=cu, block=block: quantize_operands(*xs, cu, block), ins[0])
+                max_len = max(lengths)
+                host_ops = host_us_per_call(
+                    lambda xs, cu=cu, block=block, n=max_len: quantize_operands(*xs, cu, block, n), ins[0])
                 nbytes = sum(moved_bytes(T, cfg.num_heads, D, cfg.num_sets) for cfg in m.parts)
                 row = dict(heads=hname, workload=wname, recipe=rname, bytes=nbytes, fused_ms=fused_ms, three_ms=three_ms,
                            fused_pct_of_peak=100 * nbytes / (fused_ms * 1e-3) / 1e9 / PEAK_GBPS,

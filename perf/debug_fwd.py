@@ -11,7 +11,7 @@ import torch
 
 from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
 from flamia_cute.emulator import emulate_forward
-from flamia_cute.quant import quantize_thd
+from flamia_cute.quant import quantize_attention_operands
 from flamia_cute.recipes import Recipe
 from flamia_cute.testing import make_inputs, rel_l2
 
@@ -27,10 +27,7 @@ def main():
     lengths = [int(x) for x in a.lengths.split(",")]
     q, k, v, _, cu, scale = make_inputs(lengths, 2, 2, a.d, seed=1, device="cuda")
     block = 128 if a.recipe == "fp8_tokenblock" else 1
-    qq, kq, vq = quantize_thd(q, cu, 1), quantize_thd(k, cu, block), quantize_thd(v, cu, block)
-    kt = vt = None
-    if block > 1:
-        kt, vt = quantize_thd(k, cu, 1), quantize_thd(v, cu, 1)
+    qq, (kq, kt), (vq, vt) = quantize_attention_operands(q, k, v, cu, block)
     cfg = FwdConfig(head_dim=a.d, diagonal_copy=block > 1, kv_stages=a.stages, pingpong=bool(a.pingpong))
     out, lse = flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale,
                                kt.data_td if kt else None, kt.scale if kt else None,

@@ -3,9 +3,12 @@
 from .formats import BF16, E2M1, E4M3, E5M2, FloatFormat, cast_to, format_by_name, pow2_scale
 from .quantize import (
     DT_DOC_ALIGN,
+    PV_ORDER16,
     TOKEN_PAD,
     QuantizedTHD,
     dt_cu_seqlens,
+    natural_dt,
+    quantize_attention_operands,
     quantize_per_tensor,
     quantize_thd,
     round_up,
@@ -15,8 +18,8 @@ from .quantize import (
 
 __all__ = [
     "BF16", "E2M1", "E4M3", "E5M2", "FloatFormat", "cast_to", "format_by_name", "pow2_scale",
-    "DT_DOC_ALIGN", "TOKEN_PAD", "dt_cu_seqlens", "transposed_tokens", "QuantizedTHD",
-    "quantize_per_tensor", "quantize_thd", "round_up", "token_block_ids",
+    "DT_DOC_ALIGN", "PV_ORDER16", "TOKEN_PAD", "dt_cu_seqlens", "transposed_tokens", "QuantizedTHD",
+    "natural_dt", "quantize_attention_operands", "quantize_per_tensor", "quantize_thd", "round_up", "token_block_ids",
 ]
 
 from .microscaling import mx_quantize, mx_quantize_2d, nvfp4_quantize  # noqa: E402

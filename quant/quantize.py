@@ -12,6 +12,13 @@ Layouts (T tokens, H heads, D head dim):
 - scale:   (H, T) fp32, every token holding the scale of its block, so a kernel
   reads the scales of a tile as one contiguous vector.
 
+V's data_dt is written in "P-fragment order" (pv_order=True): inside every aligned
+16-column group, column j holds token PV_ORDER16[j] of the group. The forward's
+P V product reduces over keys, so any key order works if P and V^T agree; this
+one puts the keys a thread holds in its S accumulator (keys 2t, 2t+1, 8+2t, 9+2t)
+exactly where the FP8 wgmma A fragment wants them (4t .. 4t+3), and P needs no
+shuffles between threads.
+
 Scale blocks are document-local: block k of document b covers tokens
 [start_b + k*B, min(start_b + (k+1)*B, end_b)). No block spans two documents.
 One set of scales serves both orientations (the scale is shared across D).
@@ -32,6 +39,8 @@ TOKEN_PAD = 128
 # contiguous axis must start 16-byte aligned (seen on the H200: unaligned starts
 # fault with an illegal instruction).
 DT_DOC_ALIGN = 16
+# Column j of each 16-column group holds token PV_ORDER16[j] of the group (pv_order=True).
+PV_ORDER16 = tuple(k for t in range(4) for k in (2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t))
 
 
 def transposed_tokens(total_tokens: int, num_docs: int) -> int:
@@ -61,6 +70,7 @@ class QuantizedTHD:
     scale: torch.Tensor  # (H, T) fp32, power of two
     block_tokens: int
     fmt_name: str
+    dt_pv_order: bool = False  # data_dt columns in P-fragment order (PV_ORDER16)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 (T, H, D) values that the quantized operand stands for."""
@@ -103,22 +113,41 @@ def quantize_thd(
     block_tokens: int = 1,
     fmt: FloatFormat = E4M3,
     transposed: bool = True,
+    pv_order: bool = False,
 ) -> QuantizedTHD:
     """Quantize a packed (T, H, D) tensor with document-local token-block scales.
 
     block_tokens = 1 is per-token scaling. This is the specification of the
-    fused-quantization kernels, bit for bit.
+    fused-quantization kernels, bit for bit. pv_order: data_dt in P-fragment order (V).
     """
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
     scale = pow2_scale_from_amax_bits(block_amax_bits(x, cu_seqlens, block_tokens), fmt)
     data_td = quantize_with_scale(x, scale, fmt)
-    data_dt = transpose_tokens(data_td, cu_seqlens) if transposed else None
-    return QuantizedTHD(data_td, data_dt, scale, block_tokens, fmt.name)
+    data_dt = transpose_tokens(data_td, cu_seqlens, pv_order) if transposed else None
+    return QuantizedTHD(data_td, data_dt, scale, block_tokens, fmt.name, pv_order and transposed)
 
 
-def transpose_tokens(data_td: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """(T, H, D) -> (H, D, T_dt): tokens contiguous, each document starting at its dt_cu_seqlens column."""
+def quantize_attention_operands(q, k, v, cu_seqlens, block_tokens: int):
+    """The spec of an attention call's fused Q/K/V quantization (quantize_sm90.qkv_config).
+
+    Q per token; K and V per block_tokens, plus per-token copies (for the diagonal tiles) when
+    block_tokens > 1. The data_dt of Q and V are in P-fragment order: V^T is the B operand of
+    the forward's P V, Q^T that of the backward's dK = dS^T Q, both with A from registers.
+    Returns qq, (kq, kt), (vq, vt), with kt = vt = None for block_tokens == 1.
+    """
+    qq = quantize_thd(q, cu_seqlens, 1, pv_order=True)
+    kq = quantize_thd(k, cu_seqlens, block_tokens)
+    vq = quantize_thd(v, cu_seqlens, block_tokens, pv_order=True)
+    kt = vt = None
+    if block_tokens > 1:
+        kt, vt = quantize_thd(k, cu_seqlens, 1), quantize_thd(v, cu_seqlens, 1, pv_order=True)
+    return qq, (kq, kt), (vq, vt)
+
+
+def transpose_tokens(data_td: torch.Tensor, cu_seqlens: torch.Tensor, pv_order: bool = False) -> torch.Tensor:
+    """(T, H, D) -> (H, D, T_dt): tokens contiguous, each document starting at its dt_cu_seqlens column;
+    pv_order: every 16-column group permuted by PV_ORDER16."""
     T, H, D = data_td.shape
     num_docs = cu_seqlens.numel() - 1
     out = torch.zeros(H, D, transposed_tokens(T, num_docs), dtype=data_td.dtype, device=data_td.device)
@@ -127,7 +156,19 @@ def transpose_tokens(data_td: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.T
     doc = torch.searchsorted(cu[1:], tok, right=True)
     col = dt_cu_seqlens(cu_seqlens).to(torch.int64)[doc] + tok - cu[doc]
     out[:, :, col] = data_td.permute(1, 2, 0)
+    if pv_order:
+        perm = torch.tensor(PV_ORDER16, device=out.device)
+        out = out.view(H, D, -1, 16)[..., perm].reshape(H, D, -1).contiguous()
     return out
+
+
+def natural_dt(qt: QuantizedTHD) -> torch.Tensor:
+    """qt.data_dt with its columns in natural token order (undoes pv_order)."""
+    dt = qt.data_dt
+    if not qt.dt_pv_order:
+        return dt
+    inv = torch.argsort(torch.tensor(PV_ORDER16, device=dt.device))
+    return dt.view(*dt.shape[:2], -1, 16)[..., inv].reshape(dt.shape)
 
 
 def quantize_per_tensor(x: torch.Tensor, fmt: FloatFormat = E4M3) -> tuple[torch.Tensor, torch.Tensor]:

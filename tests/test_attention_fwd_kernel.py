@@ -16,7 +16,16 @@ import pytest
 import torch
 
 from flamia_cute.emulator import emulate_forward
-from flamia_cute.quant import DT_DOC_ALIGN, E4M3, cast_to, dt_cu_seqlens, quantize_thd, transposed_tokens
+from flamia_cute.quant import (
+    DT_DOC_ALIGN,
+    E4M3,
+    PV_ORDER16,
+    cast_to,
+    dt_cu_seqlens,
+    natural_dt,
+    quantize_attention_operands,
+    transposed_tokens,
+)
 from flamia_cute.recipes import Recipe
 from flamia_cute.testing import check_leakage, cu_seqlens_from_lengths, fp8_mma_truncated, make_inputs, rel_l2
 
@@ -207,6 +216,17 @@ def _check_artifacts(art, head_dim, spill_free=True):
 # ----------------------------------------------------------------------------------------------
 
 
+def test_p_fragment_order_is_what_convert_p_writes():
+    """A-register byte (half h, thread t, byte i) must hold the key that V^T's P-fragment order puts
+    at K position 16h + 4t + i; convert_p takes it from accumulator block v = 2h + i//2, column
+    2t + i%2 (the C fragment holds keys 8v + 2t, 8v + 2t + 1)."""
+    for h in range(2):
+        for t in range(4):
+            for i in range(4):
+                key_from_acc = 8 * (2 * h + i // 2) + 2 * t + i % 2
+                assert key_from_acc == 16 * h + PV_ORDER16[4 * t + i]
+
+
 def _kernel_model(qq, kq, vq, kt, vt, cu, scale, group, diag_copy, acc_bits=None, bug=None, seed=0):
     """What one CTA (m_block, head, doc) computes, row-vectorized, in the kernel's formulas.
 
@@ -223,7 +243,9 @@ def _kernel_model(qq, kq, vq, kt, vt, cu, scale, group, diag_copy, acc_bits=None
     out = torch.full((T, H, D), float("nan"))
     lse = torch.full((H, T), float("nan"))
     qc, kc, ktc = qq.data_td.float(), kq.data_td.float(), kt.data_td.float()
-    vc, vtc = vq.data_dt.float(), vt.data_dt.float()
+    # V^T in P-fragment order: the kernel's P carries the same key permutation, so P V is the
+    # natural-order product; the model undoes the permutation and multiplies in key order
+    vc, vtc = (natural_dt(o).float() for o in (vq, vt))
     T_dt = vc.shape[2]
     c = cu.tolist()
     dtc = (cu if bug == "v_at_cu" else dt_cu_seqlens(cu)).tolist()
@@ -298,10 +320,8 @@ def _kernel_model(qq, kq, vq, kt, vt, cu, scale, group, diag_copy, acc_bits=None
 
 
 def _quantized(q, k, v, cu, block):
-    qq = quantize_thd(q, cu, 1)
-    kq, vq = quantize_thd(k, cu, block), quantize_thd(v, cu, block)
-    kt, vt = (quantize_thd(k, cu, 1), quantize_thd(v, cu, 1)) if block > 1 else (kq, vq)
-    return qq, kq, vq, kt, vt
+    qq, (kq, kt), (vq, vt) = quantize_attention_operands(q, k, v, cu, block)
+    return (qq, kq, vq, kt, vt) if block > 1 else (qq, kq, vq, kq, vq)
 
 
 def _errors(out, lse, eo, else_, cu):
@@ -411,11 +431,7 @@ def _run_kernel(q, k, v, cu, scale, recipe, poison=False, variant="default"):
     block = RECIPES[recipe]
     dev = q.device
     cu = cu.to(dev)
-    qq = quantize_thd(q, cu, 1)
-    kq, vq = quantize_thd(k, cu, block), quantize_thd(v, cu, block)
-    kt = vt = None
-    if block > 1:
-        kt, vt = quantize_thd(k, cu, 1), quantize_thd(v, cu, 1)
+    qq, (kq, kt), (vq, vt) = quantize_attention_operands(q, k, v, cu, block)
     lens = (cu[1:] - cu[:-1]).tolist()
     cfg = FwdConfig(head_dim=q.shape[2], qhead_per_kvhead=q.shape[1] // k.shape[1], diagonal_copy=block > 1,
                     **VARIANTS[variant])

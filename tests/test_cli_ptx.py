@@ -64,3 +64,18 @@ def test_ptx_rejects_unknown_names():
     res = subprocess.run([sys.executable, "-m", "flamia_cute.cli", "ptx", "fwd", "--arch", "sm_100a"],
                          capture_output=True, text=True)
     assert res.returncode == 2 and "sm_100a" in res.stderr
+
+
+def test_backward_uses_fp8_wgmma_and_tma(ptx_all):
+    """Five FP8 products per tile (S^T, dP^T, dV, dK, dQ); spills at d128 are a known, reported
+    defect (test_attention_bwd_kernel::test_d128_no_spills is its strict xfail), so not asserted."""
+    blocks, _ = ptx_all
+    seen = 0
+    for (name, cfg), v in blocks.items():
+        if name != "bwd":
+            continue
+        seen += 1
+        assert int(v["ptx wgmma e4m3"]) >= 5 and int(v["ptx cp.async.bulk.tensor"]) > 0, cfg
+        if "sass QGMMA (fp8 wgmma)" in v:
+            assert int(v["sass QGMMA (fp8 wgmma)"]) >= 5 and int(v["sass HGMMA (16-bit wgmma)"]) == 0, cfg
+    assert seen == 4

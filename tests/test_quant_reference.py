@@ -102,3 +102,19 @@ def test_future_tokens_do_not_change_earlier_blocks(block):
     safe_end = cut if block == 1 else 300 + 128  # tokens in blocks that end before the cut
     assert torch.equal(a.data_td[:safe_end].view(torch.uint8), b.data_td[:safe_end].view(torch.uint8))
     assert torch.equal(a.scale[:, :safe_end], b.scale[:, :safe_end])
+
+
+def test_pv_order_permutes_each_16_column_group():
+    from flamia_cute.quant import PV_ORDER16, quantize_thd
+
+    x = torch.randn(150, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 7, 7, 150], dtype=torch.int32)
+    nat = quantize_thd(x, cu, 1)
+    perm = quantize_thd(x, cu, 1, pv_order=True)
+    assert perm.dt_pv_order and not nat.dt_pv_order
+    assert torch.equal(perm.data_td.view(torch.uint8), nat.data_td.view(torch.uint8))
+    a, b = nat.data_dt.view(torch.uint8), perm.data_dt.view(torch.uint8)
+    for g in range(a.shape[-1] // 16):
+        for j in range(16):
+            assert torch.equal(b[..., 16 * g + j], a[..., 16 * g + PV_ORDER16[j]])
+    assert sorted(PV_ORDER16) == list(range(16))

@@ -6,6 +6,7 @@ GPU tests (marker `gpu`) compare against quant.quantize_thd byte for byte.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -17,7 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from flamia_cute.quant import DT_DOC_ALIGN, dt_cu_seqlens, quantize_thd, round_up, transposed_tokens
+from flamia_cute.quant import (
+    DT_DOC_ALIGN,
+    PV_ORDER16,
+    dt_cu_seqlens,
+    quantize_attention_operands,
+    quantize_thd,
+    round_up,
+    transposed_tokens,
+)
 from flamia_cute.schedules.varlen_chunks import build_varlen_chunks, chunk_grid_slots, locate_chunk_model, max_chunks
 
 try:
@@ -333,7 +342,8 @@ def test_multi_config_validation_and_qkv_config():
     with pytest.raises(ValueError, match=r"MultiQuantizeConfig\.smem_carveout"):
         MultiQuantizeConfig((q,), smem_carveout=101)
     m = qkv_config(128, 32, 8, 128)
-    assert m.parts == (q, kv, kv) and m.head_groups == (32, 8, 8)
+    v = QuantizeConfig(head_dim=128, num_heads=8, block_tokens=128, emit_token_copy=True, dt_pv_order=True)
+    assert m.parts == (dataclasses.replace(q, dt_pv_order=True), kv, v) and m.head_groups == (32, 8, 8)
     assert m is qkv_config(128, 32, 8, 128)  # cached: no config is built per attention call
     assert m.grid_ctas(16384, 1) == chunk_grid_slots(16384, 1) * 48
     t = qkv_config(128, 16, 16, 1)
@@ -549,6 +559,8 @@ def _assert_pad_zero(out, cu, what=""):
     dt = out.data_dt.cpu().view(torch.uint8)
     assert dt.shape[-1] == transposed_tokens(int(cu[-1]), cu.numel() - 1)
     pad = ~_token_columns(cu)
+    if out.dt_pv_order:  # column 16G + j holds token 16G + PV_ORDER16[j]
+        pad = pad.view(-1, 16)[:, list(PV_ORDER16)].reshape(-1)
     assert (dt[..., pad] == 0).all(), f"data_dt pad columns not zero {what}"
 
 
@@ -768,13 +780,15 @@ def _check_qkv(q, k, v, cu, block, what="", **kw):
     cuc = cu.cpu()
     (qq, q1), (kq, kt), (vq, vt) = outs
     assert q1 is None
-    _assert_same(qq, quantize_thd(q.cpu(), cuc, 1), f"Q {what}")
+    rq, (rk, rkt), (rv, rvt) = quantize_attention_operands(q.cpu(), k.cpu(), v.cpu(), cuc, block)
+    assert vq.dt_pv_order and not kq.dt_pv_order
+    _assert_same(qq, rq, f"Q {what}")
     _assert_pad_zero(qq, cuc, f"Q {what}")
-    for name, x, main, diag in (("K", k, kq, kt), ("V", v, vq, vt)):
-        _assert_same(main, quantize_thd(x.cpu(), cuc, block), f"{name} block={block} {what}")
+    for name, main, diag, ref, ref_diag in (("K", kq, kt, rk, rkt), ("V", vq, vt, rv, rvt)):
+        _assert_same(main, ref, f"{name} block={block} {what}")
         _assert_pad_zero(main, cuc, f"{name} {what}")
         if block > 1:
-            _assert_same(diag, quantize_thd(x.cpu(), cuc, 1), f"{name} token copy {what}")
+            _assert_same(diag, ref_diag, f"{name} token copy {what}")
             _assert_pad_zero(diag, cuc, f"{name} copy {what}")
         else:
             assert diag is None
@@ -861,8 +875,8 @@ def test_quantize_operands_uses_one_launch_and_matches():
     orig = quantize_sm90._launch
     quantize_sm90._launch = lambda *a: (launches.append(a[0]), orig(*a))[1]
     try:
-        qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, 128)
-        q2, (k2, kt2), (v2, vt2) = quantize_operands(q, k, v, cu, 1)
+        qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, 128, 3000)
+        q2, (k2, kt2), (v2, vt2) = quantize_operands(q, k, v, cu, 1, 3000)
     finally:
         quantize_sm90._launch = orig
     torch.cuda.synchronize()
@@ -871,8 +885,8 @@ def test_quantize_operands_uses_one_launch_and_matches():
     _assert_same(qq, quantize_thd(q.cpu(), cuc, 1))
     _assert_same(kq, quantize_thd(k.cpu(), cuc, 128))
     _assert_same(kt, quantize_thd(k.cpu(), cuc, 1))
-    _assert_same(vq, quantize_thd(v.cpu(), cuc, 128))
-    _assert_same(vt, quantize_thd(v.cpu(), cuc, 1))
+    _assert_same(vq, quantize_thd(v.cpu(), cuc, 128, pv_order=True))
+    _assert_same(vt, quantize_thd(v.cpu(), cuc, 1, pv_order=True))
     assert kt2 is None and vt2 is None
     _assert_same(k2, quantize_thd(k.cpu(), cuc, 1))
     assert qq.block_tokens == 1 and kq.block_tokens == 128 and kt.block_tokens == 1

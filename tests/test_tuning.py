@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 
+from flamia_cute import tuning
 from flamia_cute.cli import main
 from flamia_cute.tuning import TuningCache, TuningKey, workload_class
 
@@ -58,18 +59,179 @@ def test_tune_rejects_unknown_recipe(capsys):
     assert main(["tune", "--dry-run", "--recipe", "mxfp8"]) == 2
 
 
+def test_dry_run_lists_the_quant_and_bwd_spaces(capsys):
+    assert main(["tune", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "quant search space (" in out and "shape d128_q16_kv16_tokenblock" in out
+    assert "raster=chunks min_ctas_per_sm=0 heads_per_cta=[4, 4, 4]" in out
+    assert "bwd search space (" in out and "q_stages=1 qt_stages=1 vec_stages=3" in out
+    assert "pruned q_stages=2 qt_stages=2 vec_stages=3: BwdConfig.q_stages: shared memory" in out
+    assert main(["tune", "--dry-run", "--kernels", "bwd"]) == 0
+    out = capsys.readouterr().out
+    assert "bwd search space (" in out and "fwd search space" not in out and "quant search space" not in out
+
+
+def test_tune_rejects_unknown_kernels(capsys):
+    assert main(["tune", "--dry-run", "--kernels", "fwd,attn"]) == 2
+    assert "unknown ['attn']" in capsys.readouterr().err
+    assert main(["tune", "--dry-run", "--kernels", ""]) == 2
+
+
+def test_quantize_space_starts_with_the_default_and_prunes_with_reasons():
+    from flamia_cute.quantize_sm90 import qkv_config
+
+    keep, pruned = tuning.quantize_space(128, 16, 16, 128)
+    assert keep[0] == (qkv_config(128, 16, 16, 128), "default")
+    assert len(set(c for c, _ in keep)) == len(keep)
+    assert all(c.smem_bytes * max(1, c.min_ctas_per_sm) <= tuning.SMEM_PER_SM_SM90 for c, _ in keep)
+    assert {c.raster for c, _ in keep} == {"heads", "chunks"}
+    assert {c.parts[0].heads_per_cta for c, _ in keep} == {1, 2, 4}
+    assert pruned and all("smem" in why for _, why in pruned)
+    # GQA with 2 kv heads: 4 heads per CTA do not divide them (QuantizeConfig's own message)
+    _, pruned = tuning.quantize_space(128, 8, 2, 128)
+    assert any("does not divide num_heads=2" in why for _, why in pruned)
+    assert tuning.quantize_space(128, 16, 16, 1)[0][0][0] == qkv_config(128, 16, 16, 1)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bwd_space_fits_shared_memory_and_starts_with_the_default(head_dim):
+    from flamia_cute.attention_bwd_sm90 import SMEM_LIMIT, BwdConfig, smem_bytes
+
+    keep, pruned = tuning.bwd_space(head_dim, 1, True)
+    assert keep[0] == (BwdConfig(head_dim=head_dim, diagonal_copy=True), "default")
+    assert all(smem_bytes(c) <= SMEM_LIMIT for c, _ in keep)
+    stages = [(c.stages_a, c.stages_b, c.vec_stages) for c, _ in keep]
+    assert len(set(stages)) == len(stages) == (12 if head_dim == 64 else 3)
+    assert all("exceeds" in why for _, why in pruned) and (head_dim == 64) == (not pruned)
+
+
+def _defaults():
+    from flamia_cute.attention_bwd_sm90 import BwdConfig
+    from flamia_cute.attention_fwd_sm90 import FwdConfig
+    from flamia_cute.quantize_sm90 import qkv_config
+
+    return {"fwd": FwdConfig(head_dim=128, diagonal_copy=True), "bwd": BwdConfig(head_dim=128, diagonal_copy=True),
+            "quant": qkv_config(128, 16, 16, 128)}
+
+
+TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "pin_softmax": False},
+         "bwd": {"q_stages": 1, "qt_stages": 1, "vec_stages": 3},
+         "quant": {"raster": "chunks", "min_ctas_per_sm": 0, "heads_per_cta": [2, 2, 2]}}
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "bwd", "quant"])
+def test_lookup_returns_the_tuned_config_for_its_class_only(tmp_path, monkeypatch, kernel):
+    lookup = {"fwd": tuning.tuned_fwd_config, "bwd": tuning.tuned_bwd_config,
+              "quant": tuning.tuned_quantize_config}[kernel]
+    default = _defaults()[kernel]
+    cache = TuningCache(KEY, tmp_path / "t.json")
+    shape = {"fwd": "d128_g1_tokenblock", "bwd": "d128_g1_tokenblock", "quant": "d128_q16_kv16_tokenblock"}[kernel]
+    assert tuning.kernel_shape(kernel, default) == shape
+    cache.put(kernel, "mid-uniform", shape, {"config": TUNED[kernel], "ms": 1.0, "default_ms": 1.2})
+    monkeypatch.setattr(tuning, "_loaded", {"cache": TuningCache(KEY, cache.path)})  # reloaded from disk
+    tuned = lookup(default, 1024, 4096, 4)
+    assert tuned != default and type(tuned) is type(default)
+    assert tuning.config_fields(kernel, tuned) == TUNED[kernel]
+    assert lookup(default, 1024, 4096, 4) is tuned  # memoized: no config built per call
+    assert lookup(default, 16384, 16384, 1) is default  # long-uniform: nothing tuned
+    other = {"fwd": "quant", "bwd": "fwd", "quant": "bwd"}[kernel]  # entries of another kernel are not used
+    other_default = _defaults()[other]
+    assert tuning._tuned_config(other, other_default, 1024, 4096, 4) is other_default
+    monkeypatch.setenv("FLAMIA_CUTE_NO_TUNING", "1")
+    assert lookup(default, 1024, 4096, 4) is default
+
+
+def test_lookup_ignores_an_unusable_entry(tmp_path, monkeypatch):
+    cache = TuningCache(KEY, tmp_path / "t.json")
+    cache.put("bwd", "mid-uniform", "d128_g1_tokenblock", {"config": {"q_stages": 2, "qt_stages": 2}, "ms": 1.0,
+                                                           "default_ms": 1.0})  # over the smem limit
+    monkeypatch.setattr(tuning, "_loaded", {"cache": cache})
+    default = _defaults()["bwd"]
+    with pytest.warns(UserWarning, match="ignoring tuned bwd config"):
+        assert tuning.tuned_bwd_config(default, 1024, 4096, 4) is default
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "bwd", "quant"])
+def test_every_kept_config_round_trips_through_the_cache_fields(kernel):
+    keep, _ = tuning.search_space(kernel, 128, 16, 16, 128)
+    default = keep[0][0]
+    for cfg, _ in keep:
+        fields = json.loads(json.dumps(tuning.config_fields(kernel, cfg)))
+        assert tuning.config_from_fields(kernel, default, fields) == cfg
+
+
+def _statuses(out: str) -> list:
+    """The status column of the tune summary table, row by row."""
+    table = out.split("\nkernel ")[1].split("\n\ntuning file")[0].splitlines()[1:]
+    return [row.split()[3] for row in table]
+
+
+def test_tune_loop_keeps_the_best_skips_failures_and_reuses_the_cache(tmp_path, monkeypatch, capsys):
+    """The tune command's bookkeeping on the CPU: timings faked, no kernel runs."""
+    import torch
+
+    from flamia_cute import bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(TuningKey, "current", classmethod(lambda cls: KEY))
+    monkeypatch.setenv("FLAMIA_CUTE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(bench.Case, "build", lambda self, seed=0: self)
+    keeps = {k: [c for c, _ in tuning.search_space(k, 128, 16, 16, 128)[0]] for k in tuning.TUNED_KERNELS}
+
+    def fake_calls(case, block, kernels):
+        def make(kernel):
+            def call(cfg, i):  # "time" = 1 + position; the last config is the fastest, the second fails
+                pos = keeps[kernel].index(cfg)
+                if pos == 1:
+                    raise RuntimeError("does not compile")
+                return 0.5 if pos == len(keeps[kernel]) - 1 else 1.0 + pos
+            return call
+        return {k: (make(k), 1) for k in kernels}
+
+    monkeypatch.setattr(tuning, "_kernel_calls", fake_calls)
+    monkeypatch.setattr(bench, "_time_calls", lambda fn, n_sets, device, reps: fn(0))
+    argv = ["tune", "--only", "16x1k,4x4k", "--reps", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    entries = json.loads(next((tmp_path / "tuning").glob("*.json")).read_text())["entries"]
+    assert sorted(entries) == ["bwd", "fwd", "quant"]
+    for k, shape in (("fwd", "d128_g1_tokenblock"), ("bwd", "d128_g1_tokenblock"),
+                     ("quant", "d128_q16_kv16_tokenblock")):
+        rec = entries[k][f"{shape}/mid-uniform"]
+        assert rec["config"] == tuning.config_fields(k, keeps[k][-1]) and rec["ms"] == 0.5
+        assert rec["default_ms"] == 1.0 and rec["workload"] == "16x1k"
+        assert list(rec["failed"]) == [tuning.config_label(k, keeps[k][1])]
+        assert len(rec["all"]) == len(keeps[k]) - 1
+        assert f"{k:6s} 16x1k" in out and f"{k:6s} 4x4k " in out  # 4x4k: same class, cached
+    assert _statuses(out) == ["tuned"] * 3 + ["cached"] * 3 and "2.00x" in out
+    assert main(argv + ["--kernels", "bwd"]) == 0
+    assert _statuses(capsys.readouterr().out) == ["cached", "cached"]
+    assert main(argv + ["--kernels", "bwd", "--force"]) == 0
+    assert _statuses(capsys.readouterr().out) == ["tuned", "cached"]
+    assert main(["tune", "--print"]) == 0
+    out = capsys.readouterr().out
+    for line in ("fwd d128_g1_tokenblock/mid-uniform:", "bwd d128_g1_tokenblock/mid-uniform:",
+                 "quant d128_q16_kv16_tokenblock/mid-uniform: {'raster'"):
+        assert line in out
+
+
 _FRESH = """
 import json, torch
 from flamia_cute import compile_cache, flamia_attn_varlen_func
-from flamia_cute.testing import make_inputs
-from flamia_cute.tuning import tuned_fwd_config
+from flamia_cute.attention_bwd_sm90 import BwdConfig
 from flamia_cute.attention_fwd_sm90 import FwdConfig
-q, k, v, _, cu, scale = make_inputs([1024] * 4, 16, 16, 128, device="cuda")
-cfg = tuned_fwd_config(FwdConfig(head_dim=128, diagonal_copy=True), 1024, 4096, 4)
-flamia_attn_varlen_func(q, k, v, cu, cu, 1024, 1024)
+from flamia_cute.quantize_sm90 import qkv_config
+from flamia_cute.testing import make_inputs
+from flamia_cute.tuning import config_fields, tuned_bwd_config, tuned_fwd_config, tuned_quantize_config
+q, k, v, do, cu, scale = make_inputs([1024] * 4, 16, 16, 128, device="cuda")
+cfgs = {"fwd": tuned_fwd_config(FwdConfig(head_dim=128, diagonal_copy=True), 1024, 4096, 4),
+        "bwd": tuned_bwd_config(BwdConfig(head_dim=128, diagonal_copy=True), 1024, 4096, 4),
+        "quant": tuned_quantize_config(qkv_config(128, 16, 16, 128), 1024, 4096, 4)}
+q.requires_grad_()
+flamia_attn_varlen_func(q, k, v, cu, cu, 1024, 1024).backward(do)
 torch.cuda.synchronize()
-print(json.dumps({"stages": cfg.kv_stages, "pingpong": cfg.pingpong, "compiles": compile_cache.STATS.compiles,
-                  "disk_hits": compile_cache.STATS.disk_hits}))
+print(json.dumps({"configs": {name: config_fields(name, c) for name, c in cfgs.items()},
+                  "compiles": compile_cache.STATS.compiles, "disk_hits": compile_cache.STATS.disk_hits}))
 """
 
 
@@ -84,13 +246,16 @@ def test_short_real_tune_then_fresh_process_uses_it(tmp_path):
     path = tmp_path / "wl.json"
     path.write_text(json.dumps(wl))
     env = dict(os.environ, FLAMIA_CUTE_CACHE_DIR=str(tmp_path / "cache"))
-    run = subprocess.run([sys.executable, "-m", "flamia_cute.cli", "tune", "--workloads", str(path), "--reps", "5"],
-                         env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-m", "flamia_cute.cli", "tune", "--workloads", str(path), "--reps", "5",
+                          "--kernels", "fwd,quant,bwd"], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     tuned = json.loads(next((tmp_path / "cache" / "tuning").glob("*.json")).read_text())
-    rec = tuned["entries"]["fwd"]["d128_g1_tokenblock/mid-uniform"]
+    recs = {"fwd": tuned["entries"]["fwd"]["d128_g1_tokenblock/mid-uniform"],
+            "bwd": tuned["entries"]["bwd"]["d128_g1_tokenblock/mid-uniform"],
+            "quant": tuned["entries"]["quant"]["d128_q16_kv16_tokenblock/mid-uniform"]}
+    assert all(r["workload"] == "4x1k" and r["default_ms"] is not None for r in recs.values()), recs
     fresh = subprocess.run([sys.executable, "-c", _FRESH], env=env, capture_output=True, text=True, timeout=600)
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     got = json.loads(fresh.stdout.strip().splitlines()[-1])
-    assert (got["stages"], got["pingpong"]) == (rec["config"]["kv_stages"], rec["config"]["pingpong"])
+    assert got["configs"] == {name: r["config"] for name, r in recs.items()}
     assert got["compiles"] == 0 and got["disk_hits"] >= 1, got  # no recompiling, no retiming
