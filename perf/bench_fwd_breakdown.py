@@ -11,6 +11,7 @@ import statistics
 import torch
 
 from flamia_cute import flamia_attn_varlen_func
+from flamia_cute.attention_bwd_sm90 import flamia_bwd_sm90_from_saved, preprocess_bwd
 from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case
 from flamia_cute.cute_backend import quantize_operands
@@ -61,7 +62,8 @@ def measure(name, lengths):
     row = {"workload": name}
     for label, cfg in (("kernel s2 pp", FwdConfig(128, diagonal_copy=True)),
                        ("kernel s3 pp", FwdConfig(128, diagonal_copy=True, kv_stages=3)),
-                       ("kernel s2 nopp", FwdConfig(128, diagonal_copy=True, pingpong=False))):
+                       ("kernel s2 nopp", FwdConfig(128, diagonal_copy=True, pingpong=False)),
+                       ("kernel s2 pp nopin", FwdConfig(128, diagonal_copy=True, pin_softmax=False))):
         def fwd(cfg=cfg):
             flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
                             kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale, cfg)
@@ -81,6 +83,25 @@ def measure(name, lengths):
     row["api call"] = events_ms(lambda: flamia_attn_varlen_func(q, k, v, case.cu, case.cu, case.max_len,
                                                                   case.max_len, case.scale))
     row["TFLOP/s kernel"] = flops / (row["kernel s2 pp"] * 1e9)
+
+    # backward: the kernel alone (dO quantization and D precomputed), and that preprocess
+    dout = case.sets[0][3]
+    out, lse = flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
+                               kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale,
+                               FwdConfig(128, diagonal_copy=True))
+    delta, doq = preprocess_bwd(dout, out, case.cu)
+
+    def bwd():
+        flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
+                                   do_quantized=doq, delta=delta)
+
+    for label, fn in (("bwd kernel", bwd), ("bwd preprocess", lambda: preprocess_bwd(dout, out, case.cu))):
+        try:
+            row[label] = graph_ms(fn)
+        except Exception as e:
+            row[label] = events_ms(fn)
+            row["note_bwd"] = f"events ({type(e).__name__})"
+    row["TFLOP/s bwd kernel"] = causal_flops(case.lengths, 16, 128, backward=True) / (row["bwd kernel"] * 1e9)
     return row
 
 

@@ -32,6 +32,7 @@ for stage in "$@"; do
     bench-main) run bench_main 480 python3 -m flamia_cute.cli bench --modes fwd,bwd,fwdbwd --impls flamia,fa4,cudnn \
                   --reps 15 --out "$OUT" ;;
     tune-test) run tune_test 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tuning.py ;;
+    tune) run tune 420 python3 -m flamia_cute.cli tune --only 1x16k,16x1k,longtail32k --reps 10 ;;
     demo) run demo 240 python3 -m flamia_cute ;;
     api-tests) run api_tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cute_backend.py ;;
     bwd-tests) run bwd_tests 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_bwd_kernel.py ;;

@@ -163,7 +163,8 @@ def test_compiles_with_fp8_wgmma(artifacts, head_dim, diagonal_copy):
 
 @needs_dsl
 @pytest.mark.xfail(reason="d128: S^T, dP^T and dV (64 + 64 + 64 fp32) plus operands exceed 240 registers; "
-                          "32 bytes of stack and 21 spill instructions per thread remain since the P-fragment packing (was ~200 bytes); next: split the query tile in N=64 halves",
+                          "32 bytes of stack and 21 spill instructions per thread remain since the P-fragment packing "
+                          "(was ~200 bytes); next: split the query tile in N=64 halves",
                    strict=False)
 @pytest.mark.parametrize("diagonal_copy", [False, True])
 def test_d128_no_spills(artifacts, diagonal_copy):
