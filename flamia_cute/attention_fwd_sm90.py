@@ -92,10 +92,11 @@ class FwdConfig:
     # Issue S of tile n+1 with P V of tile n, softmax while both run (FA3). None: the default, on
     # where it compiles without register spills (overlap_default), else off.
     intra_wg_overlap: bool | None = None
-    # Overlap schedule: store the row sums to shared memory before the P V wait. ptxas otherwise
-    # sinks the softmax's exp2 past that wait (it cannot see the wgmma latency), which serializes
-    # the MUFU work behind this warpgroup's own P V.
-    pin_softmax: bool = True
+    # Overlap schedule: store the row sums to shared memory before the P V wait, so ptxas keeps the
+    # softmax's exp2 ahead of that wait instead of sinking it past (it cannot see the wgmma
+    # latency). Measured on the H200 (perf/RESULTS.md): 2-5% SLOWER on every workload, so off by
+    # default; `flamia-cute tune` still searches it.
+    pin_softmax: bool = False
 
     def __post_init__(self):
         def bad(name, msg):

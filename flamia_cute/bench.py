@@ -181,8 +181,14 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _time_calls(fn, n_sets, device, warmup=3, reps=15):
-    """Median ms of fn(i) over rotating sets i; CUDA events on GPU, perf_counter on CPU."""
+def _time_calls(fn, n_sets, device, warmup=3, reps=15, queue_lead_cycles=0):
+    """Median ms of fn(i) over rotating sets i; CUDA events on GPU, perf_counter on CPU.
+
+    queue_lead_cycles > 0: a GPU sleep of that many cycles is queued before the start event, so
+    the host has enqueued the whole call before the GPU reaches it and the events see GPU time
+    only (kernel timing for the tuner); 0 times the call as an eager caller with an idle GPU
+    sees it, host launch overhead included.
+    """
     for i in range(warmup):
         fn(i % n_sets)
     _sync(device)
@@ -191,6 +197,8 @@ def _time_calls(fn, n_sets, device, warmup=3, reps=15):
         i = r % n_sets
         if device.startswith("cuda"):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if queue_lead_cycles:
+                torch.cuda._sleep(queue_lead_cycles)
             a.record()
             fn(i)
             b.record()

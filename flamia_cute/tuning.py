@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SMEM_LIMIT_SM90 = 227 * 1024  # per CTA
+TUNE_QUEUE_LEAD_CYCLES = 4_000_000  # ~2 ms of GPU sleep: longer than any call's host time
 SMEM_PER_SM_SM90 = 228 * 1024
 
 
@@ -318,7 +319,10 @@ def _tune_one(kernel, keep, call, n_sets, reps) -> dict:
     times, failed = {}, {}
     for cfg, _ in keep:
         try:
-            times[cfg] = _time_calls(lambda i, cfg=cfg: call(cfg, i), n_sets, "cuda", reps=reps)
+            # GPU time only: host launch overhead is the same for every config and would swamp
+            # the short kernels (quantization runs 0.1-0.4 ms against ~0.25 ms of host time)
+            times[cfg] = _time_calls(lambda i, cfg=cfg: call(cfg, i), n_sets, "cuda", reps=reps,
+                                     queue_lead_cycles=TUNE_QUEUE_LEAD_CYCLES)
         except Exception as e:  # a config that does not compile or launch is skipped, not fatal
             label = config_label(kernel, cfg)
             failed[label] = f"{type(e).__name__}: {e}"[:300]

@@ -37,7 +37,7 @@ for stage in "$@"; do
     api-tests) run api_tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cute_backend.py ;;
     bwd-tests) run bwd_tests 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_bwd_kernel.py ;;
     quant-tests-x) run quant_tests 90 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_quantize_kernel.py ;;
-    fwd-tests-all) run fwd_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py ;;
+    fwd-tests-all) run fwd_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py ;;
     profile) run profile_api 200 python3 perf/profile_api.py 16x1k ;;
     fwd-breakdown) run fwd_breakdown 300 env OUT="$OUT" python3 perf/bench_fwd_breakdown.py ;;
     *) echo "unknown stage $stage" ;;

@@ -90,6 +90,7 @@ VARIANTS = {
     "serial": {"intra_wg_overlap": False},
     "overlap_no_pingpong": {"intra_wg_overlap": True, "pingpong": False},
     "stages3": {"kv_stages": 3},
+    "pinned_softmax": {"intra_wg_overlap": True, "pin_softmax": True},
 }
 
 

@@ -189,7 +189,7 @@ def test_tune_loop_keeps_the_best_skips_failures_and_reuses_the_cache(tmp_path, 
         return {k: (make(k), 1) for k in kernels}
 
     monkeypatch.setattr(tuning, "_kernel_calls", fake_calls)
-    monkeypatch.setattr(bench, "_time_calls", lambda fn, n_sets, device, reps: fn(0))
+    monkeypatch.setattr(bench, "_time_calls", lambda fn, n_sets, device, reps, **kw: fn(0))
     argv = ["tune", "--only", "16x1k,4x4k", "--reps", "1"]
     assert main(argv) == 0
     out = capsys.readouterr().out
