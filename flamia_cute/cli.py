@@ -67,7 +67,7 @@ def cmd_ptx(args) -> int:
                 return 2
             art = entry.artifacts(cfg, args.arch)
             print(f"== {n} [{cname}] {args.arch}: {cfg}")
-            for key, val in summarize(art).items():
+            for key, val in summarize(art, entry.smem_bytes(cfg)).items():
                 print(f"   {key:28s} {val}")
             if out_dir:
                 out_dir.mkdir(parents=True, exist_ok=True)

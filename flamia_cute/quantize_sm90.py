@@ -140,6 +140,11 @@ class QuantizeConfig:
         return self.num_sets * tile + NUM_WARPS * self.heads_per_cta * 4 + NUM_WARPS * 2 * 4 + 16 + 64
 
 
+def config_smem_bytes(config) -> int:
+    """Shared memory per CTA of a QuantizeConfig or MultiQuantizeConfig launch."""
+    return config.smem_bytes
+
+
 def _auto_heads_per_cta(head_dim: int, num_heads: int) -> int:
     # 128 head-dim elements per token per CTA fill a warp's 32 lanes (4 tokens x 8 lanes).
     hg = max(1, 128 // head_dim)
