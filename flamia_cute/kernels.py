@@ -67,6 +67,14 @@ class KernelEntry:
         return importlib.import_module(self.module).kernel_artifacts(config, arch)
 
 
+# The forward and the backward share their named configs (recipe x head dim x GQA group).
+ATTENTION_CONFIGS = {
+    "token_d128": dict(head_dim=128),
+    "tokenblock_d128": dict(head_dim=128, diagonal_copy=True),
+    "tokenblock_d64": dict(head_dim=64, diagonal_copy=True),
+    "tokenblock_d128_gqa4": dict(head_dim=128, diagonal_copy=True, qhead_per_kvhead=4),
+}
+
 KERNELS = {
     k.name: k
     for k in (
@@ -76,18 +84,10 @@ KERNELS = {
             "tokenblock_d64": dict(head_dim=64, num_heads=32, block_tokens=128, emit_token_copy=True),
             "tokenblock_d256": dict(head_dim=256, num_heads=8, block_tokens=128, emit_token_copy=True),
         }, "flamia_cute.quantize_sm90:config_smem_bytes"),
-        KernelEntry("fwd", ("sm_90a",), "flamia_cute.attention_fwd_sm90", "FwdConfig", {
-            "token_d128": dict(head_dim=128),
-            "tokenblock_d128": dict(head_dim=128, diagonal_copy=True),
-            "tokenblock_d64": dict(head_dim=64, diagonal_copy=True),
-            "tokenblock_d128_gqa4": dict(head_dim=128, diagonal_copy=True, qhead_per_kvhead=4),
-        }, "flamia_cute.tuning:fwd_smem_bytes"),
-        KernelEntry("bwd", ("sm_90a",), "flamia_cute.attention_bwd_sm90", "BwdConfig", {
-            "token_d128": dict(head_dim=128),
-            "tokenblock_d128": dict(head_dim=128, diagonal_copy=True),
-            "tokenblock_d64": dict(head_dim=64, diagonal_copy=True),
-            "tokenblock_d128_gqa4": dict(head_dim=128, diagonal_copy=True, qhead_per_kvhead=4),
-        }, "flamia_cute.attention_bwd_sm90:smem_bytes"),
+        KernelEntry("fwd", ("sm_90a",), "flamia_cute.attention_fwd_sm90", "FwdConfig", ATTENTION_CONFIGS,
+                    "flamia_cute.tuning:fwd_smem_bytes"),
+        KernelEntry("bwd", ("sm_90a",), "flamia_cute.attention_bwd_sm90", "BwdConfig", ATTENTION_CONFIGS,
+                    "flamia_cute.attention_bwd_sm90:smem_bytes"),
     )
 }
 
