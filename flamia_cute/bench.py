@@ -225,7 +225,11 @@ def _prefix_reference(case: Case, q, k, v, do, prefix: int):
     return ref["out"], ref["dq"], (sl, slice(0, hq))
 
 
-def bench_case(case: Case, impl: Impl, modes, reps: int) -> list[dict]:
+# --gpu-time: a GPU sleep longer than any call's host time is queued before each timed call
+GPU_TIME_LEAD_CYCLES = 8_000_000
+
+
+def bench_case(case: Case, impl: Impl, modes, reps: int, queue_lead_cycles: int = 0) -> list[dict]:
     why = impl.available(case)
     if why:
         return [{"impl": impl.name, "mode": m, "skipped": why} for m in modes]
@@ -242,8 +246,8 @@ def bench_case(case: Case, impl: Impl, modes, reps: int) -> list[dict]:
             return impl.run(case, q, k, v, do, mode)
         o, dq = run(0, "fwdbwd")
         err_o, err_dq = rel_l2(o[sl, hs], ref_o), rel_l2(dq[sl, hs], ref_dq)
-        fwd_ms = _time_calls(lambda i: run(i, "fwd"), n, dev, reps=reps)
-        fb_ms = _time_calls(lambda i: run(i, "fwdbwd"), n, dev, reps=reps)
+        fwd_ms = _time_calls(lambda i: run(i, "fwd"), n, dev, reps=reps, queue_lead_cycles=queue_lead_cycles)
+        fb_ms = _time_calls(lambda i: run(i, "fwdbwd"), n, dev, reps=reps, queue_lead_cycles=queue_lead_cycles)
         times = {"fwd": fwd_ms, "fwdbwd": fb_ms, "bwd": fb_ms - fwd_ms}
         peak = _peak_mb(lambda: run(0, "fwdbwd"), dev)
     else:
@@ -269,7 +273,8 @@ def bench_case(case: Case, impl: Impl, modes, reps: int) -> list[dict]:
             o = impl.forward(case, *leaves[i][:3])
             torch.autograd.grad(o, leaves[i][:3], leaves[i][3])
 
-        times = {m: _time_calls({"fwd": fwd, "bwd": bwd, "fwdbwd": fwdbwd}[m], n, dev, reps=reps) for m in modes}
+        times = {m: _time_calls({"fwd": fwd, "bwd": bwd, "fwdbwd": fwdbwd}[m], n, dev, reps=reps,
+                                queue_lead_cycles=queue_lead_cycles) for m in modes}
         del graphs
         peak = _peak_mb(lambda: fwdbwd(0) if grads else fwd(0), dev)
     flops = causal_flops(case.lengths, case.heads_q, case.head_dim)
@@ -326,7 +331,11 @@ def environment() -> dict:
     return env
 
 
-def run_bench(workloads: dict, head_cfg: dict, impls, modes=MODES, reps=15, device="cuda") -> list[dict]:
+def run_bench(workloads: dict, head_cfg: dict, impls, modes=MODES, reps=15, device="cuda",
+              gpu_time: bool = False) -> list[dict]:
+    """gpu_time: time GPU work only (the host enqueues each call behind a GPU sleep), as a training
+    step whose host runs ahead sees it; default: each call from an idle GPU, host time included."""
+    lead = GPU_TIME_LEAD_CYCLES if gpu_time and device.startswith("cuda") else 0
     rows = []
     items = [(w, impl) for w in workloads for impl in impls]
     cases = {}
@@ -335,7 +344,7 @@ def run_bench(workloads: dict, head_cfg: dict, impls, modes=MODES, reps=15, devi
             cases[w] = Case(w, workloads[w], head_cfg["heads_q"], head_cfg["heads_kv"], head_cfg["head_dim"],
                             device).build()
         try:
-            got = bench_case(cases[w], impl, modes, reps)
+            got = bench_case(cases[w], impl, modes, reps, lead)
         except Exception as e:  # a baseline that breaks is reported, not fatal
             got = [{"impl": impl.name, "mode": m, "skipped": f"error: {type(e).__name__}: {e}"[:300]} for m in modes]
         for r in got:
@@ -408,10 +417,11 @@ def main_bench(args) -> int:
     impls = default_impls(args.recipe, device)
     if args.impls:
         impls = [i for i in impls if any(i.name.startswith(p) for p in args.impls.split(","))]
-    rows = run_bench(wl, head_cfg, impls, tuple(args.modes.split(",")), args.reps, device)
+    rows = run_bench(wl, head_cfg, impls, tuple(args.modes.split(",")), args.reps, device, args.gpu_time)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"bench_{args.heads}"
-    summarize(rows, environment() | {"heads": args.heads}, out / f"{stem}.csv", out / f"{stem}.png")
+    timing = "wall_cpu" if not device.startswith("cuda") else "gpu_time" if args.gpu_time else "call_from_idle_gpu"
+    summarize(rows, environment() | {"heads": args.heads, "timing": timing}, out / f"{stem}.csv", out / f"{stem}.png")
     print(f"\nwrote {out / (stem + '.csv')}")
     return 0

@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--impls", default="", help="comma-separated name prefixes (flamia, fa4, cudnn, flex, sdpa)")
     b.add_argument("--modes", default="fwd,bwd,fwdbwd")
     b.add_argument("--reps", type=int, default=15)
+    b.add_argument("--gpu-time", action="store_true",
+                   help="time GPU work only (each call queued behind a GPU sleep, as when the host runs ahead); "
+                        "default: each call from an idle GPU, host launch time included")
     b.add_argument("--device", default="")
     b.add_argument("--out", default="perf/out")
     b.set_defaults(func=cmd_bench)

@@ -31,6 +31,8 @@ for stage in "$@"; do
                  --out "$OUT" ;;
     bench-main) run bench_main 480 python3 -m flamia_cute.cli bench --modes fwd,bwd,fwdbwd --impls flamia,fa4,cudnn \
                   --reps 15 --out "$OUT" ;;
+    bench-gputime) run bench_gputime 480 python3 -m flamia_cute.cli bench --modes fwd,bwd,fwdbwd --impls flamia,fa4,cudnn \
+                  --reps 15 --gpu-time --out "$OUT/gputime" ;;
     tune-test) run tune_test 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tuning.py ;;
     tune) run tune 420 python3 -m flamia_cute.cli tune --only 1x16k,16x1k,longtail32k --reps 10 ;;
     demo) run demo 240 python3 -m flamia_cute ;;

@@ -21,8 +21,19 @@ def test_bench_runs_and_writes_csv(tmp_path, capsys):
     assert set(timed["mode"]) == {"fwd", "bwd", "fwdbwd"}
     assert (timed["err_o"] < 0.1).all() and (timed["err_dq"] < 0.15).all()
     assert df[df["impl"] == "cudnn_fp8"]["skipped"].notna().all()
-    for col in ("gpu", "torch", "commit", "timestamp"):
+    for col in ("gpu", "torch", "commit", "timestamp", "timing"):
         assert col in df.columns
+    assert (df["timing"] == "wall_cpu").all()
+
+
+def test_bench_gpu_time_flag_is_recorded(tmp_path):
+    """--gpu-time is a GPU-only timing mode: accepted on the CPU, where timing stays wall-clock."""
+    wl = {"head_configs": {"tiny": {"heads_q": 2, "heads_kv": 2, "head_dim": 64}}, "workloads": {"one": [40]}}
+    path = tmp_path / "wl.json"
+    path.write_text(json.dumps(wl))
+    assert main(["bench", "--workloads", str(path), "--heads", "tiny", "--reps", "1", "--device", "cpu",
+                 "--impls", "sdpa", "--modes", "fwd", "--gpu-time", "--out", str(tmp_path)]) == 0
+    assert (pd.read_csv(tmp_path / "bench_tiny.csv")["timing"] == "wall_cpu").all()
 
 
 def test_bench_rejects_unknown_names(tmp_path, capsys):
