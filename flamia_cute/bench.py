@@ -322,6 +322,9 @@ def environment() -> dict:
                                        cwd=pathlib.Path(__file__).parent).stdout.strip()
     except OSError:
         env["commit"] = "unknown"
+    from .compile_cache import package_source_hash
+
+    env["source_hash"] = package_source_hash()
     for mod in ("cutlass", "flash_attn", "cudnn"):
         try:
             m = __import__(mod)

@@ -109,14 +109,30 @@ def _config_fields(config: Any) -> tuple:
     return (repr(config),)
 
 
-def cache_key(kernel_source_files: Iterable[str | Path], config: Any, arch: str, variant: str = "") -> str:
-    """variant: a calling-convention tag ("tvm_ffi"); "" keeps the keys of plain DSL builds."""
-    h = hashlib.sha256()
-    for path in sorted(Path(p).resolve() for p in kernel_source_files):
+def _hash_files(h, files: Iterable[str | Path]) -> None:
+    for path in sorted(Path(p).resolve() for p in files):
         data = path.read_bytes()
         h.update(path.name.encode())
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
+
+
+def package_source_hash() -> str:
+    """Short hash of every .py file of the package (with quant and schedules): names the code a
+    benchmark ran even where the checkout's git metadata is stale (the device copy)."""
+    from . import quant, schedules  # installed as sub-packages, laid out as sibling folders
+
+    roots = {Path(m.__file__).resolve().parent for m in (quant, schedules)} | {Path(__file__).resolve().parent}
+    files = {p for r in roots for p in r.rglob("*.py") if "__pycache__" not in p.parts}
+    h = hashlib.sha256()
+    _hash_files(h, files)
+    return h.hexdigest()[:12]
+
+
+def cache_key(kernel_source_files: Iterable[str | Path], config: Any, arch: str, variant: str = "") -> str:
+    """variant: a calling-convention tag ("tvm_ffi"); "" keeps the keys of plain DSL builds."""
+    h = hashlib.sha256()
+    _hash_files(h, kernel_source_files)
     parts = (
         f"dsl={dsl_version()}",
         f"py={sys.version_info.major}.{sys.version_info.minor}",

@@ -21,7 +21,7 @@ def test_bench_runs_and_writes_csv(tmp_path, capsys):
     assert set(timed["mode"]) == {"fwd", "bwd", "fwdbwd"}
     assert (timed["err_o"] < 0.1).all() and (timed["err_dq"] < 0.15).all()
     assert df[df["impl"] == "cudnn_fp8"]["skipped"].notna().all()
-    for col in ("gpu", "torch", "commit", "timestamp", "timing"):
+    for col in ("gpu", "torch", "commit", "source_hash", "timestamp", "timing"):
         assert col in df.columns
     assert (df["timing"] == "wall_cpu").all()
 
