@@ -619,7 +619,6 @@ class FlamiaBwdSm90:
         acc_dv = kv_thr.make_fragment_C(kv_thr.partition_shape_C((wm, D)))  # running dV
         tOrP = kv_thr.make_fragment_A(kv_thr.partition_shape_A((wm, tl)))
         tOrS = kv_thr.make_fragment_A(kv_thr.partition_shape_A((wm, tl)))
-        p8 = cute.make_rmem_tensor(cute.make_layout(cute.size(acc_s) // 4), Uint32)
         tOrP32 = cute.recast_tensor(tOrP, Uint32)
         tOrS32 = cute.recast_tensor(tOrS, Uint32)
         tScS = sd_thr.partition_C(cute.make_identity_tensor((wm, tl)))  # (key in slab, query)
@@ -645,7 +644,7 @@ class FlamiaBwdSm90:
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
         frags = (tSrK, tSrV, tSrQ, tSrdO, tKVrQt, tKVrdOt, tQrdS, tQrKt, acc_s, acc_dp, acc_t, acc_dv,
-                 tOrP, tOrS, p8, tOrP32, tOrS32, tScS, tScQ, dsb)
+                 tOrP, tOrS, tOrP32, tOrS32, tScS, tScQ, dsb)
         mmas = (sd_mma, kv_mma, q_mma)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         a_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sa)
@@ -740,7 +739,7 @@ class FlamiaBwdSm90:
         """One query tile m of query head hq (tile number i of the CTA). diag: m == n_blk."""
         D, wm, tl = self.D, self.wm, self.tile
         (tSrK, tSrV, tSrQ, tSrdO, tKVrQt, tKVrdOt, tQrdS, tQrKt, acc_s, acc_dp, acc_t, acc_dv,
-         tOrP, tOrS, p8, tOrP32, tOrS32, tScS, tScQ, dsb) = frags
+         tOrP, tOrS, tOrP32, tOrS32, tScS, tScQ, dsb) = frags
         sd_mma_k = self.D // 32
         n_s = cute.size(acc_s)
         n_acc = cute.size(acc_t)

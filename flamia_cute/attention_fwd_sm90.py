@@ -580,7 +580,6 @@ class FlamiaFwdSm90:
         acc_t = pv_thr.make_fragment_C(pv_thr.partition_shape_C((wm, D)))  # this tile's P V
         acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((wm, D)))  # running output
         tOrP = pv_thr.make_fragment_A(pv_thr.partition_shape_A((wm, tn)))  # ((4,2,2),1,4) e4m3
-        p8 = cute.make_rmem_tensor(cute.make_layout(cute.size(acc_s) // 4), Uint32)  # acc-order bytes
         tOrP32 = cute.recast_tensor(tOrP, Uint32)
         tScS = qk_thr.partition_C(cute.make_identity_tensor((wm, tn)))
         n_acc_o = cute.size(acc_o)
@@ -615,7 +614,7 @@ class FlamiaFwdSm90:
             if wg == 1:
                 cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
 
-        frags = (tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS)
+        frags = (tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS)
         rowst = (rs, m_run, l_run, r_run, c_pend)
         if cutlass.const_expr(self.overlap):
             # Intra-warpgroup overlap (FA3): S of tile n+1 and P V of tile n are issued together,
@@ -690,7 +689,7 @@ class FlamiaFwdSm90:
     @cute.jit
     def gemm_qk(self, qk_mma, frags, k_state, wg):
         """Issue S = Q K^T for the K tile in stage k_state (async; the caller commits)."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         for k in cutlass.range_constexpr(self.D // 32):
             qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(qk_mma, acc_s, tSrQ[None, None, k, wg], tSrK[None, None, k, k_state.index], acc_s)
@@ -698,7 +697,7 @@ class FlamiaFwdSm90:
     @cute.jit
     def gemm_pv(self, pv_mma, frags, v_state):
         """Issue O_tile = P V (P from registers) into the fresh tile accumulator acc_t (async)."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         for k in cutlass.range_constexpr(self.tile_n // 32):
             pv_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(pv_mma, acc_t, tOrP[None, None, k], tOrV[None, None, k, v_state.index], acc_t)
@@ -714,7 +713,7 @@ class FlamiaFwdSm90:
         releases the scale stage s_state.
         """
         tn, wm = self.tile_n, self.wg_m
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         rs, m_run, l_run, r_run, c_pend = rowst
         n_acc_s = cute.size(acc_s)
         lim = doc_len - n * tn  # diagonal tile: visible keys are col < lim and col <= row
@@ -809,7 +808,7 @@ class FlamiaFwdSm90:
     def convert_p(self, frags, quad, lane):
         """P: fp32 accumulator layout (acc_s) -> e4m3 A-operand registers (tOrP); V^T comes in
         P-fragment key order, so this is 32 conversions and nothing else."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         pack_a_fragment_e4m3(acc_s, tOrP32)
 
     # ------------------------------------------------------------------------------------------
@@ -819,7 +818,7 @@ class FlamiaFwdSm90:
         k_state, v_state, s_state, doc_len, wg, quad, lane,
     ):
         """One key tile n, serially: S, softmax, P, P V. diag: the diagonal tile (first)."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         # ---- S = Q K^T
         pipe_k.consumer_wait(k_state)
         if cutlass.const_expr(self.pingpong):
@@ -855,7 +854,7 @@ class FlamiaFwdSm90:
     @cute.jit
     def accumulate_o(self, frags, c):
         """O = O * c + O_tile (one FFMA per element): rescale and promotion of the fresh tile sum."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
             for v1 in cutlass.range_constexpr(2):
                 for v0 in cutlass.range_constexpr(2):
@@ -894,7 +893,7 @@ class FlamiaFwdSm90:
     ):
         """Overlap schedule, off-diagonal tile n: issue S_n and P_prev V_prev, softmax of S_n
         while P V runs, then O = O * c_prev + O_tile(prev) and P_n."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         rs, m_run, l_run, r_run, c_pend = rowst
         pipe_k.consumer_wait(k_state)
         pipe_v.consumer_wait(v_state)
@@ -931,7 +930,7 @@ class FlamiaFwdSm90:
     @cute.jit
     def overlap_epilogue(self, frags, rowst, pv_mma, pipe_v, v_state, wg):
         """Overlap schedule: P V of the last tile, O = O * c_last + O_tile."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, p8, tOrP32, tScS = frags
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         pipe_v.consumer_wait(v_state)
         if cutlass.const_expr(self.pingpong):
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
