@@ -56,23 +56,27 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32
-from cutlass._mlir.dialects import arith, llvm
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-from . import attention_fwd_sm90 as _fwd
-from .attention_fwd_sm90 import (
-    _cvt_bf16x2,
-    _cvt_e4m3x4,
-    _quad_max,
-    _st_global_v4,
-    pack_a_fragment_e4m3,
-    quad_transpose4,
-)
 from .quant import dt_cu_seqlens as quant_dt_cu_seqlens
 from .quant import transposed_tokens
-from .quantize_sm90 import _as_f32, _pow2_scale_bits
+from .sm90_device import (
+    as_f32,
+    cvt_bf16x2,
+    cvt_e4m3x4,
+    f32_bits,
+    fake_ptr,
+    pack_a_fragment_e4m3,
+    pow2_scale_bits,
+    quad_max,
+    quad_transpose4,
+    st_global_v4,
+    tma_pipeline,
+    warp_pipeline,
+)
 
-SOURCE_FILES = (Path(__file__), Path(_fwd.__file__), Path(__file__).with_name("quantize_sm90.py"))
+SOURCE_FILES = (Path(__file__), Path(__file__).with_name("sm90_device.py"))
 
 LOG2E = math.log2(math.e)
 P_SCALE = 256.0  # the recipe's fixed power-of-two P scale
@@ -133,10 +137,6 @@ def smem_bytes(cfg: BwdConfig) -> int:
 # ----------------------------------------------------------------------------------------------
 # Device helpers
 # ----------------------------------------------------------------------------------------------
-
-
-def _f32_bits(x):
-    return Int32(arith.bitcast(Int32.mlir_type, Float32(x).ir_value()))
 
 
 def _red_add_f32(addr, x):
@@ -418,26 +418,10 @@ class FlamiaBwdSm90:
             sAmax = storage.sAmax.get_tensor(cute.make_layout((128, 3)))
             sdK = storage.sdK.get_tensor(cute.make_layout((256, self.D // 2)))
 
-            tma_producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-            consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, 8)
-            pipe_kv = pipeline.PipelineTmaAsync.create(
-                num_stages=1, producer_group=tma_producer, consumer_group=consumer_warps,
-                tx_count=self.kv_bytes, barrier_storage=storage.kv_mbar.data_ptr(), defer_sync=True,
-            )
-            pipe_a = pipeline.PipelineTmaAsync.create(
-                num_stages=self.sa, producer_group=tma_producer, consumer_group=consumer_warps,
-                tx_count=self.a_bytes, barrier_storage=storage.a_mbar.data_ptr(), defer_sync=True,
-            )
-            pipe_b = pipeline.PipelineTmaAsync.create(
-                num_stages=self.sb, producer_group=tma_producer, consumer_group=consumer_warps,
-                tx_count=self.b_bytes, barrier_storage=storage.b_mbar.data_ptr(), defer_sync=True,
-            )
-            pipe_v = pipeline.PipelineAsync.create(
-                num_stages=self.sv,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 256),
-                barrier_storage=storage.v_mbar.data_ptr(), defer_sync=True,
-            )
+            pipe_kv = tma_pipeline(1, self.kv_bytes, storage.kv_mbar.data_ptr())
+            pipe_a = tma_pipeline(self.sa, self.a_bytes, storage.a_mbar.data_ptr())
+            pipe_b = tma_pipeline(self.sb, self.b_bytes, storage.b_mbar.data_ptr())
+            pipe_v = warp_pipeline(self.sv, storage.v_mbar.data_ptr())
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
 
@@ -724,10 +708,10 @@ class FlamiaBwdSm90:
                         else:
                             x0 = sdK[tidx - 128, i0] * softmax_scale
                             x1 = sdK[tidx - 128, i0 + 1] * softmax_scale
-                        w.append(_cvt_bf16x2(x0, x1))
+                        w.append(cvt_bf16x2(x0, x1))
                     ow = quad_transpose4(w, odd_lane, hi_lane, shfl_xor, sel)
                     if key < doc_len:
-                        _st_global_v4(row_addr + 64 * G, ow)
+                        st_global_v4(row_addr + 64 * G, ow)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -819,9 +803,9 @@ class FlamiaBwdSm90:
         skk = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         inv = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         for v1 in cutlass.range_constexpr(2):
-            sbits, ibits = _pow2_scale_bits(_f32_bits(_quad_max(amax[v1])))
-            skk[v1] = _as_f32(sbits)
-            inv[v1] = _as_f32(ibits)
+            sbits, ibits = pow2_scale_bits(f32_bits(quad_max(amax[v1])))
+            skk[v1] = as_f32(sbits)
+            inv[v1] = as_f32(ibits)
         for w_ in cutlass.range_constexpr(n_s // 4):
             for v0 in cutlass.range_constexpr(2):
                 cq = sVec[tScS[4 * w_ + v0][1], 4, vs]
@@ -856,18 +840,18 @@ class FlamiaBwdSm90:
                 for off in cutlass.range_constexpr(3):
                     x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=4 << off))
                 if lane < 4:
-                    cute.arch.atomic_max(sAmax.iterator + (tScS[v0 + 4 * w_][1] + 128 * buf), _f32_bits(x))
+                    cute.arch.atomic_max(sAmax.iterator + (tScS[v0 + 4 * w_][1] + 128 * buf), f32_bits(x))
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
         # buffer (i + 2) % 3 was last read in tile i - 1 (before this barrier): clear it for tile i + 2
         if wg == 0:
             sAmax[tidx - 128, (i + 2) % 3] = Int32(0)
         for w_ in cutlass.range_constexpr(n_s // 4):
             for v0 in cutlass.range_constexpr(2):
-                _, ibits = _pow2_scale_bits(sAmax[tScS[4 * w_ + v0][1], buf])
-                iq = _as_f32(ibits)
+                _, ibits = pow2_scale_bits(sAmax[tScS[4 * w_ + v0][1], buf])
+                iq = as_f32(ibits)
                 for v1 in cutlass.range_constexpr(2):
                     pv[v0 + 2 * v1] = acc_dp[v0 + 2 * v1 + 4 * w_] * rsc[v1] * iq
-            pk = _cvt_e4m3x4(pv[0], pv[1], pv[2], pv[3])
+            pk = cvt_e4m3x4(pv[0], pv[1], pv[2], pv[3])
             for b in cutlass.range_constexpr(4):
                 # query column 8 w_ + 2 quad + b % 2: its q % 8 part lives in dsb (see consume)
                 sdS8[dsb[b] + ds_byte_offset(w_)] = _byte(pk, b)
@@ -895,8 +879,8 @@ class FlamiaBwdSm90:
         dq_row_stride = mdQ.stride[0]  # H * D
         for v1 in cutlass.range_constexpr(2):
             qr = wg * wm + tScQ[2 * v1][0]  # query index in the tile
-            sbits, _ = _pow2_scale_bits(sAmax[qr, buf])
-            f = _as_f32(sbits) * softmax_scale
+            sbits, _ = pow2_scale_bits(sAmax[qr, buf])
+            f = as_f32(sbits) * softmax_scale
             q = m * tl + qr
             if q < doc_len:
                 row_addr = dq_base + (Int64(doc_start + q) * Int64(dq_row_stride) + Int64(hq * D)) * 4
@@ -911,15 +895,11 @@ class FlamiaBwdSm90:
 # ----------------------------------------------------------------------------------------------
 
 
-def _fake_ptr(dtype, align=16):
-    return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
-
-
 def compile_bwd_sm90(config: BwdConfig, arch: str = "sm_90a", extra_options: str = ""):
     """cute.compile the backward for `arch` from plain values only (no tensors, no GPU needed)."""
     op = FlamiaBwdSm90(config)
-    f8 = lambda: _fake_ptr(Float8E4M3FN)  # noqa: E731
-    f32 = lambda: _fake_ptr(Float32, 4)  # noqa: E731
+    f8 = lambda: fake_ptr(Float8E4M3FN)  # noqa: E731
+    f32 = lambda: fake_ptr(Float32, 4)  # noqa: E731
     args = (
         f8(), f8(), f32(),  # q, qt, sq
         f8(), f8(), f32(),  # k, kt, sk
@@ -927,8 +907,8 @@ def compile_bwd_sm90(config: BwdConfig, arch: str = "sm_90a", extra_options: str
         f8(), f8(), f32(), f8(), f32(),  # per-token k, kt, sk, v, sv
         f8(), f8(), f32(),  # do, dot, sdo
         f32(), f32(),  # lse, delta
-        _fake_ptr(Int32, 4), _fake_ptr(Int32, 4),
-        _fake_ptr(Float32, 16), _fake_ptr(BFloat16), _fake_ptr(BFloat16),
+        fake_ptr(Int32, 4), fake_ptr(Int32, 4),
+        fake_ptr(Float32, 16), fake_ptr(BFloat16), fake_ptr(BFloat16),
         Int32(1), Int32(128), Int32(1), Int32(1), Int32(1), Float32(1.0),
         cute.runtime.make_fake_stream(),
     )

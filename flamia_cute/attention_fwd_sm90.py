@@ -53,12 +53,21 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint32
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from .quant import DT_DOC_ALIGN, transposed_tokens
+from .sm90_device import (
+    cvt_bf16x2,
+    pack_a_fragment_e4m3,
+    quad_max,
+    quad_sum,
+    quad_transpose4,
+    st_global_v4,
+    tma_pipeline,
+    warp_pipeline,
+)
 
-SOURCE_FILES = (Path(__file__),)
+SOURCE_FILES = (Path(__file__), Path(__file__).with_name("sm90_device.py"))
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -124,121 +133,6 @@ class FwdConfig:
             bad("intra_wg_overlap", "must be a bool or None")
         if not isinstance(self.pin_softmax, bool):
             bad("pin_softmax", "must be a bool")
-
-
-# ----------------------------------------------------------------------------------------------
-# Small device helpers
-# ----------------------------------------------------------------------------------------------
-
-
-def _prmt(a, b, sel: int):
-    return Uint32(
-        llvm.inline_asm(
-            Uint32.mlir_type,
-            [Uint32(a).ir_value(), Uint32(b).ir_value(), Uint32(sel).ir_value()],
-            "prmt.b32 $0, $1, $2, $3;",
-            "=r,r,r,r",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-def _cvt_e4m3x4(a, b, c, d):
-    """Four fp32 -> four e4m3 (RNE, satfinite) packed in a u32, `a` in the lowest byte."""
-    return Uint32(
-        llvm.inline_asm(
-            Uint32.mlir_type,
-            [Float32(a).ir_value(), Float32(b).ir_value(), Float32(c).ir_value(), Float32(d).ir_value()],
-            "{\n.reg .b16 lo, hi;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
-            "mov.b32 $0, {lo, hi};\n}",
-            "=r,f,f,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-def pack_a_fragment_e4m3(acc, out32):
-    """fp32 accumulator values (m64nK fragment) -> e4m3 A-operand registers of the next wgmma,
-    in place: no data moves between threads because the B operand's K dimension comes in
-    P-fragment order (quant.PV_ORDER16).
-
-    A register (32-key chunk c, 16-key half h, row r) holds the keys (2t, 2t+1, 8+2t, 9+2t) of
-    the half, which thread t holds in accumulator column blocks v = 4c+2h and 4c+2h+1 (block v:
-    keys 8v+2t, 8v+2t+1; value index v0 + 2*row + 4*v).
-    """
-    for c in range(cute.size(acc) // 16):  # plain Python loops: unrolled while tracing
-        for h in range(2):
-            vl = 4 * (4 * c + 2 * h)
-            vh = vl + 4
-            for r in range(2):
-                out32[4 * c + 2 * h + r] = _cvt_e4m3x4(acc[vl + 2 * r], acc[vl + 2 * r + 1], acc[vh + 2 * r],
-                                                       acc[vh + 2 * r + 1])
-
-
-def _cvt_bf16x2(lo, hi):
-    """Two fp32 -> two bf16 (RNE) packed in a u32, `lo` in the low half (the lower address)."""
-    return Uint32(
-        llvm.inline_asm(
-            Uint32.mlir_type,
-            [Float32(hi).ir_value(), Float32(lo).ir_value()],
-            "cvt.rn.bf16x2.f32 $0, $1, $2;",
-            "=r,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-def _st_global_v4(addr, w):
-    """One 16-byte global store of four u32 words (addr: Int64, 16-byte aligned)."""
-    llvm.inline_asm(
-        None,
-        [Int64(addr).ir_value()] + [Uint32(x).ir_value() for x in w],
-        "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
-        "l,r,r,r,r,~{memory}",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-def quad_transpose4(w, b0, b1, shfl_xor, sel):
-    """4x4 word transpose across the 4 lanes of a quad: lane t gets [lane i's w[t] for i in 0..3].
-
-    w: this lane's 4 words; b0, b1: bits 0 and 1 of the lane's index t in its quad; shfl_xor(x, k):
-    x from lane t ^ k; sel(c, a, b): a if c else b. Plain Python over the primitives, so the
-    CPU tests run the very same code on a lane model. Two butterfly stages (partners t^2, then
-    t^1), 4 shuffles and 16 selects.
-    """
-    # stage 1: keep words j with bit1(j) == bit1(t), trade the other two with lane t^2
-    keep = [sel(b1, w[2 + b], w[b]) for b in range(2)]
-    recv = [shfl_xor(sel(b1, w[b], w[2 + b]), 2) for b in range(2)]
-    # y[s1][b]: word 2*bit1(t) + b of the quad lane with bit1 = s1 and bit0 = bit0(t)
-    y = [[sel(b1, recv[b], keep[b]) for b in range(2)], [sel(b1, keep[b], recv[b]) for b in range(2)]]
-    # stage 2: keep word b = bit0(t), trade the other with lane t^1
-    keep2 = [sel(b0, y[s][1], y[s][0]) for s in range(2)]
-    recv2 = [shfl_xor(sel(b0, y[s][0], y[s][1]), 1) for s in range(2)]
-    out = []
-    for s in range(2):
-        out += [sel(b0, recv2[s], keep2[s]), sel(b0, keep2[s], recv2[s])]
-    return out
-
-
-def _quad_max(x):
-    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
-    return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
-
-
-def _quad_sum(x):
-    x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
-    return x + cute.arch.shuffle_sync_bfly(x, offset=2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -414,26 +308,10 @@ class FlamiaFwdSm90:
             sScale = storage.sScale.get_tensor(cute.make_layout((2 * tn, self.stages)))
             sPin = storage.sPin.get_tensor(cute.make_layout(256))
 
-            tma_producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-            consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, 8)
-            pipe_q = pipeline.PipelineTmaAsync.create(
-                num_stages=1, producer_group=tma_producer, consumer_group=consumer_warps,
-                tx_count=self.q_bytes, barrier_storage=storage.q_mbar.data_ptr(), defer_sync=True,
-            )
-            pipe_k = pipeline.PipelineTmaAsync.create(
-                num_stages=self.stages, producer_group=tma_producer, consumer_group=consumer_warps,
-                tx_count=self.kv_bytes, barrier_storage=storage.k_mbar.data_ptr(), defer_sync=True,
-            )
-            pipe_v = pipeline.PipelineTmaAsync.create(
-                num_stages=self.stages, producer_group=tma_producer, consumer_group=consumer_warps,
-                tx_count=self.kv_bytes, barrier_storage=storage.v_mbar.data_ptr(), defer_sync=True,
-            )
-            pipe_s = pipeline.PipelineAsync.create(
-                num_stages=self.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 256),
-                barrier_storage=storage.s_mbar.data_ptr(), defer_sync=True,
-            )
+            pipe_q = tma_pipeline(1, self.q_bytes, storage.q_mbar.data_ptr())
+            pipe_k = tma_pipeline(self.stages, self.kv_bytes, storage.k_mbar.data_ptr())
+            pipe_v = tma_pipeline(self.stages, self.kv_bytes, storage.v_mbar.data_ptr())
+            pipe_s = warp_pipeline(self.stages, storage.s_mbar.data_ptr())
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
 
@@ -659,7 +537,7 @@ class FlamiaFwdSm90:
             return Uint32(cutlass.select_(c, a, b))
 
         for v1 in cutlass.range_constexpr(2):
-            l_tot = _quad_sum(l_run[v1])
+            l_tot = quad_sum(l_run[v1])
             f = Float32(0.0)
             lse = -Float32.inf
             if l_tot > Float32(0.0):
@@ -676,12 +554,12 @@ class FlamiaFwdSm90:
             row_addr = o_base + (Int64(doc_start + row) * Int64(o_row_stride) + Int64(head * D + 8 * quad)) * 2
             for G in cutlass.range_constexpr(n_acc_o // 16):
                 w = [
-                    _cvt_bf16x2(acc_o[2 * v1 + 4 * (4 * G + jj)] * f, acc_o[1 + 2 * v1 + 4 * (4 * G + jj)] * f)
+                    cvt_bf16x2(acc_o[2 * v1 + 4 * (4 * G + jj)] * f, acc_o[1 + 2 * v1 + 4 * (4 * G + jj)] * f)
                     for jj in range(4)
                 ]
                 ow = quad_transpose4(w, odd_lane, hi_lane, shfl_xor, sel)
                 if row < doc_len:
-                    _st_global_v4(row_addr + 64 * G, ow)
+                    st_global_v4(row_addr + 64 * G, ow)
 
     # ------------------------------------------------------------------------------------------
     # Tile phases. Both schedules run the same phases on the same data; only the order of
@@ -756,12 +634,12 @@ class FlamiaFwdSm90:
         inv = [Float32(0.0), Float32(0.0)]
         alphas = [Float32(0.0), Float32(0.0)]
         for v1 in cutlass.range_constexpr(2):
-            tm = _quad_max(tmax[v1])
+            tm = quad_max(tmax[v1])
             r = w_t
             if cutlass.const_expr(uniform):
                 rsv[v1] = rs[v1] * sk_t
             else:
-                wm_ = _quad_max(wmax[v1])
+                wm_ = quad_max(wmax[v1])
                 r = wm_
                 if wm_ == Float32(0.0):
                     r = Float32(1.0)
@@ -949,10 +827,6 @@ class FlamiaFwdSm90:
 # ----------------------------------------------------------------------------------------------
 # Compile and launch
 # ----------------------------------------------------------------------------------------------
-
-
-def _fake_ptr(dtype, align=16):
-    return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
 
 
 _F8, _F32, _I32, _BF16 = ("ptr", Float8E4M3FN, 16), ("ptr", Float32, 4), ("ptr", Int32, 4), ("ptr", BFloat16, 16)

@@ -71,10 +71,10 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint32, const_expr
-from cutlass._mlir.dialects import arith, llvm
 
 from .quant import DT_DOC_ALIGN, TOKEN_PAD, QuantizedTHD, transposed_tokens
 from .schedules.varlen_chunks import chunk_grid_slots
+from .sm90_device import as_f32, fake_ptr, imax, pow2_scale_bits, prmt, select
 
 TILE_TOKENS = 128
 GROUP_TOKENS = 16  # tokens per warp and per data_dt segment (16 fp8 = 16 bytes)
@@ -86,7 +86,7 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_BLOCK_TOKENS = (1, 64, 128)
 MAX_PARTS = 3  # Q, K, V in one launch
 
-SOURCE_FILES = (Path(__file__).resolve(),)
+SOURCE_FILES = (Path(__file__).resolve(), Path(__file__).resolve().with_name("sm90_device.py"))
 
 
 @dataclass(frozen=True)
@@ -156,49 +156,6 @@ def _auto_heads_per_cta(head_dim: int, num_heads: int) -> int:
 # ----------------------------------------------------------------------------------------------
 # The kernel
 # ----------------------------------------------------------------------------------------------
-
-
-def _prmt(a, b, sel: int):
-    """PTX byte permute without side effects, so the compiler may schedule it freely."""
-    return Uint32(
-        llvm.inline_asm(
-            Uint32.mlir_type,
-            [Uint32(a).ir_value(), Uint32(b).ir_value(), Uint32(sel).ir_value()],
-            "prmt.b32 $0, $1, $2, $3;",
-            "=r,r,r,r",
-            has_side_effects=False,
-        )
-    )
-
-
-def _as_f32(bits):
-    return Float32(arith.bitcast(Float32.mlir_type, Int32(bits).ir_value()))
-
-
-def _imax(a, b):
-    return Int32(cutlass.max(a, b))
-
-
-def _select(cond, a, b):
-    return type(a)(cutlass.select_(cond, a, b))
-
-
-def _pow2_scale_bits(amax_bits):
-    """(scale bits, 1/scale bits) from |x| amax bits: quant.formats.pow2_scale_from_amax_bits for e4m3.
-
-    1/scale is exact: k <= 120 for finite amax, so 2**-k stays normal.
-    """
-    biased = (amax_bits >> 23) & 0xFF
-    k = biased - 135 + _select((amax_bits & 0x7FFFFF) > 0x600000, Int32(1), Int32(0))
-    k = _imax(k, Int32(-126))
-    k = Int32(cutlass.min(k, Int32(127)))
-    scale = (k + 127) << 23
-    inv = (127 - k) << 23
-    # amax == 0 falls out as the smallest scale 2**-126: finite, and never the max of a scale fold
-    non_finite = biased == 255
-    scale = _select(non_finite, Int32(0x7FC00000), scale)
-    inv = _select(non_finite, Int32(0x7FC00000), inv)
-    return scale, inv
 
 
 @dataclass(frozen=True)
@@ -381,8 +338,8 @@ class FusedQuantizeSm90:
         for p_i in cutlass.range_constexpr(1, NP):
             base = base + grid_slots * self.parts[p_i - 1].NHG
             in_p = lin >= base
-            pid = _select(in_p, Int32(p_i), pid)
-            local = _select(in_p, lin - base, local)
+            pid = select(in_p, Int32(p_i), pid)
+            local = select(in_p, lin - base, local)
         cta = Int32(0)
         hgrp = Int32(0)
         for p_i in cutlass.range_constexpr(NP):
@@ -397,8 +354,8 @@ class FusedQuantizeSm90:
                 cta = c_p
                 hgrp = h_p
             else:
-                cta = _select(pid == p_i, c_p, cta)
-                hgrp = _select(pid == p_i, h_p, hgrp)
+                cta = select(pid == p_i, c_p, cta)
+                hgrp = select(pid == p_i, h_p, hgrp)
 
         # ---- which chunk is this CTA's: block-wide scan over documents (no table) ---------
         # Thread t owns documents [t*k, t*k + k); a chunk is `cta`-th in (document, position)
@@ -420,8 +377,8 @@ class FusedQuantizeSm90:
         for sh in cutlass.range_constexpr(5):
             up_c = cute.arch.shuffle_sync_up(inc_c, offset=1 << sh)
             up_p = cute.arch.shuffle_sync_up(inc_p, offset=1 << sh)
-            inc_c = inc_c + _select(lane >= (1 << sh), up_c, Int32(0))
-            inc_p = inc_p + _select(lane >= (1 << sh), up_p, Int32(0))
+            inc_c = inc_c + select(lane >= (1 << sh), up_c, Int32(0))
+            inc_p = inc_p + select(lane >= (1 << sh), up_p, Int32(0))
         if lane == 31:
             sScan[warp, 0] = inc_c
             sScan[warp, 1] = inc_p
@@ -433,8 +390,8 @@ class FusedQuantizeSm90:
         for w2 in cutlass.range_constexpr(NUM_WARPS):
             vc = sScan[w2, 0]
             vp = sScan[w2, 1]
-            ex_c = ex_c + _select(warp > w2, vc, Int32(0))
-            ex_p = ex_p + _select(warp > w2, vp, Int32(0))
+            ex_c = ex_c + select(warp > w2, vc, Int32(0))
+            ex_p = ex_p + select(warp > w2, vp, Int32(0))
             tot_c = tot_c + vc
             tot_p = tot_p + vp
         if (cta >= ex_c) & (cta < ex_c + my_c):
@@ -520,7 +477,7 @@ class FusedQuantizeSm90:
                             m = Uint32(cutlass.max(m, Uint32(cutlass.max(w & Uint32(0xFFFF), w >> 16))))
                         a = Int32(m) << 16  # bf16 |x| bits -> fp32 |x| bits
                         for off in cutlass.range_constexpr(int(math.log2(L))):
-                            a = _imax(a, cute.arch.shuffle_sync_bfly(a, offset=1 << off))
+                            a = imax(a, cute.arch.shuffle_sync_bfly(a, offset=1 << off))
                         tamax.append(a)
 
                     # ---- block amax: a warp's 16 tokens lie in one block (16 | B); warps meet in smem
@@ -528,16 +485,16 @@ class FusedQuantizeSm90:
                     if const_expr(B > 1):
                         acc = tamax[0]
                         for it in cutlass.range_constexpr(1, SPT * 4):
-                            acc = _imax(acc, tamax[it])  # masked tokens carry amax 0
+                            acc = imax(acc, tamax[it])  # masked tokens carry amax 0
                         for sh in cutlass.range_constexpr(int(math.log2(32 // (L * HG)))):
-                            acc = _imax(acc, cute.arch.shuffle_sync_bfly(acc, offset=(L * HG) << sh))
+                            acc = imax(acc, cute.arch.shuffle_sync_bfly(acc, offset=(L * HG) << sh))
                         if (lane < L * HG) & (j == 0):
                             sAmax[warp, hl] = acc
                         cute.arch.sync_threads()
                         WPB = B // GROUP_TOKENS  # warps per scale block
                         w_first = (warp // WPB) * WPB
                         for q in cutlass.range_constexpr(WPB):
-                            blk_amax = _imax(blk_amax, sAmax[w_first + q, hl])
+                            blk_amax = imax(blk_amax, sAmax[w_first + q, hl])
 
                     # ---- scales, quantize, data_td, scale, transposed tile ---------------------------
                     # rows 16j .. 16j+15 of head hl share one rotated segment slot
@@ -554,17 +511,17 @@ class FusedQuantizeSm90:
                             for st in cutlass.range_constexpr(NSETS):
                                 mTD = mTD0 if const_expr(st == 0) else mTD1
                                 amax = tamax[it] if const_expr(B == 1 or st == 1) else blk_amax
-                                sb, ib = _pow2_scale_bits(amax)
+                                sb, ib = pow2_scale_bits(amax)
                                 sbits[st].append(sb)
                                 q = cute.make_rmem_tensor(16, Float8E4M3FN)
-                                q.store((xf * _as_f32(ib)).to(Float8E4M3FN))
+                                q.store((xf * as_f32(ib)).to(Float8E4M3FN))
                                 if valid[it]:
                                     cute.copy(st_atom, q, cute.local_tile(mTD[start + tau[it], head, None], (16,), (j,)))
                                 qw = cute.recast_tensor(q, Uint32)
                                 # tokens past the chunk must be 0 in the tile: they become data_dt pad bytes
                                 zw = []
                                 for m in cutlass.range_constexpr(4):
-                                    zw.append(_select(valid[it], qw[m], Uint32(0)))
+                                    zw.append(select(valid[it], qw[m], Uint32(0)))
                                 qwords[st].append(zw)
                         ta_j = 16 * warp + 4 * quad + j
                         write_scale = (j < 4) & (ta_j < n) & active
@@ -573,7 +530,7 @@ class FusedQuantizeSm90:
                             # scale: lane j < 4 of the token's lane group writes token 4*quad + j
                             sel = sbits[st][0]
                             for p in cutlass.range_constexpr(1, 4):
-                                sel = _select(j == p, sbits[st][p], sel)
+                                sel = select(j == p, sbits[st][p], sel)
                             if write_scale:
                                 mS[head, start + ta_j] = sel
                             if const_expr(TRANS):
@@ -581,15 +538,15 @@ class FusedQuantizeSm90:
                                 for m in cutlass.range_constexpr(4):
                                     # 4x4 byte transpose: word b of the output holds dim 4m+b of tokens 0..3
                                     w0, w1, w2_, w3 = qwords[st][0][m], qwords[st][1][m], qwords[st][2][m], qwords[st][3][m]
-                                    lo01 = _prmt(w0, w1, 0x5140)
-                                    lo23 = _prmt(w2_, w3, 0x5140)
-                                    hi01 = _prmt(w0, w1, 0x7362)
-                                    hi23 = _prmt(w2_, w3, 0x7362)
+                                    lo01 = prmt(w0, w1, 0x5140)
+                                    lo23 = prmt(w2_, w3, 0x5140)
+                                    hi01 = prmt(w0, w1, 0x7362)
+                                    hi23 = prmt(w2_, w3, 0x7362)
                                     tw = (
-                                        _prmt(lo01, lo23, 0x5410),
-                                        _prmt(lo01, lo23, 0x7632),
-                                        _prmt(hi01, hi23, 0x5410),
-                                        _prmt(hi01, hi23, 0x7632),
+                                        prmt(lo01, lo23, 0x5410),
+                                        prmt(lo01, lo23, 0x7632),
+                                        prmt(hi01, hi23, 0x5410),
+                                        prmt(hi01, hi23, 0x7632),
                                     )
                                     if active:
                                         for b in cutlass.range_constexpr(4):
@@ -620,7 +577,7 @@ class FusedQuantizeSm90:
                                         # the low/high byte pairs of token words 0 and 2, then 1 and 3
                                         pw = cute.make_rmem_tensor(cute.make_layout(4), Uint32)
                                         for t in cutlass.range_constexpr(4):
-                                            pw[t] = _prmt(src[t // 2], src[2 + t // 2], 0x7632 if t % 2 else 0x5410)
+                                            pw[t] = prmt(src[t // 2], src[2 + t // 2], 0x7632 if t % 2 else 0x5410)
                                         cute.copy(w_atom, pw, dst)
                                     else:
                                         cute.copy(w_atom, src, dst)
@@ -660,10 +617,6 @@ NUM_PTR_ARGS = 1 + 7 * MAX_PARTS  # cu_seqlens, then per part x, (td, dt, scale)
 NUM_INT_ARGS = 4  # T, T_dt, docs, grid slots
 
 
-def _fake_ptr(dtype, align=16):
-    return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
-
-
 def _ptr_specs():
     """(dtype, assumed alignment) of the pointer arguments, in order."""
     part = [(BFloat16, 16), (Float8E4M3FN, 16), (Float8E4M3FN, 16), (Int32, 4)] + [
@@ -677,7 +630,7 @@ def compile_fused_quantize_sm90(config, arch: str = "sm_90a", extra_options: str
     `config` is a QuantizeConfig (one tensor) or a MultiQuantizeConfig (up to three tensors).
     """
     op = FusedQuantizeSm90(config)
-    args = tuple(_fake_ptr(dt, al) for dt, al in _ptr_specs()) + (
+    args = tuple(fake_ptr(dt, al) for dt, al in _ptr_specs()) + (
         Int32(0), Int32(0), Int32(0), Int32(0), cute.runtime.make_fake_stream())
     options = f"--gpu-arch {arch} {extra_options}".strip()
     return cute.compile(op, *args, options=options)

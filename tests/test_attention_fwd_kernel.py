@@ -37,8 +37,8 @@ try:
         flamia_fwd_sm90,
         kernel_artifacts,
         overlap_default,
-        quad_transpose4,
     )
+    from flamia_cute.sm90_device import quad_transpose4
 
     HAVE_DSL = True
 except Exception:  # pragma: no cover - CI without the DSL

@@ -1,0 +1,181 @@
+"""Device helpers shared by the sm_90a kernels (quantization, attention forward and backward).
+
+Plain Python functions over DSL values: they are traced into whichever kernel calls them, so a
+change here changes every kernel (each kernel lists this file in its compile-cache sources).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass._mlir.dialects import arith, llvm
+
+
+def prmt(a, b, sel: int):
+    return Uint32(
+        llvm.inline_asm(
+            Uint32.mlir_type,
+            [Uint32(a).ir_value(), Uint32(b).ir_value(), Uint32(sel).ir_value()],
+            "prmt.b32 $0, $1, $2, $3;",
+            "=r,r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def cvt_e4m3x4(a, b, c, d):
+    """Four fp32 -> four e4m3 (RNE, satfinite) packed in a u32, `a` in the lowest byte."""
+    return Uint32(
+        llvm.inline_asm(
+            Uint32.mlir_type,
+            [Float32(a).ir_value(), Float32(b).ir_value(), Float32(c).ir_value(), Float32(d).ir_value()],
+            "{\n.reg .b16 lo, hi;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+            "mov.b32 $0, {lo, hi};\n}",
+            "=r,f,f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def pack_a_fragment_e4m3(acc, out32):
+    """fp32 accumulator values (m64nK fragment) -> e4m3 A-operand registers of the next wgmma,
+    in place: no data moves between threads because the B operand's K dimension comes in
+    P-fragment order (quant.PV_ORDER16).
+
+    A register (32-key chunk c, 16-key half h, row r) holds the keys (2t, 2t+1, 8+2t, 9+2t) of
+    the half, which thread t holds in accumulator column blocks v = 4c+2h and 4c+2h+1 (block v:
+    keys 8v+2t, 8v+2t+1; value index v0 + 2*row + 4*v).
+    """
+    for c in range(cute.size(acc) // 16):  # plain Python loops: unrolled while tracing
+        for h in range(2):
+            vl = 4 * (4 * c + 2 * h)
+            vh = vl + 4
+            for r in range(2):
+                out32[4 * c + 2 * h + r] = cvt_e4m3x4(acc[vl + 2 * r], acc[vl + 2 * r + 1], acc[vh + 2 * r],
+                                                       acc[vh + 2 * r + 1])
+
+
+def cvt_bf16x2(lo, hi):
+    """Two fp32 -> two bf16 (RNE) packed in a u32, `lo` in the low half (the lower address)."""
+    return Uint32(
+        llvm.inline_asm(
+            Uint32.mlir_type,
+            [Float32(hi).ir_value(), Float32(lo).ir_value()],
+            "cvt.rn.bf16x2.f32 $0, $1, $2;",
+            "=r,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def st_global_v4(addr, w):
+    """One 16-byte global store of four u32 words (addr: Int64, 16-byte aligned)."""
+    llvm.inline_asm(
+        None,
+        [Int64(addr).ir_value()] + [Uint32(x).ir_value() for x in w],
+        "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
+        "l,r,r,r,r,~{memory}",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+def quad_transpose4(w, b0, b1, shfl_xor, sel):
+    """4x4 word transpose across the 4 lanes of a quad: lane t gets [lane i's w[t] for i in 0..3].
+
+    w: this lane's 4 words; b0, b1: bits 0 and 1 of the lane's index t in its quad; shfl_xor(x, k):
+    x from lane t ^ k; sel(c, a, b): a if c else b. Plain Python over the primitives, so the
+    CPU tests run the very same code on a lane model. Two butterfly stages (partners t^2, then
+    t^1), 4 shuffles and 16 selects.
+    """
+    # stage 1: keep words j with bit1(j) == bit1(t), trade the other two with lane t^2
+    keep = [sel(b1, w[2 + b], w[b]) for b in range(2)]
+    recv = [shfl_xor(sel(b1, w[b], w[2 + b]), 2) for b in range(2)]
+    # y[s1][b]: word 2*bit1(t) + b of the quad lane with bit1 = s1 and bit0 = bit0(t)
+    y = [[sel(b1, recv[b], keep[b]) for b in range(2)], [sel(b1, keep[b], recv[b]) for b in range(2)]]
+    # stage 2: keep word b = bit0(t), trade the other with lane t^1
+    keep2 = [sel(b0, y[s][1], y[s][0]) for s in range(2)]
+    recv2 = [shfl_xor(sel(b0, y[s][0], y[s][1]), 1) for s in range(2)]
+    out = []
+    for s in range(2):
+        out += [sel(b0, recv2[s], keep2[s]), sel(b0, keep2[s], recv2[s])]
+    return out
+
+
+def quad_max(x):
+    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+    return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+
+
+def quad_sum(x):
+    x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
+    return x + cute.arch.shuffle_sync_bfly(x, offset=2)
+
+
+def as_f32(bits):
+    return Float32(arith.bitcast(Float32.mlir_type, Int32(bits).ir_value()))
+
+
+def imax(a, b):
+    return Int32(cutlass.max(a, b))
+
+
+def select(cond, a, b):
+    return type(a)(cutlass.select_(cond, a, b))
+
+
+def pow2_scale_bits(amax_bits):
+    """(scale bits, 1/scale bits) from |x| amax bits: quant.formats.pow2_scale_from_amax_bits for e4m3.
+
+    1/scale is exact: k <= 120 for finite amax, so 2**-k stays normal.
+    """
+    biased = (amax_bits >> 23) & 0xFF
+    k = biased - 135 + select((amax_bits & 0x7FFFFF) > 0x600000, Int32(1), Int32(0))
+    k = imax(k, Int32(-126))
+    k = Int32(cutlass.min(k, Int32(127)))
+    scale = (k + 127) << 23
+    inv = (127 - k) << 23
+    # amax == 0 falls out as the smallest scale 2**-126: finite, and never the max of a scale fold
+    non_finite = biased == 255
+    scale = select(non_finite, Int32(0x7FC00000), scale)
+    inv = select(non_finite, Int32(0x7FC00000), inv)
+    return scale, inv
+
+
+def f32_bits(x):
+    return Int32(arith.bitcast(Int32.mlir_type, Float32(x).ir_value()))
+
+
+def fake_ptr(dtype, align=16):
+    """A null global pointer for cute.compile: kernels compile without tensors or a GPU."""
+    return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def tma_pipeline(stages: int, tx_bytes: int, barrier_ptr):
+    """Shared-memory ring filled by TMA (one producer thread), drained by the 8 consumer warps."""
+    return pipeline.PipelineTmaAsync.create(
+        num_stages=stages, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
+        tx_count=tx_bytes, barrier_storage=barrier_ptr, defer_sync=True,
+    )
+
+
+def warp_pipeline(stages: int, barrier_ptr):
+    """Shared-memory ring filled by one producer warp's stores, read by the 256 consumer threads."""
+    return pipeline.PipelineAsync.create(
+        num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 256),
+        barrier_storage=barrier_ptr, defer_sync=True,
+    )
