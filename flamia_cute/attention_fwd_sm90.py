@@ -497,8 +497,9 @@ class FlamiaFwdSm90:
         if cutlass.const_expr(self.overlap):
             # Intra-warpgroup overlap (FA3): S of tile n+1 and P V of tile n are issued together,
             # then the softmax of tile n+1 runs while the tensor cores work on both.
-            k_state, s_state = self.overlap_prologue(
-                m_block, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len, wg, quad, lane,
+            # the diagonal tile: S, softmax, P (its P V is issued with the next tile's S)
+            k_state, s_state = self.s_softmax_p(
+                True, m_block, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len, wg, quad, lane,
             )
             for i in cutlass.range(1, n_tiles, unroll=1):
                 # the MMA atoms carry their ACCUMULATE field as staged state: rebinding them here
@@ -696,27 +697,8 @@ class FlamiaFwdSm90:
         k_state, v_state, s_state, doc_len, wg, quad, lane,
     ):
         """One key tile n, serially: S, softmax, P, P V. diag: the diagonal tile (first)."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
-        # ---- S = Q K^T
-        pipe_k.consumer_wait(k_state)
-        if cutlass.const_expr(self.pingpong):
-            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
-        warpgroup.fence()
-        self.gemm_qk(qk_mma, frags, k_state, wg)
-        warpgroup.commit_group()
-        if cutlass.const_expr(self.pingpong):
-            # the other warpgroup may issue its GEMMs while this one does the softmax
-            cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
-        pipe_s.consumer_wait(s_state)
-        warpgroup.wait_group(0)
-        pipe_k.consumer_release(k_state)
-        k_state.advance()
-
-        # ---- online softmax (log2 domain) and the P cast with the V scale folded in
-        self.softmax(diag, n, frags, rowst, sScale, s_state, doc_len, wg)
-        pipe_s.consumer_release(s_state)
-        s_state.advance()
-        self.convert_p(frags, quad, lane)
+        k_state, s_state = self.s_softmax_p(diag, n, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state,
+                                            doc_len, wg, quad, lane)
 
         # ---- O_tile = P V in a fresh accumulator, promoted into the fp32 running output
         pipe_v.consumer_wait(v_state)
@@ -741,10 +723,12 @@ class FlamiaFwdSm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def overlap_prologue(
-        self, n, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len, wg, quad, lane,
+    def s_softmax_p(
+        self, diag: cutlass.Constexpr, n, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len,
+        wg, quad, lane,
     ):
-        """Overlap schedule, diagonal tile n: S, softmax, P (its P V is issued by the next phase)."""
+        """S = Q K^T for key tile n, its online softmax (log2 domain) and P cast to the A registers
+        with the V scale folded in; the factor c for O goes to c_pend (applied when P V lands)."""
         pipe_k.consumer_wait(k_state)
         if cutlass.const_expr(self.pingpong):
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
@@ -752,13 +736,13 @@ class FlamiaFwdSm90:
         self.gemm_qk(qk_mma, frags, k_state, wg)
         warpgroup.commit_group()
         if cutlass.const_expr(self.pingpong):
+            # the other warpgroup may issue its GEMMs while this one does the softmax
             cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
         pipe_s.consumer_wait(s_state)
         warpgroup.wait_group(0)
         pipe_k.consumer_release(k_state)
         k_state.advance()
-        # its factor c (in c_pend) is applied when its P V lands, in the next phase
-        self.softmax(True, n, frags, rowst, sScale, s_state, doc_len, wg)
+        self.softmax(diag, n, frags, rowst, sScale, s_state, doc_len, wg)
         pipe_s.consumer_release(s_state)
         s_state.advance()
         self.convert_p(frags, quad, lane)
