@@ -62,6 +62,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from .quant import dt_cu_seqlens as quant_dt_cu_seqlens
 from .quant import transposed_tokens
 from .sm90_device import (
+    SHARED_SOURCE_FILES,
     as_f32,
     cvt_bf16x2,
     cvt_e4m3x4,
@@ -76,7 +77,7 @@ from .sm90_device import (
     warp_pipeline,
 )
 
-SOURCE_FILES = (Path(__file__), Path(__file__).with_name("sm90_device.py"))
+SOURCE_FILES = (Path(__file__).resolve(), *SHARED_SOURCE_FILES)
 
 LOG2E = math.log2(math.e)
 P_SCALE = 256.0  # the recipe's fixed power-of-two P scale

@@ -57,6 +57,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from .quant import DT_DOC_ALIGN, transposed_tokens
 from .sm90_device import (
+    SHARED_SOURCE_FILES,
     cvt_bf16x2,
     pack_a_fragment_e4m3,
     quad_max,
@@ -67,7 +68,7 @@ from .sm90_device import (
     warp_pipeline,
 )
 
-SOURCE_FILES = (Path(__file__), Path(__file__).with_name("sm90_device.py"))
+SOURCE_FILES = (Path(__file__).resolve(), *SHARED_SOURCE_FILES)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)

@@ -74,19 +74,20 @@ from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint32, const_expr
 
 from .quant import DT_DOC_ALIGN, TOKEN_PAD, QuantizedTHD, transposed_tokens
 from .schedules.varlen_chunks import chunk_grid_slots
-from .sm90_device import as_f32, fake_ptr, imax, pow2_scale_bits, prmt, select
+from .sm90_device import SHARED_SOURCE_FILES, as_f32, fake_ptr, imax, pow2_scale_bits, prmt, select
 
 TILE_TOKENS = 128
 GROUP_TOKENS = 16  # tokens per warp and per data_dt segment (16 fp8 = 16 bytes)
 TILE_GROUPS = TILE_TOKENS // GROUP_TOKENS  # 8 segments of 16 tokens per chunk
 NUM_WARPS = TILE_GROUPS
 NUM_THREADS = 32 * NUM_WARPS  # 256
-assert DT_DOC_ALIGN == GROUP_TOKENS, "a document's first data_dt column must start a 16-byte segment"
+# a document's first data_dt column starts a 16-byte segment, and its pad ends inside its last chunk
+assert DT_DOC_ALIGN % GROUP_TOKENS == 0 and TILE_TOKENS % DT_DOC_ALIGN == 0, DT_DOC_ALIGN
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_BLOCK_TOKENS = (1, 64, 128)
 MAX_PARTS = 3  # Q, K, V in one launch
 
-SOURCE_FILES = (Path(__file__).resolve(), Path(__file__).resolve().with_name("sm90_device.py"))
+SOURCE_FILES = (Path(__file__).resolve(), *SHARED_SOURCE_FILES)
 
 
 @dataclass(frozen=True)
@@ -554,11 +555,14 @@ class FusedQuantizeSm90:
 
                     # ---- transposed copy: whole 16-byte segments only --------------------------------
                     # Segment g holds chunk tokens 16g .. 16g+15 at columns dcol + 16g ..; it is written
-                    # when it holds a token, tokens past the chunk as 0, so the last chunk of a document
-                    # also writes the document's pad columns up to round_up(len, 16).
+                    # when it lies before round_up(n, DT_DOC_ALIGN), tokens past the chunk as 0, so the
+                    # last chunk of a document also writes the document's pad columns.
                     if const_expr(TRANS):
                         cute.arch.sync_threads()
                         seg0 = dcol >> 4
+                        n_written = n  # 16g < n == 16g < round_up(n, 16): no rounding needed at 16
+                        if const_expr(DT_DOC_ALIGN != GROUP_TOKENS):
+                            n_written = (n + (DT_DOC_ALIGN - 1)) & -DT_DOC_ALIGN
                         for st in cutlass.range_constexpr(NSETS):
                             mDT = mDT0 if const_expr(st == 0) else mDT1
                             sT = tiles[st]
@@ -567,7 +571,7 @@ class FusedQuantizeSm90:
                                 row = e // TILE_GROUPS
                                 g = e % TILE_GROUPS
                                 slot = (g + (row >> 4)) % TILE_GROUPS
-                                if GROUP_TOKENS * g < n:
+                                if GROUP_TOKENS * g < n_written:
                                     src = sT[row, slot, None]
                                     dst = cute.recast_tensor(
                                         cute.local_tile(mDT[hgrp * HG + row // D, row % D, None], (16,), (seg0 + g,)), Uint32
@@ -583,7 +587,7 @@ class FusedQuantizeSm90:
                                         cute.copy(w_atom, src, dst)
                 else:
                     # ---- spare CTA: zero the tail columns [dt_total, T_dt) of this head group -------
-                    # dt_total (tot_p) is a multiple of 16 and T_dt of 128: whole 16-byte segments.
+                    # dt_total (tot_p) is a multiple of DT_DOC_ALIGN and T_dt of 128: whole 16-byte segments.
                     # Spare CTA s of S zeroes 128-column blocks s, s + S, ...
                     if const_expr(TRANS):
                         w_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=128)

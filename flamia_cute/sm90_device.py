@@ -6,11 +6,19 @@ change here changes every kernel (each kernel lists this file in its compile-cac
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import arith, llvm
+
+from .quant import quantize as _quant_layout
+
+# What every kernel's compile-cache key hashes besides its own file: these helpers, and the quant
+# layout module whose constants (DT_DOC_ALIGN, TOKEN_PAD) are baked into the kernels at trace time.
+SHARED_SOURCE_FILES = (Path(__file__).resolve(), Path(_quant_layout.__file__).resolve())
 
 
 def prmt(a, b, sel: int):

@@ -33,6 +33,12 @@ for stage in "$@"; do
                   --reps 15 --out "$OUT" ;;
     bench-gputime) run bench_gputime 480 python3 -m flamia_cute.cli bench --modes fwd,bwd,fwdbwd --impls flamia,fa4,cudnn \
                   --reps 15 --gpu-time --out "$OUT/gputime" ;;
+    align-experiment)  # issue 3 hypothesis: data_dt documents at 16-column starts split 32-byte sectors
+      for a in 32 128 16; do  # ends on 16: the committed layout
+        sed -i "s/^DT_DOC_ALIGN = .*/DT_DOC_ALIGN = $a/" quant/quantize.py
+        run "quant_tests_align$a" 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_quantize_kernel.py -k qkv
+        run "quant_bench_align$a" 200 env OUT="$OUT/align$a" python3 perf/bench_quantize.py
+      done ;;
     tune-test) run tune_test 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tuning.py ;;
     tune) run tune 420 python3 -m flamia_cute.cli tune --only 1x16k,16x1k,longtail32k --reps 10 ;;
     demo) run demo 240 python3 -m flamia_cute ;;

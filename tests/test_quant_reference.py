@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flamia_cute.quant import (
+    DT_DOC_ALIGN,
     E4M3,
     E5M2,
     TOKEN_PAD,
@@ -49,7 +50,10 @@ def test_transposed_copy_matches_and_pads_with_zero():
     cu = cu_seqlens_from_lengths(lengths)
     qt = quantize_thd(x, cu, 128)
     starts = dt_cu_seqlens(cu).tolist()
-    assert starts == [0, 112, 112, 128, 176]  # every document starts 16-aligned
+    ends = [0]
+    for n in lengths:  # every document starts DT_DOC_ALIGN-aligned, right after the previous one's pad
+        ends.append(ends[-1] + -(-n // DT_DOC_ALIGN) * DT_DOC_ALIGN)
+    assert starts == ends and (DT_DOC_ALIGN != 16 or starts == [0, 112, 112, 128, 176])
     assert qt.data_dt.shape == (3, 64, transposed_tokens(136, 4)) and qt.data_dt.shape[2] % TOKEN_PAD == 0
     dt = qt.data_dt.view(torch.uint8)
     written = torch.zeros(dt.shape[2], dtype=torch.bool)

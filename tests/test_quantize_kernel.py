@@ -109,9 +109,9 @@ def _cu_list(lengths):
 def _model_dt_writes(lengths, threads):
     """Columns of data_dt that the kernel writes, per CTA of one head group: {column: token or None (zero)}.
 
-    Mirrors quantize_sm90: a chunk CTA writes segment g (columns dcol + 16g ..) when 16g < n, token
-    dcol-relative tau for tau < n and 0 beyond; a spare CTA s of S zeroes 128-column tail blocks
-    s, s + S, ... from dt_total, whole segments below T_dt.
+    Mirrors quantize_sm90: a chunk CTA writes segment g (columns dcol + 16g ..) when 16g <
+    round_up(n, DT_DOC_ALIGN), token dcol-relative tau for tau < n and 0 beyond; a spare CTA s of S
+    zeroes 128-column tail blocks s, s + S, ... from dt_total, whole segments below T_dt.
     """
     T, nd = sum(lengths), len(lengths)
     cu = _cu_list(lengths)
@@ -125,12 +125,12 @@ def _model_dt_writes(lengths, threads):
         writes[col] = tok
 
     for cta in range(slots):
-        r = locate_chunk_model(cu, cta, threads)
+        r = locate_chunk_model(cu, cta, threads, align=DT_DOC_ALIGN)
         if r[0] == "chunk":
             _, start, n, dcol = r
             assert dcol % SEG == 0 and 1 <= n <= TILE
             for g in range(TILE // SEG):
-                if SEG * g < n:
+                if SEG * g < round_up(n, DT_DOC_ALIGN):
                     for b in range(SEG):
                         tau = SEG * g + b
                         put(dcol + tau, start + tau if tau < n else None)
@@ -175,7 +175,7 @@ def test_in_kernel_chunk_location_matches_table(lengths, threads):
     ref = _chunks_reference(lengths)
     dt_start = dt_cu_seqlens(torch.tensor(cu, dtype=torch.int32)).tolist()
     for cta in range(chunk_grid_slots(T, nd)):
-        got = locate_chunk_model(cu, cta, threads)
+        got = locate_chunk_model(cu, cta, threads, align=DT_DOC_ALIGN)
         if cta < len(ref):
             start, n = ref[cta]
             doc = max(b for b in range(nd) if cu[b] <= start and lengths[b] > 0 and start < cu[b + 1])
