@@ -56,7 +56,6 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from .quant import dt_cu_seqlens as quant_dt_cu_seqlens
@@ -70,6 +69,7 @@ from .sm90_device import (
     fake_ptr,
     pack_a_fragment_e4m3,
     pow2_scale_bits,
+    ptx,
     quad_max,
     quad_transpose4,
     st_global_v4,
@@ -142,28 +142,13 @@ def smem_bytes(cfg: BwdConfig) -> int:
 
 def _red_add_f32(addr, x):
     """Fire-and-forget fp32 atomic add to global memory (red.global.add.f32)."""
-    llvm.inline_asm(
-        None,
-        [Int64(addr).ir_value(), Float32(x).ir_value()],
-        "red.global.add.f32 [$0], $1;",
-        "l,f,~{memory}",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    ptx("red.global.add.f32 [$0], $1;", "l,f,~{memory}", [Int64(addr), Float32(x)], result=None, side_effects=True)
 
 
 def _red_add_v2_f32(addr, x, y):
     """Two adjacent fp32 atomic adds in one instruction (sm_90: red.global.add.v2.f32, 8-byte aligned)."""
-    llvm.inline_asm(
-        None,
-        [Int64(addr).ir_value(), Float32(x).ir_value(), Float32(y).ir_value()],
-        "red.global.add.v2.f32 [$0], {$1, $2};",
-        "l,f,f,~{memory}",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    ptx("red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f,~{memory}", [Int64(addr), Float32(x), Float32(y)],
+        result=None, side_effects=True)
 
 
 def _byte(w, i: int):

@@ -21,36 +21,32 @@ from .quant import quantize as _quant_layout
 SHARED_SOURCE_FILES = (Path(__file__).resolve(), Path(_quant_layout.__file__).resolve())
 
 
-def prmt(a, b, sel: int):
-    return Uint32(
-        llvm.inline_asm(
-            Uint32.mlir_type,
-            [Uint32(a).ir_value(), Uint32(b).ir_value(), Uint32(sel).ir_value()],
-            "prmt.b32 $0, $1, $2, $3;",
-            "=r,r,r,r",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
+def ptx(text: str, constraints: str, operands, result=Uint32, side_effects: bool = False):
+    """One inline PTX statement. result: the DSL type of $0 (None for a statement without one);
+    side_effects=False lets the compiler schedule (or drop) it like arithmetic."""
+    value = llvm.inline_asm(
+        result.mlir_type if result is not None else None,
+        [x.ir_value() for x in operands],
+        text,
+        constraints,
+        has_side_effects=side_effects,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+    return result(value) if result is not None else None
+
+
+def prmt(a, b, sel: int):
+    return ptx("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [Uint32(a), Uint32(b), Uint32(sel)])
 
 
 def cvt_e4m3x4(a, b, c, d):
     """Four fp32 -> four e4m3 (RNE, satfinite) packed in a u32, `a` in the lowest byte."""
-    return Uint32(
-        llvm.inline_asm(
-            Uint32.mlir_type,
-            [Float32(a).ir_value(), Float32(b).ir_value(), Float32(c).ir_value(), Float32(d).ir_value()],
-            "{\n.reg .b16 lo, hi;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
-            "mov.b32 $0, {lo, hi};\n}",
-            "=r,f,f,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    return ptx("{\n.reg .b16 lo, hi;\n"
+               "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+               "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+               "mov.b32 $0, {lo, hi};\n}",
+               "=r,f,f,f,f", [Float32(a), Float32(b), Float32(c), Float32(d)])
 
 
 def pack_a_fragment_e4m3(acc, out32):
@@ -73,30 +69,13 @@ def pack_a_fragment_e4m3(acc, out32):
 
 def cvt_bf16x2(lo, hi):
     """Two fp32 -> two bf16 (RNE) packed in a u32, `lo` in the low half (the lower address)."""
-    return Uint32(
-        llvm.inline_asm(
-            Uint32.mlir_type,
-            [Float32(hi).ir_value(), Float32(lo).ir_value()],
-            "cvt.rn.bf16x2.f32 $0, $1, $2;",
-            "=r,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    return ptx("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", [Float32(hi), Float32(lo)])
 
 
 def st_global_v4(addr, w):
     """One 16-byte global store of four u32 words (addr: Int64, 16-byte aligned)."""
-    llvm.inline_asm(
-        None,
-        [Int64(addr).ir_value()] + [Uint32(x).ir_value() for x in w],
-        "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
-        "l,r,r,r,r,~{memory}",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    ptx("st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}", [Int64(addr)] + [Uint32(x) for x in w],
+        result=None, side_effects=True)
 
 
 def quad_transpose4(w, b0, b1, shfl_xor, sel):
