@@ -78,8 +78,8 @@ def fwd_space(head_dim: int, group: int, diagonal_copy: bool):
     for stages in (2, 3, 4):
         for pingpong in (True, False):
             for overlap in (True, False):
-                # pin_softmax only changes the overlapped schedule
-                for pin in (True, False) if overlap else (True,):
+                # pin_softmax only changes the overlapped schedule; elsewhere it stays the default's
+                for pin in (True, False) if overlap else (base.pin_softmax,):
                     cfg = FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy,
                                     kv_stages=stages, pingpong=pingpong, intra_wg_overlap=overlap, pin_softmax=pin)
                     if cfg == base:

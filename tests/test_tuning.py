@@ -55,6 +55,17 @@ def test_dry_run_enumerates_the_space(capsys):
     assert "workload 1x16k: class long-uniform" in out
 
 
+@pytest.mark.parametrize("diagonal_copy", [False, True])
+def test_fwd_space_times_each_effective_config_once(diagonal_copy):
+    """pin_softmax changes nothing without the overlap schedule: such configs must not repeat another."""
+    from flamia_cute.tuning import fwd_space
+
+    keep, _ = fwd_space(128, 1, diagonal_copy)
+    effective = [(c.kv_stages, c.pingpong, c.intra_wg_overlap, c.pin_softmax if c.intra_wg_overlap else None)
+                 for c, _ in keep]
+    assert len(effective) == len(set(effective))
+
+
 def test_tune_rejects_unknown_recipe(capsys):
     assert main(["tune", "--dry-run", "--recipe", "mxfp8"]) == 2
 
