@@ -76,6 +76,13 @@ P_SCALE = 256.0  # the recipe's fixed power-of-two P scale: P * 256 <= 256 < 448
 P_SCALE_LOG2 = 8.0
 
 
+def smem_bytes(cfg) -> int:
+    """Shared memory of one CTA (upper bound): Q tile, K and V stages, their scale vectors, the
+    pin_softmax stores, barriers and alignment."""
+    tile = cfg.tile_m * cfg.head_dim
+    return tile + 2 * cfg.kv_stages * cfg.tile_n * cfg.head_dim + 2 * cfg.tile_n * 4 * cfg.kv_stages + 2048
+
+
 def overlap_default(head_dim: int, diagonal_copy: bool) -> bool:
     """intra_wg_overlap's default: on where the sm_90a build has no spills (tests check it).
 

@@ -38,7 +38,6 @@ class KernelEntry:
     module: str  # imported lazily: the DSL fixes its arch at import
     config_class: str
     configs: dict[str, dict]  # named configs: field overrides
-    smem_of: str = ""  # "module:function" giving a config's shared memory per CTA (bytes)
 
     def config(self, config_name: str, overrides: dict | None = None):
         import importlib
@@ -52,14 +51,11 @@ class KernelEntry:
             raise ValueError(f"--set: {sorted(bad)} are not fields of {cls.__name__} ({sorted(fields)})")
         return cls(**(self.configs[config_name] | (overrides or {})))
 
-    def smem_bytes(self, config) -> int | None:
+    def smem_bytes(self, config) -> int:
         """Shared memory per CTA the config asks for at launch (dynamic: not in the cubin)."""
         import importlib
 
-        if not self.smem_of:
-            return None
-        mod, fn = self.smem_of.split(":")
-        return int(getattr(importlib.import_module(mod), fn)(config))
+        return int(importlib.import_module(self.module).smem_bytes(config))
 
     def artifacts(self, config, arch: str):
         import importlib
@@ -83,11 +79,9 @@ KERNELS = {
             "tokenblock_d128": dict(head_dim=128, num_heads=16, block_tokens=128, emit_token_copy=True),
             "tokenblock_d64": dict(head_dim=64, num_heads=32, block_tokens=128, emit_token_copy=True),
             "tokenblock_d256": dict(head_dim=256, num_heads=8, block_tokens=128, emit_token_copy=True),
-        }, "flamia_cute.quantize_sm90:config_smem_bytes"),
-        KernelEntry("fwd", ("sm_90a",), "flamia_cute.attention_fwd_sm90", "FwdConfig", ATTENTION_CONFIGS,
-                    "flamia_cute.tuning:fwd_smem_bytes"),
-        KernelEntry("bwd", ("sm_90a",), "flamia_cute.attention_bwd_sm90", "BwdConfig", ATTENTION_CONFIGS,
-                    "flamia_cute.attention_bwd_sm90:smem_bytes"),
+        }),
+        KernelEntry("fwd", ("sm_90a",), "flamia_cute.attention_fwd_sm90", "FwdConfig", ATTENTION_CONFIGS),
+        KernelEntry("bwd", ("sm_90a",), "flamia_cute.attention_bwd_sm90", "BwdConfig", ATTENTION_CONFIGS),
     )
 }
 
@@ -98,10 +92,9 @@ def set_target_arch(arch: str) -> None:
     os.environ["CUTE_DSL_ARCH"] = arch
 
 
-def summarize(art: Any, smem_bytes: int | None = None) -> dict:
-    out = {"arch": art.arch, "registers": art.registers, "stack_frame_bytes": art.frame_bytes}
-    if smem_bytes is not None:
-        out["shared_memory_bytes"] = smem_bytes
+def summarize(art: Any, smem_bytes: int) -> dict:
+    out = {"arch": art.arch, "registers": art.registers, "stack_frame_bytes": art.frame_bytes,
+           "shared_memory_bytes": smem_bytes}
     for label, pat in PTX_COUNTERS.items():
         out[f"ptx {label}"] = len(re.findall(pat, art.ptx))
     if art.sass:

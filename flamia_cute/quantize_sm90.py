@@ -141,8 +141,9 @@ class QuantizeConfig:
         return self.num_sets * tile + NUM_WARPS * self.heads_per_cta * 4 + NUM_WARPS * 2 * 4 + 16 + 64
 
 
-def config_smem_bytes(config) -> int:
-    """Shared memory per CTA of a QuantizeConfig or MultiQuantizeConfig launch."""
+def smem_bytes(config) -> int:
+    """Shared memory per CTA of a QuantizeConfig or MultiQuantizeConfig launch (each kernel module
+    has this function: `flamia-cute ptx` reports it)."""
     return config.smem_bytes
 
 

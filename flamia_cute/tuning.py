@@ -63,14 +63,9 @@ def cache_path(key: TuningKey) -> Path:
 # ----------------------------------------------------------------------------- search space
 
 
-def fwd_smem_bytes(cfg) -> int:
-    tile = cfg.tile_m * cfg.head_dim
-    return tile + 2 * cfg.kv_stages * cfg.tile_n * cfg.head_dim + 2 * cfg.tile_n * 4 * cfg.kv_stages + 2048
-
-
 def fwd_space(head_dim: int, group: int, diagonal_copy: bool):
     """Every forward config the kernel exposes, with the reason each pruned one was dropped."""
-    from .attention_fwd_sm90 import FwdConfig
+    from .attention_fwd_sm90 import FwdConfig, smem_bytes
 
     keep, pruned = [], []
     base = FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
@@ -84,7 +79,7 @@ def fwd_space(head_dim: int, group: int, diagonal_copy: bool):
                                     kv_stages=stages, pingpong=pingpong, intra_wg_overlap=overlap, pin_softmax=pin)
                     if cfg == base:
                         continue
-                    smem = fwd_smem_bytes(cfg)
+                    smem = smem_bytes(cfg)
                     if overlap and not diagonal_copy:
                         pruned.append((cfg, "spills: the per-token recipe's overlapped schedule needs > 240 registers"))
                     else:
