@@ -1016,13 +1016,18 @@ def flamia_bwd_sm90(
     return dq, dk, dv
 
 
+def default_config(qq, kq, kt) -> BwdConfig:
+    """The default BwdConfig for the forward's saved operands (kt: per-token K copy or None)."""
+    return BwdConfig(head_dim=qq.data_td.shape[2], qhead_per_kvhead=qq.data_td.shape[1] // kq.data_td.shape[1],
+                     diagonal_copy=kt is not None)
+
+
 def flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, cu_seqlens, max_seqlen, softmax_scale,
                                config: BwdConfig | None = None, **kw):
     """Convenience entry from the forward's saved QuantizedTHD operands (kt, vt: per-token copies or None)."""
     block = kt is not None
     if config is None:
-        config = BwdConfig(head_dim=qq.data_td.shape[2], qhead_per_kvhead=qq.data_td.shape[1] // kq.data_td.shape[1],
-                           diagonal_copy=block)
+        config = default_config(qq, kq, kt)
     return flamia_bwd_sm90(
         dout, out, lse, qq.data_td, qq.data_dt, qq.scale, kq.data_td, kq.data_dt, kq.scale, vq.data_td, vq.scale,
         kt.data_td if block else None, kt.data_dt if block else None, kt.scale if block else None,

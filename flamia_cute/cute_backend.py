@@ -83,13 +83,10 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block):
 
 def backward_kernels(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale):
     """The sm_90a backward kernel from the forward's saved operands, with the tuned BwdConfig."""
-    from .attention_bwd_sm90 import BwdConfig, flamia_bwd_sm90_from_saved
+    from .attention_bwd_sm90 import default_config, flamia_bwd_sm90_from_saved
     from .tuning import tuned_bwd_config
 
-    # the default exactly as flamia_bwd_sm90_from_saved builds it for config=None
-    cfg = BwdConfig(head_dim=qq.data_td.shape[2], qhead_per_kvhead=qq.data_td.shape[1] // kq.data_td.shape[1],
-                    diagonal_copy=kt is not None)
-    cfg = tuned_bwd_config(cfg, max_seqlen, qq.data_td.shape[0], cu.numel() - 1)
+    cfg = tuned_bwd_config(default_config(qq, kq, kt), max_seqlen, qq.data_td.shape[0], cu.numel() - 1)
     return flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale, config=cfg)
 
 
