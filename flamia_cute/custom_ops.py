@@ -142,14 +142,19 @@ def _pack_kernel(layout, out_bf16, quantized) -> list[torch.Tensor]:
 
 
 def _unpack_kernel(layout, saved, block: int):
+    from .quantize_sm90 import qkv_config
+
+    q_td, k_td = saved[1], saved[1 + len(QUANT_FIELDS)]
+    # the Q/K/V launch that wrote them says which data_dt are in P-fragment order
+    q_cfg, k_cfg, v_cfg = qkv_config(q_td.shape[2], q_td.shape[1], k_td.shape[1], block).parts
     out = []
-    for j, name in enumerate(("q", "k", "v", "kt", "vt")):
+    for j, (name, cfg) in enumerate(zip(("q", "k", "v", "kt", "vt"), (q_cfg, k_cfg, v_cfg, k_cfg, v_cfg), strict=True)):
         base = 1 + j * len(QUANT_FIELDS)
         if layout[base][1] is _NONE:
             out.append(None)
             continue
         td, dt, sc = saved[base : base + 3]
-        out.append(QuantizedTHD(td, dt, sc, block if name in ("k", "v") else 1, "e4m3", name in ("q", "v", "vt")))
+        out.append(QuantizedTHD(td, dt, sc, block if name in ("k", "v") else 1, "e4m3", cfg.dt_pv_order))
     qq, kq, vq, kt, vt = out
     return qq, kq, vq, kt, vt
 

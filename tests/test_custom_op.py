@@ -72,6 +72,20 @@ def test_kernel_layout_fake(recipe):
     assert (dq.shape, dk.shape, dv.shape) == ((T, H, D), (Tk, Hk, D), (Tk, Hk, D))
 
 
+@pytest.mark.parametrize("recipe, block", [("fp8_tokenblock", 128), ("fp8_token", 1)])
+def test_kernel_unpack_marks_the_p_fragment_ordered_operands(recipe, block):
+    """The backward must know which saved data_dt are in P-fragment order: Q and V (and V's copy)."""
+    pytest.importorskip("cutlass")
+    from flamia_cute.custom_ops import _unpack_kernel
+
+    layout = saved_layout(recipe, "cute", True)
+    saved = [torch.zeros(0)] + [torch.zeros(7, 4 if name.startswith("q") else 2, 128) for name, _ in layout[1:]]
+    qq, kq, vq, kt, vt = _unpack_kernel(layout, saved, block)
+    assert qq.dt_pv_order and vq.dt_pv_order and not kq.dt_pv_order
+    assert (kt is None) == (block == 1) and (block == 1 or (vt.dt_pv_order and not kt.dt_pv_order))
+    assert kq.block_tokens == block and qq.block_tokens == 1
+
+
 @pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "bf16", "mxfp8", "nvfp4_fp8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_custom_op_path_matches_the_autograd_function_bit_for_bit(recipe, dtype):
