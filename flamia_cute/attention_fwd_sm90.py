@@ -73,7 +73,7 @@ SOURCE_FILES = (Path(__file__).resolve(), *SHARED_SOURCE_FILES)
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 P_SCALE = 256.0  # the recipe's fixed power-of-two P scale: P * 256 <= 256 < 448
-P_SCALE_LOG2 = 8.0
+P_SCALE_LOG2 = math.log2(P_SCALE)  # exact: P_SCALE is a power of two
 
 
 def smem_bytes(cfg) -> int:
@@ -507,25 +507,25 @@ class FlamiaFwdSm90:
             # then the softmax of tile n+1 runs while the tensor cores work on both.
             # the diagonal tile: S, softmax, P (its P V is issued with the next tile's S)
             k_state, s_state = self.s_softmax_p(
-                True, m_block, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len, wg, quad, lane,
+                True, m_block, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len, wg,
             )
             for i in cutlass.range(1, n_tiles, unroll=1):
                 # the MMA atoms carry their ACCUMULATE field as staged state: rebinding them here
                 # makes them loop-carried, so the epilogue's GEMM may use them after the loop
                 k_state, v_state, s_state, qk_mma, pv_mma = self.overlap_step(
                     m_block - i, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s,
-                    k_state, v_state, s_state, doc_len, wg, quad, lane,
+                    k_state, v_state, s_state, doc_len, wg,
                 )
             v_state = self.overlap_epilogue(frags, rowst, pv_mma, pipe_v, v_state, wg)
         else:
             k_state, v_state, s_state = self.tile_step(
                 True, m_block, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
-                k_state, v_state, s_state, doc_len, wg, quad, lane,
+                k_state, v_state, s_state, doc_len, wg,
             )
             for i in cutlass.range(1, n_tiles, unroll=1):
                 k_state, v_state, s_state = self.tile_step(
                     False, m_block - i, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
-                    k_state, v_state, s_state, doc_len, wg, quad, lane,
+                    k_state, v_state, s_state, doc_len, wg,
                 )
 
         if cutlass.const_expr(self.pingpong):
@@ -692,7 +692,7 @@ class FlamiaFwdSm90:
             l_run[v1] = l_run[v1] * alphas[v1] + ps
 
     @cute.jit
-    def convert_p(self, frags, quad, lane):
+    def convert_p(self, frags):
         """P: fp32 accumulator layout (acc_s) -> e4m3 A-operand registers (tOrP); V^T comes in
         P-fragment key order, so this is 32 conversions and nothing else."""
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
@@ -702,11 +702,11 @@ class FlamiaFwdSm90:
     @cute.jit
     def tile_step(
         self, diag: cutlass.Constexpr, n, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
-        k_state, v_state, s_state, doc_len, wg, quad, lane,
+        k_state, v_state, s_state, doc_len, wg,
     ):
         """One key tile n, serially: S, softmax, P, P V. diag: the diagonal tile (first)."""
         k_state, s_state = self.s_softmax_p(diag, n, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state,
-                                            doc_len, wg, quad, lane)
+                                            doc_len, wg)
 
         # ---- O_tile = P V in a fresh accumulator, promoted into the fp32 running output
         pipe_v.consumer_wait(v_state)
@@ -718,6 +718,18 @@ class FlamiaFwdSm90:
         v_state.advance()
         self.accumulate_o(frags, rowst[4])
         return k_state, v_state, s_state
+
+    @cute.jit
+    def wait_turn(self, wg):
+        """Ping-pong (FA3's warp scheduler barrier): wait until the other warpgroup has issued."""
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
+
+    @cute.jit
+    def pass_turn(self, wg):
+        """Ping-pong: let the other warpgroup issue its GEMMs."""
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
 
     @cute.jit
     def accumulate_o(self, frags, c):
@@ -733,19 +745,16 @@ class FlamiaFwdSm90:
     @cute.jit
     def s_softmax_p(
         self, diag: cutlass.Constexpr, n, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len,
-        wg, quad, lane,
+        wg,
     ):
         """S = Q K^T for key tile n, its online softmax (log2 domain) and P cast to the A registers
         with the V scale folded in; the factor c for O goes to c_pend (applied when P V lands)."""
         pipe_k.consumer_wait(k_state)
-        if cutlass.const_expr(self.pingpong):
-            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
+        self.wait_turn(wg)
         warpgroup.fence()
         self.gemm_qk(qk_mma, frags, k_state, wg)
         warpgroup.commit_group()
-        if cutlass.const_expr(self.pingpong):
-            # the other warpgroup may issue its GEMMs while this one does the softmax
-            cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
+        self.pass_turn(wg)  # the other warpgroup may issue its GEMMs while this one does the softmax
         pipe_s.consumer_wait(s_state)
         warpgroup.wait_group(0)
         pipe_k.consumer_release(k_state)
@@ -753,13 +762,13 @@ class FlamiaFwdSm90:
         self.softmax(diag, n, frags, rowst, sScale, s_state, doc_len, wg)
         pipe_s.consumer_release(s_state)
         s_state.advance()
-        self.convert_p(frags, quad, lane)
+        self.convert_p(frags)
         return k_state, s_state
 
     @cute.jit
     def overlap_step(
         self, n, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s,
-        k_state, v_state, s_state, doc_len, wg, quad, lane,
+        k_state, v_state, s_state, doc_len, wg,
     ):
         """Overlap schedule, off-diagonal tile n: issue S_n and P_prev V_prev, softmax of S_n
         while P V runs, then O = O * c_prev + O_tile(prev) and P_n."""
@@ -767,15 +776,13 @@ class FlamiaFwdSm90:
         rs, m_run, l_run, r_run, c_pend = rowst
         pipe_k.consumer_wait(k_state)
         pipe_v.consumer_wait(v_state)
-        if cutlass.const_expr(self.pingpong):
-            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
+        self.wait_turn(wg)
         warpgroup.fence()
         self.gemm_qk(qk_mma, frags, k_state, wg)
         warpgroup.commit_group()
         self.gemm_pv(pv_mma, frags, v_state)
         warpgroup.commit_group()
-        if cutlass.const_expr(self.pingpong):
-            cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
+        self.pass_turn(wg)
         pipe_s.consumer_wait(s_state)
         warpgroup.wait_group(1)  # S_n is done (groups retire in order); P V may still run
         pipe_k.consumer_release(k_state)
@@ -794,7 +801,7 @@ class FlamiaFwdSm90:
         v_state.advance()
         # the serial schedule's operation for the previous tile: O = O * c_prev + O_tile
         self.accumulate_o(frags, c_prev)
-        self.convert_p(frags, quad, lane)
+        self.convert_p(frags)
         return k_state, v_state, s_state, qk_mma, pv_mma
 
     @cute.jit
@@ -802,13 +809,11 @@ class FlamiaFwdSm90:
         """Overlap schedule: P V of the last tile, O = O * c_last + O_tile."""
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         pipe_v.consumer_wait(v_state)
-        if cutlass.const_expr(self.pingpong):
-            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=256)
+        self.wait_turn(wg)
         warpgroup.fence()
         self.gemm_pv(pv_mma, frags, v_state)
         warpgroup.commit_group()
-        if cutlass.const_expr(self.pingpong):
-            cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
+        self.pass_turn(wg)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         v_state.advance()

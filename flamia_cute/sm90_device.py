@@ -49,22 +49,29 @@ def cvt_e4m3x4(a, b, c, d):
                "=r,f,f,f,f", [Float32(a), Float32(b), Float32(c), Float32(d)])
 
 
-def pack_a_fragment_e4m3(acc, out32):
-    """fp32 accumulator values (m64nK fragment) -> e4m3 A-operand registers of the next wgmma,
-    in place: no data moves between threads because the B operand's K dimension comes in
-    P-fragment order (quant.PV_ORDER16).
+def a_fragment_sources(n_acc: int) -> list:
+    """Where each e4m3 A-operand register of the next wgmma takes its bytes from an m64nK fp32
+    accumulator fragment of n_acc values: [(register, (4 accumulator indices, lowest byte first))].
 
-    A register (32-key chunk c, 16-key half h, row r) holds the keys (2t, 2t+1, 8+2t, 9+2t) of
-    the half, which thread t holds in accumulator column blocks v = 4c+2h and 4c+2h+1 (block v:
-    keys 8v+2t, 8v+2t+1; value index v0 + 2*row + 4*v).
+    The B operand's K dimension comes in P-fragment order (quant.PV_ORDER16), so no data moves
+    between threads: A register (32-key chunk c, 16-key half h, row r) holds the keys (2t, 2t+1,
+    8+2t, 9+2t) of the half, which thread t holds in accumulator column blocks v = 4c+2h and
+    4c+2h+1 (block v: keys 8v+2t, 8v+2t+1; value index v0 + 2*row + 4*v).
     """
-    for c in range(cute.size(acc) // 16):  # plain Python loops: unrolled while tracing
+    out = []
+    for c in range(n_acc // 16):
         for h in range(2):
             vl = 4 * (4 * c + 2 * h)
             vh = vl + 4
             for r in range(2):
-                out32[4 * c + 2 * h + r] = cvt_e4m3x4(acc[vl + 2 * r], acc[vl + 2 * r + 1], acc[vh + 2 * r],
-                                                       acc[vh + 2 * r + 1])
+                out.append((4 * c + 2 * h + r, (vl + 2 * r, vl + 2 * r + 1, vh + 2 * r, vh + 2 * r + 1)))
+    return out
+
+
+def pack_a_fragment_e4m3(acc, out32):
+    """fp32 accumulator values -> e4m3 A-operand registers, in place (see a_fragment_sources)."""
+    for reg, (a, b, c, d) in a_fragment_sources(cute.size(acc)):  # plain Python: unrolled while tracing
+        out32[reg] = cvt_e4m3x4(acc[a], acc[b], acc[c], acc[d])
 
 
 def cvt_bf16x2(lo, hi):

@@ -38,7 +38,7 @@ try:
         kernel_artifacts,
         overlap_default,
     )
-    from flamia_cute.sm90_device import quad_transpose4
+    from flamia_cute.sm90_device import a_fragment_sources, quad_transpose4
 
     HAVE_DSL = True
 except Exception:  # pragma: no cover - CI without the DSL
@@ -217,15 +217,21 @@ def _check_artifacts(art, head_dim, spill_free=True):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_p_fragment_order_is_what_convert_p_writes():
-    """A-register byte (half h, thread t, byte i) must hold the key that V^T's P-fragment order puts
-    at K position 16h + 4t + i; convert_p takes it from accumulator block v = 2h + i//2, column
-    2t + i%2 (the C fragment holds keys 8v + 2t, 8v + 2t + 1)."""
-    for h in range(2):
+@needs_dsl
+def test_a_fragment_sources_match_the_p_fragment_order():
+    """The kernels' packing map: A register (chunk c, half h, row r), byte i of thread t must hold
+    the key that V^T's P-fragment order puts at K position 32c + 16h + 4t + i, in row r; an
+    accumulator index a = v0 + 2*row + 4*v holds row `row` and key 8v + 2t + v0."""
+    sources = a_fragment_sources(64)
+    assert sorted(reg for reg, _ in sources) == list(range(16))
+    assert sorted(a for _, idx in sources for a in idx) == list(range(64))  # every value packed once
+    for reg, idx in sources:
+        c, h, r = reg // 4, (reg % 4) // 2, reg % 2
         for t in range(4):
-            for i in range(4):
-                key_from_acc = 8 * (2 * h + i // 2) + 2 * t + i % 2
-                assert key_from_acc == 16 * h + PV_ORDER16[4 * t + i]
+            for i, a in enumerate(idx):
+                v0, row, v = a % 2, (a // 2) % 2, a // 4
+                assert row == r
+                assert 8 * v + 2 * t + v0 == 32 * c + 16 * h + PV_ORDER16[4 * t + i]
 
 
 def _kernel_model(qq, kq, vq, kt, vt, cu, scale, group, diag_copy, acc_bits=None, bug=None, seed=0):
