@@ -1,5 +1,12 @@
 """flamia_cute: FP8 attention kernels for training on packed documents."""
 
+import os
+
+# The CuTe DSL fixes its target arch when cutlass is first imported: a GPU-less cross-compile
+# (FLAMIA_ARCH=sm_90a) announces it before any kernel module imports cutlass.
+if os.environ.get("FLAMIA_ARCH") and not os.environ.get("CUTE_DSL_ARCH"):
+    os.environ["CUTE_DSL_ARCH"] = os.environ["FLAMIA_ARCH"]
+
 from .interface import flamia_attn_varlen_func
 from .recipes import DEFAULT_RECIPE, NAMED_RECIPES, OperandQuant, Recipe
 

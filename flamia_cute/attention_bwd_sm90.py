@@ -42,12 +42,8 @@ additions from the key blocks varies); dK and dV are deterministic.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
-
-if os.environ.get("FLAMIA_ARCH") and not os.environ.get("CUTE_DSL_ARCH"):
-    os.environ["CUTE_DSL_ARCH"] = os.environ["FLAMIA_ARCH"]
 
 import cuda.bindings.driver as cuda
 import cutlass

@@ -38,13 +38,8 @@ Self-attention only (cu_seqlens_q == cu_seqlens_k): the runtime entry takes one 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
-
-# The DSL fixes its default arch at import: a GPU-less cross-compile announces it first.
-if os.environ.get("FLAMIA_ARCH") and not os.environ.get("CUTE_DSL_ARCH"):
-    os.environ["CUTE_DSL_ARCH"] = os.environ["FLAMIA_ARCH"]
 
 import cuda.bindings.driver as cuda
 import cutlass

@@ -26,7 +26,7 @@ Environment:
   FLAMIA_ARCH              target arch (sm_90a, sm_100a, ...) when compiling without a GPU
 
 Exporting needs the DSL's import-time arch (CUTE_DSL_ARCH, else the detected GPU) to equal the
-compile arch; flamia_cute.quantize_sm90 sets CUTE_DSL_ARCH from FLAMIA_ARCH before importing
+compile arch; the flamia_cute package sets CUTE_DSL_ARCH from FLAMIA_ARCH before any kernel module imports
 cutlass. Otherwise the kernel is cached in memory only (see STATS.export_errors).
 """
 

@@ -61,11 +61,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-# The DSL fixes its default arch at import; exporting a kernel compiled for another arch fails
-# (4.8.1), so a GPU-less cross-compile must announce its target before cutlass is imported.
-if os.environ.get("FLAMIA_ARCH") and not os.environ.get("CUTE_DSL_ARCH"):
-    os.environ["CUTE_DSL_ARCH"] = os.environ["FLAMIA_ARCH"]
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
