@@ -47,6 +47,15 @@ for stage in "$@"; do
     quant-tests-x) run quant_tests 90 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_quantize_kernel.py ;;
     fwd-tests-all) run fwd_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py ;;
     profile) run profile_api 200 python3 perf/profile_api.py 16x1k ;;
+    ncu)  # where the backward kernel's time goes, and the quantization kernel's DRAM traffic
+      run ncu_bwd 300 ncu -k regex:'[Bb]wd' --launch-skip 1 --launch-count 1 --set full --import-source no \
+        -o "$OUT/bwd" -f python3 perf/profile_kernels.py bwd 1x4k
+      ncu -i "$OUT/bwd.ncu-rep" --page details > "$OUT/ncu_bwd_details.txt" 2>&1
+      ncu -i "$OUT/bwd.ncu-rep" --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/ncu_bwd_sass.csv.gz"
+      rm -f "$OUT/bwd.ncu-rep"
+      run ncu_quant 200 ncu -k regex:'[Qq]uant' --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --metrics dram__bytes_read.sum,dram__bytes_write.sum \
+        python3 perf/profile_kernels.py quant longtail32k ;;
     fwd-breakdown) run fwd_breakdown 300 env OUT="$OUT" python3 perf/bench_fwd_breakdown.py ;;
     *) echo "unknown stage $stage" ;;
   esac

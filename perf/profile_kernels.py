@@ -1,0 +1,41 @@
+"""Launch one kernel of interest a few times so `ncu` can profile it (see gpu_session.sh `ncu`).
+
+    python perf/profile_kernels.py bwd 1x4k        # the backward kernel alone (dO preprocessed)
+    python perf/profile_kernels.py quant longtail32k  # the fused Q/K/V quantization launch
+"""
+
+import json
+import sys
+
+import torch
+
+from flamia_cute.attention_bwd_sm90 import flamia_bwd_sm90_from_saved, preprocess_bwd
+from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
+from flamia_cute.bench import DEFAULT_WORKLOADS, Case
+from flamia_cute.cute_backend import quantize_operands
+
+
+def main():
+    what, name = sys.argv[1], sys.argv[2]
+    wl = json.loads(DEFAULT_WORKLOADS.read_text())["workloads"]
+    lengths = wl[name] if name in wl else [int(x) for x in name.split("x")[1:]] * int(name.split("x")[0])
+    case = Case(name, lengths, 16, 16, 128, "cuda").build()
+    q, k, v, dout = case.sets[0]
+    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, case.cu, 128, case.max_len)
+    if what == "quant":
+        for _ in range(3):
+            quantize_operands(q, k, v, case.cu, 128, case.max_len)
+    else:
+        out, lse = flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
+                                   kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale,
+                                   FwdConfig(128, diagonal_copy=True))
+        delta, doq = preprocess_bwd(dout, out, case.cu)
+        for _ in range(3):
+            flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
+                                       do_quantized=doq, delta=delta)
+    torch.cuda.synchronize()
+    print("done", what, name)
+
+
+if __name__ == "__main__":
+    main()
