@@ -18,7 +18,11 @@ from flamia_cute.cute_backend import quantize_operands
 def main():
     what, name = sys.argv[1], sys.argv[2]
     wl = json.loads(DEFAULT_WORKLOADS.read_text())["workloads"]
-    lengths = wl[name] if name in wl else [int(x) for x in name.split("x")[1:]] * int(name.split("x")[0])
+    if name in wl:
+        lengths = wl[name]
+    else:  # "NxL": N documents of L tokens, L may end in k
+        n, length = name.split("x")
+        lengths = [int(length[:-1]) * 1024 if length.endswith("k") else int(length)] * int(n)
     case = Case(name, lengths, 16, 16, 128, "cuda").build()
     q, k, v, dout = case.sets[0]
     qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, case.cu, 128, case.max_len)
