@@ -54,6 +54,7 @@ import torch
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
+from .compile_cache import current_raw_stream
 from .quant import dt_cu_seqlens as quant_dt_cu_seqlens
 from .quant import transposed_tokens
 from .sm90_device import (
@@ -62,7 +63,6 @@ from .sm90_device import (
     cvt_bf16x2,
     cvt_e4m3x4,
     f32_bits,
-    fake_ptr,
     pack_a_fragment_e4m3,
     pow2_scale_bits,
     ptx,
@@ -338,7 +338,7 @@ class FlamiaBwdSm90:
             mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mCu, mDtCu, mdQ, mdK, mdV,
             sK_layout, sQ_layout, sQt_layout, sKt_layout, sdS_layout, softmax_scale,
         ).launch(
-            grid=[max_n_blocks, num_kv_heads, num_docs],
+            grid=[num_kv_heads, num_docs, max_n_blocks],  # heads fastest, key block slowest
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -373,7 +373,9 @@ class FlamiaBwdSm90:
     ):
         tl = self.tile
         tidx, _, _ = cute.arch.thread_idx()
-        n_blk, kv_head, doc = cute.arch.block_idx()  # heaviest key blocks (most query tiles) first
+        # launch order: heads fastest, then documents, then key block: block 0 (the most query
+        # tiles) of every head and document first, i.e. longest-first across the grid
+        kv_head, doc, n_blk = cute.arch.block_idx()
         doc_start = mCu[doc]
         doc_len = mCu[doc + 1] - doc_start
 
@@ -877,32 +879,44 @@ class FlamiaBwdSm90:
 # ----------------------------------------------------------------------------------------------
 
 
-def compile_bwd_sm90(config: BwdConfig, arch: str = "sm_90a", extra_options: str = ""):
-    """cute.compile the backward for `arch` from plain values only (no tensors, no GPU needed)."""
+_F8, _F32, _I32, _BF16 = ("ptr", Float8E4M3FN, 16), ("ptr", Float32, 4), ("ptr", Int32, 4), ("ptr", BFloat16, 16)
+# The runtime entry's parameters (FlamiaBwdSm90.__call__) for compile_cache.compile_launcher
+ARG_KINDS = (
+    _F8, _F8, _F32,  # q, qt, sq
+    _F8, _F8, _F32,  # k, kt, sk
+    _F8, _F32,  # v, sv
+    _F8, _F8, _F32, _F8, _F32,  # per-token k, kt, sk, v, sv
+    _F8, _F8, _F32,  # do, dot, sdo
+    _F32, _F32,  # lse, delta
+    _I32, _I32,  # cu_seqlens, dt_cu_seqlens
+    ("ptr", Float32, 16), _BF16, _BF16,  # dq accumulator, dk, dv
+    ("i32",), ("i32",), ("i32",), ("i32",), ("i32",), ("f32",),  # T, T_dt, Hk, num_docs, max_n_blocks, scale
+    ("stream",),
+)
+
+
+def compile_bwd_sm90(config: BwdConfig, arch: str = "sm_90a", extra_options: str = "", tvm_ffi: bool = False):
+    """cute.compile the backward for `arch` from plain values only (no tensors, no GPU needed).
+
+    tvm_ffi: compile for TVM-FFI calls (raw int/float arguments, explicit stream handle).
+    """
+    from .compile_cache import fake_args
+
     op = FlamiaBwdSm90(config)
-    f8 = lambda: fake_ptr(Float8E4M3FN)  # noqa: E731
-    f32 = lambda: fake_ptr(Float32, 4)  # noqa: E731
-    args = (
-        f8(), f8(), f32(),  # q, qt, sq
-        f8(), f8(), f32(),  # k, kt, sk
-        f8(), f32(),  # v, sv
-        f8(), f8(), f32(), f8(), f32(),  # per-token k, kt, sk, v, sv
-        f8(), f8(), f32(),  # do, dot, sdo
-        f32(), f32(),  # lse, delta
-        fake_ptr(Int32, 4), fake_ptr(Int32, 4),
-        fake_ptr(Float32, 16), fake_ptr(BFloat16), fake_ptr(BFloat16),
-        Int32(1), Int32(128), Int32(1), Int32(1), Int32(1), Float32(1.0),
-        cute.runtime.make_fake_stream(),
-    )
     options = f"--gpu-arch {arch} {extra_options}".strip()
-    return cute.compile(op, *args, options=options)
+    if tvm_ffi:
+        options += " --enable-tvm-ffi"
+    return cute.compile(op, *fake_args(ARG_KINDS), options=options)
 
 
-def get_compiled(config: BwdConfig, arch: str | None = None):
-    from .compile_cache import compile_cached, target_arch
+def get_launcher(config: BwdConfig, arch: str | None = None, use_tvm_ffi: bool | None = None):
+    """launch(*raw) in ARG_KINDS order: TVM-FFI when available (see compile_cache.compile_launcher)."""
+    from .compile_cache import compile_launcher, target_arch
 
-    arch = arch or target_arch()
-    return compile_cached(SOURCE_FILES, config, arch, lambda cfg, a: compile_bwd_sm90(cfg, a))
+    return compile_launcher(
+        SOURCE_FILES, config, arch or target_arch(), lambda cfg, a, t: compile_bwd_sm90(cfg, a, tvm_ffi=t),
+        ARG_KINDS, use_tvm_ffi,
+    )
 
 
 def kernel_artifacts(config: BwdConfig, arch: str = "sm_90a"):
@@ -911,21 +925,18 @@ def kernel_artifacts(config: BwdConfig, arch: str = "sm_90a"):
     return compile_artifacts(compile_bwd_sm90, config, arch)
 
 
-def _ptr(t: torch.Tensor, dtype, align=16):
-    return cute.runtime.make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
-
-
 def preprocess_bwd(dout: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tensor):
     """D = rowsum(dO * O) (H, T) fp32 and dO quantized per token in both orientations (QuantizedTHD).
 
-    dO goes through the fused quantization kernel (one launch, bit-exact with quant.quantize_thd);
-    D is a torch reduction (summation order as the emulator's).
+    One launch of the fused quantization kernel: dO bit-exact with quant.quantize_thd, and D from
+    the same read of dO (fp32 sums of exact bf16 products; the order differs from torch's by a
+    rounding or two).
     """
-    from .quantize_sm90 import dout_config, fused_quantize_sm90
+    from .quantize_sm90 import dout_delta_config, quantize_with_rowdot_sm90
 
-    delta = (dout.float() * out.float()).sum(-1).t().contiguous()
-    dout = dout.to(torch.bfloat16).contiguous()
-    doq, _ = fused_quantize_sm90(dout, cu_seqlens, dout_config(dout.shape[2], dout.shape[1]))
+    dout = dout.to(torch.bfloat16)
+    out = out.to(torch.bfloat16)
+    doq, delta = quantize_with_rowdot_sm90(dout, out, cu_seqlens, dout_delta_config(dout.shape[2], dout.shape[1]))
     return delta, doq
 
 
@@ -991,22 +1002,20 @@ def flamia_bwd_sm90(
     if T > 0 and num_docs > 0 and max_n_blocks > 0:
         if H * D * T_dt >= 2**31 or T * H * D >= 2**31:
             raise ValueError("tensor too large for 32-bit indexing")
-        if Hk > 65535 or num_docs > 65535:
-            raise ValueError("grid too large")
-        fn = get_compiled(config)
-        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-        fn(
-            _ptr(q_td, Float8E4M3FN), _ptr(q_dt, Float8E4M3FN), _ptr(sq, Float32, 4),
-            _ptr(k_td, Float8E4M3FN), _ptr(k_dt, Float8E4M3FN), _ptr(sk, Float32, 4),
-            _ptr(v_td, Float8E4M3FN), _ptr(sv, Float32, 4),
-            _ptr(k_tok_td, Float8E4M3FN), _ptr(k_tok_dt, Float8E4M3FN), _ptr(sk_tok, Float32, 4),
-            _ptr(v_tok_td, Float8E4M3FN), _ptr(sv_tok, Float32, 4),
-            _ptr(do_quantized.data_td, Float8E4M3FN), _ptr(do_quantized.data_dt, Float8E4M3FN),
-            _ptr(do_quantized.scale, Float32, 4), _ptr(lse, Float32, 4), _ptr(delta, Float32, 4),
-            _ptr(cu, Int32, 4), _ptr(dtcu, Int32, 4),
-            _ptr(dq_acc, Float32, 16), _ptr(dk, BFloat16), _ptr(dv, BFloat16),
-            Int32(T), Int32(T_dt), Int32(Hk), Int32(num_docs), Int32(max_n_blocks), Float32(softmax_scale), stream,
-        )
+        if max_n_blocks > 65535 or num_docs > 65535:
+            raise ValueError(f"grid too large: max_seqlen {max_seqlen} (at most 65535 blocks of 128) or "
+                             f"{num_docs} documents (at most 65535)")
+        launch = get_launcher(config)
+        ptrs = (q_td, q_dt, sq, k_td, k_dt, sk, v_td, sv, k_tok_td, k_tok_dt, sk_tok, v_tok_td, sv_tok,
+                do_quantized.data_td, do_quantized.data_dt, do_quantized.scale, lse, delta, cu, dtcu, dq_acc, dk, dv)
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        args = (*(t.data_ptr() for t in ptrs), T, T_dt, Hk, num_docs, max_n_blocks, float(softmax_scale),
+                current_raw_stream(idx))
+        if idx == torch.cuda.current_device():
+            launch(*args)
+        else:  # the kernel module is loaded into, and launched on, the current device's context
+            with torch.cuda.device(idx):
+                launch(*args)
     # dQ: fp32 accumulator -> bf16 (a small pass; softmax_scale and the dS scales are already applied)
     dq = dq_acc.to(torch.bfloat16)
     return dq, dk, dv

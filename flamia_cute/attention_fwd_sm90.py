@@ -50,6 +50,7 @@ import torch
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
+from .compile_cache import current_raw_stream
 from .quant import DT_DOC_ALIGN, transposed_tokens
 from .sm90_device import (
     SHARED_SOURCE_FILES,
@@ -193,7 +194,7 @@ class FlamiaFwdSm90:
         mK = cute.make_tensor(k_ptr, cute.make_layout((T, D, num_kv_heads), stride=(khd, 1, D)))
         mKt = cute.make_tensor(kt_ptr, cute.make_layout((T, D, num_kv_heads), stride=(khd, 1, D)))
         # V^T (d, column, head): tokens contiguous, K-major for O = P V. Document b starts at
-        # column dt_cu_seqlens[b] (a multiple of 16: a TMA box on the contiguous axis must start
+        # column dt_cu_seqlens[b] (a multiple of DT_DOC_ALIGN >= 16: a TMA box on the contiguous axis must start
         # 16-byte aligned); columns between documents and past the last one are zero.
         vl = cute.make_layout((D, tdt, num_kv_heads), stride=(tdt, 1, cute.assume(D * tdt, divby=128)))
         mV = cute.make_tensor(v_ptr, vl)
@@ -256,7 +257,7 @@ class FlamiaFwdSm90:
             mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu,
             sQ_layout, sK_layout, sV_layout, scale_log2,
         ).launch(
-            grid=[max_m_blocks, H, num_docs],
+            grid=[H, num_docs, max_m_blocks],  # heads fastest, block rank slowest: see kernel()
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -292,16 +293,17 @@ class FlamiaFwdSm90:
     ):
         tn = self.tile_n
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, head, doc = cute.arch.block_idx()
-        nblk_x, _, _ = cute.arch.grid_dim()
-        # heaviest (longest causal row) query blocks first
-        m_block = nblk_x - 1 - bidx
+        # Launch order is the block index order, heads fastest: every document's heaviest query
+        # block (the last, rank 0) for all heads first, then rank 1, ...: longest-first across the
+        # whole grid for equal documents, and near it for mixed ones (schedules.simulate).
+        head, doc, rank = cute.arch.block_idx()
         doc_start = mCu[doc]
         doc_len = mCu[doc + 1] - doc_start
+        m_block = (doc_len + tn - 1) // tn - 1 - rank
         kv_head = head // self.group
 
-        # Whole CTA leaves before any barrier when the block lies past the document end
-        if m_block * tn < doc_len:
+        # Whole CTA leaves before any barrier when the document has fewer blocks than the rank
+        if m_block >= 0:
             n_tiles = m_block + 1  # key tiles 0..m_block; tiles past the diagonal are skipped
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
@@ -876,13 +878,6 @@ def kernel_artifacts(config: FwdConfig, arch: str = "sm_90a", tvm_ffi: bool = Fa
     return compile_artifacts(lambda cfg, a, opts: compile_fwd_sm90(cfg, a, opts, tvm_ffi=tvm_ffi), config, arch)
 
 
-try:  # the current stream's raw handle without building a torch.cuda.Stream (inductor uses it)
-    _raw_stream = torch._C._cuda_getCurrentRawStream
-except AttributeError:  # pragma: no cover
-    def _raw_stream(index):
-        return torch.cuda.current_stream(index).cuda_stream
-
-
 def flamia_fwd_sm90(
     q_td, sq, k_td, sk, v_dt, sv, k_tok_td, sk_tok, v_tok_dt, sv_tok,
     cu_seqlens, max_seqlen: int, softmax_scale: float, config: FwdConfig, poison_outputs: bool = False,
@@ -947,15 +942,16 @@ def flamia_fwd_sm90(
     max_m_blocks = (int(max_seqlen) + config.tile_m - 1) // config.tile_m
     if T == 0 or num_docs == 0 or max_m_blocks == 0:
         return out, lse
-    if max_m_blocks > 2**31 - 1 or H > 65535 or num_docs > 65535:
-        raise ValueError("grid too large")
+    if max_m_blocks > 65535 or num_docs > 65535:
+        raise ValueError(f"grid too large: max_seqlen {max_seqlen} (at most 65535 blocks of 128) or "
+                         f"{num_docs} documents (at most 65535)")
     launch = get_launcher(config)
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     args = (
         q_td.data_ptr(), sq.data_ptr(), k_td.data_ptr(), sk.data_ptr(), v_dt.data_ptr(), sv.data_ptr(),
         k_tok_td.data_ptr(), sk_tok.data_ptr(), v_tok_dt.data_ptr(), sv_tok.data_ptr(), cu.data_ptr(),
         out.data_ptr(), lse.data_ptr(), T, T_dt, Hk, num_docs, max_m_blocks, float(softmax_scale * LOG2E),
-        _raw_stream(idx),
+        current_raw_stream(idx),
     )
     if idx == torch.cuda.current_device():
         launch(*args)

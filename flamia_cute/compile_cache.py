@@ -297,6 +297,16 @@ def _compile_cached_slow(kernel_source_files, config, arch, build_fn, tvm_ffi=Fa
 _LAUNCHERS: dict[tuple, Callable[..., Any]] = {}
 
 
+def current_raw_stream(device_index: int) -> int:
+    """The current CUDA stream's raw handle without building a torch.cuda.Stream (inductor's call)."""
+    import torch
+
+    try:
+        return torch._C._cuda_getCurrentRawStream(device_index)
+    except AttributeError:  # pragma: no cover
+        return torch.cuda.current_stream(device_index).cuda_stream
+
+
 def tvm_ffi_enabled() -> bool:
     """TVM-FFI launches: apache-tvm-ffi importable and not disabled by FLAMIA_CUTE_TVM_FFI=0."""
     if os.environ.get("FLAMIA_CUTE_TVM_FFI", "1") == "0":

@@ -4,7 +4,7 @@ One pass over x (T, H, D) bf16 writes, bit-exactly as `quant.quantize_thd`:
   set 0: data_td (T,H,D), data_dt (H,D,T_dt), scale (H,T) with block_tokens = B;
   set 1 (optional, `emit_token_copy`): the same three with block_tokens = 1.
 data_dt has T_dt = quant.transposed_tokens(T, docs) columns; document b starts at column
-quant.dt_cu_seqlens(cu)[b] (a multiple of 16), and columns without a token are 0.
+quant.dt_cu_seqlens(cu)[b] (a multiple of DT_DOC_ALIGN), and columns without a token are 0.
 
 Q, K and V in one launch (MultiQuantizeConfig). Up to three tensors sharing T and cu_seqlens
 (each with its own heads, head dim, block size and token-copy flag; GQA K/V may have fewer
@@ -69,7 +69,7 @@ from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint32, const_expr
 
 from .quant import DT_DOC_ALIGN, TOKEN_PAD, QuantizedTHD, transposed_tokens
 from .schedules.varlen_chunks import chunk_grid_slots
-from .sm90_device import SHARED_SOURCE_FILES, as_f32, fake_ptr, imax, pow2_scale_bits, prmt, select
+from .sm90_device import SHARED_SOURCE_FILES, as_f32, imax, pow2_scale_bits, prmt, select
 
 TILE_TOKENS = 128
 GROUP_TOKENS = 16  # tokens per warp and per data_dt segment (16 fp8 = 16 bytes)
@@ -93,6 +93,9 @@ class QuantizeConfig:
     emit_token_copy: bool = False
     emit_transposed: bool = True
     dt_pv_order: bool = False  # data_dt in the forward's P-fragment key order (quant.PV_ORDER16): V
+    # also read y (same shape as x) and write rowdot (H, T) fp32 = sum_d x * y: the backward's
+    # D = rowsum(dO * O) in the pass that quantizes dO (first part of a launch only)
+    emit_rowdot: bool = False
     tile_tokens: int = TILE_TOKENS
     heads_per_cta: int = 0  # 0: choose automatically
     threads: int = 0  # 0: the only supported value, NUM_THREADS
@@ -184,12 +187,16 @@ class MultiQuantizeConfig:
         parts = tuple(parts)
         if not 1 <= len(parts) <= MAX_PARTS or not all(isinstance(p, QuantizeConfig) for p in parts):
             raise ValueError(f"MultiQuantizeConfig.parts: 1..{MAX_PARTS} QuantizeConfig, got {self.parts!r}")
+        if any(p.emit_rowdot for p in parts[1:]):
+            raise ValueError("MultiQuantizeConfig.parts: only the first part may have emit_rowdot")
         object.__setattr__(self, "parts", parts)
         if self.raster not in ("heads", "chunks"):
             raise ValueError(f"MultiQuantizeConfig.raster: 'heads' or 'chunks', got {self.raster!r}")
         if self.min_ctas_per_sm is None:
-            # 4 CTAs x 256 threads = 64 registers: no spills for head dim <= 128; 256 needs more
-            object.__setattr__(self, "min_ctas_per_sm", 4 if all(p.head_dim <= 128 for p in parts) else 0)
+            # 4 CTAs x 256 threads = 64 registers: no spills for head dim <= 128; 256 needs more;
+            # the rowdot's second input spills at 64 registers (3 CTAs: 80 registers)
+            bound = 3 if parts[0].emit_rowdot else 4
+            object.__setattr__(self, "min_ctas_per_sm", bound if all(p.head_dim <= 128 for p in parts) else 0)
         if self.min_ctas_per_sm not in range(0, 9):
             raise ValueError(f"MultiQuantizeConfig.min_ctas_per_sm: 0..8, got {self.min_ctas_per_sm}")
         if not (self.smem_carveout == -1 or 0 <= self.smem_carveout <= 100):
@@ -254,6 +261,7 @@ class FusedQuantizeSm90:
         td11: cute.Pointer, dt11: cute.Pointer, sc11: cute.Pointer,
         x2: cute.Pointer, td20: cute.Pointer, dt20: cute.Pointer, sc20: cute.Pointer,
         td21: cute.Pointer, dt21: cute.Pointer, sc21: cute.Pointer,
+        y0: cute.Pointer, rowdot0: cute.Pointer,
         num_tokens: Int32,
         dt_tokens: Int32,
         num_docs: Int32,
@@ -287,13 +295,19 @@ class FusedQuantizeSm90:
                 tensors.append(outs)
             else:
                 tensors.append([None] * 7)
+        mY0 = None
+        mRowdot0 = None
+        if const_expr(self.parts[0].cfg.emit_rowdot):
+            P0 = self.parts[0]
+            mY0 = cute.make_tensor(y0, cute.make_layout((T, P0.H, P0.D), stride=(P0.H * P0.D, P0.D, 1)))
+            mRowdot0 = cute.make_tensor(rowdot0, cute.make_layout((P0.H, T), stride=(T, 1)))
         total = grid_slots * sum(self.mcfg.head_groups)
         launch_kw = {}
         if const_expr(self.mcfg.min_ctas_per_sm > 0):
             launch_kw["min_blocks_per_mp"] = self.mcfg.min_ctas_per_sm
         if const_expr(self.mcfg.smem_carveout >= 0):
             launch_kw["preferred_smem_carveout"] = self.mcfg.smem_carveout
-        self.kernel(mCu, *tensors[0], *tensors[1], *tensors[2], Tdt, num_docs, grid_slots).launch(
+        self.kernel(mCu, *tensors[0], *tensors[1], *tensors[2], mY0, mRowdot0, Tdt, num_docs, grid_slots).launch(
             grid=[total, 1, 1],
             block=[NUM_THREADS, 1, 1],
             stream=stream,
@@ -310,6 +324,7 @@ class FusedQuantizeSm90:
         mTD11: cute.Tensor, mDT11: cute.Tensor, mS11: cute.Tensor,
         mX2: cute.Tensor, mTD20: cute.Tensor, mDT20: cute.Tensor, mS20: cute.Tensor,
         mTD21: cute.Tensor, mDT21: cute.Tensor, mS21: cute.Tensor,
+        mY0: cute.Tensor, mRowdot0: cute.Tensor,
         Tdt: Int32,
         num_docs: Int32,
         grid_slots: Int32,
@@ -437,7 +452,7 @@ class FusedQuantizeSm90:
                 if cta < tot_c:
                     start = sInfo[0]
                     n = sInfo[1]
-                    dcol = sInfo[2]  # data_dt column of token `start`: a multiple of 16
+                    dcol = sInfo[2]  # data_dt column of token `start`: a multiple of DT_DOC_ALIGN
                     # lane fields; hl is lane-only because HG*L divides 32
                     j = lane % L
                     hl = (lane // L) % HG
@@ -465,6 +480,23 @@ class FusedQuantizeSm90:
                             rx.append(frag)
                             tau.append(ta)
                             valid.append(ok)
+                    # ---- rowdot (D = rowsum(dO * O)): bf16 products are exact in fp32; each lane sums
+                    # its 16 dims in order, then the token's L lanes add pairwise (butterfly)
+                    if const_expr(P.cfg.emit_rowdot):
+                        for it in cutlass.range_constexpr(SPT * 4):
+                            yfrag = cute.make_rmem_tensor(16, BFloat16)
+                            yfrag.fill(0.0)
+                            if valid[it]:
+                                cute.copy(ld_atom, cute.local_tile(mY0[start + tau[it], head, None], (16,), (j,)), yfrag)
+                            prod = cute.make_rmem_tensor(16, Float32)
+                            prod.store(rx[it].load().to(Float32) * yfrag.load().to(Float32))
+                            dot = prod[0]
+                            for e in cutlass.range_constexpr(1, 16):
+                                dot = dot + prod[e]
+                            for off in cutlass.range_constexpr(int(math.log2(L))):
+                                dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=1 << off)
+                            if valid[it] & (j == 0):
+                                mRowdot0[head, start + tau[it]] = dot
                     # ---- per-token amax on |x| bits (integer max: NaN > inf > finite) ---------------
                     for it in cutlass.range_constexpr(SPT * 4):
                         words = cute.recast_tensor(rx[it], Uint32)
@@ -613,7 +645,7 @@ class FusedQuantizeSm90:
 # Compile and launch
 # ----------------------------------------------------------------------------------------------
 
-NUM_PTR_ARGS = 1 + 7 * MAX_PARTS  # cu_seqlens, then per part x, (td, dt, scale) x 2 sets
+NUM_PTR_ARGS = 1 + 7 * MAX_PARTS + 2  # cu_seqlens, per part x, (td, dt, scale) x 2 sets; y, rowdot
 NUM_INT_ARGS = 4  # T, T_dt, docs, grid slots
 
 
@@ -621,19 +653,26 @@ def _ptr_specs():
     """(dtype, assumed alignment) of the pointer arguments, in order."""
     part = [(BFloat16, 16), (Float8E4M3FN, 16), (Float8E4M3FN, 16), (Int32, 4)] + [
         (Float8E4M3FN, 16), (Float8E4M3FN, 16), (Int32, 4)]
-    return [(Int32, 4)] + part * MAX_PARTS
+    return [(Int32, 4)] + part * MAX_PARTS + [(BFloat16, 16), (Float32, 4)]
 
 
-def compile_fused_quantize_sm90(config, arch: str = "sm_90a", extra_options: str = ""):
+# the runtime entry's parameters for compile_cache.compile_launcher (the TVM-FFI launch)
+ARG_KINDS = tuple(("ptr", dt, al) for dt, al in _ptr_specs()) + (("i32",),) * NUM_INT_ARGS + (("stream",),)
+
+
+def compile_fused_quantize_sm90(config, arch: str = "sm_90a", extra_options: str = "", tvm_ffi: bool = False):
     """cute.compile the kernel for `arch` from plain values only (no tensors, no GPU needed).
 
     `config` is a QuantizeConfig (one tensor) or a MultiQuantizeConfig (up to three tensors).
+    tvm_ffi: compile for TVM-FFI calls (raw int arguments, explicit stream handle).
     """
+    from .compile_cache import fake_args
+
     op = FusedQuantizeSm90(config)
-    args = tuple(fake_ptr(dt, al) for dt, al in _ptr_specs()) + (
-        Int32(0), Int32(0), Int32(0), Int32(0), cute.runtime.make_fake_stream())
     options = f"--gpu-arch {arch} {extra_options}".strip()
-    return cute.compile(op, *args, options=options)
+    if tvm_ffi:
+        options += " --enable-tvm-ffi"
+    return cute.compile(op, *fake_args(ARG_KINDS), options=options)
 
 
 def kernel_artifacts(config, arch: str = "sm_90a"):
@@ -712,6 +751,13 @@ def _launch_state(mcfg: MultiQuantizeConfig):
 
 
 def _launch(mcfg: MultiQuantizeConfig, ptr_values, int_values, stream_handle: int) -> None:
+    from .compile_cache import compile_launcher, target_arch, tvm_ffi_enabled
+
+    if tvm_ffi_enabled():  # FA4's launch path: raw values straight into the packed call
+        launch = compile_launcher(SOURCE_FILES, mcfg, target_arch(),
+                                  lambda c, a, t: compile_fused_quantize_sm90(c, a, tvm_ffi=t), ARG_KINDS, True)
+        launch(*ptr_values, *int_values, stream_handle)
+        return
     fn, cached, lock = _launch_state(mcfg)
     if cached is not None:
         with lock:
@@ -788,6 +834,7 @@ def fused_quantize_multi_sm90(
     cu_seqlens: torch.Tensor,
     config,
     debug_fill: int | None = None,
+    rowdot_of=None,
 ) -> list:
     """Quantize up to three (T, H_i, D_i) bf16 tensors sharing cu_seqlens in ONE kernel launch.
 
@@ -818,7 +865,7 @@ def fused_quantize_multi_sm90(
     if cu.dtype != torch.int32 or cu.device != dev or not cu.is_contiguous():
         cu = cu.to(device=dev, dtype=torch.int32).contiguous()
     sets = _alloc_outputs(mcfg, T, Tdt, dev, debug_fill)
-    launch_fused_quantize_multi_sm90(xs, cu, mcfg, sets)
+    launch_fused_quantize_multi_sm90(xs, cu, mcfg, sets, rowdot_of)
     outs = []
     for cfg, ps in zip(mcfg.parts, sets, strict=True):
         out0 = QuantizedTHD(ps[0][0], ps[0][1], ps[0][2], cfg.block_tokens, "e4m3", cfg.dt_pv_order)
@@ -827,13 +874,16 @@ def fused_quantize_multi_sm90(
     return outs
 
 
-def launch_fused_quantize_multi_sm90(xs, cu_seqlens: torch.Tensor, config, sets) -> None:
+def launch_fused_quantize_multi_sm90(xs, cu_seqlens: torch.Tensor, config, sets, rowdot=None) -> None:
     """Launch into preallocated outputs: sets[i] = [(data_td, data_dt or None, scale)] per set of tensor i.
 
     xs contiguous, cu_seqlens int32 on their device, data_dt of shape (H, D, transposed_tokens(T, docs)).
+    rowdot: (y, out) when the first part has emit_rowdot: y contiguous like xs[0], out (H, T) fp32.
     One kernel for all tensors, no host sync (benchmarks time this to see the kernel alone).
     """
     mcfg = as_multi(config) if not isinstance(config, (list, tuple)) else MultiQuantizeConfig(tuple(config))
+    if mcfg.parts[0].emit_rowdot != (rowdot is not None):
+        raise ValueError("rowdot=(y, out) is needed exactly when the first part has emit_rowdot")
     T = xs[0].shape[0]
     num_docs = cu_seqlens.numel() - 1
     if T == 0 or num_docs == 0:
@@ -853,6 +903,7 @@ def launch_fused_quantize_multi_sm90(xs, cu_seqlens: torch.Tensor, config, sets)
             ptrs += [t.data_ptr() if t is not None else 0 for t in (*s0, *s1)]
         else:
             ptrs += [0] * 7
+    ptrs += [rowdot[0].data_ptr(), rowdot[1].data_ptr()] if rowdot is not None else [0, 0]
     stream = torch.cuda.current_stream(xs[0].device).cuda_stream
     _launch(mcfg, ptrs, (T, Tdt, num_docs, chunk_grid_slots(T, num_docs, TILE_TOKENS)), stream)
 
@@ -875,6 +926,30 @@ def fused_quantize_sm90(
     if x.dim() != 3 or x.dtype != torch.bfloat16 or not x.is_cuda:
         raise ValueError("x must be a CUDA bf16 tensor of shape (T, H, D)")
     return fused_quantize_multi_sm90([x], cu_seqlens, as_multi(config), debug_fill)[0]
+
+
+def quantize_with_rowdot_sm90(x: torch.Tensor, y: torch.Tensor, cu_seqlens: torch.Tensor, config,
+                              debug_fill: int | None = None) -> tuple[QuantizedTHD, torch.Tensor]:
+    """x quantized as fused_quantize_sm90 does and rowdot (H, T) fp32 = sum over the head dim of x * y,
+    in the same launch: the backward's dO and D = rowsum(dO * O). config: a QuantizeConfig or a
+    one-part MultiQuantizeConfig with emit_rowdot and one set (no emit_token_copy)."""
+    mcfg = as_multi(config)
+    part = mcfg.parts[0]
+    if len(mcfg.parts) != 1 or not part.emit_rowdot or part.num_sets != 1:
+        raise ValueError("config must be one part with emit_rowdot=True and one set (no emit_token_copy)")
+    if y.shape != x.shape or y.dtype != torch.bfloat16 or y.device != x.device:
+        raise ValueError(f"y must be a bf16 tensor like x {tuple(x.shape)} on {x.device}, got "
+                         f"{tuple(y.shape)} {y.dtype} on {y.device}")
+    x = x if x.is_contiguous() else x.contiguous()
+    y = y if y.is_contiguous() else y.contiguous()
+    if y.data_ptr() % 16:
+        raise ValueError("y must be 16-byte aligned")
+    T, H, _ = x.shape
+    rowdot = torch.empty(H, T, dtype=torch.float32, device=x.device)
+    if debug_fill is not None:
+        rowdot.view(torch.uint8).fill_(debug_fill)
+    (out, _), = fused_quantize_multi_sm90([x], cu_seqlens, mcfg, debug_fill, rowdot_of=(y, rowdot))
+    return out, rowdot
 
 
 def launch_fused_quantize_sm90(x: torch.Tensor, cu_seqlens: torch.Tensor, config, sets) -> None:
@@ -900,6 +975,12 @@ def dout_config(head_dim: int, num_heads: int) -> QuantizeConfig:
     """dO of the backward: per token, both orientations (dP = dO.V^T reads [t,d], dV = P^T.dO reads [d,t],
     the latter with P^T from registers, hence P-fragment order)."""
     return QuantizeConfig(head_dim=head_dim, num_heads=num_heads, block_tokens=1, dt_pv_order=True)
+
+
+@functools.cache
+def dout_delta_config(head_dim: int, num_heads: int) -> MultiQuantizeConfig:
+    """The backward's preprocess in one launch: dO quantized as dout_config, and D = rowsum(dO * O)."""
+    return MultiQuantizeConfig((dataclasses.replace(dout_config(head_dim, num_heads), emit_rowdot=True),))
 
 
 @functools.cache

@@ -167,6 +167,42 @@ def bench_raster(workloads, dev, H, D) -> list:
     return rows
 
 
+def bench_dout_delta(workloads, dev, H, D) -> list:
+    """The backward's preprocess: dO quantized (per token, both orientations) and D = rowsum(dO * O),
+    one fused launch against the previous path (D as torch ops, then the dO launch), same run."""
+    from flamia_cute.quantize_sm90 import dout_config, dout_delta_config, fused_quantize_sm90, quantize_with_rowdot_sm90
+
+    rows = []
+    for wname in ("1x16k", "16x1k", "longtail32k"):
+        lengths = workloads[wname]
+        T = sum(lengths)
+        cu = cu_from(lengths, dev)
+        pairs = [(torch.randn(T, H, D, device=dev).to(torch.bfloat16), torch.randn(T, H, D, device=dev).to(torch.bfloat16))
+                 for _ in range(BUFFERS)]
+        cfg, old_cfg = dout_delta_config(D, H), dout_config(D, H)
+        doq, delta = quantize_with_rowdot_sm90(*pairs[0], cu, cfg)
+        ref = (pairs[0][0].double() * pairs[0][1].double()).sum(-1).t()
+        err = float((delta.double() - ref).abs().max() / ref.abs().max())
+
+        def fused(p, cu=cu, cfg=cfg):
+            quantize_with_rowdot_sm90(p[0], p[1], cu, cfg)
+
+        def previous(p, cu=cu, old_cfg=old_cfg):
+            (p[0].float() * p[1].float()).sum(-1).t().contiguous()
+            fused_quantize_sm90(p[0], cu, old_cfg)
+
+        fused_ms = statistics.median(time_ms(fused, pairs))
+        prev_ms = statistics.median(time_ms(previous, pairs))
+        nbytes = T * H * D * (2 + 2 + 1 + 1) + 4 * H * T * 2  # dO, O read; data_td, data_dt, scale, D written
+        row = dict(workload=wname, fused_ms=fused_ms, previous_ms=prev_ms, bytes=nbytes,
+                   pct_of_peak=100 * nbytes / (fused_ms * 1e-3) / 1e9 / PEAK_GBPS, delta_max_rel_err=err,
+                   host_us_per_call=host_us_per_call(fused, pairs[0]))
+        rows.append(row)
+        print(f"dout+D {wname:12s} fused {fused_ms * 1e3:8.1f} us ({row['pct_of_peak']:5.1f}% of peak) vs torch D + dO "
+              f"launch {prev_ms * 1e3:8.1f} us  host {row['host_us_per_call']:.1f} us/call  D max rel err {err:.1e}")
+    return rows
+
+
 def bench_qkv(workloads, dev) -> list:
     """Q, K, V: one fused launch vs three single launches, kernel only and host us per call."""
     from flamia_cute.cute_backend import quantize_operands
@@ -291,6 +327,7 @@ def main():
                 f"{ceiling:.0f} GB/s)  e2e {row['e2e_median_ms'] * 1e3:.1f} us  host {host_us:.1f} us/call  exact"
             )
 
+    results["dout_delta"] = bench_dout_delta(workloads, dev, H, D)
     results["raster"] = bench_raster(workloads, dev, H, D)
     results["qkv"] = bench_qkv(workloads, dev)
 

@@ -42,6 +42,17 @@ for stage in "$@"; do
     tune-test) run tune_test 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tuning.py ;;
     tune) run tune 420 python3 -m flamia_cute.cli tune --only 1x16k,16x1k,longtail32k --reps 10 ;;
     demo) run demo 240 python3 -m flamia_cute ;;
+    train-smoke)  # issue 8 pipeline on the GPU: short runs (TRAIN_STEPS, default 200), same seed and data
+      steps=${TRAIN_STEPS:-200}; each=${TRAIN_SECONDS:-85}
+      common="--preset llama_125m --steps $steps --tokens-per-step 65536 --max-doc-tokens 4096 --seed 0 \
+        --eval-every 50 --leak-samples 32 --log-every 25 --out $OUT/train"
+      run train_fa4 "$each" python3 -m train.run --attention fa4 $common
+      run train_fp8 "$each" python3 -m train.run --attention flamia --recipe fp8_tokenblock $common
+      run train_leaky "$each" python3 -m train.run --attention flamia --recipe fp8_tensor_current $common
+      run train_compare 60 python3 -m train.run --compare "$OUT/train" ;;
+    op-tests) run op_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_custom_op.py ;;
+    quant-new) run quant_new 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_quantize_kernel.py \
+                 -k "dout_delta or argument_paths or random_document_mixes or qkv_random or tiny or one_launch" ;;
     api-tests) run api_tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cute_backend.py ;;
     bwd-tests) run bwd_tests 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_bwd_kernel.py ;;
     quant-tests-x) run quant_tests 90 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_quantize_kernel.py ;;

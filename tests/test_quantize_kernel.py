@@ -38,10 +38,12 @@ try:
         MultiQuantizeConfig,
         QuantizeConfig,
         compile_fused_quantize_sm90,
+        dout_delta_config,
         fused_quantize_multi_sm90,
         fused_quantize_sm90,
         kernel_artifacts,
         qkv_config,
+        quantize_with_rowdot_sm90,
     )
 
     HAVE_DSL = True
@@ -281,6 +283,41 @@ def test_compiles_for_sm90a(head_dim, block, token_copy):
         assert _count(r"\b(STL|LDL)", art.sass) == 0
         # the chunk is found in-kernel by a warp scan (shfl.up), not read from a table
         assert _count(r"SHFL\.UP", art.sass) >= 10
+
+
+@needs_dsl
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_dout_delta_compiles_for_sm90a(head_dim):
+    """The backward's preprocess launch: dO quantized and D = rowsum(dO * O) from the same read."""
+    cfg = dout_delta_config(head_dim, 2048 // head_dim)
+    art = kernel_artifacts(cfg, "sm_90a")
+    plain = kernel_artifacts(dataclasses.replace(cfg.parts[0], emit_rowdot=False), "sm_90a")
+    # O is read with 16-byte loads too: twice the plain kernel's global loads
+    loads = r"ld\.global(\.[a-z0-9:_]+)*\.(v4\.(b|u|s)32|b128)"
+    assert _count(loads, art.ptx) == 2 * _count(loads, plain.ptx)
+    # the 16 products of a lane in fp32 (fused multiply-add chain or mul + add), no ftz
+    assert _count(r"fma\.rn\.f32|mul\.rn\.f32", art.ptx) >= _count(r"fma\.rn\.f32|mul\.rn\.f32", plain.ptx) + 16
+    assert "ftz" not in art.ptx
+    # a 32-bit store of D per token row, beside the scale store
+    assert _count(r"st\.global\.b32", art.ptx) > _count(r"st\.global\.b32", plain.ptx)
+    assert cfg.min_ctas_per_sm == (3 if head_dim <= 128 else 0)
+    if head_dim == 128:  # the benchmarked case: no spills at 3 CTAs per SM
+        assert art.frame_bytes in (0, None), "register spills to local memory"
+
+
+@needs_dsl
+def test_rowdot_config_and_argument_errors():
+    part = dataclasses.replace(dout_delta_config(128, 16).parts[0])
+    with pytest.raises(ValueError, match="only the first part may have emit_rowdot"):
+        MultiQuantizeConfig((QuantizeConfig(head_dim=128, num_heads=16), part))
+    x = torch.zeros(8, 16, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="y must be a bf16 tensor like x"):
+        quantize_with_rowdot_sm90(x, torch.zeros(8, 16, 64, dtype=torch.bfloat16), cu, part)
+    with pytest.raises(ValueError, match="y must be a bf16 tensor like x"):
+        quantize_with_rowdot_sm90(x, x.float(), cu, part)
+    with pytest.raises(ValueError, match="emit_rowdot=True"):
+        quantize_with_rowdot_sm90(x, x, cu, QuantizeConfig(head_dim=128, num_heads=16))
 
 
 @needs_dsl
@@ -852,15 +889,19 @@ def test_qkv_launch_variants_agree(kw):
 
 @gpu
 @needs_sm90
-def test_qkv_slow_argument_path(monkeypatch):
-    """FLAMIA_QUANT_FAST_ARGS=0 launches through the DSL's own marshalling; same bytes."""
+@pytest.mark.parametrize("path", ["ctypes", "dsl"])
+def test_qkv_argument_paths_without_tvm_ffi(monkeypatch, path):
+    """Without TVM-FFI (FLAMIA_CUTE_TVM_FFI=0): pre-packed ctypes arguments, or (FLAMIA_QUANT_FAST_ARGS=0)
+    the DSL's own marshalling; same bytes as the reference either way."""
     from flamia_cute import quantize_sm90
 
     monkeypatch.setattr(quantize_sm90, "_LAUNCH_STATE", {})
-    monkeypatch.setenv("FLAMIA_QUANT_FAST_ARGS", "0")
+    monkeypatch.setenv("FLAMIA_CUTE_TVM_FFI", "0")
+    monkeypatch.setenv("FLAMIA_QUANT_FAST_ARGS", "0" if path == "dsl" else "1")
     q, k, v, cu = _qkv_inputs([700, 1, 333], 8, 4, 128, seed=9)
-    _check_qkv(q, k, v, cu, 128, "slow args")
-    assert all(st[1] is None for st in quantize_sm90._LAUNCH_STATE.values())
+    _check_qkv(q, k, v, cu, 128, f"{path} args")
+    assert quantize_sm90._LAUNCH_STATE, "the non-TVM-FFI path was not taken"
+    assert all((st[1] is None) == (path == "dsl") for st in quantize_sm90._LAUNCH_STATE.values())
 
 
 @gpu
@@ -890,3 +931,28 @@ def test_quantize_operands_uses_one_launch_and_matches():
     assert kt2 is None and vt2 is None
     _assert_same(k2, quantize_thd(k.cpu(), cuc, 1))
     assert qq.block_tokens == 1 and kq.block_tokens == 128 and kt.block_tokens == 1
+
+
+@gpu
+@needs_sm90
+@needs_dsl
+@pytest.mark.parametrize("lengths, H, D", [([16384], 16, 128), ([1, 5000, 17, 300, 128, 129], 16, 128),
+                                           ([700, 3, 1025], 32, 64), ([400, 77], 8, 256)])
+def test_dout_delta_matches_reference(lengths, H, D):
+    """dO bit-exact as quantize_thd (per token, P-fragment order); D within fp32 summation order of fp64."""
+    do, cu = _input(lengths, H, D, seed=len(lengths))
+    o, _ = _input(lengths, H, D, seed=100 + len(lengths))
+    doq, delta = quantize_with_rowdot_sm90(do, o, cu, dout_delta_config(D, H), debug_fill=POISON)
+    torch.cuda.synchronize()
+    cuc = cu.cpu()
+    _assert_same(doq, quantize_thd(do.cpu(), cuc, 1, pv_order=True), "dO")
+    _assert_pad_zero(doq, cuc, "dO")
+    ref = (do.double() * o.double()).sum(-1).t().cpu()
+    got = delta.double().cpu()
+    assert delta.shape == (H, sum(lengths)) and torch.isfinite(got).all(), "a D element was not written"
+    # fp32 sums of 128 exact products: |error| <= ~D ulp of the sum of |products|
+    bound = (do.double().abs() * o.double().abs()).sum(-1).t().cpu() * D * 2.0**-24
+    assert ((got - ref).abs() <= bound).all(), float(((got - ref).abs() / bound.clamp_min(1e-30)).max())
+    # a leaky control: the same check with the tokens of two documents swapped must fail
+    if len(lengths) > 1:
+        assert not ((got.roll(1, dims=1) - ref).abs() <= bound).all()
