@@ -6,8 +6,11 @@ of the tensors the backward needs -- the quantized operands and their scales, ne
 whose structure follows from the static arguments (recipe, backend, dtype) and the input shapes, so the
 fake implementations can build it without running anything:
 
-- backend "cute" (recipes fp8_token / fp8_tokenblock): ``[out_bf16]`` then the QuantizedTHD fields
-  (data_td, data_dt, scale) of Q, K, V and of the per-token copies of K, V (tokenblock only);
+- backend "cute" (recipes fp8_token / fp8_tokenblock): ``[out_bf16, buffer, k_shape]``: the ONE uint8
+  allocation the Q/K/V quantization launch wrote every QuantizedTHD field into (Q, K, V and the
+  per-token copies of K, V; the views are rebuilt from `quant.output_buffer_plan`: outputs of a
+  custom op must not alias each other, and the views would), and a 0-element (0, Hk, D) tensor
+  that carries K's head count and head dim;
 - backend "emulate": ``[out_bf16]`` then the EmuOperand fields (along_d, along_t, scale, diag_along_d,
   diag_along_t, diag_scale) of Q, K, V, as derived from the recipe.
 
@@ -32,6 +35,7 @@ OP_BACKENDS = ("emulate", "cute")
 # Kinds of saved entries: a (T, H, D) fp32 value tensor, an (H, T) fp32 scale, FP8 data in the two
 # layouts, the bf16 out, or a 0-element placeholder.
 _VALS, _SCALE, _F8_TD, _F8_DT, _OUT, _NONE = "vals", "scale", "f8_td", "f8_dt", "out", None
+_QKV_BUFFER, _K_SHAPE = "qkv_buffer", "k_shape"
 
 
 def _recipe(name: str) -> Recipe:
@@ -70,11 +74,8 @@ def saved_layout(recipe_name: str, backend: str, out_is_bf16: bool) -> tuple[tup
         raise ValueError(f"backend must be one of {OP_BACKENDS}, got {backend!r}")
     layout = [("out", _NONE if out_is_bf16 else _OUT)]
     if backend == "cute":
-        block = _kernel_block(recipe_name)
-        for name in ("q", "k", "v", "kt", "vt"):
-            present = name in ("q", "k", "v") or block > 1
-            layout += [(name, k if present else _NONE) for k in (_F8_TD, _F8_DT, _SCALE)]
-        return tuple(layout)
+        _kernel_block(recipe_name)  # checks that the recipe has kernels
+        return (*layout, ("qkv", _QKV_BUFFER), ("k", _K_SHAPE))
     rec = _recipe(recipe_name)
     for name, op, key_side in (("q", rec.q, False), ("k", rec.k, True), ("v", rec.v, True)):
         layout += [(name, k) for k in _emu_operand_kinds(op, key_side, rec)]
@@ -85,8 +86,22 @@ def _placeholder(device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.float32, device=device)
 
 
-def _fake_entry(kind, shape_thd, num_docs, device):
+def _qkv_plan(T: int, num_docs: int, Hq: int, Hk: int, D: int, block: int):
+    """The byte plan of the Q/K/V launch (quantize_sm90.qkv_config): Q one set, K and V two when block > 1."""
+    from .quant import output_buffer_plan
+
+    sets = 2 if block > 1 else 1
+    return output_buffer_plan(T, transposed_tokens(T, num_docs), [(Hq, D, 1, True), (Hk, D, sets, True),
+                                                                   (Hk, D, sets, True)])
+
+
+def _fake_entry(kind, shape_thd, num_docs, device, k_shape=None, block=1):
     T, H, D = shape_thd
+    if kind == _QKV_BUFFER:
+        _, nbytes = _qkv_plan(T, num_docs, H, k_shape[1], D, block)
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if kind == _K_SHAPE:
+        return torch.empty(0, k_shape[1], k_shape[2], dtype=torch.uint8, device=device)
     if kind == _VALS:
         return torch.empty(T, H, D, dtype=torch.float32, device=device)
     if kind == _SCALE:
@@ -133,29 +148,35 @@ def _unpack_emulated(layout, saved, recipe: Recipe):
 def _pack_kernel(layout, out_bf16, quantized) -> list[torch.Tensor]:
     qq, (kq, kt), (vq, vt) = quantized
     dev = out_bf16.device
-    saved = [out_bf16 if layout[0][1] == _OUT else _placeholder(dev)]
-    for qt in (qq, kq, vq, kt, vt):
-        for field in QUANT_FIELDS:
-            t = getattr(qt, field) if qt is not None else None
-            saved.append(t if t is not None else _placeholder(dev))
-    return saved
+    storage = qq.data_td.untyped_storage()
+    fields = [getattr(t, f) for t in (qq, kq, vq, kt, vt) if t is not None for f in QUANT_FIELDS]
+    if any(f is not None and f.untyped_storage().data_ptr() != storage.data_ptr() for f in fields):
+        raise RuntimeError("the Q/K/V quantization outputs are expected in one allocation")
+    buf = torch.empty(0, dtype=torch.uint8, device=dev).set_(storage)
+    k_shape = torch.empty(0, kq.data_td.shape[1], kq.data_td.shape[2], dtype=torch.uint8, device=dev)
+    return [out_bf16 if layout[0][1] == _OUT else _placeholder(dev), buf, k_shape]
 
 
-def _unpack_kernel(layout, saved, block: int):
+def _unpack_kernel(saved, block: int, T: int, num_docs: int, Hq: int):
+    """The QuantizedTHD views of the saved buffer: (qq, kq, vq, kt, vt); kt, vt None unless block > 1."""
+    from .quant import output_views
     from .quantize_sm90 import qkv_config
 
-    q_td, k_td = saved[1], saved[1 + len(QUANT_FIELDS)]
+    buf, k_shape = saved[1], saved[2]
+    Hk, D = k_shape.shape[1], k_shape.shape[2]
+    plan, nbytes = _qkv_plan(T, num_docs, Hq, Hk, D, block)
+    if buf.numel() < nbytes:
+        raise RuntimeError(f"saved Q/K/V buffer has {buf.numel()} bytes, its layout needs {nbytes}")
+    (qs,), ks, vs = output_views(buf, plan)
     # the Q/K/V launch that wrote them says which data_dt are in P-fragment order
-    q_cfg, k_cfg, v_cfg = qkv_config(q_td.shape[2], q_td.shape[1], k_td.shape[1], block).parts
-    out = []
-    for j, (name, cfg) in enumerate(zip(("q", "k", "v", "kt", "vt"), (q_cfg, k_cfg, v_cfg, k_cfg, v_cfg), strict=True)):
-        base = 1 + j * len(QUANT_FIELDS)
-        if layout[base][1] is _NONE:
-            out.append(None)
-            continue
-        td, dt, sc = saved[base : base + 3]
-        out.append(QuantizedTHD(td, dt, sc, block if name in ("k", "v") else 1, "e4m3", cfg.dt_pv_order))
-    qq, kq, vq, kt, vt = out
+    q_cfg, k_cfg, v_cfg = qkv_config(D, Hq, Hk, block).parts
+
+    def thd(views, cfg, b):
+        return QuantizedTHD(*views, b, "e4m3", cfg.dt_pv_order)
+
+    qq, kq, vq = thd(qs, q_cfg, 1), thd(ks[0], k_cfg, block), thd(vs[0], v_cfg, block)
+    kt = thd(ks[1], k_cfg, 1) if block > 1 else None
+    vt = thd(vs[1], v_cfg, 1) if block > 1 else None
     return qq, kq, vq, kt, vt
 
 
@@ -210,7 +231,9 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
               "vt": (Tk, Hk, D)}
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(H, T, dtype=torch.float32, device=q.device)
-    saved = [_fake_entry(kind, shapes[name], num_docs, q.device) for name, kind in layout]
+    block = _kernel_block(recipe) if backend == "cute" else 1
+    saved = [_fake_entry(kind, shapes[name] if kind != _QKV_BUFFER else shapes["q"], num_docs, q.device,
+                         (Tk, Hk, D), block) for name, kind in layout]
     return out, lse, saved
 
 
@@ -242,7 +265,7 @@ def varlen_bwd(
         from .cute_backend import backward_backend, backward_kernels
 
         block = _kernel_block(recipe)
-        qq, kq, vq, kt, vt = _unpack_kernel(layout, saved, block)
+        qq, kq, vq, kt, vt = _unpack_kernel(saved, block, out.shape[0], cu_seqlens_q.shape[0] - 1, out.shape[1])
         if backward_backend() == "cute":
             dq, dk, dv = backward_kernels(dout, out_bf16, lse, qq, kq, vq, kt, vt, cu_seqlens_q, max_seqlen_q,
                                           softmax_scale)
@@ -264,7 +287,9 @@ def _varlen_bwd_fake(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seql
                      causal, recipe, backend):
     layout = saved_layout(recipe, backend, out.dtype == torch.bfloat16)
     k_idx = next(i for i, (name, kind) in enumerate(layout) if name == "k" and kind is not _NONE)
-    Tk, Hk, D = saved[k_idx].shape  # K's values / data_td: (Tk, Hk, D)
+    Tk, Hk, D = saved[k_idx].shape  # K's values / data_td: (Tk, Hk, D); the cute shape carrier: (0, Hk, D)
+    if layout[k_idx][1] == _K_SHAPE:
+        Tk = out.shape[0]  # the kernels are self-attention only
     dq = torch.empty_like(out, memory_format=torch.contiguous_format)
     dk = torch.empty(Tk, Hk, D, dtype=out.dtype, device=out.device)
     dv = torch.empty(Tk, Hk, D, dtype=out.dtype, device=out.device)

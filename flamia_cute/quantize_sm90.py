@@ -11,8 +11,8 @@ Q, K and V in one launch (MultiQuantizeConfig). Up to three tensors sharing T an
 heads) are quantized by one grid: the flat CTA index selects the part (consecutive ranges,
 Q then K then V), then (chunk, head group) inside it. The chunk scan below runs once per CTA,
 before the part's specialized code. Host side: every output of every part is a view of ONE
-uint8 allocation, and the launch writes raw argument values into cached ctypes storage and
-calls the compiled function's packed-argument entry (no DSL pointer objects per launch).
+uint8 allocation (quant.output_buffer_plan), and the launch passes raw values through TVM-FFI
+(no DSL pointer objects per launch; the DSL's marshalling without apache-tvm-ffi).
 
 CTA order ("raster", default "heads"): inside a part CTA = chunk * head_groups + head_group,
 so CTAs resident together cover every head of a window of consecutive chunks: x rows and
@@ -52,12 +52,9 @@ rows 16 apart, and without the rotation they would all hit one bank.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import math
-import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,7 +64,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint32, const_expr
 
-from .quant import DT_DOC_ALIGN, TOKEN_PAD, QuantizedTHD, transposed_tokens
+from .quant import DT_DOC_ALIGN, TOKEN_PAD, QuantizedTHD, output_buffer_plan, output_views, transposed_tokens
 from .schedules.varlen_chunks import chunk_grid_slots
 from .sm90_device import SHARED_SOURCE_FILES, as_f32, imax, pow2_scale_bits, prmt, select
 
@@ -689,84 +686,14 @@ def get_compiled(config, arch: str | None = None):
     return compile_cached(SOURCE_FILES, as_multi(config), arch, lambda cfg, a: compile_fused_quantize_sm90(cfg, a))
 
 
-class _CachedArgs:
-    """Pre-built launch arguments of one compiled kernel: ctypes storage whose addresses the DSL's
-    packed-argument call takes (what JitCompiledFunction.generate_execution_args builds per call).
-
-    A launch writes the new values into the storage and calls `run_compiled_program` with the
-    same address list, so no DSL pointer/numeric object is built per launch. The layout is checked
-    once against the DSL's own marshalling (`matches_dsl`); on mismatch callers use the slow path.
-    """
-
-    def __init__(self):
-        self.ptrs = [ctypes.c_void_p(0) for _ in range(NUM_PTR_ARGS)]
-        self.ints = [ctypes.c_int32(0) for _ in range(NUM_INT_ARGS)]
-        self.stream = ctypes.c_void_p(0)
-        self.exe_args = [ctypes.addressof(v) for v in (*self.ptrs, *self.ints, self.stream)]
-
-    def set(self, ptr_values, int_values, stream_handle: int):
-        for slot, v in zip(self.ptrs, ptr_values, strict=True):
-            slot.value = v
-        for slot, v in zip(self.ints, int_values, strict=True):
-            slot.value = v
-        self.stream.value = stream_handle
-
-    def matches_dsl(self, fn) -> bool:
-        """Do our storage addresses hold what the DSL would pass for the same arguments?"""
-        ptr_values = [0x1000 * (i + 1) for i in range(NUM_PTR_ARGS)]
-        int_values = [11, 12 * TOKEN_PAD, 13, 14]
-        stream_handle = 0xABC0
-        dsl_args = [cute.runtime.make_ptr(dt, v, cute.AddressSpace.gmem, assumed_align=al)
-                    for (dt, al), v in zip(_ptr_specs(), ptr_values, strict=True)]
-        dsl_args += [Int32(v) for v in int_values] + [cuda.CUstream(stream_handle)]
-        try:
-            ref, _keep = fn.generate_execution_args(*dsl_args)
-            ref = [r.value if isinstance(r, ctypes.c_void_p) else int(r) for r in ref]
-            if len(ref) != len(self.exe_args):
-                return False
-            got_p = [ctypes.c_void_p.from_address(a).value for a in ref[:NUM_PTR_ARGS]]
-            got_i = [ctypes.c_int32.from_address(a).value for a in ref[NUM_PTR_ARGS:NUM_PTR_ARGS + NUM_INT_ARGS]]
-            got_s = ctypes.c_void_p.from_address(ref[-1]).value
-        except Exception:
-            return False
-        return got_p == ptr_values and got_i == int_values and got_s == stream_handle
-
-
-_LAUNCH_STATE: dict = {}  # (MultiQuantizeConfig, arch) -> (compiled fn, _CachedArgs or None, lock)
-
-
-def _launch_state(mcfg: MultiQuantizeConfig):
-    from .compile_cache import target_arch
-
-    key = (mcfg, os.environ.get("FLAMIA_ARCH"))
-    st = _LAUNCH_STATE.get(key)
-    if st is None:
-        fn = get_compiled(mcfg, target_arch())
-        cached = _CachedArgs()
-        if os.environ.get("FLAMIA_QUANT_FAST_ARGS", "1") == "0" or not cached.matches_dsl(fn):
-            cached = None
-        st = (fn, cached, threading.Lock())
-        _LAUNCH_STATE[key] = st
-    return st
-
-
 def _launch(mcfg: MultiQuantizeConfig, ptr_values, int_values, stream_handle: int) -> None:
-    from .compile_cache import compile_launcher, target_arch, tvm_ffi_enabled
+    """One launch with raw values: TVM-FFI when available (FA4's path), else the DSL's marshalling
+    (compile_cache.compile_launcher, as the attention kernels)."""
+    from .compile_cache import compile_launcher, target_arch
 
-    if tvm_ffi_enabled():  # FA4's launch path: raw values straight into the packed call
-        launch = compile_launcher(SOURCE_FILES, mcfg, target_arch(),
-                                  lambda c, a, t: compile_fused_quantize_sm90(c, a, tvm_ffi=t), ARG_KINDS, True)
-        launch(*ptr_values, *int_values, stream_handle)
-        return
-    fn, cached, lock = _launch_state(mcfg)
-    if cached is not None:
-        with lock:
-            cached.set(ptr_values, int_values, stream_handle)
-            fn.run_compiled_program(cached.exe_args)
-        return
-    args = [cute.runtime.make_ptr(dt, v, cute.AddressSpace.gmem, assumed_align=al)
-            for (dt, al), v in zip(_ptr_specs(), ptr_values, strict=True)]
-    fn(*args, *(Int32(v) for v in int_values), cuda.CUstream(stream_handle))
+    launch = compile_launcher(SOURCE_FILES, mcfg, target_arch(),
+                              lambda c, a, t: compile_fused_quantize_sm90(c, a, tvm_ffi=t), ARG_KINDS)
+    launch(*ptr_values, *int_values, stream_handle)
 
 
 def _check_input(x: torch.Tensor, cfg: QuantizeConfig, T: int):
@@ -778,30 +705,9 @@ def _check_input(x: torch.Tensor, cfg: QuantizeConfig, T: int):
         raise ValueError(f"x has (H, D) = {tuple(x.shape[1:])}, config expects {(cfg.num_heads, cfg.head_dim)}")
 
 
-_ALIGN = 512  # byte alignment of every output inside the shared buffer (what torch's allocator gives)
-
-
 def _layout_outputs(mcfg: MultiQuantizeConfig, T: int, Tdt: int):
-    """[(kind, shape, stride, byte offset)] per part and set, and the total byte size."""
-    off = 0
-    plan = []
-    for cfg in mcfg.parts:
-        H, D = cfg.num_heads, cfg.head_dim
-        part = []
-        for _ in range(cfg.num_sets):
-            entries = [("f8", (T, H, D), (H * D, D, 1), T * H * D)]
-            entries.append(("f8", (H, D, Tdt), (D * Tdt, Tdt, 1), H * D * Tdt) if cfg.emit_transposed else None)
-            entries.append(("f32", (H, T), (T, 1), 4 * H * T))
-            st = []
-            for e in entries:
-                if e is None:
-                    st.append(None)
-                    continue
-                st.append((e[0], e[1], e[2], off))
-                off += -(-e[3] // _ALIGN) * _ALIGN
-            part.append(st)
-        plan.append(part)
-    return plan, max(off, _ALIGN)
+    """quant.output_buffer_plan of the launch's parts: [part][set] entries and the byte size."""
+    return output_buffer_plan(T, Tdt, [(c.num_heads, c.head_dim, c.num_sets, c.emit_transposed) for c in mcfg.parts])
 
 
 def _alloc_outputs(mcfg, T, Tdt, device, debug_fill=None):
@@ -810,23 +716,7 @@ def _alloc_outputs(mcfg, T, Tdt, device, debug_fill=None):
     buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     if debug_fill is not None:
         buf.fill_(debug_fill)
-    f8 = buf.view(torch.float8_e4m3fn)
-    f32 = buf.view(torch.float32)
-    sets = []
-    for part in plan:
-        ps = []
-        for st in part:
-            views = []
-            for e in st:
-                if e is None:
-                    views.append(None)
-                elif e[0] == "f8":
-                    views.append(f8.as_strided(e[1], e[2], e[3]))
-                else:
-                    views.append(f32.as_strided(e[1], e[2], e[3] // 4))
-            ps.append(tuple(views))
-        sets.append(ps)
-    return sets
+    return output_views(buf, plan)
 
 
 def fused_quantize_multi_sm90(

@@ -1,5 +1,6 @@
 """Scale layouts and quantization (installed as flamia_cute.quant)."""
 
+from .buffer import BUFFER_ALIGN, output_buffer_plan, output_views
 from .formats import BF16, E2M1, E4M3, E5M2, FloatFormat, cast_to, format_by_name, pow2_scale
 from .quantize import (
     DT_DOC_ALIGN,
@@ -17,6 +18,7 @@ from .quantize import (
 )
 
 __all__ = [
+    "BUFFER_ALIGN", "output_buffer_plan", "output_views",
     "BF16", "E2M1", "E4M3", "E5M2", "FloatFormat", "cast_to", "format_by_name", "pow2_scale",
     "DT_DOC_ALIGN", "PV_ORDER16", "TOKEN_PAD", "dt_cu_seqlens", "transposed_tokens", "QuantizedTHD",
     "natural_dt", "quantize_attention_operands", "quantize_per_tensor", "quantize_thd", "round_up", "token_block_ids",

@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from flamia_cute import NAMED_RECIPES, flamia_attn_varlen_func
 from flamia_cute.custom_ops import saved_layout, varlen_bwd, varlen_fwd
 from flamia_cute.interface import _EmulatedAttention
-from flamia_cute.quant import transposed_tokens
+from flamia_cute.quant import QuantizedTHD, transposed_tokens
 from flamia_cute.testing import make_inputs
 
 LENGTHS = [5, 40, 0, 19]
@@ -63,27 +63,62 @@ def test_kernel_layout_fake(recipe):
         tdt = transposed_tokens(Tk, len(LENGTHS))
         dq, dk, dv = varlen_bwd(out, out, lse, saved, *fargs[3:])
     assert (out.shape, out.dtype, lse.shape) == ((T, H, D), torch.bfloat16, (H, T))
-    assert len(saved) == 1 + 5 * 3 and saved[0].numel() == 0
-    q_td, q_dt, q_s, k_td, k_dt, k_s = saved[1:7]
-    assert (q_td.shape, q_td.dtype, q_dt.shape, q_s.shape) == ((T, H, D), torch.float8_e4m3fn, (H, D, tdt), (H, T))
-    assert (k_td.shape, k_dt.shape, k_s.shape) == ((Tk, Hk, D), (Hk, D, tdt), (Hk, T))
-    copies = [t.numel() > 0 for t in saved[10:]]
-    assert all(copies) if recipe == "fp8_tokenblock" else not any(copies)
+    # [out placeholder, the one Q/K/V buffer, K's (0, Hk, D) shape carrier]: no two outputs alias
+    assert len(saved) == 3 and saved[0].numel() == 0
+    buf, k_shape = saved[1], saved[2]
+    assert buf.dtype == torch.uint8 and buf.dim() == 1 and k_shape.shape == (0, Hk, D)
+    sets = 2 if recipe == "fp8_tokenblock" else 1
+    # Q: data_td + data_dt + scale; K and V: the same per set (the per-token copies when block > 1)
+    per = lambda h: T * h * D + h * D * tdt + 4 * h * T  # noqa: E731
+    assert buf.shape[0] >= per(H) + 2 * sets * per(Hk)
     assert (dq.shape, dk.shape, dv.shape) == ((T, H, D), (Tk, Hk, D), (Tk, Hk, D))
 
 
 @pytest.mark.parametrize("recipe, block", [("fp8_tokenblock", 128), ("fp8_token", 1)])
-def test_kernel_unpack_marks_the_p_fragment_ordered_operands(recipe, block):
-    """The backward must know which saved data_dt are in P-fragment order: Q and V (and V's copy)."""
+def test_kernel_pack_unpack_round_trip(recipe, block):
+    """The forward saves the ONE buffer of the Q/K/V launch; the backward rebuilds the same views
+    (shapes, strides, byte offsets, P-fragment flags) from it and K's shape carrier."""
     pytest.importorskip("cutlass")
-    from flamia_cute.custom_ops import _unpack_kernel
+    from flamia_cute.custom_ops import _pack_kernel, _unpack_kernel
+    from flamia_cute.quantize_sm90 import _alloc_outputs, qkv_config
 
+    T, docs, Hq, Hk, D = 300, 3, 4, 2, 128
+    tdt = transposed_tokens(T, docs)
+    cfg = qkv_config(D, Hq, Hk, block)
+    (qs,), ks, vs = _alloc_outputs(cfg, T, tdt, "cpu")
+    storage = qs[0].untyped_storage()
+    torch.manual_seed(0)
+    storage.copy_(torch.randint(0, 255, (storage.nbytes(),), dtype=torch.uint8).untyped_storage())
+
+    def thd(views, c, b):
+        return QuantizedTHD(*views, b, "e4m3", c.dt_pv_order)
+
+    qc, kc, vc = cfg.parts
+    quantized = (thd(qs, qc, 1), (thd(ks[0], kc, block), thd(ks[1], kc, 1) if block > 1 else None),
+                 (thd(vs[0], vc, block), thd(vs[1], vc, 1) if block > 1 else None))
     layout = saved_layout(recipe, "cute", True)
-    saved = [torch.zeros(0)] + [torch.zeros(7, 4 if name.startswith("q") else 2, 128) for name, _ in layout[1:]]
-    qq, kq, vq, kt, vt = _unpack_kernel(layout, saved, block)
-    assert qq.dt_pv_order and vq.dt_pv_order and not kq.dt_pv_order
-    assert (kt is None) == (block == 1) and (block == 1 or (vt.dt_pv_order and not kt.dt_pv_order))
-    assert kq.block_tokens == block and qq.block_tokens == 1
+    saved = _pack_kernel(layout, torch.zeros(T, Hq, D, dtype=torch.bfloat16), quantized)
+    assert len(saved) == len(layout) == 3
+    # the size the fake implementation promises (torch.compile checks real outputs against it)
+    from flamia_cute.custom_ops import _qkv_plan
+
+    assert saved[1].shape == (_qkv_plan(T, docs, Hq, Hk, D, block)[1],) and saved[2].shape == (0, Hk, D)
+    ptrs = [t.untyped_storage().data_ptr() for t in saved if t.numel()]
+    assert len(ptrs) == len(set(ptrs)), "saved outputs alias each other"
+    got = _unpack_kernel(saved, block, T, docs, Hq)
+    want = (quantized[0], quantized[1][0], quantized[2][0], quantized[1][1], quantized[2][1])
+    for g, w in zip(got, want, strict=True):
+        if w is None:
+            assert g is None
+            continue
+        assert (g.block_tokens, g.dt_pv_order) == (w.block_tokens, w.dt_pv_order)
+        for f in ("data_td", "data_dt", "scale"):
+            a, b = getattr(g, f), getattr(w, f)
+            assert a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
+    assert got[0].dt_pv_order and got[2].dt_pv_order and not got[1].dt_pv_order
+    # a buffer too small for the layout is refused, not read out of bounds
+    with pytest.raises(RuntimeError, match="layout needs"):
+        _unpack_kernel([saved[0], saved[1][:100], saved[2]], block, T, docs, Hq)
 
 
 @pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "bf16", "mxfp8", "nvfp4_fp8"])

@@ -454,19 +454,6 @@ def test_qkv_shared_memory_fits_the_register_occupancy():
         assert m.min_ctas_per_sm * per_cta <= 228 * 1024
 
 
-@needs_dsl
-def test_cached_launch_arguments_match_dsl_marshalling(tmp_path, monkeypatch):
-    """The per-launch fast path writes raw values where the DSL's own argument marshalling would."""
-    from flamia_cute.quantize_sm90 import _CachedArgs, get_compiled
-
-    monkeypatch.setenv("FLAMIA_CUTE_CACHE_DIR", str(tmp_path))
-    fn = get_compiled(qkv_config(128, 32, 8, 128), "sm_90a")
-    assert _CachedArgs().matches_dsl(fn)
-    if compile_cache.dsl_default_arch() == "sm_90a":  # the object exported to disk loads with the same ABI
-        compile_cache.clear_memory_cache()
-        fn2 = get_compiled(qkv_config(128, 32, 8, 128), "sm_90a")
-        assert fn2 is not fn and _CachedArgs().matches_dsl(fn2)
-
 
 # ----------------------------------------------------------------------------------------------
 # CPU: compile cache
@@ -889,19 +876,16 @@ def test_qkv_launch_variants_agree(kw):
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("path", ["ctypes", "dsl"])
-def test_qkv_argument_paths_without_tvm_ffi(monkeypatch, path):
-    """Without TVM-FFI (FLAMIA_CUTE_TVM_FFI=0): pre-packed ctypes arguments, or (FLAMIA_QUANT_FAST_ARGS=0)
-    the DSL's own marshalling; same bytes as the reference either way."""
-    from flamia_cute import quantize_sm90
+def test_qkv_without_tvm_ffi(monkeypatch):
+    """FLAMIA_CUTE_TVM_FFI=0 launches through the DSL's own marshalling; same bytes."""
+    from flamia_cute import compile_cache
 
-    monkeypatch.setattr(quantize_sm90, "_LAUNCH_STATE", {})
     monkeypatch.setenv("FLAMIA_CUTE_TVM_FFI", "0")
-    monkeypatch.setenv("FLAMIA_QUANT_FAST_ARGS", "0" if path == "dsl" else "1")
+    monkeypatch.setattr(compile_cache, "_LAUNCHERS", {})
     q, k, v, cu = _qkv_inputs([700, 1, 333], 8, 4, 128, seed=9)
-    _check_qkv(q, k, v, cu, 128, f"{path} args")
-    assert quantize_sm90._LAUNCH_STATE, "the non-TVM-FFI path was not taken"
-    assert all((st[1] is None) == (path == "dsl") for st in quantize_sm90._LAUNCH_STATE.values())
+    _check_qkv(q, k, v, cu, 128, "DSL marshalling")
+    keys = list(compile_cache._LAUNCHERS)
+    assert keys and all(key[3] is False for key in keys), "the non-TVM-FFI launcher was not used"
 
 
 @gpu
