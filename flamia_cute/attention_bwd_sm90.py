@@ -36,7 +36,11 @@ then every head's off-diagonal tiles m = n+1 .. last. Only the diagonal tile nee
 lse = +inf and dO scale 0, and are never stored.
 
 dQ is accumulated with fp32 atomics: not bit-reproducible run to run (the order of the
-additions from the key blocks varies); dK and dV are deterministic.
+additions from the key blocks varies); dK and dV are deterministic. `deterministic=True` orders
+the dQ additions: a semaphore per (query head, document, query block) counts the key blocks
+that have added their tile, and key block n adds only when it reads n (FA3's scheme). The
+grid launches key block n - 1 of every head and document before key block n, so the CTA it
+waits for is resident or done: no deadlock.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ LOG2E = math.log2(math.e)
 P_SCALE = 256.0  # the recipe's fixed power-of-two P scale
 SMEM_LIMIT = 232448  # sm_90 dynamic shared memory per CTA (227 KB)
 N_VEC = 6  # per-query vectors per tile in shared memory (see load_vectors)
+DQ_AMAX_BATCH = 16  # dQ scale reductions in flight at once per thread (registers: one value each)
 DS_LAYOUT = "S<3,4,3> o 0 o ((8,8),(128,1),(1,2)):((128,1024),(1,0),(0,8192))"
 
 
@@ -92,6 +97,7 @@ class BwdConfig:
     q_stages: int = 0  # Q/dO tile stages (0: the most that fits: 2 for d64, 1 for d128)
     qt_stages: int = 0  # Q^T/dO^T tile stages (0: as q_stages)
     vec_stages: int = 2
+    deterministic: bool = False  # dQ additions in key-block order: bit-reproducible dQ
 
     def __post_init__(self):
         def bad(name, msg):
@@ -103,6 +109,8 @@ class BwdConfig:
             bad("qhead_per_kvhead", "must be >= 1")
         if not isinstance(self.diagonal_copy, bool):
             bad("diagonal_copy", "must be a bool")
+        if not isinstance(self.deterministic, bool):
+            bad("deterministic", "must be a bool")
         for name in ("q_stages", "qt_stages"):
             if getattr(self, name) not in (0, 1, 2):
                 bad(name, "must be 0 (auto), 1 or 2")
@@ -147,6 +155,25 @@ def _red_add_v2_f32(addr, x, y):
         result=None, side_effects=True)
 
 
+def ld_acquire_gpu_u32(addr):
+    """Load with acquire semantics at GPU scope (the semaphore read of deterministic dQ)."""
+    return ptx("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l,~{memory}", [Int64(addr)], side_effects=True)
+
+
+def red_release_gpu_add_u32(addr, x):
+    """Atomic add with release semantics at GPU scope (hands the next key block its turn)."""
+    ptx("red.release.gpu.global.add.u32 [$0], $1;", "l,r,~{memory}", [Int64(addr), Uint32(x)], result=None,
+        side_effects=True)
+
+
+def fence_acq_rel_gpu():
+    ptx("fence.acq_rel.gpu;", "~{memory}", [], result=None, side_effects=True)
+
+
+def nanosleep(ns: int):
+    ptx("nanosleep.u32 $0;", "r,~{memory}", [Uint32(ns)], result=None, side_effects=True)
+
+
 def _byte(w, i: int):
     return Uint8((Uint32(w) >> (8 * i)) & 0xFF)
 
@@ -185,6 +212,7 @@ class FlamiaBwdSm90:
         self.D = config.head_dim
         self.group = config.qhead_per_kvhead
         self.diag_copy = config.diagonal_copy
+        self.deterministic = config.deterministic
         self.sa = config.stages_a
         self.sb = config.stages_b
         self.sv = config.vec_stages
@@ -236,6 +264,7 @@ class FlamiaBwdSm90:
         dq_acc_ptr: cute.Pointer,  # (T, H, D) f32, zeroed
         dk_ptr: cute.Pointer,  # (T, Hk, D) bf16
         dv_ptr: cute.Pointer,  # (T, Hk, D) bf16
+        sem_ptr: cute.Pointer,  # (H, docs, max_n_blocks) int32 zeros when deterministic (else unused)
         T: Int32,
         T_dt: Int32,
         num_kv_heads: Int32,
@@ -275,6 +304,9 @@ class FlamiaBwdSm90:
         mCu = cute.make_tensor(cu_ptr, cute.make_layout(num_docs + 1))
         mDtCu = cute.make_tensor(dtcu_ptr, cute.make_layout(num_docs + 1))
         mdQ = cute.make_tensor(dq_acc_ptr, cute.make_layout((T, D, H), stride=(hd, 1, D)))
+        mSem = None
+        if cutlass.const_expr(self.deterministic):
+            mSem = cute.make_tensor(sem_ptr, cute.make_layout(H * num_docs * max_n_blocks))
         mdK = cute.make_tensor(dk_ptr, kl)
         mdV = cute.make_tensor(dv_ptr, kl)
 
@@ -335,7 +367,7 @@ class FlamiaBwdSm90:
                 tma_q, tQ, tma_do, tdO, tma_qt, tQt, tma_dot, tdOt)
         self.kernel(
             sd_mma, kv_mma, q_mma, tmas,
-            mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mCu, mDtCu, mdQ, mdK, mdV,
+            mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mCu, mDtCu, mdQ, mdK, mdV, mSem,
             sK_layout, sQ_layout, sQt_layout, sKt_layout, sdS_layout, softmax_scale,
         ).launch(
             grid=[num_kv_heads, num_docs, max_n_blocks],  # heads fastest, key block slowest
@@ -364,6 +396,7 @@ class FlamiaBwdSm90:
         mdQ: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
+        mSem: cute.Tensor,
         sK_layout: cute.ComposedLayout,
         sQ_layout: cute.ComposedLayout,
         sQt_layout: cute.ComposedLayout,
@@ -422,7 +455,7 @@ class FlamiaBwdSm90:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
                 self.consume(
                     sd_mma, kv_mma, q_mma, bufs, sdS8, sVec, sAmax, sdK, pipe_kv, pipe_a, pipe_b, pipe_v,
-                    mSK, mSV, mSKtok, mSVtok, mdQ, mdK, mdV, kv_head, doc_start, doc_len, n_blk, per,
+                    mSK, mSV, mSKtok, mSVtok, (mdQ, mSem, doc, n_blk), mdK, mdV, kv_head, doc_start, doc_len, n_blk, per,
                     softmax_scale, wg_idx - 1,
                 )
 
@@ -562,7 +595,7 @@ class FlamiaBwdSm90:
     @cute.jit
     def consume(
         self, sd_mma, kv_mma, q_mma, bufs, sdS8, sVec, sAmax, sdK, pipe_kv, pipe_a, pipe_b, pipe_v,
-        mSK, mSV, mSKtok, mSVtok, mdQ, mdK, mdV, kv_head, doc_start, doc_len, n_blk, per, softmax_scale, wg,
+        mSK, mSV, mSKtok, mSVtok, dq_out, mdK, mdV, kv_head, doc_start, doc_len, n_blk, per, softmax_scale, wg,
     ):
         D, wm, tl = self.D, self.wm, self.tile
         sK, sV, sKt, sQ, sdO, sQt, sdOt, sdS = bufs
@@ -639,7 +672,7 @@ class FlamiaBwdSm90:
         for i in cutlass.range(self.group, unroll=1):
             a_state, b_state, v_state = self.tile_step(
                 True, i, kv_head * self.group + i, n_blk, mmas, frags, rsc, krow, sVec, sAmax, sdK, sdS8,
-                pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, mdQ, doc_start, doc_len, lim,
+                pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out, doc_start, doc_len, lim,
                 softmax_scale, wg, quad, lane, tidx,
             )
         # ---- phase 1: off-diagonal tiles
@@ -663,7 +696,7 @@ class FlamiaBwdSm90:
             for j in cutlass.range(self.group * per, unroll=1):
                 a_state, b_state, v_state = self.tile_step(
                     False, self.group + j, kv_head * self.group + j // per, n_blk + 1 + j % per, mmas, frags, rsc, krow,
-                    sVec, sAmax, sdK, sdS8, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, mdQ, doc_start,
+                    sVec, sAmax, sdK, sdS8, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out, doc_start,
                     doc_len, lim, softmax_scale, wg, quad, lane, tidx,
                 )
 
@@ -701,7 +734,7 @@ class FlamiaBwdSm90:
     @cute.jit
     def tile_step(
         self, diag: cutlass.Constexpr, i, hq, m, mmas, frags, rsc, krow, sVec, sAmax, sdK, sdS8,
-        pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, mdQ, doc_start, doc_len, lim,
+        pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out, doc_start, doc_len, lim,
         softmax_scale, wg, quad, lane, tidx,
     ):
         """One query tile m of query head hq (tile number i of the CTA). diag: m == n_blk."""
@@ -817,13 +850,21 @@ class FlamiaBwdSm90:
                 sdK[tidx - 128, a] = sdK[tidx - 128, a] + acc_t[a] * skk[(a // 2) % 2]
 
         # ---- dQ operand: per-query amax of |dS * sk| over the 128 keys (8 consumer warps)
+        # Reductions of DQ_AMAX_BATCH columns at a time, one shuffle round for all of them before
+        # the next: the shared-memory atomic orders the code around it, and one column at a time
+        # made 32 serial chains of 3 dependent shuffles + an atomic per tile (measured with ncu:
+        # the largest stall class of the kernel). Same maxima, any order.
         buf = i % 3
-        for w_ in cutlass.range_constexpr(n_s // 4):
-            for v0 in cutlass.range_constexpr(2):
-                x = cute.arch.fmax(abs(acc_dp[v0 + 4 * w_] * rsc[0]), abs(acc_dp[v0 + 2 + 4 * w_] * rsc[1]))
-                for off in cutlass.range_constexpr(3):
-                    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=4 << off))
-                if lane < 4:
+        cols = [(w_, v0) for w_ in range(n_s // 4) for v0 in range(2)]
+        for g0 in cutlass.range_constexpr(0, len(cols), DQ_AMAX_BATCH):
+            group = cols[g0 : g0 + DQ_AMAX_BATCH]
+            xs = [cute.arch.fmax(abs(acc_dp[v0 + 4 * w_] * rsc[0]), abs(acc_dp[v0 + 2 + 4 * w_] * rsc[1]))
+                  for w_, v0 in group]
+            for off in cutlass.range_constexpr(3):
+                sh = [cute.arch.shuffle_sync_bfly(x, offset=4 << off) for x in xs]
+                xs = [cute.arch.fmax(x, y) for x, y in zip(xs, sh, strict=True)]
+            if lane < 4:
+                for (w_, v0), x in zip(group, xs, strict=True):
                     cute.arch.atomic_max(sAmax.iterator + (tScS[v0 + 4 * w_][1] + 128 * buf), f32_bits(x))
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
         # buffer (i + 2) % 3 was last read in tile i - 1 (before this barrier): clear it for tile i + 2
@@ -859,6 +900,16 @@ class FlamiaBwdSm90:
             cute.gemm(q_mma, acc_t, tQrdS[None, None, k, wg], tQrKt[None, None, k, 0], acc_t)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
+        mdQ, mSem, doc, n_blk = dq_out
+        sem_addr = Int64(0)
+        if cutlass.const_expr(self.deterministic):
+            # wait for this tile's turn: key blocks 0 .. n_blk-1 have added to query block m of hq
+            _, n_docs, n_blocks = cute.arch.grid_dim()
+            sem_addr = mSem.iterator.toint() + Int64((hq * n_docs + doc) * n_blocks + m) * 4
+            if tidx == 128:
+                while ld_acquire_gpu_u32(sem_addr) != Uint32(n_blk):
+                    nanosleep(64)
+            cute.arch.barrier(barrier_id=3, number_of_threads=256)
         dq_base = mdQ.iterator.toint()
         dq_row_stride = mdQ.stride[0]  # H * D
         for v1 in cutlass.range_constexpr(2):
@@ -871,6 +922,12 @@ class FlamiaBwdSm90:
                 for j in cutlass.range_constexpr(n_acc // 4):
                     a = 2 * v1 + 4 * j
                     _red_add_v2_f32(row_addr + 4 * tScQ[a][1], acc_t[a] * f, acc_t[a + 1] * f)
+        if cutlass.const_expr(self.deterministic):
+            # every thread's additions are visible GPU-wide before the next key block's turn
+            fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=3, number_of_threads=256)
+            if tidx == 128:
+                red_release_gpu_add_u32(sem_addr, 1)
         return a_state, b_state, v_state
 
 
@@ -889,7 +946,7 @@ ARG_KINDS = (
     _F8, _F8, _F32,  # do, dot, sdo
     _F32, _F32,  # lse, delta
     _I32, _I32,  # cu_seqlens, dt_cu_seqlens
-    ("ptr", Float32, 16), _BF16, _BF16,  # dq accumulator, dk, dv
+    ("ptr", Float32, 16), _BF16, _BF16, _I32,  # dq accumulator, dk, dv, dQ semaphores (deterministic)
     ("i32",), ("i32",), ("i32",), ("i32",), ("i32",), ("f32",),  # T, T_dt, Hk, num_docs, max_n_blocks, scale
     ("stream",),
 )
@@ -1008,8 +1065,11 @@ def flamia_bwd_sm90(
         launch = get_launcher(config)
         ptrs = (q_td, q_dt, sq, k_td, k_dt, sk, v_td, sv, k_tok_td, k_tok_dt, sk_tok, v_tok_td, sv_tok,
                 do_quantized.data_td, do_quantized.data_dt, do_quantized.scale, lse, delta, cu, dtcu, dq_acc, dk, dv)
+        # deterministic dQ: one turn counter per (query head, document, query block)
+        sem = torch.zeros(H * num_docs * max_n_blocks, dtype=torch.int32, device=dev) if config.deterministic else None
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        args = (*(t.data_ptr() for t in ptrs), T, T_dt, Hk, num_docs, max_n_blocks, float(softmax_scale),
+        args = (*(t.data_ptr() for t in ptrs), sem.data_ptr() if sem is not None else 0,
+                T, T_dt, Hk, num_docs, max_n_blocks, float(softmax_scale),
                 current_raw_stream(idx))
         if idx == torch.cuda.current_device():
             launch(*args)

@@ -8,6 +8,7 @@ emulator's backward from the same saved operands instead.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -81,12 +82,28 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block):
     return out, lse, (qq, (kq, kt), (vq, vt))
 
 
-def backward_kernels(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale):
-    """The sm_90a backward kernel from the forward's saved operands, with the tuned BwdConfig."""
-    from .attention_bwd_sm90 import default_config, flamia_bwd_sm90_from_saved
+def deterministic_backward() -> bool:
+    """Bit-reproducible dQ: torch.use_deterministic_algorithms(True), or FLAMIA_CUTE_DETERMINISTIC=1."""
+    flag = os.environ.get("FLAMIA_CUTE_DETERMINISTIC", "")
+    if flag not in ("", "0", "1"):
+        raise ValueError(f"FLAMIA_CUTE_DETERMINISTIC must be 0 or 1, got {flag!r}")
+    return flag == "1" or torch.are_deterministic_algorithms_enabled()
+
+
+def backward_config(qq, kq, kt, cu, max_seqlen):
+    """The tuned BwdConfig for the saved operands, deterministic when asked (deterministic_backward)."""
+    from .attention_bwd_sm90 import default_config
     from .tuning import tuned_bwd_config
 
     cfg = tuned_bwd_config(default_config(qq, kq, kt), max_seqlen, qq.data_td.shape[0], cu.numel() - 1)
+    return dataclasses.replace(cfg, deterministic=True) if deterministic_backward() else cfg
+
+
+def backward_kernels(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale):
+    """The sm_90a backward kernel from the forward's saved operands (see backward_config)."""
+    from .attention_bwd_sm90 import flamia_bwd_sm90_from_saved
+
+    cfg = backward_config(qq, kq, kt, cu, max_seqlen)
     return flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale, config=cfg)
 
 

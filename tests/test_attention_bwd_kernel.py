@@ -162,6 +162,51 @@ def test_compiles_with_fp8_wgmma(artifacts, head_dim, diagonal_copy):
 
 
 @needs_dsl
+@pytest.mark.parametrize("head_dim, group", [(128, 1), (64, 2)])
+def test_deterministic_variant_orders_dq_with_acquire_release(artifacts, head_dim, group):
+    """deterministic=True: each dQ tile waits (ld.acquire) for its key block's turn, fences, and
+    passes the turn on (red.release); the default build has none of it (its SASS is unchanged)."""
+    det = kernel_artifacts(BwdConfig(head_dim=head_dim, diagonal_copy=True, qhead_per_kvhead=group,
+                                     deterministic=True), "sm_90a")
+    plain = artifacts(head_dim, True, group)
+    marks = (r"ld\.acquire\.gpu\.global\.u32", r"red\.release\.gpu\.global\.add\.u32", r"fence\.acq_rel\.gpu",
+             r"nanosleep", r"bar\.sync\s+3, 256")
+    for m in marks:
+        # both tile-step copies (diagonal, off-diagonal) carry the protocol
+        assert len(re.findall(m, det.ptx)) >= 2, m
+        assert not re.search(m, plain.ptx), m
+    # the same products and atomics otherwise
+    count = lambda p, t: len(re.findall(p, t))  # noqa: E731
+    for p in (r"wgmma\.mma_async", r"red\.global\.add\.v2\.f32", r"cvt\.rn\.satfinite\.e4m3x2\.f32"):
+        assert count(p, det.ptx) == count(p, plain.ptx), p
+    if det.registers is not None:
+        assert det.registers * 384 <= 65536
+    with pytest.raises(ValueError, match="BwdConfig.deterministic"):
+        BwdConfig(head_dim=128, deterministic=1)
+
+
+def test_deterministic_backward_switch(monkeypatch):
+    """torch.use_deterministic_algorithms(True) or FLAMIA_CUTE_DETERMINISTIC=1 selects the ordered dQ."""
+    from flamia_cute.cute_backend import deterministic_backward
+
+    monkeypatch.delenv("FLAMIA_CUTE_DETERMINISTIC", raising=False)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert not deterministic_backward()
+        torch.use_deterministic_algorithms(True)
+        assert deterministic_backward()
+        torch.use_deterministic_algorithms(False)
+        monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1")
+        assert deterministic_backward()
+        monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "yes")
+        with pytest.raises(ValueError, match="FLAMIA_CUTE_DETERMINISTIC"):
+            deterministic_backward()
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+@needs_dsl
 @pytest.mark.xfail(reason="d128: S^T, dP^T and dV (64 + 64 + 64 fp32) plus operands exceed 240 registers; "
                           "32 bytes of stack and 21 spill instructions per thread remain since the P-fragment packing "
                           "(was ~200 bytes); next: split the query tile in N=64 halves",
@@ -452,3 +497,26 @@ def test_gpu_dk_dv_deterministic():
     b = _run_kernel(st)
     assert torch.equal(a[1].view(torch.int16), b[1].view(torch.int16))
     assert torch.equal(a[2].view(torch.int16), b[2].view(torch.int16))
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("group", [1, 2])
+def test_gpu_deterministic_dq_is_bit_reproducible(group):
+    """deterministic=True: dQ, dK, dV bitwise equal across runs (many key blocks add to each query
+    block: 1000 tokens = 8 blocks, plus a short document), and still within the emulator bounds."""
+    st = _setup([1000, 129, 7], 2 * group, 2, 128, "fp8_tokenblock", seed=4, device="cuda")
+    cu = st["cu"]
+    cfg = BwdConfig(head_dim=128, qhead_per_kvhead=group, diagonal_copy=True, deterministic=True)
+    runs = []
+    for _ in range(3):
+        runs.append(flamia_bwd_sm90_from_saved(st["do"], st["out"], st["lse"], st["qq"], st["kq"], st["vq"],
+                                               st["kt"], st["vt"], cu, 1000, st["scale"], config=cfg,
+                                               poison_outputs=True))
+        torch.cuda.synchronize()
+    for r in runs[1:]:
+        for a, b in zip(runs[0], r, strict=True):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    err = _grad_errors(runs[0], st["emu"], cu.cpu())
+    assert not _violations(err), err
