@@ -59,8 +59,7 @@ from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from .compile_cache import current_raw_stream
-from .quant import dt_cu_seqlens as quant_dt_cu_seqlens
-from .quant import transposed_tokens
+from .quant import DT_DOC_ALIGN, transposed_tokens
 from .sm90_device import (
     SHARED_SOURCE_FILES,
     as_f32,
@@ -260,7 +259,6 @@ class FlamiaBwdSm90:
         lse_ptr: cute.Pointer,  # (H, T) f32
         delta_ptr: cute.Pointer,  # (H, T) f32: rowsum(dO * O)
         cu_ptr: cute.Pointer,
-        dtcu_ptr: cute.Pointer,
         dq_acc_ptr: cute.Pointer,  # (T, H, D) f32, zeroed
         dk_ptr: cute.Pointer,  # (T, Hk, D) bf16
         dv_ptr: cute.Pointer,  # (T, Hk, D) bf16
@@ -302,7 +300,6 @@ class FlamiaBwdSm90:
         mSKtok = cute.make_tensor(sktok_ptr, skl)
         mSVtok = cute.make_tensor(svtok_ptr, skl)
         mCu = cute.make_tensor(cu_ptr, cute.make_layout(num_docs + 1))
-        mDtCu = cute.make_tensor(dtcu_ptr, cute.make_layout(num_docs + 1))
         mdQ = cute.make_tensor(dq_acc_ptr, cute.make_layout((T, D, H), stride=(hd, 1, D)))
         mSem = None
         if cutlass.const_expr(self.deterministic):
@@ -367,7 +364,7 @@ class FlamiaBwdSm90:
                 tma_q, tQ, tma_do, tdO, tma_qt, tQt, tma_dot, tdOt)
         self.kernel(
             sd_mma, kv_mma, q_mma, tmas,
-            mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mCu, mDtCu, mdQ, mdK, mdV, mSem,
+            mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mCu, mdQ, mdK, mdV, mSem,
             sK_layout, sQ_layout, sQt_layout, sKt_layout, sdS_layout, softmax_scale,
         ).launch(
             grid=[num_kv_heads, num_docs, max_n_blocks],  # heads fastest, key block slowest
@@ -392,7 +389,6 @@ class FlamiaBwdSm90:
         mSKtok: cute.Tensor,
         mSVtok: cute.Tensor,
         mCu: cute.Tensor,
-        mDtCu: cute.Tensor,
         mdQ: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
@@ -447,7 +443,18 @@ class FlamiaBwdSm90:
             if wg_idx == 0:
                 cute.arch.setmaxregister_decrease(self.regs_producer)
                 if warp_idx == 0:
-                    self.load_tma(tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, doc_start, mDtCu[doc], n_blk, per)
+                    # the document's first data_dt column (= quant.dt_cu_seqlens(cu)[doc], so the host
+                    # builds no table): earlier documents' lengths rounded up to DT_DOC_ALIGN, lane l
+                    # adding documents l, l + 32, ..., then a butterfly sum (as the forward's producer)
+                    lane = cute.arch.lane_idx()
+                    dt_start = Int32(0)
+                    for it in cutlass.range((doc + 31) // 32, unroll=1):
+                        b = lane + 32 * it
+                        if b < doc:
+                            dt_start = dt_start + ((mCu[b + 1] - mCu[b] + (DT_DOC_ALIGN - 1)) & -DT_DOC_ALIGN)
+                    for sh in cutlass.range_constexpr(5):
+                        dt_start = dt_start + cute.arch.shuffle_sync_bfly(dt_start, offset=16 >> sh)
+                    self.load_tma(tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, doc_start, dt_start, n_blk, per)
                 if warp_idx == 1:
                     self.load_vectors(mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, kv_head, doc_start, doc_len,
                                       n_blk, per, softmax_scale)
@@ -945,7 +952,7 @@ ARG_KINDS = (
     _F8, _F8, _F32, _F8, _F32,  # per-token k, kt, sk, v, sv
     _F8, _F8, _F32,  # do, dot, sdo
     _F32, _F32,  # lse, delta
-    _I32, _I32,  # cu_seqlens, dt_cu_seqlens
+    _I32,  # cu_seqlens
     ("ptr", Float32, 16), _BF16, _BF16, _I32,  # dq accumulator, dk, dv, dQ semaphores (deterministic)
     ("i32",), ("i32",), ("i32",), ("i32",), ("i32",), ("f32",),  # T, T_dt, Hk, num_docs, max_n_blocks, scale
     ("stream",),
@@ -1010,7 +1017,10 @@ def flamia_bwd_sm90(
     operands (quant.quantize layouts). *_tok*: the per-token K/V copies used on the diagonal tile
     when config.diagonal_copy (else ignored). do_quantized (QuantizedTHD with data_dt) and delta
     (H, T) may be passed precomputed; else preprocess_bwd computes them. Self-attention only.
+    dt_cu_seqlens: accepted for compatibility and unused: the kernel derives every document's first
+    data_dt column from cu_seqlens (as the forward does).
     """
+    del dt_cu_seqlens
     T, H, D = q_td.shape
     Hk = k_td.shape[1]
     if D != config.head_dim or H != Hk * config.qhead_per_kvhead:
@@ -1046,9 +1056,6 @@ def flamia_bwd_sm90(
             raise ValueError(f"{name} must be 16-byte aligned")
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
-    if dt_cu_seqlens is None:
-        dt_cu_seqlens = quant_dt_cu_seqlens(cu)
-    dtcu = dt_cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
     dq_acc = torch.zeros(T, H, D, dtype=torch.float32, device=dev)
     dk = torch.empty(T, Hk, D, dtype=torch.bfloat16, device=dev)
     dv = torch.empty(T, Hk, D, dtype=torch.bfloat16, device=dev)
@@ -1064,7 +1071,7 @@ def flamia_bwd_sm90(
                              f"{num_docs} documents (at most 65535)")
         launch = get_launcher(config)
         ptrs = (q_td, q_dt, sq, k_td, k_dt, sk, v_td, sv, k_tok_td, k_tok_dt, sk_tok, v_tok_td, sv_tok,
-                do_quantized.data_td, do_quantized.data_dt, do_quantized.scale, lse, delta, cu, dtcu, dq_acc, dk, dv)
+                do_quantized.data_td, do_quantized.data_dt, do_quantized.scale, lse, delta, cu, dq_acc, dk, dv)
         # deterministic dQ: one turn counter per (query head, document, query block)
         sem = torch.zeros(H * num_docs * max_n_blocks, dtype=torch.int32, device=dev) if config.deterministic else None
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
