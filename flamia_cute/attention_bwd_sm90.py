@@ -877,16 +877,20 @@ class FlamiaBwdSm90:
         # buffer (i + 2) % 3 was last read in tile i - 1 (before this barrier): clear it for tile i + 2
         if wg == 0:
             sAmax[tidx - 128, (i + 2) % 3] = Int32(0)
-        for w_ in cutlass.range_constexpr(n_s // 4):
-            for v0 in cutlass.range_constexpr(2):
-                _, ibits = pow2_scale_bits(sAmax[tScS[4 * w_ + v0][1], buf])
-                iq = as_f32(ibits)
-                for v1 in cutlass.range_constexpr(2):
-                    pv[v0 + 2 * v1] = acc_dp[v0 + 2 * v1 + 4 * w_] * rsc[v1] * iq
-            pk = cvt_e4m3x4(pv[0], pv[1], pv[2], pv[3])
-            for b in cutlass.range_constexpr(4):
-                # query column 8 w_ + 2 quad + b % 2: its q % 8 part lives in dsb (see consume)
-                sdS8[dsb[b] + ds_byte_offset(w_)] = _byte(pk, b)
+        # The scales of DQ_AMAX_BATCH columns are read and decoded before any of their dS bytes is
+        # stored: a shared-memory load may not pass an earlier store, so column by column each
+        # load waited for the previous column's stores (a serial chain of 16 per tile).
+        for g0 in cutlass.range_constexpr(0, n_s // 4, DQ_AMAX_BATCH // 2):
+            ws = list(range(g0, min(g0 + DQ_AMAX_BATCH // 2, n_s // 4)))
+            iqs = [as_f32(pow2_scale_bits(sAmax[tScS[4 * w_ + v0][1], buf])[1]) for w_ in ws for v0 in range(2)]
+            for k_, w_ in enumerate(ws):
+                for v0 in cutlass.range_constexpr(2):
+                    for v1 in cutlass.range_constexpr(2):
+                        pv[v0 + 2 * v1] = acc_dp[v0 + 2 * v1 + 4 * w_] * rsc[v1] * iqs[2 * k_ + v0]
+                pk = cvt_e4m3x4(pv[0], pv[1], pv[2], pv[3])
+                for b in cutlass.range_constexpr(4):
+                    # query column 8 w_ + 2 quad + b % 2: its q % 8 part lives in dsb (see consume)
+                    sdS8[dsb[b] + ds_byte_offset(w_)] = _byte(pk, b)
         pipe_v.consumer_release(v_state)
         v_state.advance()
         cute.arch.fence_proxy("async.shared", space="cta")
