@@ -55,23 +55,30 @@ def unsupported_reason(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | 
     return None
 
 
-def quantize_operands(q, k, v, cu, block: int, max_seqlen: int):
-    """Q, K, V in ONE fused launch: Q per token; K, V per block plus the per-token diagonal copies."""
+def quantize_operands(q, k, v, cu, block: int, max_seqlen: int, forward_only: bool = False):
+    """Q, K, V in ONE fused launch: Q per token; K, V per block plus the per-token diagonal copies.
+
+    forward_only: only the orientations the forward reads (quantize_sm90.forward_only); the
+    backward's (Q^T, K^T, V token-major) are not written and are None in the result."""
+    from .quantize_sm90 import forward_only as forward_only_config
     from .quantize_sm90 import fused_quantize_multi_sm90, qkv_config
     from .tuning import tuned_quantize_config
 
     cfg = qkv_config(q.shape[2], q.shape[1], k.shape[1], block)
     cfg = tuned_quantize_config(cfg, max_seqlen, q.shape[0], cu.numel() - 1)
+    if forward_only:
+        cfg = forward_only_config(cfg)
     (qq, _), (kq, kt), (vq, vt) = fused_quantize_multi_sm90((q, k, v), cu, cfg)
     return qq, (kq, kt), (vq, vt)
 
 
-def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block):
-    """Quantize + forward kernel. Returns (out bf16, lse (H, T) fp32, saved quantized operands)."""
+def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only: bool = False):
+    """Quantize + forward kernel. Returns (out bf16, lse (H, T) fp32, saved quantized operands);
+    forward_only: a call that needs no backward (the saved operands lack the backward's layouts)."""
     from .attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
     from .tuning import tuned_fwd_config
 
-    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block, max_seqlen)
+    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block, max_seqlen, forward_only)
     cfg = FwdConfig(head_dim=q.shape[2], qhead_per_kvhead=q.shape[1] // k.shape[1], diagonal_copy=block > 1)
     cfg = tuned_fwd_config(cfg, max_seqlen, q.shape[0], cu.numel() - 1)
     out, lse = flamia_fwd_sm90(
@@ -80,6 +87,15 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block):
         cu, max_seqlen, softmax_scale, cfg,
     )
     return out, lse, (qq, (kq, kt), (vq, vt))
+
+
+def forward_only_quantization() -> bool:
+    """Calls without a backward quantize only the forward's operand layouts (default), unless
+    FLAMIA_CUTE_FWD_ONLY_QUANT=0."""
+    flag = os.environ.get("FLAMIA_CUTE_FWD_ONLY_QUANT", "1")
+    if flag not in ("0", "1"):
+        raise ValueError(f"FLAMIA_CUTE_FWD_ONLY_QUANT must be 0 or 1, got {flag!r}")
+    return flag == "1"
 
 
 def deterministic_backward() -> bool:

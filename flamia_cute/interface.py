@@ -92,6 +92,13 @@ def flamia_attn_varlen_func(
 
         out, lse = attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                              rec.name, chosen)
+    elif chosen == "cute" and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+        # no backward will run: quantize only what the forward reads (about half the bytes written)
+        from .cute_backend import forward_kernels, forward_only_quantization
+
+        out, lse, _ = forward_kernels(q, k, v, cu_seqlens_q, max_seqlen_q, scale, kernel_block_tokens(rec),
+                                      forward_only=forward_only_quantization())
+        out = out.to(q.dtype)
     elif chosen == "cute":
         out, lse = CuteAttention.apply(q, k, v, cu_seqlens_q, max_seqlen_q, scale, rec, kernel_block_tokens(rec))
     else:

@@ -89,6 +89,7 @@ class QuantizeConfig:
     block_tokens: int = 1
     emit_token_copy: bool = False
     emit_transposed: bool = True
+    emit_token_major: bool = True  # data_td; a forward-only V needs data_dt alone
     dt_pv_order: bool = False  # data_dt in the forward's P-fragment key order (quant.PV_ORDER16): V
     # also read y (same shape as x) and write rowdot (H, T) fp32 = sum_d x * y: the backward's
     # D = rowsum(dO * O) in the pass that quantizes dO (first part of a launch only)
@@ -109,6 +110,8 @@ class QuantizeConfig:
             bad("block_tokens", f"must be one of {SUPPORTED_BLOCK_TOKENS}, got {self.block_tokens}")
         if self.dt_pv_order and not self.emit_transposed:
             bad("dt_pv_order", "orders data_dt columns, so it needs emit_transposed=True")
+        if not (self.emit_token_major or self.emit_transposed):
+            bad("emit_token_major", "and emit_transposed are both False: the launch would write no data")
         if self.emit_token_copy and self.block_tokens == 1:
             bad("emit_token_copy", "the per-token copy duplicates set 0 when block_tokens == 1")
         if self.tile_tokens != TILE_TOKENS:
@@ -234,6 +237,7 @@ class _Part:
         self.rows = self.HG * self.D  # rows of the transposed tile
         self.NSETS = cfg.num_sets
         self.TRANS = cfg.emit_transposed
+        self.TOKEN_MAJOR = cfg.emit_token_major
 
 
 class FusedQuantizeSm90:
@@ -541,8 +545,10 @@ class FusedQuantizeSm90:
                                 sbits[st].append(sb)
                                 q = cute.make_rmem_tensor(16, Float8E4M3FN)
                                 q.store((xf * as_f32(ib)).to(Float8E4M3FN))
-                                if valid[it]:
-                                    cute.copy(st_atom, q, cute.local_tile(mTD[start + tau[it], head, None], (16,), (j,)))
+                                if const_expr(P.TOKEN_MAJOR):
+                                    if valid[it]:
+                                        cute.copy(st_atom, q, cute.local_tile(mTD[start + tau[it], head, None], (16,),
+                                                                              (j,)))
                                 qw = cute.recast_tensor(q, Uint32)
                                 # tokens past the chunk must be 0 in the tile: they become data_dt pad bytes
                                 zw = []
@@ -707,7 +713,8 @@ def _check_input(x: torch.Tensor, cfg: QuantizeConfig, T: int):
 
 def _layout_outputs(mcfg: MultiQuantizeConfig, T: int, Tdt: int):
     """quant.output_buffer_plan of the launch's parts: [part][set] entries and the byte size."""
-    return output_buffer_plan(T, Tdt, [(c.num_heads, c.head_dim, c.num_sets, c.emit_transposed) for c in mcfg.parts])
+    return output_buffer_plan(T, Tdt, [(c.num_heads, c.head_dim, c.num_sets, c.emit_transposed, c.emit_token_major)
+                                       for c in mcfg.parts])
 
 
 def _alloc_outputs(mcfg, T, Tdt, device, debug_fill=None):
@@ -858,6 +865,21 @@ def qkv_config(head_dim: int, q_heads: int, kv_heads: int, block_tokens: int, he
     heads_per_cta applies to Q, K and V (0: each part's automatic choice); kw go to MultiQuantizeConfig.
     """
     return _qkv_config(head_dim, q_heads, kv_heads, block_tokens, heads_per_cta, tuple(sorted(kw.items())))
+
+
+@functools.cache
+def forward_only(qkv: MultiQuantizeConfig) -> MultiQuantizeConfig:
+    """A Q/K/V launch (qkv_config, tuned or not) reduced to what a call that needs no backward
+    reads: Q and K token-major, V transposed in P-fragment order (and K's / V's per-token copies
+    likewise). Token-block K and V write 2 of their 4 bytes per element, Q 1 of 2; the launch
+    settings (raster, bound, heads per CTA) stay."""
+    q, k, v = qkv.parts
+    q = dataclasses.replace(q, emit_transposed=False, dt_pv_order=False)
+    k = dataclasses.replace(k, emit_transposed=False)
+    v = dataclasses.replace(v, emit_token_major=False)
+    # at 5 CTAs per SM (48 registers) this body spills 32 bytes; at 4 it does not
+    bound = min(qkv.min_ctas_per_sm, 4) if qkv.min_ctas_per_sm else 0
+    return dataclasses.replace(qkv, parts=(q, k, v), min_ctas_per_sm=bound)
 
 
 @functools.cache

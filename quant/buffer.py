@@ -14,15 +14,16 @@ BUFFER_ALIGN = 512  # byte alignment of every output inside the buffer (what tor
 
 
 def output_buffer_plan(T: int, Tdt: int, parts) -> tuple[list, int]:
-    """parts: (num_heads, head_dim, num_sets, emit_transposed) per tensor. Returns the plan,
-    [part][set] = [(kind, shape, stride, byte offset) or None for data_td, data_dt, scale],
-    and the buffer's byte size."""
+    """parts: (num_heads, head_dim, num_sets, emit_transposed[, emit_token_major=True]) per tensor.
+    Returns the plan, [part][set] = [(kind, shape, stride, byte offset) or None for data_td,
+    data_dt, scale], and the buffer's byte size."""
     off = 0
     plan = []
-    for H, D, num_sets, transposed in parts:
+    for H, D, num_sets, transposed, *rest in parts:
+        token_major = rest[0] if rest else True
         part = []
         for _ in range(num_sets):
-            entries = [("f8", (T, H, D), (H * D, D, 1), T * H * D),
+            entries = [("f8", (T, H, D), (H * D, D, 1), T * H * D) if token_major else None,
                        ("f8", (H, D, Tdt), (D * Tdt, Tdt, 1), H * D * Tdt) if transposed else None,
                        ("f32", (H, T), (T, 1), 4 * H * T)]
             st = []

@@ -67,7 +67,7 @@ def round_up(n: int, m: int) -> int:
 class QuantizedTHD:
     """FP8 data of one operand in both orientations plus its one set of scales."""
 
-    data_td: torch.Tensor  # (T, H, D) float8
+    data_td: torch.Tensor | None  # (T, H, D) float8; None if not requested (a forward-only V)
     data_dt: torch.Tensor | None  # (H, D, T_dt) float8, documents at dt_cu_seqlens; None if not requested
     scale: torch.Tensor  # (H, T) fp32, power of two
     block_tokens: int

@@ -208,7 +208,8 @@ def test_deterministic_backward_switch(monkeypatch):
 
 @needs_dsl
 @pytest.mark.xfail(reason="d128: S^T, dP^T and dV (64 + 64 + 64 fp32) plus operands exceed 240 registers; "
-                          "16-24 bytes of stack and <= 15 spill instructions per thread remain (P-fragment packing, batched scales) "
+                          "16-24 bytes of stack and <= 15 spill instructions per thread remain "
+                          "(P-fragment packing, batched scales) "
                           "(was ~200 bytes); next: split the query tile in N=64 halves",
                    strict=False)
 @pytest.mark.parametrize("diagonal_copy", [False, True])

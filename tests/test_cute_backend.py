@@ -51,7 +51,7 @@ def test_auto_routes_to_the_kernels_on_sm90(monkeypatch):
 
     calls = []
     real = cb.forward_kernels
-    monkeypatch.setattr(cb, "forward_kernels", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(cb, "forward_kernels", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v, _, cu, scale = make_inputs([300, 44], 2, 2, 128, device="cuda")
     flamia_attn_varlen_func(q, k, v, cu, cu, 300, 300)
     assert calls, "backend='auto' did not use the sm_90a kernels"
@@ -84,3 +84,31 @@ def test_emulated_recipes_are_finite_on_the_gpu(recipe):
     res = attention_fn_for(recipe, scale, backend="auto")(q, k, v, cu, do)
     for name in ("out", "lse", "dq", "dk", "dv"):
         assert torch.isfinite(res[name].float()).all(), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token"])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+def test_forward_without_grad_quantizes_less_and_matches(monkeypatch, recipe, heads):
+    """No backward to come (no_grad or no input requiring grad): the forward-only quantization
+    launch. The forward kernel reads the same bytes, so out and lse are bitwise those of the
+    training call; FLAMIA_CUTE_FWD_ONLY_QUANT=0 gives the same too."""
+    import flamia_cute.cute_backend as cb
+
+    q, k, v, _, cu, scale = make_inputs(LENGTHS, *heads, 128, device="cuda", seed=7)
+    flags = []
+    real = cb.forward_kernels
+    monkeypatch.setattr(cb, "forward_kernels", lambda *a, **kw: flags.append(kw.get("forward_only")) or real(*a, **kw))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    train_out, train_lse = flamia_attn_varlen_func(*leaves, cu, cu, max(LENGTHS), max(LENGTHS), scale, recipe=recipe,
+                                                   return_lse=True)
+    with torch.no_grad():
+        out, lse = flamia_attn_varlen_func(q, k, v, cu, cu, max(LENGTHS), max(LENGTHS), scale, recipe=recipe,
+                                           return_lse=True)
+    monkeypatch.setenv("FLAMIA_CUTE_FWD_ONLY_QUANT", "0")
+    out0 = flamia_attn_varlen_func(q, k, v, cu, cu, max(LENGTHS), max(LENGTHS), scale, recipe=recipe)
+    torch.cuda.synchronize()
+    assert flags[-2:] == [True, False], flags
+    assert torch.equal(out.view(torch.int16), train_out.detach().view(torch.int16))
+    assert torch.equal(lse, train_lse.detach())
+    assert torch.equal(out0.view(torch.int16), out.view(torch.int16))

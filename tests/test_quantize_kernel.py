@@ -39,6 +39,7 @@ try:
         QuantizeConfig,
         compile_fused_quantize_sm90,
         dout_delta_config,
+        forward_only,
         fused_quantize_multi_sm90,
         fused_quantize_sm90,
         kernel_artifacts,
@@ -442,6 +443,33 @@ def test_qkv_variant_compiles_for_sm90a(D, hq, hkv, block):
         assert _count(r"\b(STL|LDL)", art.sass) == 0
         assert _count(r"SHFL\.UP", art.sass) >= 10  # one chunk scan, shared by the three parts
         assert _count(r"SHFL\.UP", art.sass) < 30
+
+
+@needs_dsl
+@pytest.mark.parametrize("D, hq, hkv, block", QKV_COMPILE_CASES)
+def test_forward_only_launch_writes_only_the_forward_layouts(D, hq, hkv, block):
+    """forward_only(qkv_config): Q and K token-major only, V transposed only (P-fragment order),
+    the same scales; fewer 16-byte stores, no spills, the launch settings kept."""
+    full = qkv_config(D, hq, hkv, block)
+    fo = forward_only(full)
+    q, k, v = fo.parts
+    assert (q.emit_token_major, q.emit_transposed, q.dt_pv_order) == (True, False, False)
+    assert (k.emit_token_major, k.emit_transposed) == (True, False) and k.emit_token_copy == (block > 1)
+    assert (v.emit_token_major, v.emit_transposed, v.dt_pv_order) == (False, True, True)
+    assert fo.raster == full.raster and fo.min_ctas_per_sm == min(full.min_ctas_per_sm, 4)
+    art, full_art = kernel_artifacts(fo, "sm_90a"), kernel_artifacts(full, "sm_90a")
+    stores = r"st\.global(\.[a-z0-9:_]+)*\.(v4\.(b|u|s)32|b128)"
+    assert _count(stores, art.ptx) < _count(stores, full_art.ptx)
+    assert art.frame_bytes in (0, None), "register spills to local memory"
+    from flamia_cute.quantize_sm90 import _layout_outputs
+
+    plan, nbytes = _layout_outputs(fo, 1000, 1152)
+    (qp,), kp, vp = plan
+    assert qp[0] is not None and qp[1] is None and all(s_[1] is None for s_ in kp)
+    assert all(s_[0] is None and s_[1] is not None for s_ in vp)
+    assert nbytes < _layout_outputs(full, 1000, 1152)[1]
+    with pytest.raises(ValueError, match="emit_token_major"):
+        QuantizeConfig(head_dim=128, num_heads=4, emit_token_major=False, emit_transposed=False)
 
 
 @needs_dsl
@@ -940,3 +968,39 @@ def test_dout_delta_matches_reference(lengths, H, D):
     # a leaky control: the same check with the tokens of two documents swapped must fail
     if len(lengths) > 1:
         assert not ((got.roll(1, dims=1) - ref).abs() <= bound).all()
+
+
+@gpu
+@needs_sm90
+@needs_dsl
+@pytest.mark.parametrize("block", [1, 128])
+@pytest.mark.parametrize("lengths, hq, hkv", [([700, 1, 333, 0, 17], 8, 4), ([1024] * 4, 16, 16)])
+def test_forward_only_launch_matches_reference(lengths, hq, hkv, block):
+    """The fields forward_only writes are bit-exact as quantize_attention_operands'; the others are None."""
+    q, k, v, cu = _qkv_inputs(lengths, hq, hkv, 128, seed=11)
+    (qq, _), (kq, kt), (vq, vt) = fused_quantize_multi_sm90((q, k, v), cu, forward_only(qkv_config(128, hq, hkv, block)),
+                                                            debug_fill=POISON)
+    torch.cuda.synchronize()
+    cuc = cu.cpu()
+    rq, (rk, rkt), (rv, rvt) = quantize_attention_operands(q.cpu(), k.cpu(), v.cpu(), cuc, block)
+
+    def same(got, ref, what, td, dt):
+        assert torch.equal(got.scale.view(torch.int32).cpu(), ref.scale.view(torch.int32).cpu()), f"scale {what}"
+        if td:
+            assert torch.equal(got.data_td.view(torch.uint8).cpu(), ref.data_td.view(torch.uint8).cpu()), what
+        else:
+            assert got.data_td is None, what
+        if dt:
+            assert torch.equal(got.data_dt.view(torch.uint8).cpu(), ref.data_dt.view(torch.uint8).cpu()), what
+            _assert_pad_zero(got, cuc, what)
+        else:
+            assert got.data_dt is None, what
+
+    same(qq, rq, "Q", True, False)
+    same(kq, rk, "K", True, False)
+    same(vq, rv, "V", False, True)
+    if block > 1:
+        same(kt, rkt, "K copy", True, False)
+        same(vt, rvt, "V copy", False, True)
+    else:
+        assert kt is None and vt is None
