@@ -59,12 +59,13 @@ from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from .compile_cache import current_raw_stream
-from .quant import DT_DOC_ALIGN, transposed_tokens
+from .quant import transposed_tokens
 from .sm90_device import (
     SHARED_SOURCE_FILES,
     as_f32,
     cvt_bf16x2,
     cvt_e4m3x4,
+    document_dt_start,
     f32_bits,
     pack_a_fragment_e4m3,
     pow2_scale_bits,
@@ -443,17 +444,7 @@ class FlamiaBwdSm90:
             if wg_idx == 0:
                 cute.arch.setmaxregister_decrease(self.regs_producer)
                 if warp_idx == 0:
-                    # the document's first data_dt column (= quant.dt_cu_seqlens(cu)[doc], so the host
-                    # builds no table): earlier documents' lengths rounded up to DT_DOC_ALIGN, lane l
-                    # adding documents l, l + 32, ..., then a butterfly sum (as the forward's producer)
-                    lane = cute.arch.lane_idx()
-                    dt_start = Int32(0)
-                    for it in cutlass.range((doc + 31) // 32, unroll=1):
-                        b = lane + 32 * it
-                        if b < doc:
-                            dt_start = dt_start + ((mCu[b + 1] - mCu[b] + (DT_DOC_ALIGN - 1)) & -DT_DOC_ALIGN)
-                    for sh in cutlass.range_constexpr(5):
-                        dt_start = dt_start + cute.arch.shuffle_sync_bfly(dt_start, offset=16 >> sh)
+                    dt_start = document_dt_start(mCu, doc)  # the host builds no dt_cu_seqlens table
                     self.load_tma(tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, doc_start, dt_start, n_blk, per)
                 if warp_idx == 1:
                     self.load_vectors(mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, kv_head, doc_start, doc_len,

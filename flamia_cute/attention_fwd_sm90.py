@@ -51,10 +51,11 @@ from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from .compile_cache import current_raw_stream
-from .quant import DT_DOC_ALIGN, transposed_tokens
+from .quant import transposed_tokens
 from .sm90_device import (
     SHARED_SOURCE_FILES,
     cvt_bf16x2,
+    document_dt_start,
     pack_a_fragment_e4m3,
     quad_max,
     quad_sum,
@@ -384,18 +385,8 @@ class FlamiaFwdSm90:
             cute.copy(tma_k, tKg[None, m_block], tKs[None, k_state.index], tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
         k_state.advance()
 
-        # The document's first V^T column (= quant.dt_cu_seqlens(cu)[doc], so the host builds no
-        # table): the sum over earlier documents of their lengths rounded up to DT_DOC_ALIGN.
-        # Lane l adds documents l, l + 32, ...; a butterfly sum gives every lane the total.
-        # ceil(doc / 32) pairs of L2-resident loads per lane, while the Q and K loads fly.
-        lane = cute.arch.lane_idx()
-        dt_start = Int32(0)
-        for it in cutlass.range((doc + 31) // 32, unroll=1):
-            b = lane + 32 * it
-            if b < doc:
-                dt_start = dt_start + ((mCu[b + 1] - mCu[b] + (DT_DOC_ALIGN - 1)) & -DT_DOC_ALIGN)
-        for sh in cutlass.range_constexpr(5):
-            dt_start = dt_start + cute.arch.shuffle_sync_bfly(dt_start, offset=16 >> sh)
+        # The document's first V^T column, while the Q and K loads fly
+        dt_start = document_dt_start(mCu, doc)
 
         tVs, tVg = v_part(tma_v, tV, dt_start)
         pipe_v.producer_acquire(v_state)

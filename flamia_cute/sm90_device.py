@@ -173,3 +173,20 @@ def warp_pipeline(stages: int, barrier_ptr):
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 256),
         barrier_storage=barrier_ptr, defer_sync=True,
     )
+
+
+@cute.jit
+def document_dt_start(mCu: cute.Tensor, doc):
+    """Document `doc`'s first data_dt column (= quant.dt_cu_seqlens(cu)[doc], so the host builds no
+    table), computed by one warp: lane l adds the DT_DOC_ALIGN-rounded lengths of the earlier
+    documents l, l + 32, ... (L2-resident loads), a butterfly sum gives every lane the total."""
+    align = _quant_layout.DT_DOC_ALIGN
+    lane = cute.arch.lane_idx()
+    dt_start = Int32(0)
+    for it in cutlass.range((doc + 31) // 32, unroll=1):
+        b = lane + 32 * it
+        if b < doc:
+            dt_start = dt_start + ((mCu[b + 1] - mCu[b] + (align - 1)) & -align)
+    for sh in cutlass.range_constexpr(5):
+        dt_start = dt_start + cute.arch.shuffle_sync_bfly(dt_start, offset=16 >> sh)
+    return dt_start
