@@ -55,12 +55,16 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
-from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32
+from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-from .compile_cache import current_raw_stream
+from .compile_cache import compile_entry, launch_on_device
 from .quant import transposed_tokens
 from .sm90_device import (
+    ARG_BF16,
+    ARG_F8,
+    ARG_F32,
+    ARG_I32,
     SHARED_SOURCE_FILES,
     as_f32,
     cvt_bf16x2,
@@ -938,7 +942,7 @@ class FlamiaBwdSm90:
 # ----------------------------------------------------------------------------------------------
 
 
-_F8, _F32, _I32, _BF16 = ("ptr", Float8E4M3FN, 16), ("ptr", Float32, 4), ("ptr", Int32, 4), ("ptr", BFloat16, 16)
+_F8, _F32, _I32, _BF16 = ARG_F8, ARG_F32, ARG_I32, ARG_BF16
 # The runtime entry's parameters (FlamiaBwdSm90.__call__) for compile_cache.compile_launcher
 ARG_KINDS = (
     _F8, _F8, _F32,  # q, qt, sq
@@ -959,13 +963,7 @@ def compile_bwd_sm90(config: BwdConfig, arch: str = "sm_90a", extra_options: str
 
     tvm_ffi: compile for TVM-FFI calls (raw int/float arguments, explicit stream handle).
     """
-    from .compile_cache import fake_args
-
-    op = FlamiaBwdSm90(config)
-    options = f"--gpu-arch {arch} {extra_options}".strip()
-    if tvm_ffi:
-        options += " --enable-tvm-ffi"
-    return cute.compile(op, *fake_args(ARG_KINDS), options=options)
+    return compile_entry(FlamiaBwdSm90(config), ARG_KINDS, arch, extra_options, tvm_ffi)
 
 
 def get_launcher(config: BwdConfig, arch: str | None = None, use_tvm_ffi: bool | None = None):
@@ -1064,20 +1062,13 @@ def flamia_bwd_sm90(
         if max_n_blocks > 65535 or num_docs > 65535:
             raise ValueError(f"grid too large: max_seqlen {max_seqlen} (at most 65535 blocks of 128) or "
                              f"{num_docs} documents (at most 65535)")
-        launch = get_launcher(config)
         ptrs = (q_td, q_dt, sq, k_td, k_dt, sk, v_td, sv, k_tok_td, k_tok_dt, sk_tok, v_tok_td, sv_tok,
                 do_quantized.data_td, do_quantized.data_dt, do_quantized.scale, lse, delta, cu, dq_acc, dk, dv)
         # deterministic dQ: one turn counter per (query head, document, query block)
         sem = torch.zeros(H * num_docs * max_n_blocks, dtype=torch.int32, device=dev) if config.deterministic else None
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        args = (*(t.data_ptr() for t in ptrs), sem.data_ptr() if sem is not None else 0,
-                T, T_dt, Hk, num_docs, max_n_blocks, float(softmax_scale),
-                current_raw_stream(idx))
-        if idx == torch.cuda.current_device():
-            launch(*args)
-        else:  # the kernel module is loaded into, and launched on, the current device's context
-            with torch.cuda.device(idx):
-                launch(*args)
+        launch_on_device(get_launcher(config), dev, *(t.data_ptr() for t in ptrs),
+                         sem.data_ptr() if sem is not None else 0,
+                         T, T_dt, Hk, num_docs, max_n_blocks, float(softmax_scale))
     # dQ: fp32 accumulator -> bf16 (a small pass; softmax_scale and the dS scales are already applied)
     dq = dq_acc.to(torch.bfloat16)
     return dq, dk, dv

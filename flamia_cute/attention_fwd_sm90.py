@@ -47,12 +47,16 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
-from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint32
+from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-from .compile_cache import current_raw_stream
+from .compile_cache import compile_entry, launch_on_device
 from .quant import transposed_tokens
 from .sm90_device import (
+    ARG_BF16,
+    ARG_F8,
+    ARG_F32,
+    ARG_I32,
     SHARED_SOURCE_FILES,
     cvt_bf16x2,
     document_dt_start,
@@ -816,7 +820,7 @@ class FlamiaFwdSm90:
 # ----------------------------------------------------------------------------------------------
 
 
-_F8, _F32, _I32, _BF16 = ("ptr", Float8E4M3FN, 16), ("ptr", Float32, 4), ("ptr", Int32, 4), ("ptr", BFloat16, 16)
+_F8, _F32, _I32, _BF16 = ARG_F8, ARG_F32, ARG_I32, ARG_BF16
 # The runtime entry's parameters (FlamiaFwdSm90.__call__) for compile_cache.compile_launcher
 ARG_KINDS = (
     _F8, _F32, _F8, _F32, _F8, _F32, _F8, _F32, _F8, _F32,  # q, sq, k, sk, v, sv, k_tok, sk_tok, v_tok, sv_tok
@@ -831,13 +835,7 @@ def compile_fwd_sm90(config: FwdConfig, arch: str = "sm_90a", extra_options: str
 
     tvm_ffi: compile for TVM-FFI calls (raw int/float arguments, explicit stream handle).
     """
-    from .compile_cache import fake_args
-
-    op = FlamiaFwdSm90(config)
-    options = f"--gpu-arch {arch} {extra_options}".strip()
-    if tvm_ffi:
-        options += " --enable-tvm-ffi"
-    return cute.compile(op, *fake_args(ARG_KINDS), options=options)
+    return compile_entry(FlamiaFwdSm90(config), ARG_KINDS, arch, extra_options, tvm_ffi)
 
 
 def get_compiled(config: FwdConfig, arch: str | None = None):
@@ -938,17 +936,10 @@ def flamia_fwd_sm90(
     if H > 65535 or num_docs > 65535:
         raise ValueError(f"grid too large: {H} query heads of q or {num_docs} documents of cu_seqlens "
                          "(at most 65535 each)")
-    launch = get_launcher(config)
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    args = (
+    launch_on_device(
+        get_launcher(config), dev,
         q_td.data_ptr(), sq.data_ptr(), k_td.data_ptr(), sk.data_ptr(), v_dt.data_ptr(), sv.data_ptr(),
         k_tok_td.data_ptr(), sk_tok.data_ptr(), v_tok_dt.data_ptr(), sv_tok.data_ptr(), cu.data_ptr(),
         out.data_ptr(), lse.data_ptr(), T, T_dt, Hk, num_docs, max_m_blocks, float(softmax_scale * LOG2E),
-        current_raw_stream(idx),
     )
-    if idx == torch.cuda.current_device():
-        launch(*args)
-    else:  # the kernel module is loaded into, and launched on, the current device's context
-        with torch.cuda.device(idx):
-            launch(*args)
     return out, lse

@@ -334,6 +334,30 @@ def fake_args(arg_kinds: tuple) -> tuple:
     return tuple(out)
 
 
+def compile_entry(op: Any, arg_kinds: tuple, arch: str, extra_options: str = "", tvm_ffi: bool = False) -> Any:
+    """cute.compile a kernel's runtime entry `op` for `arch` from fake arguments of `arg_kinds`
+    (no tensors, no GPU); tvm_ffi: for TVM-FFI calls (raw int/float arguments, explicit stream)."""
+    import cutlass.cute as cute
+
+    options = f"--gpu-arch {arch} {extra_options}".strip()
+    if tvm_ffi:
+        options += " --enable-tvm-ffi"
+    return cute.compile(op, *fake_args(arg_kinds), options=options)
+
+
+def launch_on_device(launch: Callable[..., Any], device, *args) -> None:
+    """launch(*args, raw stream) on `device`'s current stream, in that device's context (a kernel
+    module is loaded into, and launched on, the current device's context)."""
+    import torch
+
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx == torch.cuda.current_device():
+        launch(*args, current_raw_stream(idx))
+    else:
+        with torch.cuda.device(idx):
+            launch(*args, current_raw_stream(idx))
+
+
 def _dsl_launcher(fn: Any, arg_kinds: tuple) -> Callable[..., Any]:
     """The JitExecutor path behind the raw-argument interface (no tvm_ffi)."""
     import cuda.bindings.driver as cuda

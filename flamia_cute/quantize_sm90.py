@@ -66,7 +66,18 @@ from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint32, const_expr
 
 from .quant import DT_DOC_ALIGN, TOKEN_PAD, QuantizedTHD, output_buffer_plan, output_views, transposed_tokens
 from .schedules.varlen_chunks import chunk_grid_slots
-from .sm90_device import SHARED_SOURCE_FILES, as_f32, imax, pow2_scale_bits, prmt, select
+from .sm90_device import (
+    ARG_BF16,
+    ARG_F8,
+    ARG_F32,
+    ARG_I32,
+    SHARED_SOURCE_FILES,
+    as_f32,
+    imax,
+    pow2_scale_bits,
+    prmt,
+    select,
+)
 
 TILE_TOKENS = 128
 GROUP_TOKENS = 16  # tokens per warp and per data_dt segment (16 fp8 = 16 bytes)
@@ -648,19 +659,11 @@ class FusedQuantizeSm90:
 # Compile and launch
 # ----------------------------------------------------------------------------------------------
 
-NUM_PTR_ARGS = 1 + 7 * MAX_PARTS + 2  # cu_seqlens, per part x, (td, dt, scale) x 2 sets; y, rowdot
-NUM_INT_ARGS = 4  # T, T_dt, docs, grid slots
-
-
-def _ptr_specs():
-    """(dtype, assumed alignment) of the pointer arguments, in order."""
-    part = [(BFloat16, 16), (Float8E4M3FN, 16), (Float8E4M3FN, 16), (Int32, 4)] + [
-        (Float8E4M3FN, 16), (Float8E4M3FN, 16), (Int32, 4)]
-    return [(Int32, 4)] + part * MAX_PARTS + [(BFloat16, 16), (Float32, 4)]
-
-
-# the runtime entry's parameters for compile_cache.compile_launcher (the TVM-FFI launch)
-ARG_KINDS = tuple(("ptr", dt, al) for dt, al in _ptr_specs()) + (("i32",),) * NUM_INT_ARGS + (("stream",),)
+# The runtime entry's parameters (FusedQuantizeSm90.__call__) for compile_cache.compile_launcher:
+# cu_seqlens; per part x, then (data_td, data_dt, scale) of set 0 and set 1; rowdot's y and output;
+# T, T_dt, documents, grid slots; the stream
+_PART_ARGS = (ARG_BF16, ARG_F8, ARG_F8, ARG_I32, ARG_F8, ARG_F8, ARG_I32)
+ARG_KINDS = (ARG_I32, *_PART_ARGS * MAX_PARTS, ARG_BF16, ARG_F32) + (("i32",),) * 4 + (("stream",),)
 
 
 def compile_fused_quantize_sm90(config, arch: str = "sm_90a", extra_options: str = "", tvm_ffi: bool = False):
@@ -669,13 +672,9 @@ def compile_fused_quantize_sm90(config, arch: str = "sm_90a", extra_options: str
     `config` is a QuantizeConfig (one tensor) or a MultiQuantizeConfig (up to three tensors).
     tvm_ffi: compile for TVM-FFI calls (raw int arguments, explicit stream handle).
     """
-    from .compile_cache import fake_args
+    from .compile_cache import compile_entry
 
-    op = FusedQuantizeSm90(config)
-    options = f"--gpu-arch {arch} {extra_options}".strip()
-    if tvm_ffi:
-        options += " --enable-tvm-ffi"
-    return cute.compile(op, *fake_args(ARG_KINDS), options=options)
+    return compile_entry(FusedQuantizeSm90(config), ARG_KINDS, arch, extra_options, tvm_ffi)
 
 
 def kernel_artifacts(config, arch: str = "sm_90a"):
@@ -731,13 +730,14 @@ def fused_quantize_multi_sm90(
     cu_seqlens: torch.Tensor,
     config,
     debug_fill: int | None = None,
-    rowdot_of=None,
+    rowdot=None,
 ) -> list:
     """Quantize up to three (T, H_i, D_i) bf16 tensors sharing cu_seqlens in ONE kernel launch.
 
     config: MultiQuantizeConfig, or a sequence of QuantizeConfig (one per tensor). Returns one
     (block-scaled set, per-token set or None) pair per tensor, as fused_quantize_sm90 does. All
     outputs are views of one allocation. `debug_fill` (tests) fills every output byte first.
+    rowdot: (y, out) when the first part has emit_rowdot (see quantize_with_rowdot_sm90).
     """
     mcfg = config if isinstance(config, MultiQuantizeConfig) else MultiQuantizeConfig(tuple(config))
     xs = list(xs)
@@ -762,7 +762,7 @@ def fused_quantize_multi_sm90(
     if cu.dtype != torch.int32 or cu.device != dev or not cu.is_contiguous():
         cu = cu.to(device=dev, dtype=torch.int32).contiguous()
     sets = _alloc_outputs(mcfg, T, Tdt, dev, debug_fill)
-    launch_fused_quantize_multi_sm90(xs, cu, mcfg, sets, rowdot_of)
+    launch_fused_quantize_multi_sm90(xs, cu, mcfg, sets, rowdot)
     outs = []
     for cfg, ps in zip(mcfg.parts, sets, strict=True):
         out0 = QuantizedTHD(ps[0][0], ps[0][1], ps[0][2], cfg.block_tokens, "e4m3", cfg.dt_pv_order)
@@ -845,7 +845,7 @@ def quantize_with_rowdot_sm90(x: torch.Tensor, y: torch.Tensor, cu_seqlens: torc
     rowdot = torch.empty(H, T, dtype=torch.float32, device=x.device)
     if debug_fill is not None:
         rowdot.view(torch.uint8).fill_(debug_fill)
-    (out, _), = fused_quantize_multi_sm90([x], cu_seqlens, mcfg, debug_fill, rowdot_of=(y, rowdot))
+    (out, _), = fused_quantize_multi_sm90([x], cu_seqlens, mcfg, debug_fill, rowdot=(y, rowdot))
     return out, rowdot
 
 

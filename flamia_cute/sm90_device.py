@@ -151,9 +151,11 @@ def f32_bits(x):
     return Int32(arith.bitcast(Int32.mlir_type, Float32(x).ir_value()))
 
 
-def fake_ptr(dtype, align=16):
-    """A null global pointer for cute.compile: kernels compile without tensors or a GPU."""
-    return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
+# Pointer kinds of the kernels' runtime entries (compile_cache.compile_launcher's arg_kinds)
+ARG_F8 = ("ptr", cutlass.Float8E4M3FN, 16)
+ARG_F32 = ("ptr", Float32, 4)
+ARG_I32 = ("ptr", Int32, 4)
+ARG_BF16 = ("ptr", cutlass.BFloat16, 16)
 
 
 def tma_pipeline(stages: int, tx_bytes: int, barrier_ptr):
