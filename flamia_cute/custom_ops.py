@@ -87,12 +87,10 @@ def _placeholder(device) -> torch.Tensor:
 
 
 def _qkv_plan(T: int, num_docs: int, Hq: int, Hk: int, D: int, block: int):
-    """The byte plan of the Q/K/V launch (quantize_sm90.qkv_config): Q one set, K and V two when block > 1."""
-    from .quant import output_buffer_plan
+    """The byte plan of the Q/K/V launch (quantize_sm90.qkv_config; tuning changes no layout)."""
+    from .quantize_sm90 import _layout_outputs, qkv_config
 
-    sets = 2 if block > 1 else 1
-    return output_buffer_plan(T, transposed_tokens(T, num_docs), [(Hq, D, 1, True), (Hk, D, sets, True),
-                                                                   (Hk, D, sets, True)])
+    return _layout_outputs(qkv_config(D, Hq, Hk, block), T, transposed_tokens(T, num_docs))
 
 
 def _fake_entry(kind, shape_thd, num_docs, device, k_shape=None, block=1):
@@ -228,12 +226,11 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     Tk, Hk, _ = k.shape
     num_docs = cu_seqlens_q.shape[0] - 1
     shapes = {"out": (T, H, D), "q": (T, H, D), "k": (Tk, Hk, D), "v": (Tk, Hk, D), "kt": (Tk, Hk, D),
-              "vt": (Tk, Hk, D)}
+              "vt": (Tk, Hk, D), "qkv": (T, H, D)}
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(H, T, dtype=torch.float32, device=q.device)
     block = _kernel_block(recipe) if backend == "cute" else 1
-    saved = [_fake_entry(kind, shapes[name] if kind != _QKV_BUFFER else shapes["q"], num_docs, q.device,
-                         (Tk, Hk, D), block) for name, kind in layout]
+    saved = [_fake_entry(kind, shapes[name], num_docs, q.device, (Tk, Hk, D), block) for name, kind in layout]
     return out, lse, saved
 
 

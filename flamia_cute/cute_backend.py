@@ -89,21 +89,23 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only:
     return out, lse, (qq, (kq, kt), (vq, vt))
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    """A 0/1 environment switch; unset (or empty) gives `default`, anything else is an error."""
+    flag = os.environ.get(name, "")
+    if flag not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {flag!r}")
+    return default if flag == "" else flag == "1"
+
+
 def forward_only_quantization() -> bool:
     """Calls without a backward quantize only the forward's operand layouts (default), unless
     FLAMIA_CUTE_FWD_ONLY_QUANT=0."""
-    flag = os.environ.get("FLAMIA_CUTE_FWD_ONLY_QUANT", "1")
-    if flag not in ("0", "1"):
-        raise ValueError(f"FLAMIA_CUTE_FWD_ONLY_QUANT must be 0 or 1, got {flag!r}")
-    return flag == "1"
+    return _env_flag("FLAMIA_CUTE_FWD_ONLY_QUANT", True)
 
 
 def deterministic_backward() -> bool:
     """Bit-reproducible dQ: torch.use_deterministic_algorithms(True), or FLAMIA_CUTE_DETERMINISTIC=1."""
-    flag = os.environ.get("FLAMIA_CUTE_DETERMINISTIC", "")
-    if flag not in ("", "0", "1"):
-        raise ValueError(f"FLAMIA_CUTE_DETERMINISTIC must be 0 or 1, got {flag!r}")
-    return flag == "1" or torch.are_deterministic_algorithms_enabled()
+    return _env_flag("FLAMIA_CUTE_DETERMINISTIC", False) or torch.are_deterministic_algorithms_enabled()
 
 
 def backward_config(qq, kq, kt, cu, max_seqlen):
