@@ -87,10 +87,12 @@ def _placeholder(device) -> torch.Tensor:
 
 
 def _qkv_plan(T: int, num_docs: int, Hq: int, Hk: int, D: int, block: int):
-    """The byte plan of the Q/K/V launch (quantize_sm90.qkv_config; tuning changes no layout)."""
+    """The byte plan of the Q/K/V launch (quantize_sm90.qkv_config; tuning changes no layout); block: the
+    recipe's cute_backend.KERNEL_RECIPES entry."""
+    from .cute_backend import layout_block
     from .quantize_sm90 import _layout_outputs, qkv_config
 
-    return _layout_outputs(qkv_config(D, Hq, Hk, block), T, transposed_tokens(T, num_docs))
+    return _layout_outputs(qkv_config(D, Hq, Hk, layout_block(block)), T, transposed_tokens(T, num_docs))
 
 
 def _fake_entry(kind, shape_thd, num_docs, device, k_shape=None, block=1):
@@ -157,6 +159,7 @@ def _pack_kernel(layout, out_bf16, quantized) -> list[torch.Tensor]:
 
 def _unpack_kernel(saved, block: int, T: int, num_docs: int, Hq: int):
     """The QuantizedTHD views of the saved buffer: (qq, kq, vq, kt, vt); kt, vt None unless block > 1."""
+    from .cute_backend import layout_block
     from .quant import output_views
     from .quantize_sm90 import qkv_config
 
@@ -167,6 +170,7 @@ def _unpack_kernel(saved, block: int, T: int, num_docs: int, Hq: int):
         raise RuntimeError(f"saved Q/K/V buffer has {buf.numel()} bytes, its layout needs {nbytes}")
     (qs,), ks, vs = output_views(buf, plan)
     # the Q/K/V launch that wrote them says which data_dt are in P-fragment order
+    block = layout_block(block)
     q_cfg, k_cfg, v_cfg = qkv_config(D, Hq, Hk, block).parts
 
     def thd(views, cfg, b):
@@ -265,7 +269,7 @@ def varlen_bwd(
         qq, kq, vq, kt, vt = _unpack_kernel(saved, block, out.shape[0], cu_seqlens_q.shape[0] - 1, out.shape[1])
         if backward_backend() == "cute":
             dq, dk, dv = backward_kernels(dout, out_bf16, lse, qq, kq, vq, kt, vt, cu_seqlens_q, max_seqlen_q,
-                                          softmax_scale)
+                                          softmax_scale, block)
             return dq.to(dt), dk.to(dt), dv.to(dt)
         from .emulator import operand_from_quantized
 

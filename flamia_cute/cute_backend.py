@@ -14,10 +14,19 @@ import os
 
 import torch
 
+from .quant import QuantizedTHD, quantize_thd_per_tensor
 from .recipes import NAMED_RECIPES, Recipe
 
-# Recipes the sm_90a kernels implement, with the token-block size of K and V.
-KERNEL_RECIPES = {"fp8_token": 1, "fp8_tokenblock": 128}
+# Recipes the sm_90a kernels implement, with the token-block size of K and V. PER_TENSOR: the
+# per-token kernels fed one scale per tensor (quantized by torch: the cuDNN-like leaky control, run
+# at kernel speed so that training can compare it).
+PER_TENSOR = 0
+KERNEL_RECIPES = {"fp8_token": 1, "fp8_tokenblock": 128, "fp8_tensor_current": PER_TENSOR}
+
+
+def layout_block(block: int) -> int:
+    """The token-block size of the quantized layouts a KERNEL_RECIPES entry uses (PER_TENSOR: per token)."""
+    return max(block, 1)
 
 
 @functools.cache
@@ -64,12 +73,34 @@ def quantize_operands(q, k, v, cu, block: int, max_seqlen: int, forward_only: bo
     from .quantize_sm90 import fused_quantize_multi_sm90, qkv_config
     from .tuning import tuned_quantize_config
 
-    cfg = qkv_config(q.shape[2], q.shape[1], k.shape[1], block)
+    cfg = qkv_config(q.shape[2], q.shape[1], k.shape[1], layout_block(block))
+    if block == PER_TENSOR:
+        return _quantize_operands_per_tensor(q, k, v, cu, forward_only_config(cfg) if forward_only else cfg)
     cfg = tuned_quantize_config(cfg, max_seqlen, q.shape[0], cu.numel() - 1)
     if forward_only:
         cfg = forward_only_config(cfg)
     (qq, _), (kq, kt), (vq, vt) = fused_quantize_multi_sm90((q, k, v), cu, cfg)
     return qq, (kq, kt), (vq, vt)
+
+
+def _quantize_operands_per_tensor(q, k, v, cu, cfg):
+    """PER_TENSOR: quant.quantize_thd_per_tensor of Q, K, V written into the views of ONE allocation laid
+    out as the fused launch `cfg` (per token) lays it out, so the kernels and the custom op's saved buffer
+    treat it as theirs. torch ops, not a fused kernel: this recipe is the control, not the product."""
+    from .quant import transposed_tokens
+    from .quantize_sm90 import _alloc_outputs
+
+    sets = _alloc_outputs(cfg, q.shape[0], transposed_tokens(q.shape[0], cu.numel() - 1), q.device)
+    outs = []
+    for x, part, ps in zip((q, k, v), cfg.parts, sets, strict=True):
+        ref = quantize_thd_per_tensor(x, cu, transposed=part.emit_transposed, pv_order=part.dt_pv_order)
+        views = ps[0]
+        for dst, src in zip(views, (ref.data_td, ref.data_dt, ref.scale), strict=True):
+            if dst is not None:
+                dst.copy_(src)
+        outs.append(QuantizedTHD(*views, 1, "e4m3", ref.dt_pv_order))
+    qq, kq, vq = outs
+    return qq, (kq, None), (vq, None)
 
 
 def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only: bool = False):
@@ -117,12 +148,20 @@ def backward_config(qq, kq, kt, cu, max_seqlen):
     return dataclasses.replace(cfg, deterministic=True) if deterministic_backward() else cfg
 
 
-def backward_kernels(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale):
-    """The sm_90a backward kernel from the forward's saved operands (see backward_config)."""
+def backward_kernels(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale, block: int = 1):
+    """The sm_90a backward kernel from the forward's saved operands (see backward_config); block: the
+    recipe's KERNEL_RECIPES entry (PER_TENSOR quantizes dO with one scale, and D by torch)."""
     from .attention_bwd_sm90 import flamia_bwd_sm90_from_saved
+    from .quantize_sm90 import dout_config
 
     cfg = backward_config(qq, kq, kt, cu, max_seqlen)
-    return flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale, config=cfg)
+    kw = {}
+    if block == PER_TENSOR:
+        pv_order = dout_config(dout.shape[2], dout.shape[1]).dt_pv_order
+        kw["do_quantized"] = quantize_thd_per_tensor(dout.to(torch.bfloat16), cu, pv_order=pv_order)
+        kw["delta"] = (dout.float() * out.float()).sum(-1).t().contiguous()  # D = rowsum(dO * O), as the emulator
+    return flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale, config=cfg,
+                                      **kw)
 
 
 def backward_backend() -> str:
@@ -152,7 +191,8 @@ class CuteAttention(torch.autograd.Function):
         cu, scale, recipe, dt, max_seqlen = fctx.meta
         qq, (kq, kt), (vq, vt) = fctx.saved
         if backward_backend() == "cute":
-            dq, dk, dv = backward_kernels(dout.contiguous(), out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, scale)
+            dq, dk, dv = backward_kernels(dout.contiguous(), out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, scale,
+                                          kernel_block_tokens(recipe))
             return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None
         ectx = EmulatorContext(recipe, scale, True, cu, cu, operand_from_quantized(qq),
                                operand_from_quantized(kq, kt), operand_from_quantized(vq, vt), out, lse)

@@ -338,7 +338,7 @@ def run_tune(args) -> int:
     import torch
 
     from .bench import DEFAULT_WORKLOADS, _progress
-    from .cute_backend import KERNEL_RECIPES
+    from .cute_backend import KERNEL_RECIPES, layout_block
 
     data = json.loads(Path(args.workloads or DEFAULT_WORKLOADS).read_text())
     head = data["head_configs"].get(args.heads)
@@ -356,7 +356,7 @@ def run_tune(args) -> int:
     wl = data["workloads"]
     if args.only:
         wl = {w: wl[w] for w in args.only.split(",") if w in wl} or wl
-    block = KERNEL_RECIPES[args.recipe]
+    block = layout_block(KERNEL_RECIPES[args.recipe])  # PER_TENSOR runs the per-token kernels
     spaces = {k: search_space(k, head["head_dim"], head["heads_q"], head["heads_kv"], block) for k in kernels}
     shapes = {k: kernel_shape(k, keep[0][0]) for k, (keep, _) in spaces.items()}
     classes = {w: workload_class(max(ls), sum(ls), len(ls)) for w, ls in wl.items()}

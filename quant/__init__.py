@@ -12,7 +12,9 @@ from .quantize import (
     quantize_attention_operands,
     quantize_per_tensor,
     quantize_thd,
+    quantize_thd_per_tensor,
     round_up,
+    tensor_scale,
     token_block_ids,
     transposed_tokens,
 )
@@ -21,7 +23,8 @@ __all__ = [
     "BUFFER_ALIGN", "output_buffer_plan", "output_views",
     "BF16", "E2M1", "E4M3", "E5M2", "FloatFormat", "cast_to", "format_by_name", "pow2_scale",
     "DT_DOC_ALIGN", "PV_ORDER16", "TOKEN_PAD", "dt_cu_seqlens", "transposed_tokens", "QuantizedTHD",
-    "natural_dt", "quantize_attention_operands", "quantize_per_tensor", "quantize_thd", "round_up", "token_block_ids",
+    "natural_dt", "quantize_attention_operands", "quantize_per_tensor", "quantize_thd",
+    "quantize_thd_per_tensor", "round_up", "tensor_scale", "token_block_ids",
 ]
 
 from .microscaling import mx_quantize, mx_quantize_2d, nvfp4_quantize  # noqa: E402

@@ -173,8 +173,27 @@ def natural_dt(qt: QuantizedTHD) -> torch.Tensor:
     return dt.view(*dt.shape[:2], -1, 16)[..., inv].reshape(dt.shape)
 
 
+def tensor_scale(x: torch.Tensor, fmt: FloatFormat = E4M3) -> torch.Tensor:
+    """The pow2 scale of ONE amax over the whole tensor (every document, head and token), 0-dim, on x's
+    device (no host sync)."""
+    return pow2_scale_from_amax_bits(abs_bits(x).amax().reshape(1), fmt)[0]
+
+
 def quantize_per_tensor(x: torch.Tensor, fmt: FloatFormat = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
     """One amax over the whole tensor (the cuDNN-like, leaky control). Returns (values fp32, scale)."""
-    bits = abs_bits(x).amax()
-    scale = pow2_scale_from_amax_bits(bits.reshape(1), fmt)[0]
+    scale = tensor_scale(x, fmt)
     return cast_to(x.float() / scale, fmt), scale
+
+
+def quantize_thd_per_tensor(
+    x: torch.Tensor, cu_seqlens: torch.Tensor, fmt: FloatFormat = E4M3, transposed: bool = True,
+    pv_order: bool = False,
+) -> QuantizedTHD:
+    """quantize_per_tensor's values in the per-token layouts (every token holding the one scale), so
+    the per-token kernels run the per-tensor recipe unchanged. Leaky by design: the scale spans
+    documents and future tokens."""
+    T, H, _ = x.shape
+    scale = tensor_scale(x, fmt).expand(H, T).contiguous()
+    data_td = quantize_with_scale(x, scale, fmt)
+    data_dt = transpose_tokens(data_td, cu_seqlens, pv_order) if transposed else None
+    return QuantizedTHD(data_td, data_dt, scale, 1, fmt.name, pv_order and transposed)

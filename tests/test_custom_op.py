@@ -74,17 +74,19 @@ def test_kernel_layout_fake(recipe):
     assert (dq.shape, dk.shape, dv.shape) == ((T, H, D), (Tk, Hk, D), (Tk, Hk, D))
 
 
-@pytest.mark.parametrize("recipe, block", [("fp8_tokenblock", 128), ("fp8_token", 1)])
+@pytest.mark.parametrize("recipe, block", [("fp8_tokenblock", 128), ("fp8_token", 1), ("fp8_tensor_current", 0)])
 def test_kernel_pack_unpack_round_trip(recipe, block):
     """The forward saves the ONE buffer of the Q/K/V launch; the backward rebuilds the same views
     (shapes, strides, byte offsets, P-fragment flags) from it and K's shape carrier."""
     pytest.importorskip("cutlass")
+    from flamia_cute.cute_backend import layout_block
     from flamia_cute.custom_ops import _pack_kernel, _unpack_kernel
     from flamia_cute.quantize_sm90 import _alloc_outputs, qkv_config
 
     T, docs, Hq, Hk, D = 300, 3, 4, 2, 128
     tdt = transposed_tokens(T, docs)
-    cfg = qkv_config(D, Hq, Hk, block)
+    lb = layout_block(block)  # the per-tensor recipe uses the per-token layouts
+    cfg = qkv_config(D, Hq, Hk, lb)
     (qs,), ks, vs = _alloc_outputs(cfg, T, tdt, "cpu")
     storage = qs[0].untyped_storage()
     torch.manual_seed(0)
@@ -94,8 +96,8 @@ def test_kernel_pack_unpack_round_trip(recipe, block):
         return QuantizedTHD(*views, b, "e4m3", c.dt_pv_order)
 
     qc, kc, vc = cfg.parts
-    quantized = (thd(qs, qc, 1), (thd(ks[0], kc, block), thd(ks[1], kc, 1) if block > 1 else None),
-                 (thd(vs[0], vc, block), thd(vs[1], vc, 1) if block > 1 else None))
+    quantized = (thd(qs, qc, 1), (thd(ks[0], kc, lb), thd(ks[1], kc, 1) if block > 1 else None),
+                 (thd(vs[0], vc, lb), thd(vs[1], vc, 1) if block > 1 else None))
     layout = saved_layout(recipe, "cute", True)
     saved = _pack_kernel(layout, torch.zeros(T, Hq, D, dtype=torch.bfloat16), quantized)
     assert len(saved) == len(layout) == 3

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flamia_cute import NAMED_RECIPES, flamia_attn_varlen_func
-from flamia_cute.cute_backend import kernel_block_tokens, unsupported_reason
+from flamia_cute.cute_backend import PER_TENSOR, kernel_block_tokens, layout_block, unsupported_reason
 from flamia_cute.interface import pick_backend
 from flamia_cute.testing import attention_fn_for, check_leakage, make_inputs, rel_l2
 
@@ -12,9 +12,12 @@ from flamia_cute.testing import attention_fn_for, check_leakage, make_inputs, re
 def test_kernel_recipes_and_reasons():
     assert kernel_block_tokens(NAMED_RECIPES["fp8_tokenblock"]) == 128
     assert kernel_block_tokens(NAMED_RECIPES["fp8_token"]) == 1
+    assert kernel_block_tokens(NAMED_RECIPES["fp8_tensor_current"]) == PER_TENSOR
+    assert layout_block(PER_TENSOR) == 1 and layout_block(128) == 128
     assert kernel_block_tokens(NAMED_RECIPES["mxfp8"]) is None
     q, k, v, _, cu, _ = make_inputs([5, 7], 2, 2, 128)
     assert unsupported_reason(NAMED_RECIPES["fp8_tokenblock"], True, q, k, cu, cu) is None
+    assert unsupported_reason(NAMED_RECIPES["fp8_tensor_current"], True, q, k, cu, cu) is None
     assert "mxfp8" in unsupported_reason(NAMED_RECIPES["mxfp8"], True, q, k, cu, cu)
     assert "causal" in unsupported_reason(NAMED_RECIPES["fp8_token"], False, q, k, cu, cu)
     other = torch.tensor([0, 6, 12], dtype=torch.int32)
@@ -31,8 +34,40 @@ def test_auto_falls_back_to_the_emulator_without_a_gpu():
 LENGTHS = [1000, 1, 0, 517, 4096, 33, 129]
 
 
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_per_tensor_operands_fill_one_fused_layout(forward_only):
+    """fp8_tensor_current on the kernels: quant.quantize_thd_per_tensor of Q, K, V written into ONE
+    allocation laid out as the per-token Q/K/V launch (the custom op saves it whole); the forward-only
+    variant leaves out the backward's layouts."""
+    pytest.importorskip("cutlass")
+    from flamia_cute.cute_backend import PER_TENSOR, quantize_operands
+    from flamia_cute.quant import quantize_thd_per_tensor
+    from flamia_cute.quantize_sm90 import forward_only as forward_only_config
+    from flamia_cute.quantize_sm90 import qkv_config
+
+    q, k, v, _, cu, _ = make_inputs([70, 1, 0, 200], 4, 2, 64, seed=3)
+    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, PER_TENSOR, 200, forward_only=forward_only)
+    assert kt is None and vt is None
+    storage = qq.scale.untyped_storage().data_ptr()
+    cfg = qkv_config(64, 4, 2, 1)
+    parts = (forward_only_config(cfg) if forward_only else cfg).parts
+    for got, x, part in zip((qq, kq, vq), (q, k, v), parts, strict=True):
+        want = quantize_thd_per_tensor(x, cu, transposed=part.emit_transposed, pv_order=part.dt_pv_order)
+        assert got.block_tokens == 1 and got.dt_pv_order == want.dt_pv_order
+        assert torch.equal(got.scale, want.scale)
+        for f in ("data_td", "data_dt", "scale"):
+            t = getattr(got, f)
+            if t is None:
+                continue
+            assert t.untyped_storage().data_ptr() == storage, f
+            w = getattr(want, f)
+            assert torch.equal(t.view(torch.uint8), w.view(torch.uint8)), f
+    layouts = [(t.data_td is None, t.data_dt is None) for t in (qq, kq, vq)]
+    assert layouts == ([(False, True), (False, True), (True, False)] if forward_only else [(False, False)] * 3)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token"])
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tensor_current"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 1)])
 def test_kernel_path_matches_emulator(recipe, heads):
     q, k, v, do, cu, scale = make_inputs(LENGTHS, *heads, 128, device="cuda", seed=2)
@@ -69,10 +104,12 @@ def test_kernel_path_is_leak_free(recipe):
 
 
 @pytest.mark.gpu
-def test_leaky_control_fails_on_the_gpu_path():
-    """The same check run on the leaky recipe's GPU path (emulated on the GPU) must fail."""
+@pytest.mark.parametrize("backend", ["cute", "emulate"])
+def test_leaky_control_fails_on_the_gpu_path(backend):
+    """The same check run on the leaky recipe on the kernels (per-tensor scales) and on the emulator
+    on the GPU must fail."""
     q, k, v, do, cu, scale = make_inputs(LENGTHS, 2, 2, 128, device="cuda", seed=4)
-    rep = check_leakage(attention_fn_for("fp8_tensor_current", scale, backend="auto"), q, k, v, cu, do, doc=4)
+    rep = check_leakage(attention_fn_for("fp8_tensor_current", scale, backend=backend), q, k, v, cu, do, doc=4)
     assert not rep.ok
 
 
@@ -81,13 +118,13 @@ def test_leaky_control_fails_on_the_gpu_path():
 def test_emulated_recipes_are_finite_on_the_gpu(recipe):
     """GPU math may flush fp32 denormals: the emulator must not produce NaN there (it once did for MX)."""
     q, k, v, do, cu, scale = make_inputs([300, 1, 130], 2, 2, 128, device="cuda", seed=6)
-    res = attention_fn_for(recipe, scale, backend="auto")(q, k, v, cu, do)
+    res = attention_fn_for(recipe, scale, backend="emulate")(q, k, v, cu, do)
     for name in ("out", "lse", "dq", "dk", "dv"):
         assert torch.isfinite(res[name].float()).all(), name
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token"])
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tensor_current"])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
 def test_forward_without_grad_quantizes_less_and_matches(monkeypatch, recipe, heads):
     """No backward to come (no_grad or no input requiring grad): the forward-only quantization

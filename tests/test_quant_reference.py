@@ -13,11 +13,15 @@ from flamia_cute.quant import (
     E5M2,
     TOKEN_PAD,
     dt_cu_seqlens,
+    natural_dt,
     pow2_scale,
+    quantize_per_tensor,
     quantize_thd,
+    quantize_thd_per_tensor,
     token_block_ids,
     transposed_tokens,
 )
+from flamia_cute.quant.quantize import transpose_tokens
 from flamia_cute.testing import cu_seqlens_from_lengths
 
 
@@ -122,3 +126,24 @@ def test_pv_order_permutes_each_16_column_group():
         for j in range(16):
             assert torch.equal(b[..., 16 * g + j], a[..., 16 * g + PV_ORDER16[j]])
     assert sorted(PV_ORDER16) == list(range(16))
+
+
+def test_per_tensor_in_token_layouts_is_quantize_per_tensor_and_leaks():
+    """The leaky control in the per-token kernels' layouts: quantize_per_tensor's values, one scale in
+    every (head, token) slot, data_dt the transposed copy; and the scale follows another document."""
+    cu = cu_seqlens_from_lengths([40, 1, 77])
+    x = torch.randn(118, 3, 64) * torch.logspace(-2, 2, 118).view(-1, 1, 1)
+    x = x.to(torch.bfloat16)
+    for pv in (False, True):
+        qt = quantize_thd_per_tensor(x, cu, pv_order=pv)
+        vals, scale = quantize_per_tensor(x)
+        assert qt.scale.shape == (3, 118) and torch.equal(qt.scale, torch.full_like(qt.scale, float(scale)))
+        assert torch.equal(qt.data_td.float(), vals) and torch.equal(qt.dequantize(), vals * scale)
+        want_dt = quantize_thd(x, cu).data_dt  # per-token scales differ, so compare the layout on the values
+        assert qt.data_dt.shape == want_dt.shape and qt.dt_pv_order == pv
+        assert torch.equal(natural_dt(qt).float(), transpose_tokens(qt.data_td, cu).float())
+    assert quantize_thd_per_tensor(x, cu, transposed=False).data_dt is None
+    # the control leaks: a larger value in the LAST document changes the FIRST document's bytes
+    y = x.clone()
+    y[-1] *= 64
+    assert not torch.equal(quantize_thd_per_tensor(y, cu).data_td[:40], quantize_thd_per_tensor(x, cu).data_td[:40])
