@@ -58,8 +58,10 @@ import torch
 from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
+from . import recipes as _recipes
 from .compile_cache import compile_entry, launch_on_device
 from .quant import transposed_tokens
+from .recipes import DV_FOLD_REF_MIN
 from .sm90_device import (
     ARG_BF16,
     ARG_F8,
@@ -81,7 +83,8 @@ from .sm90_device import (
     warp_pipeline,
 )
 
-SOURCE_FILES = (Path(__file__).resolve(), *SHARED_SOURCE_FILES)
+# recipes.py holds DV_FOLD_REF_MIN: a change there must recompile
+SOURCE_FILES = (Path(__file__).resolve(), Path(_recipes.__file__).resolve(), *SHARED_SOURCE_FILES)
 
 LOG2E = math.log2(math.e)
 P_SCALE = 256.0  # the recipe's fixed power-of-two P scale
@@ -776,6 +779,7 @@ class FlamiaBwdSm90:
                 r = sVec[krow[v1], 5, vs]  # visible queries of key krow: columns >= krow
             if r == Float32(0.0):
                 r = Float32(1.0)
+            r = cute.arch.fmax(r, Float32(DV_FOLD_REF_MIN))  # all-zero dO rows: 256 / 2^-126 is inf
             cf[v1] = Float32(P_SCALE) / r  # exact: r is a power of two
             rfac[v1] = r / Float32(P_SCALE)
         pv = cute.make_rmem_tensor(cute.make_layout(4), Float32)
@@ -795,7 +799,9 @@ class FlamiaBwdSm90:
                         if krow[v1] >= lim:
                             p = Float32(0.0)
                     acc_dp[a] = p * (acc_dp[a] * rsc[2 + v1] * cw - cd)
-                    acc_s[a] = p * (cw * cf[v1])  # S^T is dead: it holds the dV operand until packed
+                    # S^T is dead: it holds the dV operand until packed. (p * cw) first: a masked
+                    # query's cw * cf may overflow (its scale above r), p = 0 times it must stay 0
+                    acc_s[a] = (p * cw) * cf[v1]
         # dO^T comes in P-fragment query order: the A registers are packed in place
         pack_a_fragment_e4m3(acc_s, tOrP32)
 

@@ -33,7 +33,7 @@ from flamia_cute.quant import (
 from flamia_cute.quant.microscaling import pad_to_multiple
 from flamia_cute.quant.quantize import QuantizedTHD
 
-from .recipes import MX_BLOCK, OperandQuant, Recipe
+from .recipes import DV_FOLD_REF_MIN, MX_BLOCK, OperandQuant, Recipe
 
 
 @dataclass
@@ -146,17 +146,19 @@ def _cast_rowtile(x: torch.Tensor, dim: int, tile: int, fmt_name: str) -> torch.
     return cast_to(x / scale, fmt) * scale
 
 
-def _fold_cast(p: torch.Tensor, w: torch.Tensor, visible: torch.Tensor, dim: int, tile: int, p_scale: float):
+def _fold_cast(p: torch.Tensor, w: torch.Tensor, visible: torch.Tensor, dim: int, tile: int, p_scale: float,
+               ref_min: float = 0.0):
     """Cast P (>= 0, <= 1) to e4m3 with operand scale w folded in.
 
     The other operand's per-token scale w (along the reduction `dim`) is folded
     into P relative to r = max of w over the visible entries of the tile, so
     P * w / r <= 1 and the fixed p_scale cannot saturate. Returns the effective
-    value: cast(P * w / r * p_scale) / p_scale * r / w.
+    value: cast(P * w / r * p_scale) / p_scale * r / w. ref_min: r is at least this
+    (the backward's DV_FOLD_REF_MIN, as its kernel computes p_scale / r).
     """
     wv = torch.where(visible, w, torch.zeros_like(w))
     r = _tile_reduce_max(wv, dim, tile)
-    r = torch.where(r > 0, r, torch.ones_like(r))
+    r = torch.where(r > 0, r, torch.ones_like(r)).clamp_min(ref_min)
     ratio = w / r
     return cast_to(p * ratio * p_scale, E4M3) / p_scale / ratio
 
@@ -348,7 +350,7 @@ def emulate_backward(dout: torch.Tensor, ctx: EmulatorContext, dtype=torch.float
             pe = p.to(torch.bfloat16).to(dtype)
         elif recipe.p_cast == "e4m3_fold":
             w = doo.scale[:, g.qs : g.qe, None].to(dtype).expand_as(p)
-            pe = _fold_cast(p, w, vis, -2, recipe.query_tile, recipe.p_scale)
+            pe = _fold_cast(p, w, vis, -2, recipe.query_tile, recipe.p_scale, DV_FOLD_REF_MIN)
         else:
             pe = mx_quantize(p, dim=-2, block=MX_BLOCK)
         dv_h = pe.transpose(1, 2) @ do_t

@@ -14,6 +14,10 @@ SCALINGS = ("none", "tensor", "token", "tokenblock", "mx")
 P_CASTS = ("bf16", "e4m3_fold", "mx")
 DS_CASTS = ("bf16", "e4m3_rowtile", "e5m2_rowtile", "mx")
 MX_BLOCK = 32  # Blackwell block-scaled MMA: one E8M0 scale per 32 elements
+# The backward's dV fold reference r (max dO scale over a tile's visible queries) never goes below
+# this, so that p_scale / r stays finite in fp32: an all-zero dO row (every token whose target is
+# ignored) has the scale 2^-126, and 256 / 2^-126 overflows.
+DV_FOLD_REF_MIN = 2.0**-119
 NVFP4_BLOCK = 16
 
 

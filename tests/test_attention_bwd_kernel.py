@@ -26,7 +26,7 @@ from flamia_cute.quant import (
     quantize_attention_operands,
     quantize_thd,
 )
-from flamia_cute.recipes import Recipe
+from flamia_cute.recipes import DV_FOLD_REF_MIN, Recipe
 from flamia_cute.testing import check_leakage, fp8_mma_truncated, make_inputs, rel_l2
 
 try:
@@ -244,7 +244,8 @@ def _kernel_model(qq, kq, vq, kt, vt, doq, out, lse, dout, cu, scale, group, dia
     """What every CTA (key block n, kv head, doc) computes, in the kernel's formulas and order.
 
     bug: inject a plausible bug: "mask_off_by_one", "sv_is_sk" (the dP row factor from the K
-    scales), "dq_scale_dropped" (dQ without its per-query dS scale).
+    scales), "dq_scale_dropped" (dQ without its per-query dS scale), "no_fold_ref_min" (the dV
+    fold's 256 / r with r = 2^-126 from all-zero dO rows: inf, as the kernel had it).
     """
     T, H, D = qq.data_td.shape
     Hk = kq.data_td.shape[1]
@@ -304,7 +305,12 @@ def _kernel_model(qq, kq, vq, kt, vt, doq, out, lse, dout, cu, scale, group, dia
                     dS = p * (dP * sv[:, None] * W[None, :] - Dr[None, :])
                     r = R[ar] if diag else R[0].expand(128)
                     r = torch.where(r == 0, 1.0, r)
-                    P8 = cast_to(p * (W[None, :] * (256.0 / r)[:, None]), E4M3)
+                    if bug != "no_fold_ref_min":
+                        r = r.clamp_min(DV_FOLD_REF_MIN)
+                    fold = W[None, :] * (256.0 / r)[:, None]
+                    if diag:  # a masked query's fold may overflow (its scale above r): zeroed
+                        fold = fold.masked_fill(ar[None, :] < ar[:, None], 0.0)
+                    P8 = cast_to(p * fold, E4M3)
                     dV += mm(P8, dOtc.t()) * (r / 256.0)[:, None]
                     amax_k = (dS * Qs[None, :]).abs().amax(1)
                     s_k = pow2_scale(amax_k, E4M3)
@@ -323,8 +329,17 @@ def _kernel_model(qq, kq, vq, kt, vt, doq, out, lse, dout, cu, scale, group, dia
     return dq.to(torch.bfloat16), dk.to(torch.bfloat16), dv.to(torch.bfloat16)
 
 
-def _setup(lengths, H, Hk, D, recipe, seed, device="cpu"):
+def _setup(lengths, H, Hk, D, recipe, seed, device="cpu", zero_do_rows=False):
+    """zero_do_rows: dO is 0 on the last token of every document and on a whole 128-query tile of the
+    longest, as in training where a token's target is ignored (dO scale 2^-126)."""
     q, k, v, do, cu, scale = make_inputs(lengths, heads_q=H, heads_kv=Hk, head_dim=D, seed=seed, device=device)
+    if zero_do_rows:
+        c = cu.tolist()
+        for e in c[1:]:
+            if e > 0:
+                do[e - 1] = 0
+        longest = max(range(len(lengths)), key=lambda i: lengths[i])
+        do[c[longest] + 128 : min(c[longest] + 256, c[longest + 1])] = 0
     block = RECIPES[recipe]
     rec = Recipe.from_name(recipe)
     cu = cu.to(device)
@@ -391,6 +406,20 @@ def test_kernel_model_matches_emulator(recipe, lengths, H, Hk, D):
 
 @needs_dsl
 @pytest.mark.parametrize("recipe", list(RECIPES))
+def test_kernel_model_with_zero_dout_rows(recipe):
+    """All-zero dO rows (ignored targets in training) give the dO scale 2^-126: the dV fold must stay
+    finite (the kernel's 256 / r overflowed to inf and training's first backward was NaN); without
+    DV_FOLD_REF_MIN the model shows the failure."""
+    st = _setup([300, 1, 129, 40], 2, 2, 64, recipe, seed=5, zero_do_rows=True)
+    err = _grad_errors(_model(st), st["emu"], st["cu"])
+    for name in ("dq", "dk", "dv"):
+        assert err[name + "_nan"] == 0 and torch.isfinite(st["emu"][("dq", "dk", "dv").index(name)]).all(), err
+        assert err[name] < 3e-4 and err[name + "_doc"] < 6e-4, (name, err)
+    assert _violations(_grad_errors(_model(st, bug="no_fold_ref_min"), st["emu"], st["cu"]))
+
+
+@needs_dsl
+@pytest.mark.parametrize("recipe", list(RECIPES))
 def test_error_model_within_tolerances(recipe):
     """Pessimistic 13-bit tensor-core accumulation: within half the GPU bounds."""
     st = _setup([1, 127, 128, 129, 300, 0, 33], 2, 2, 64, recipe, seed=1)
@@ -443,6 +472,19 @@ def _check_gpu(lengths, recipe, D, H, Hk, seed):
 @pytest.mark.parametrize("D, H, Hk", [(128, 2, 2), (64, 4, 2), (128, 4, 1)])
 def test_gpu_matches_emulator(recipe, D, H, Hk):
     _check_gpu(LENGTHS, recipe, D, H, Hk, seed=1)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_gpu_zero_dout_rows(recipe):
+    """Training's dO: zero rows where targets are ignored (see test_kernel_model_with_zero_dout_rows)."""
+    st = _setup(LENGTHS, 2, 2, 128, recipe, seed=5, device="cuda", zero_do_rows=True)
+    res = _run_kernel(st, poison=True)
+    torch.cuda.synchronize()
+    err = _grad_errors(res, st["emu"], st["cu"].cpu())
+    assert not _violations(err), err
 
 
 @pytest.mark.gpu
