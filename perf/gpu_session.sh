@@ -50,7 +50,7 @@ for stage in "$@"; do
       run train_fp8 "$each" python3 -m train.run --attention flamia --recipe fp8_tokenblock $common
       run train_leaky "$each" python3 -m train.run --attention flamia --recipe fp8_tensor_current $common
       run train_compare 60 python3 -m train.run --compare "$OUT/train" ;;
-    train)  # issue 8, one full run: TRAIN_WHAT = fa4 | fp8 | leaky, TRAIN_STEPS (1000), into $TRAIN_DIR
+    train)  # issue 8, one full run: TRAIN_WHAT = fa4 | fp8 | leaky, TRAIN_STEPS (1000), TRAIN_SEED (0), into $TRAIN_DIR
       what=${TRAIN_WHAT:?TRAIN_WHAT=fa4|fp8|leaky}
       case $what in
         fa4) attn="--attention fa4" ;;
@@ -59,7 +59,7 @@ for stage in "$@"; do
         *) echo "unknown TRAIN_WHAT $what"; continue ;;
       esac
       run "train_$what" "${TRAIN_SECONDS:-560}" python3 -m train.run $attn --preset llama_125m \
-        --steps "${TRAIN_STEPS:-1000}" --tokens-per-step 65536 --max-doc-tokens 4096 --seed 0 --eval-every 100 \
+        --steps "${TRAIN_STEPS:-1000}" --tokens-per-step 65536 --max-doc-tokens 4096 --seed "${TRAIN_SEED:-0}" --eval-every 100 \
         --leak-samples 128 --log-every 50 --out "${TRAIN_DIR:-$OUT/train}" ;;
     train-compare) run train_compare 60 python3 -m train.run --compare "${TRAIN_DIR:-$OUT/train}" ;;
     op-tests) run op_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_custom_op.py ;;
