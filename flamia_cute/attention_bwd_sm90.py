@@ -61,7 +61,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from . import recipes as _recipes
 from .compile_cache import compile_entry, launch_on_device
 from .quant import transposed_tokens
-from .recipes import DV_FOLD_REF_MIN
+from .recipes import FOLD_REF_MIN
 from .sm90_device import (
     ARG_BF16,
     ARG_F8,
@@ -83,7 +83,7 @@ from .sm90_device import (
     warp_pipeline,
 )
 
-# recipes.py holds DV_FOLD_REF_MIN: a change there must recompile
+# recipes.py holds FOLD_REF_MIN: a change there must recompile
 SOURCE_FILES = (Path(__file__).resolve(), Path(_recipes.__file__).resolve(), *SHARED_SOURCE_FILES)
 
 LOG2E = math.log2(math.e)
@@ -779,7 +779,7 @@ class FlamiaBwdSm90:
                 r = sVec[krow[v1], 5, vs]  # visible queries of key krow: columns >= krow
             if r == Float32(0.0):
                 r = Float32(1.0)
-            r = cute.arch.fmax(r, Float32(DV_FOLD_REF_MIN))  # all-zero dO rows: 256 / 2^-126 is inf
+            r = cute.arch.fmax(r, Float32(FOLD_REF_MIN))  # all-zero dO rows: 256 / 2^-126 is inf
             cf[v1] = Float32(P_SCALE) / r  # exact: r is a power of two
             rfac[v1] = r / Float32(P_SCALE)
         pv = cute.make_rmem_tensor(cute.make_layout(4), Float32)

@@ -50,8 +50,10 @@ import torch
 from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
+from . import recipes as _recipes
 from .compile_cache import compile_entry, launch_on_device
 from .quant import transposed_tokens
+from .recipes import FOLD_DROP, FOLD_REF_MIN
 from .sm90_device import (
     ARG_BF16,
     ARG_F8,
@@ -60,6 +62,7 @@ from .sm90_device import (
     SHARED_SOURCE_FILES,
     cvt_bf16x2,
     document_dt_start,
+    f32_bits,
     pack_a_fragment_e4m3,
     quad_max,
     quad_sum,
@@ -69,7 +72,8 @@ from .sm90_device import (
     warp_pipeline,
 )
 
-SOURCE_FILES = (Path(__file__).resolve(), *SHARED_SOURCE_FILES)
+# recipes.py holds FOLD_DROP and FOLD_REF_MIN: a change there must recompile
+SOURCE_FILES = (Path(__file__).resolve(), Path(_recipes.__file__).resolve(), *SHARED_SOURCE_FILES)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -469,7 +473,8 @@ class FlamiaFwdSm90:
         rs = cute.make_rmem_tensor(cute.make_layout(2), Float32)  # softmax_scale*log2e*sQ[row]
         m_run = cute.make_rmem_tensor(cute.make_layout(2), Float32)  # running max (scaled, log2)
         l_run = cute.make_rmem_tensor(cute.make_layout(2), Float32)  # per-thread partial row sum
-        r_run = cute.make_rmem_tensor(cute.make_layout(2), Float32)  # V-scale fold of the last tile
+        # V-scale fold reference of the last kept tile; negative while the current tile is dropped
+        r_run = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         c_pend = cute.make_rmem_tensor(cute.make_layout(2), Float32)  # overlap: deferred O rescale
         for v1 in cutlass.range_constexpr(2):
             row = m_block * tn + wg * wm + tScS[2 * v1][0]
@@ -480,7 +485,7 @@ class FlamiaFwdSm90:
             rs[v1] = sq * scale_log2
             m_run[v1] = -Float32.inf
             l_run[v1] = Float32(0.0)
-            r_run[v1] = Float32(1.0)
+            r_run[v1] = Float32(0.0)  # no kept tile yet (see softmax: the fold reference)
         acc_o.fill(0.0)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -544,7 +549,7 @@ class FlamiaFwdSm90:
             f = Float32(0.0)
             lse = -Float32.inf
             if l_tot > Float32(0.0):
-                f = (r_run[v1] / Float32(P_SCALE)) / l_tot
+                f = (abs(r_run[v1]) / Float32(P_SCALE)) / l_tot
                 lse = (m_run[v1] + cute.math.log2(l_tot, fastmath=False)) * Float32(LN2)
             row = row_in_blk[v1]
             if row < doc_len:
@@ -589,7 +594,10 @@ class FlamiaFwdSm90:
 
         Leaves p * sV * 256 / r (fp32) in acc_s and updates the row statistics. The running
         output's factor c = alpha * r_prev / r goes to c_pend: the caller applies it as
-        O = O * c + O_tile in one FFMA per element when this tile's P V has landed.
+        O = O * c + O_tile in one FFMA per element when this tile's P V has landed. A row whose
+        fold reference r (the max V scale of its visible keys) is below
+        max(r_prev * FOLD_DROP, FOLD_REF_MIN) is dropped from P V (P = 0 there, the reference stays):
+        an all-zero V tile (scale 2^-126) would make 256 / r and r_prev / r overflow.
         diag: the diagonal tile (first), the only one with a mask. The caller waits for and
         releases the scale stage s_state.
         """
@@ -642,24 +650,28 @@ class FlamiaFwdSm90:
             if cutlass.const_expr(uniform):
                 rsv[v1] = rs[v1] * sk_t
             else:
-                wm_ = quad_max(wmax[v1])
-                r = wm_
-                if wm_ == Float32(0.0):
-                    r = Float32(1.0)
+                r = quad_max(wmax[v1])  # 0: no visible key (dropped below)
             # rsv > 0, so max(s) * rsv == max(s * rsv) exactly
             m_new = cute.arch.fmax(m_run[v1], tm * rsv[v1])
             ms = m_new
             if m_new == -Float32.inf:
                 ms = Float32(0.0)
             alpha = cute.math.exp2(m_run[v1] - ms, fastmath=True)
-            inv[v1] = Float32(P_SCALE) / r  # exact: r is a power of two
             m_safe[v1] = ms
             # running output: softmax correction times the fold change r_prev / r (exact)
-            c = alpha * (r_run[v1] / r)
+            c = alpha
+            rr = abs(r_run[v1])
+            inv_r = Float32(0.0)  # stays 0 for a dropped row: P V += 0 (uniform tiles: convert_p)
+            r_new = -rr  # the sign marks a dropped row and costs no register (|r| is a free modifier)
+            if r >= cute.arch.fmax(rr * Float32(FOLD_DROP), Float32(FOLD_REF_MIN)):
+                inv_r = Float32(P_SCALE) / r  # exact: r is a power of two
+                c = alpha * (rr / r)
+                r_new = r
+            inv[v1] = inv_r
+            r_run[v1] = r_new
             c_pend[v1] = c
             alphas[v1] = alpha
             m_run[v1] = m_new
-            r_run[v1] = r
         psum = [Float32(0.0), Float32(0.0)]
         # uniform tiles: P * 256 = exp2(x + 8) saves a multiply per element (P_SCALE = 2^8)
         m_off = [m_safe[0], m_safe[1]]
@@ -678,7 +690,7 @@ class FlamiaFwdSm90:
                     if cutlass.const_expr(uniform):
                         acc_s[a] = p
                     else:
-                        acc_s[a] = p * (sw * inv[v1])
+                        acc_s[a] = (p * sw) * inv[v1]  # p = 0 first: a masked key's sw * inv may overflow
         for v1 in cutlass.range_constexpr(2):
             ps = psum[v1]
             if cutlass.const_expr(uniform):
@@ -686,11 +698,18 @@ class FlamiaFwdSm90:
             l_run[v1] = l_run[v1] * alphas[v1] + ps
 
     @cute.jit
-    def convert_p(self, frags):
+    def convert_p(self, frags, r_run, uniform: cutlass.Constexpr):
         """P: fp32 accumulator layout (acc_s) -> e4m3 A-operand registers (tOrP); V^T comes in
-        P-fragment key order, so this is 32 conversions and nothing else."""
+        P-fragment key order, so this is 32 conversions and nothing else. Uniform tiles leave P
+        unscaled (w / r == 1), so a dropped row (r_run < 0, see softmax) has its bytes zeroed here:
+        16 ANDs and no branch (a branch over the row's fp32 values spilled). Register i holds
+        row i % 2 (a_fragment_sources)."""
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         pack_a_fragment_e4m3(acc_s, tOrP32)
+        if cutlass.const_expr(uniform):
+            keep = [Uint32(~(f32_bits(r_run[v1]) >> 31)) for v1 in range(2)]  # ~0, or 0 if dropped
+            for i in cutlass.range_constexpr(cute.size(tOrP32)):
+                tOrP32[i] = tOrP32[i] & keep[i % 2]
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -756,7 +775,7 @@ class FlamiaFwdSm90:
         self.softmax(diag, n, frags, rowst, sScale, s_state, doc_len, wg)
         pipe_s.consumer_release(s_state)
         s_state.advance()
-        self.convert_p(frags)
+        self.convert_p(frags, rowst[3], (not diag) and self.diag_copy)
         return k_state, s_state
 
     @cute.jit
@@ -795,7 +814,7 @@ class FlamiaFwdSm90:
         v_state.advance()
         # the serial schedule's operation for the previous tile: O = O * c_prev + O_tile
         self.accumulate_o(frags, c_prev)
-        self.convert_p(frags)
+        self.convert_p(frags, r_run, self.diag_copy)
         return k_state, v_state, s_state, qk_mma, pv_mma
 
     @cute.jit

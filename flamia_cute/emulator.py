@@ -33,7 +33,7 @@ from flamia_cute.quant import (
 from flamia_cute.quant.microscaling import pad_to_multiple
 from flamia_cute.quant.quantize import QuantizedTHD
 
-from .recipes import DV_FOLD_REF_MIN, MX_BLOCK, OperandQuant, Recipe
+from .recipes import FOLD_DROP, FOLD_REF_MIN, MX_BLOCK, OperandQuant, Recipe
 
 
 @dataclass
@@ -154,7 +154,8 @@ def _fold_cast(p: torch.Tensor, w: torch.Tensor, visible: torch.Tensor, dim: int
     into P relative to r = max of w over the visible entries of the tile, so
     P * w / r <= 1 and the fixed p_scale cannot saturate. Returns the effective
     value: cast(P * w / r * p_scale) / p_scale * r / w. ref_min: r is at least this
-    (the backward's DV_FOLD_REF_MIN, as its kernel computes p_scale / r).
+    (the backward's FOLD_REF_MIN, as its kernel computes p_scale / r; the forward drops such
+    tiles instead, see recipes.FOLD_DROP).
     """
     wv = torch.where(visible, w, torch.zeros_like(w))
     r = _tile_reduce_max(wv, dim, tile)
@@ -279,6 +280,7 @@ def emulate_forward(q, k, v, cu_q, cu_k, softmax_scale, causal, recipe: Recipe, 
         m = torch.full((H, lq, 1), float("-inf"), dtype=dtype, device=q.device)
         l_sum = torch.zeros(H, lq, 1, dtype=dtype, device=q.device)
         acc = torch.zeros(H, lq, D, dtype=dtype, device=q.device)
+        r_run = torch.zeros(H, lq, 1, dtype=dtype, device=q.device)  # fold reference of the last kept tile
         for t0 in reversed(range(0, lk, tile)):  # from the diagonal down, as the kernels
             cols = slice(t0, min(t0 + tile, lk))
             st = s[:, :, cols]
@@ -293,7 +295,13 @@ def emulate_forward(q, k, v, cu_q, cu_k, softmax_scale, causal, recipe: Recipe, 
                 pe = p.to(torch.bfloat16).to(dtype)
             elif recipe.p_cast == "e4m3_fold":
                 wt = w[:, :, cols].expand_as(p)
-                pe = _fold_cast(p, wt, vis.expand_as(p), -1, tile, recipe.p_scale)
+                visp = vis.expand_as(p)
+                # a row whose reference falls below max(r_run * FOLD_DROP, FOLD_REF_MIN) adds nothing
+                # (recipes.FOLD_DROP: the kernel carries O in units of r, and r_run / r must not overflow)
+                r_tile = torch.where(visp, wt, torch.zeros_like(wt)).amax(-1, keepdim=True)
+                keep = r_tile >= torch.clamp_min(r_run * FOLD_DROP, FOLD_REF_MIN)
+                pe = torch.where(keep, _fold_cast(p, wt, visp, -1, tile, recipe.p_scale), 0.0)
+                r_run = torch.where(keep, r_tile, r_run)
             else:  # mx: 1x32 blocks of keys per row; the tile starts on a block boundary
                 pe = mx_quantize(p, dim=-1, block=MX_BLOCK)
                 if pm is not None:
@@ -350,7 +358,7 @@ def emulate_backward(dout: torch.Tensor, ctx: EmulatorContext, dtype=torch.float
             pe = p.to(torch.bfloat16).to(dtype)
         elif recipe.p_cast == "e4m3_fold":
             w = doo.scale[:, g.qs : g.qe, None].to(dtype).expand_as(p)
-            pe = _fold_cast(p, w, vis, -2, recipe.query_tile, recipe.p_scale, DV_FOLD_REF_MIN)
+            pe = _fold_cast(p, w, vis, -2, recipe.query_tile, recipe.p_scale, FOLD_REF_MIN)
         else:
             pe = mx_quantize(p, dim=-2, block=MX_BLOCK)
         dv_h = pe.transpose(1, 2) @ do_t

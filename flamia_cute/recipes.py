@@ -14,10 +14,15 @@ SCALINGS = ("none", "tensor", "token", "tokenblock", "mx")
 P_CASTS = ("bf16", "e4m3_fold", "mx")
 DS_CASTS = ("bf16", "e4m3_rowtile", "e5m2_rowtile", "mx")
 MX_BLOCK = 32  # Blackwell block-scaled MMA: one E8M0 scale per 32 elements
-# The backward's dV fold reference r (max dO scale over a tile's visible queries) never goes below
-# this, so that p_scale / r stays finite in fp32: an all-zero dO row (every token whose target is
-# ignored) has the scale 2^-126, and 256 / 2^-126 overflows.
-DV_FOLD_REF_MIN = 2.0**-119
+# P's e4m3_fold cast divides by a fold reference r (the max of the other operand's scales over the
+# visible entries of a tile): r never goes below FOLD_REF_MIN, so that p_scale / r stays finite in
+# fp32 (an all-zero row or tile has the scale 2^-126, and 256 / 2^-126 overflows). Backward (dV):
+# r is clamped up to it. Forward (P V, where O is carried in units of the last tile's r): a tile
+# whose r is below max(r_prev * FOLD_DROP, FOLD_REF_MIN) adds nothing to O and keeps r_prev, so
+# that the rescale r_prev / r cannot overflow either (its V values are below 2^-24 of those
+# already summed, or below 2^-110 absolute).
+FOLD_REF_MIN = 2.0**-119
+FOLD_DROP = 2.0**-24
 NVFP4_BLOCK = 16
 
 

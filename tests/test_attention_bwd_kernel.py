@@ -26,7 +26,7 @@ from flamia_cute.quant import (
     quantize_attention_operands,
     quantize_thd,
 )
-from flamia_cute.recipes import DV_FOLD_REF_MIN, Recipe
+from flamia_cute.recipes import FOLD_REF_MIN, Recipe
 from flamia_cute.testing import check_leakage, fp8_mma_truncated, make_inputs, rel_l2
 
 try:
@@ -306,7 +306,7 @@ def _kernel_model(qq, kq, vq, kt, vt, doq, out, lse, dout, cu, scale, group, dia
                     r = R[ar] if diag else R[0].expand(128)
                     r = torch.where(r == 0, 1.0, r)
                     if bug != "no_fold_ref_min":
-                        r = r.clamp_min(DV_FOLD_REF_MIN)
+                        r = r.clamp_min(FOLD_REF_MIN)
                     fold = W[None, :] * (256.0 / r)[:, None]
                     if diag:  # a masked query's fold may overflow (its scale above r): zeroed
                         fold = fold.masked_fill(ar[None, :] < ar[:, None], 0.0)
@@ -409,7 +409,7 @@ def test_kernel_model_matches_emulator(recipe, lengths, H, Hk, D):
 def test_kernel_model_with_zero_dout_rows(recipe):
     """All-zero dO rows (ignored targets in training) give the dO scale 2^-126: the dV fold must stay
     finite (the kernel's 256 / r overflowed to inf and training's first backward was NaN); without
-    DV_FOLD_REF_MIN the model shows the failure."""
+    FOLD_REF_MIN the model shows the failure."""
     st = _setup([300, 1, 129, 40], 2, 2, 64, recipe, seed=5, zero_do_rows=True)
     err = _grad_errors(_model(st), st["emu"], st["cu"])
     for name in ("dq", "dk", "dv"):

@@ -79,8 +79,8 @@ def test_kernel_pack_unpack_round_trip(recipe, block):
     """The forward saves the ONE buffer of the Q/K/V launch; the backward rebuilds the same views
     (shapes, strides, byte offsets, P-fragment flags) from it and K's shape carrier."""
     pytest.importorskip("cutlass")
-    from flamia_cute.cute_backend import layout_block
     from flamia_cute.custom_ops import _pack_kernel, _unpack_kernel
+    from flamia_cute.cute_backend import layout_block
     from flamia_cute.quantize_sm90 import _alloc_outputs, qkv_config
 
     T, docs, Hq, Hk, D = 300, 3, 4, 2, 128
