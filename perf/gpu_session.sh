@@ -69,8 +69,8 @@ for stage in "$@"; do
     bwd-tests) run bwd_tests 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_bwd_kernel.py ;;
     quant-tests-x) run quant_tests 90 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_quantize_kernel.py ;;
     fwd-tests-all) run fwd_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py ;;
-    profile) run profile_api 200 python3 perf/profile_api.py 16x1k fwd
-             run profile_api_bwd 200 python3 perf/profile_api.py 16x1k bwd ;;
+    profile) run profile_api 200 python3 perf/profile_api.py 16x1k fwd stages
+             run profile_api_bwd 200 python3 perf/profile_api.py 16x1k bwd stages ;;
     ncu)  # where the backward kernel's time goes, and the quantization kernel's DRAM traffic
       run ncu_bwd 300 ncu -k regex:'[Bb]wd' --launch-skip 1 --launch-count 1 --set full --import-source no \
         -o "$OUT/bwd" -f python3 perf/profile_kernels.py bwd 1x4k
