@@ -56,13 +56,14 @@ def stage_times(call, n=50):
 
             saved.append((mod, name, fn))
             setattr(mod, name, wrapped)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     try:
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter_ns()
         for _ in range(n):
             call()
         whole = (time.perf_counter_ns() - t0) / n / 1e3
-        torch.cuda.synchronize()
+        sync()
     finally:
         for mod, name, fn in saved:
             setattr(mod, name, fn)
