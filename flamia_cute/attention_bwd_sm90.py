@@ -817,25 +817,26 @@ class FlamiaBwdSm90:
             for a in cutlass.range_constexpr(n_acc):
                 acc_dv[a] = acc_dv[a] + acc_t[a] * rfac[(a // 2) % 2]
 
-        # ---- dK operand: e4m3(dS^T * sq / s_k), s_k per key over the 128 queries
+        # ---- dK operand: e4m3(dS^T * sq / s_k), s_k per key over the 128 queries. acc_s (its P is
+        # packed) keeps dS^T * sq between the amax and the scaling: one multiply and one sq load
+        # per element instead of two, the same products in the same order
         amax = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         amax.fill(0.0)
         for w_ in cutlass.range_constexpr(n_s // 4):
             for v0 in cutlass.range_constexpr(2):
                 cq = sVec[tScS[4 * w_ + v0][1], 4, vs]
                 for v1 in cutlass.range_constexpr(2):
-                    amax[v1] = cute.arch.fmax(amax[v1], abs(acc_dp[v0 + 2 * v1 + 4 * w_] * cq))
+                    a = v0 + 2 * v1 + 4 * w_
+                    acc_s[a] = acc_dp[a] * cq
+                    amax[v1] = cute.arch.fmax(amax[v1], abs(acc_s[a]))
         skk = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         inv = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         for v1 in cutlass.range_constexpr(2):
             sbits, ibits = pow2_scale_bits(f32_bits(quad_max(amax[v1])))
             skk[v1] = as_f32(sbits)
             inv[v1] = as_f32(ibits)
-        for w_ in cutlass.range_constexpr(n_s // 4):
-            for v0 in cutlass.range_constexpr(2):
-                cq = sVec[tScS[4 * w_ + v0][1], 4, vs]
-                for v1 in cutlass.range_constexpr(2):
-                    acc_s[v0 + 2 * v1 + 4 * w_] = acc_dp[v0 + 2 * v1 + 4 * w_] * cq * inv[v1]
+        for a in cutlass.range_constexpr(n_s):
+            acc_s[a] = acc_s[a] * inv[(a // 2) % 2]
         # Q^T comes in P-fragment query order as well
         pack_a_fragment_e4m3(acc_s, tOrS32)
 
@@ -862,12 +863,14 @@ class FlamiaBwdSm90:
         # the next: the shared-memory atomic orders the code around it, and one column at a time
         # made 32 serial chains of 3 dependent shuffles + an atomic per tile (measured with ncu:
         # the largest stall class of the kernel). Same maxima, any order.
+        # acc_dp (dead after this) is scaled by sk in place: the dS bytes below reuse the products
         buf = i % 3
+        for a in cutlass.range_constexpr(n_s):
+            acc_dp[a] = acc_dp[a] * rsc[(a // 2) % 2]
         cols = [(w_, v0) for w_ in range(n_s // 4) for v0 in range(2)]
         for g0 in cutlass.range_constexpr(0, len(cols), DQ_AMAX_BATCH):
             group = cols[g0 : g0 + DQ_AMAX_BATCH]
-            xs = [cute.arch.fmax(abs(acc_dp[v0 + 4 * w_] * rsc[0]), abs(acc_dp[v0 + 2 + 4 * w_] * rsc[1]))
-                  for w_, v0 in group]
+            xs = [cute.arch.fmax(abs(acc_dp[v0 + 4 * w_]), abs(acc_dp[v0 + 2 + 4 * w_])) for w_, v0 in group]
             for off in cutlass.range_constexpr(3):
                 sh = [cute.arch.shuffle_sync_bfly(x, offset=4 << off) for x in xs]
                 xs = [cute.arch.fmax(x, y) for x, y in zip(xs, sh, strict=True)]
@@ -887,7 +890,7 @@ class FlamiaBwdSm90:
             for k_, w_ in enumerate(ws):
                 for v0 in cutlass.range_constexpr(2):
                     for v1 in cutlass.range_constexpr(2):
-                        pv[v0 + 2 * v1] = acc_dp[v0 + 2 * v1 + 4 * w_] * rsc[v1] * iqs[2 * k_ + v0]
+                        pv[v0 + 2 * v1] = acc_dp[v0 + 2 * v1 + 4 * w_] * iqs[2 * k_ + v0]
                 pk = cvt_e4m3x4(pv[0], pv[1], pv[2], pv[3])
                 for b in cutlass.range_constexpr(4):
                     # query column 8 w_ + 2 quad + b % 2: its q % 8 part lives in dsb (see consume)

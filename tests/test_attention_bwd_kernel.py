@@ -206,13 +206,16 @@ def test_deterministic_backward_switch(monkeypatch):
         torch.use_deterministic_algorithms(was)
 
 
+_D128_PER_TOKEN_SPILLS = pytest.mark.xfail(
+    reason="d128 per-token build (fp8_token): S^T, dP^T and dV (64 + 64 + 64 fp32) plus operands exceed 240 "
+           "registers; 40 bytes of stack and 10 spill instructions per thread remain (was ~200 bytes); the "
+           "token-block build (the default recipe) has none since dS is scaled by sk in place; next: split the "
+           "query tile in N=64 halves",
+    strict=True)
+
+
 @needs_dsl
-@pytest.mark.xfail(reason="d128: S^T, dP^T and dV (64 + 64 + 64 fp32) plus operands exceed 240 registers; "
-                          "16-24 bytes of stack and <= 15 spill instructions per thread remain "
-                          "(P-fragment packing, batched scales) "
-                          "(was ~200 bytes); next: split the query tile in N=64 halves",
-                   strict=False)
-@pytest.mark.parametrize("diagonal_copy", [False, True])
+@pytest.mark.parametrize("diagonal_copy", [pytest.param(False, marks=_D128_PER_TOKEN_SPILLS), True])
 def test_d128_no_spills(artifacts, diagonal_copy):
     art = artifacts(128, diagonal_copy)
     assert art.frame_bytes in (None, 0)
