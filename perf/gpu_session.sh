@@ -33,6 +33,9 @@ for stage in "$@"; do
                   --reps 15 --out "$OUT" ;;
     bench-gputime) run bench_gputime 480 python3 -m flamia_cute.cli bench --modes fwd,bwd,fwdbwd --impls flamia,fa4,cudnn \
                   --reps 15 --gpu-time --out "$OUT/gputime" ;;
+    bench-det)  # the deterministic backward's cost (issue 5): GPU time of bwd and fwd+bwd, ours only
+      run bench_det 300 env FLAMIA_CUTE_DETERMINISTIC=1 python3 -m flamia_cute.cli bench --modes bwd,fwdbwd \
+        --impls flamia --reps 15 --gpu-time --out "$OUT/det" ;;
     align-experiment)  # issue 3 hypothesis: data_dt documents at 16-column starts split 32-byte sectors
       for a in 32 128 16; do  # ends on 16: the committed layout
         sed -i "s/^DT_DOC_ALIGN = .*/DT_DOC_ALIGN = $a/" quant/quantize.py
