@@ -716,9 +716,15 @@ def _layout_outputs(mcfg: MultiQuantizeConfig, T: int, Tdt: int):
                                        for c in mcfg.parts])
 
 
+# the runtime allocation's plan, memoized: a training step repeats (config, T) on every layer and
+# call, and rebuilding it cost ~9 us of host time per launch (the fake implementations of the
+# custom ops call _layout_outputs itself: their sizes may be symbolic)
+_runtime_layout = functools.lru_cache(maxsize=64)(_layout_outputs)
+
+
 def _alloc_outputs(mcfg, T, Tdt, device, debug_fill=None):
     """Every output of every part as views of ONE uint8 allocation."""
-    plan, nbytes = _layout_outputs(mcfg, T, Tdt)
+    plan, nbytes = _runtime_layout(mcfg, int(T), int(Tdt))
     buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     if debug_fill is not None:
         buf.fill_(debug_fill)
