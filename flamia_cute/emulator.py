@@ -160,6 +160,11 @@ def _fold_cast(p: torch.Tensor, w: torch.Tensor, visible: torch.Tensor, dim: int
     wv = torch.where(visible, w, torch.zeros_like(w))
     r = _tile_reduce_max(wv, dim, tile)
     r = torch.where(r > 0, r, torch.ones_like(r)).clamp_min(ref_min)
+    return _fold_cast_to(p, w, r, p_scale)
+
+
+def _fold_cast_to(p: torch.Tensor, w: torch.Tensor, r: torch.Tensor, p_scale: float) -> torch.Tensor:
+    """_fold_cast with the reference r given (r >= w wherever p > 0)."""
     ratio = w / r
     return cast_to(p * ratio * p_scale, E4M3) / p_scale / ratio
 
@@ -358,7 +363,12 @@ def emulate_backward(dout: torch.Tensor, ctx: EmulatorContext, dtype=torch.float
             pe = p.to(torch.bfloat16).to(dtype)
         elif recipe.p_cast == "e4m3_fold":
             w = doo.scale[:, g.qs : g.qe, None].to(dtype).expand_as(p)
-            pe = _fold_cast(p, w, vis, -2, recipe.query_tile, recipe.p_scale, FOLD_REF_MIN)
+            if recipe.dv_fold == "document":  # one reference per (KV head group, document)
+                ref = doo.scale[:, g.qs : g.qe].to(dtype).reshape(-1, group, g.qe - g.qs).amax((1, 2))
+                ref = ref.repeat_interleave(group)[:, None, None].clamp_min(FOLD_REF_MIN)
+                pe = _fold_cast_to(p, w, ref.expand_as(p), recipe.p_scale)
+            else:
+                pe = _fold_cast(p, w, vis, -2, recipe.query_tile, recipe.p_scale, FOLD_REF_MIN)
         else:
             pe = mx_quantize(p, dim=-2, block=MX_BLOCK)
         dv_h = pe.transpose(1, 2) @ do_t

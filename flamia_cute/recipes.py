@@ -13,6 +13,7 @@ OPERAND_FORMATS = ("bf16", "e4m3", "e5m2", "mxfp8", "nvfp4")
 SCALINGS = ("none", "tensor", "token", "tokenblock", "mx")
 P_CASTS = ("bf16", "e4m3_fold", "mx")
 DS_CASTS = ("bf16", "e4m3_rowtile", "e5m2_rowtile", "mx")
+DV_FOLDS = ("tile", "document")
 MX_BLOCK = 32  # Blackwell block-scaled MMA: one E8M0 scale per 32 elements
 # P's e4m3_fold cast divides by a fold reference r (the max of the other operand's scales over the
 # visible entries of a tile): r never goes below FOLD_REF_MIN, so that p_scale / r stays finite in
@@ -79,12 +80,21 @@ class Recipe:
     key_tile: int = 128  # keys per tile: the granularity of P's scale fold and dS row scales
     query_tile: int = 128  # queries per backward tile: granularity of dS column scales and dV's P fold
     p_scale: float = 256.0  # fixed power of two: P * 256 <= 256 < 448, cannot saturate e4m3
+    # dV = P^T dO with dO's per-token scale folded into P (p_cast e4m3_fold) relative to a reference:
+    # "tile", the max over each query tile's visible queries; "document", one reference per (KV head
+    # group, document), the max dO scale there: the same for every tile, so a kernel can accumulate
+    # dV in the MMA itself (perf/NOTES.md, session 4)
+    dv_fold: str = "tile"
 
     def __post_init__(self):
         if self.p_cast not in P_CASTS:
             raise ValueError(f"Recipe.p_cast must be one of {P_CASTS}, got {self.p_cast!r}")
         if self.ds_cast not in DS_CASTS:
             raise ValueError(f"Recipe.ds_cast must be one of {DS_CASTS}, got {self.ds_cast!r}")
+        if self.dv_fold not in DV_FOLDS:
+            raise ValueError(f"Recipe.dv_fold must be one of {DV_FOLDS}, got {self.dv_fold!r}")
+        if self.dv_fold != "tile" and self.p_cast != "e4m3_fold":
+            raise ValueError("Recipe.dv_fold 'document' applies to p_cast 'e4m3_fold' only")
         for tile_name in ("key_tile", "query_tile"):
             t = getattr(self, tile_name)
             if t < 1 or t & (t - 1):
@@ -146,6 +156,9 @@ NAMED_RECIPES: dict[str, Recipe] = {
         Recipe("fp8_tokenblock_unsafe", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, diagonal_safeguard=False),
         Recipe("fp8_token_ds_e5m2", _TOKEN, _TOKEN, _TOKEN, _TOKEN, ds_cast="e5m2_rowtile"),
         Recipe("fp8_token_ds_bf16", _TOKEN, _TOKEN, _TOKEN, _TOKEN, ds_cast="bf16"),
+        # The planned backward (perf/NOTES.md, session 4): S, dP, dV in FP8 with dV folded per
+        # document, dS in bf16 for dK and dQ. Emulated; no kernel yet.
+        Recipe("fp8_tokenblock_dsbf16", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, ds_cast="bf16", dv_fold="document"),
         # cuDNN-like: one amax per tensor per call. Deliberately leaky: the control.
         Recipe("fp8_tensor_current", _TENSOR, _TENSOR, _TENSOR, _TENSOR, diagonal_safeguard=False),
         Recipe("mxfp8", _MX, _MX, _MX, _MX, p_cast="mx", ds_cast="mx"),

@@ -1,6 +1,7 @@
 """Accuracy of every recipe against fp64 on the issue's two input sets (SQNR floors)."""
 
 import pytest
+import torch
 
 from flamia_cute.reference import reference_attention
 from flamia_cute.testing import attention_fn_for, make_inputs, sqnr_db
@@ -29,7 +30,7 @@ def measure(recipe, kind, mix, heads_kv=2):
 
 
 @pytest.mark.parametrize("mix", list(DOC_MIXES))
-@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token"])
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tokenblock_dsbf16"])
 def test_normal_floors(recipe, mix):
     got = measure(recipe, "normal", mix)
     for name, floor in NORMAL_FLOORS.items():
@@ -70,7 +71,7 @@ def test_outlier_recipes_not_worse_than_per_tensor():
             assert ours[name] >= control[name] - 0.5, (recipe, name, ours[name], control[name])
 
 
-@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token"])
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tokenblock_dsbf16"])
 def test_zero_rows_do_not_dominate_scale_folds(recipe):
     """The last token of every document has an all-zero dO row in training; it must not wreck dV."""
     q, k, v, do, cu, scale = make_inputs(DOC_MIXES["mixed"], heads_q=4, heads_kv=2, seed=11)
@@ -81,3 +82,30 @@ def test_zero_rows_do_not_dominate_scale_folds(recipe):
     got = attention_fn_for(recipe, scale)(q, k, v, cu, do)
     for name in OPERANDS:
         assert sqnr_db(got[name], ref[name]) >= NORMAL_FLOORS[name], name
+
+
+@pytest.mark.parametrize("mix", ["one_doc", "mixed"])
+def test_planned_backward_recipe_is_not_less_accurate(mix):
+    """fp8_tokenblock_dsbf16 (dV folded per document, dS in bf16: the backward the register budget
+    allows, perf/NOTES.md session 4) against today's default: dQ and dK better, dV and O within 0.2 dB."""
+    new, old = measure("fp8_tokenblock_dsbf16", "normal", mix), measure("fp8_tokenblock", "normal", mix)
+    assert new["dq"] > old["dq"] + 0.3 and new["dk"] > old["dk"] + 0.3, (new, old)
+    assert new["dv"] >= old["dv"] - 0.2 and new["out"] >= old["out"] - 0.2, (new, old)
+
+
+def test_dv_fold_document_uses_one_reference_per_document():
+    """dv_fold "document": the fold reference of every key's dV is the largest dO scale of its
+    document and KV group, so a large dO on the first query changes how later keys' P is cast (and
+    with dv_fold "tile" it does not reach keys past the first query tile); other documents never."""
+    from flamia_cute import NAMED_RECIPES
+
+    q, k, v, do, cu, scale = make_inputs([600, 300], heads_q=2, heads_kv=1, seed=5)
+    big = do.clone()
+    big[0] = big[0] * 2.0**12
+    doc_fn = attention_fn_for("fp8_tokenblock_dsbf16", scale)
+    tile_fn = attention_fn_for(NAMED_RECIPES["fp8_tokenblock_dsbf16"].with_(name="tile", dv_fold="tile"), scale)
+    d0, d1 = doc_fn(q, k, v, cu, do)["dv"], doc_fn(q, k, v, cu, big)["dv"]
+    t0, t1 = tile_fn(q, k, v, cu, do)["dv"], tile_fn(q, k, v, cu, big)["dv"]
+    assert not torch.equal(d0[300:600], d1[300:600])  # keys 300-599 never see query 0: only the reference
+    assert torch.equal(t0[300:600], t1[300:600])
+    assert torch.equal(d0[600:], d1[600:]) and torch.equal(t0[600:], t1[600:])  # the other document

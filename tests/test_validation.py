@@ -84,4 +84,8 @@ def test_recipe_validation():
         Recipe("x", key_tile=100)
     with pytest.raises(ValueError, match="p_scale"):
         Recipe("x", p_scale=512.0)
+    with pytest.raises(ValueError, match="dv_fold"):
+        Recipe("x", dv_fold="row")
+    with pytest.raises(ValueError, match="dv_fold"):
+        Recipe("x", p_cast="bf16", dv_fold="document")
     assert Recipe.from_name("fp8_tokenblock").k.block_tokens == 128
