@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from .quant import QuantizedTHD, transposed_tokens
+from .quant import transposed_tokens
 from .recipes import MX_BLOCK, OperandQuant, Recipe
 
 LIB = "flamia_cute"
@@ -161,24 +161,16 @@ def _unpack_kernel(saved, block: int, T: int, num_docs: int, Hq: int):
     """The QuantizedTHD views of the saved buffer: (qq, kq, vq, kt, vt); kt, vt None unless block > 1."""
     from .cute_backend import layout_block
     from .quant import output_views
-    from .quantize_sm90 import qkv_config
+    from .quantize_sm90 import qkv_config, quantized_outputs
 
     buf, k_shape = saved[1], saved[2]
     Hk, D = k_shape.shape[1], k_shape.shape[2]
     plan, nbytes = _qkv_plan(T, num_docs, Hq, Hk, D, block)
     if buf.numel() < nbytes:
         raise RuntimeError(f"saved Q/K/V buffer has {buf.numel()} bytes, its layout needs {nbytes}")
-    (qs,), ks, vs = output_views(buf, plan)
     # the Q/K/V launch that wrote them says which data_dt are in P-fragment order
-    block = layout_block(block)
-    q_cfg, k_cfg, v_cfg = qkv_config(D, Hq, Hk, block).parts
-
-    def thd(views, cfg, b):
-        return QuantizedTHD(*views, b, "e4m3", cfg.dt_pv_order)
-
-    qq, kq, vq = thd(qs, q_cfg, 1), thd(ks[0], k_cfg, block), thd(vs[0], v_cfg, block)
-    kt = thd(ks[1], k_cfg, 1) if block > 1 else None
-    vt = thd(vs[1], v_cfg, 1) if block > 1 else None
+    qkv = qkv_config(D, Hq, Hk, layout_block(block))
+    (qq, _), (kq, kt), (vq, vt) = quantized_outputs(qkv, output_views(buf, plan))
     return qq, kq, vq, kt, vt
 
 

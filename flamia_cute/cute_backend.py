@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from .quant import QuantizedTHD, quantize_thd_per_tensor
+from .quant import quantize_thd_per_tensor
 from .recipes import NAMED_RECIPES, Recipe
 
 # Recipes the sm_90a kernels implement, with the token-block size of K and V. PER_TENSOR: the
@@ -88,19 +88,16 @@ def _quantize_operands_per_tensor(q, k, v, cu, cfg):
     out as the fused launch `cfg` (per token) lays it out, so the kernels and the custom op's saved buffer
     treat it as theirs. torch ops, not a fused kernel: this recipe is the control, not the product."""
     from .quant import transposed_tokens
-    from .quantize_sm90 import _alloc_outputs
+    from .quantize_sm90 import _alloc_outputs, quantized_outputs
 
     sets = _alloc_outputs(cfg, q.shape[0], transposed_tokens(q.shape[0], cu.numel() - 1), q.device)
-    outs = []
     for x, part, ps in zip((q, k, v), cfg.parts, sets, strict=True):
         ref = quantize_thd_per_tensor(x, cu, transposed=part.emit_transposed, pv_order=part.dt_pv_order)
-        views = ps[0]
-        for dst, src in zip(views, (ref.data_td, ref.data_dt, ref.scale), strict=True):
+        for dst, src in zip(ps[0], (ref.data_td, ref.data_dt, ref.scale), strict=True):
             if dst is not None:
                 dst.copy_(src)
-        outs.append(QuantizedTHD(*views, 1, "e4m3", ref.dt_pv_order))
-    qq, kq, vq = outs
-    return qq, (kq, None), (vq, None)
+    (qq, _), (kq, kt), (vq, vt) = quantized_outputs(cfg, sets)
+    return qq, (kq, kt), (vq, vt)
 
 
 def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only: bool = False):

@@ -305,7 +305,8 @@ def emulate_forward(q, k, v, cu_q, cu_k, softmax_scale, causal, recipe: Recipe, 
                 # (recipes.FOLD_DROP: the kernel carries O in units of r, and r_run / r must not overflow)
                 r_tile = torch.where(visp, wt, torch.zeros_like(wt)).amax(-1, keepdim=True)
                 keep = r_tile >= torch.clamp_min(r_run * FOLD_DROP, FOLD_REF_MIN)
-                pe = torch.where(keep, _fold_cast(p, wt, visp, -1, tile, recipe.p_scale), 0.0)
+                ref = torch.where(keep, r_tile, torch.ones_like(r_tile))  # dropped rows: any finite r
+                pe = torch.where(keep, _fold_cast_to(p, wt, ref.expand_as(p), recipe.p_scale), 0.0)
                 r_run = torch.where(keep, r_tile, r_run)
             else:  # mx: 1x32 blocks of keys per row; the tile starts on a block boundary
                 pe = mx_quantize(p, dim=-1, block=MX_BLOCK)

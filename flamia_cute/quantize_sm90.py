@@ -769,9 +769,15 @@ def fused_quantize_multi_sm90(
         cu = cu.to(device=dev, dtype=torch.int32).contiguous()
     sets = _alloc_outputs(mcfg, T, Tdt, dev, debug_fill)
     launch_fused_quantize_multi_sm90(xs, cu, mcfg, sets, rowdot)
+    return quantized_outputs(mcfg, sets)
+
+
+def quantized_outputs(mcfg: MultiQuantizeConfig, sets) -> list:
+    """The QuantizedTHD of a launch's output views (`_alloc_outputs` / `quant.output_views`): one
+    (block-scaled set, per-token set or None) pair per part, flagged as the launch writes them."""
     outs = []
     for cfg, ps in zip(mcfg.parts, sets, strict=True):
-        out0 = QuantizedTHD(ps[0][0], ps[0][1], ps[0][2], cfg.block_tokens, "e4m3", cfg.dt_pv_order)
+        out0 = QuantizedTHD(*ps[0], cfg.block_tokens, "e4m3", cfg.dt_pv_order)
         out1 = QuantizedTHD(*ps[1], 1, "e4m3", cfg.dt_pv_order) if cfg.num_sets == 2 else None
         outs.append((out0, out1))
     return outs
