@@ -181,6 +181,81 @@ def nanosleep(ns: int):
     ptx("nanosleep.u32 $0;", "r,~{memory}", [Uint32(ns)], result=None, side_effects=True)
 
 
+@cute.jit
+def store_key_rows_bf16(mdX, pair, krow, key0, doc_start, doc_len, kv_head, D: cutlass.Constexpr,
+                        n_acc: cutlass.Constexpr):
+    """Epilogue of an m64nD key-row accumulator (dK or dV of one consumer warpgroup): bf16 rows with
+    16-byte stores. pair(i0) gives the fp32 values of accumulator indices i0, i0 + 1 (scaled as
+    the caller needs); krow[v1]: the thread's key rows in the block starting at key0; rows at or
+    past doc_len are not stored. The quad transpose makes each lane's 8 columns contiguous."""
+    lane = cute.arch.lane_idx()
+    quad = lane % 4
+    odd_lane = quad % 2 == 1
+    hi_lane = quad >= 2
+
+    def shfl_xor(x, k):
+        return Uint32(cute.arch.shuffle_sync_bfly(x, offset=k))
+
+    def sel(c, a, b):
+        return Uint32(cutlass.select_(c, a, b))
+
+    row_stride = mdX.stride[0]  # Hk * D elements
+    base = mdX.iterator.toint()
+    for v1 in cutlass.range_constexpr(2):
+        key = key0 + krow[v1]
+        row_addr = base + (Int64(doc_start + key) * Int64(row_stride) + Int64(kv_head * D + 8 * quad)) * 2
+        for G in cutlass.range_constexpr(n_acc // 16):
+            w = []
+            for jj in cutlass.range_constexpr(4):
+                x0, x1 = pair(2 * v1 + 4 * (4 * G + jj))
+                w.append(cvt_bf16x2(x0, x1))
+            ow = quad_transpose4(w, odd_lane, hi_lane, shfl_xor, sel)
+            if key < doc_len:
+                st_global_v4(row_addr + 64 * G, ow)
+
+
+@cute.jit
+def add_dq_tile(mdQ, acc, tScQ, q0, d0, doc_start, doc_len, hq, D: cutlass.Constexpr, row_scale):
+    """red.global.add.v2.f32 of an m64nN query-row accumulator into the fp32 dQ accumulator
+    (T, H, D): tScQ gives each value's (query row, column); the row's query is q0 + row, its
+    columns start at d0; row_scale(row) multiplies the row (the dS scale and softmax_scale)."""
+    base = mdQ.iterator.toint()
+    row_stride = mdQ.stride[0]  # H * D
+    n_acc = cute.size(acc)
+    for v1 in cutlass.range_constexpr(2):
+        qr = tScQ[2 * v1][0]
+        f = row_scale(qr)
+        q = q0 + qr
+        if q < doc_len:
+            row_addr = base + (Int64(doc_start + q) * Int64(row_stride) + Int64(hq * D + d0)) * 4
+            for j in cutlass.range_constexpr(n_acc // 4):
+                a = 2 * v1 + 4 * j
+                _red_add_v2_f32(row_addr + 4 * tScQ[a][1], acc[a] * f, acc[a + 1] * f)
+
+
+@cute.jit
+def dq_turn_wait(mSem, hq, doc, m, n_blk, tidx, tiles_per_block: cutlass.Constexpr):
+    """Deterministic dQ: wait until key blocks 0 .. n_blk-1 have added to query tile m of head hq
+    (one counter per (query head, document, query tile); tiles_per_block query tiles per key
+    block); returns the counter's address for dq_turn_pass."""
+    _, n_docs, n_blocks = cute.arch.grid_dim()
+    sem_addr = mSem.iterator.toint() + Int64((hq * n_docs + doc) * (n_blocks * tiles_per_block) + m) * 4
+    if tidx == 128:
+        while ld_acquire_gpu_u32(sem_addr) != Uint32(n_blk):
+            nanosleep(64)
+    cute.arch.barrier(barrier_id=3, number_of_threads=256)
+    return sem_addr
+
+
+@cute.jit
+def dq_turn_pass(sem_addr, tidx):
+    """Deterministic dQ: every thread's additions are visible GPU-wide, then the next key block's turn."""
+    fence_acq_rel_gpu()
+    cute.arch.barrier(barrier_id=3, number_of_threads=256)
+    if tidx == 128:
+        red_release_gpu_add_u32(sem_addr, 1)
+
+
 def _byte(w, i: int):
     return Uint8((Uint32(w) >> (8 * i)) & 0xFF)
 
@@ -706,34 +781,12 @@ class FlamiaBwdSm90:
                 )
 
         # ---- epilogue: dV (registers) and dK * softmax_scale (shared memory) to bf16
-        odd_lane = quad % 2 == 1
-        hi_lane = quad >= 2
-
-        def shfl_xor(x, k):
-            return Uint32(cute.arch.shuffle_sync_bfly(x, offset=k))
-
-        def sel(c, a, b):
-            return Uint32(cutlass.select_(c, a, b))
-
-        row_stride = mdK.stride[0]  # Hk * D elements
-        for which in cutlass.range_constexpr(2):
-            base = mdV.iterator.toint() if which == 0 else mdK.iterator.toint()
-            for v1 in cutlass.range_constexpr(2):
-                key = n_blk * tl + krow[v1]
-                row_addr = base + (Int64(doc_start + key) * Int64(row_stride) + Int64(kv_head * D + 8 * quad)) * 2
-                for G in cutlass.range_constexpr(n_acc // 16):
-                    w = []
-                    for jj in cutlass.range_constexpr(4):
-                        i0 = 2 * v1 + 4 * (4 * G + jj)
-                        if cutlass.const_expr(which == 0):
-                            x0, x1 = acc_dv[i0], acc_dv[i0 + 1]
-                        else:
-                            x0 = sdK[tidx - 128, i0] * softmax_scale
-                            x1 = sdK[tidx - 128, i0 + 1] * softmax_scale
-                        w.append(cvt_bf16x2(x0, x1))
-                    ow = quad_transpose4(w, odd_lane, hi_lane, shfl_xor, sel)
-                    if key < doc_len:
-                        st_global_v4(row_addr + 64 * G, ow)
+        store_key_rows_bf16(mdV, lambda i0: (acc_dv[i0], acc_dv[i0 + 1]), krow, n_blk * tl, doc_start, doc_len,
+                            kv_head, D, n_acc)
+        store_key_rows_bf16(
+            mdK, lambda i0: (sdK[tidx - 128, i0] * softmax_scale, sdK[tidx - 128, i0 + 1] * softmax_scale), krow,
+            n_blk * tl, doc_start, doc_len, kv_head, D, n_acc,
+        )
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -918,31 +971,15 @@ class FlamiaBwdSm90:
         mdQ, mSem, doc, n_blk = dq_out
         sem_addr = Int64(0)
         if cutlass.const_expr(self.deterministic):
-            # wait for this tile's turn: key blocks 0 .. n_blk-1 have added to query block m of hq
-            _, n_docs, n_blocks = cute.arch.grid_dim()
-            sem_addr = mSem.iterator.toint() + Int64((hq * n_docs + doc) * n_blocks + m) * 4
-            if tidx == 128:
-                while ld_acquire_gpu_u32(sem_addr) != Uint32(n_blk):
-                    nanosleep(64)
-            cute.arch.barrier(barrier_id=3, number_of_threads=256)
-        dq_base = mdQ.iterator.toint()
-        dq_row_stride = mdQ.stride[0]  # H * D
-        for v1 in cutlass.range_constexpr(2):
-            qr = wg * wm + tScQ[2 * v1][0]  # query index in the tile
+            sem_addr = dq_turn_wait(mSem, hq, doc, m, n_blk, tidx, 1)
+
+        def dq_row_scale(qr):  # s_q of the row (its dS scale) * softmax_scale
             sbits, _ = pow2_scale_bits(sAmax[qr, buf])
-            f = as_f32(sbits) * softmax_scale
-            q = m * tl + qr
-            if q < doc_len:
-                row_addr = dq_base + (Int64(doc_start + q) * Int64(dq_row_stride) + Int64(hq * D)) * 4
-                for j in cutlass.range_constexpr(n_acc // 4):
-                    a = 2 * v1 + 4 * j
-                    _red_add_v2_f32(row_addr + 4 * tScQ[a][1], acc_t[a] * f, acc_t[a + 1] * f)
+            return as_f32(sbits) * softmax_scale
+
+        add_dq_tile(mdQ, acc_t, tScQ, m * tl + wg * wm, 0, doc_start, doc_len, hq, D, lambda qr: dq_row_scale(wg * wm + qr))
         if cutlass.const_expr(self.deterministic):
-            # every thread's additions are visible GPU-wide before the next key block's turn
-            fence_acq_rel_gpu()
-            cute.arch.barrier(barrier_id=3, number_of_threads=256)
-            if tidx == 128:
-                red_release_gpu_add_u32(sem_addr, 1)
+            dq_turn_pass(sem_addr, tidx)
         return a_state, b_state, v_state
 
 

@@ -299,8 +299,9 @@ def _peak_mb(fn, dev):
 
 
 def default_impls(recipe: str, device: str) -> list[Impl]:
+    """Ours for each recipe of the comma-separated `recipe`, then every baseline."""
     backend = "cute" if device.startswith("cuda") else "emulate"
-    return [Ours(recipe, backend), FA4(), CudnnFp8(), Flex(), SDPA()]
+    return [Ours(r, backend) for r in recipe.split(",")] + [FA4(), CudnnFp8(), Flex(), SDPA()]
 
 
 def _progress(items):

@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workloads", default=None, help="JSON in the format of flamia_cute/workloads.json (default: that file)")
     b.add_argument("--only", default="", help="comma-separated workload names")
     b.add_argument("--heads", default="h16_d128", help="head config name from the workloads file")
-    b.add_argument("--recipe", default="fp8_tokenblock")
+    b.add_argument("--recipe", default="fp8_tokenblock", help="comma-separated: one flamia_<recipe> column each")
     b.add_argument("--impls", default="", help="comma-separated name prefixes (flamia, fa4, cudnn, flex, sdpa)")
     b.add_argument("--modes", default="fwd,bwd,fwdbwd")
     b.add_argument("--reps", type=int, default=15)

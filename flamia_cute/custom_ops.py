@@ -255,13 +255,13 @@ def varlen_bwd(
     rec = _recipe(recipe)
     dout = dout.contiguous()
     if backend == "cute":
-        from .cute_backend import backward_backend, backward_kernels
+        from .cute_backend import backward_backend, backward_kernels, bf16_ds_backward
 
         block = _kernel_block(recipe)
         qq, kq, vq, kt, vt = _unpack_kernel(saved, block, out.shape[0], cu_seqlens_q.shape[0] - 1, out.shape[1])
         if backward_backend() == "cute":
             dq, dk, dv = backward_kernels(dout, out_bf16, lse, qq, kq, vq, kt, vt, cu_seqlens_q, max_seqlen_q,
-                                          softmax_scale, block)
+                                          softmax_scale, block, bf16_ds_backward(recipe))
             return dq.to(dt), dk.to(dt), dv.to(dt)
         from .emulator import operand_from_quantized
 

@@ -21,7 +21,14 @@ from .recipes import NAMED_RECIPES, Recipe
 # per-token kernels fed one scale per tensor (quantized by torch: the cuDNN-like leaky control, run
 # at kernel speed so that training can compare it).
 PER_TENSOR = 0
-KERNEL_RECIPES = {"fp8_token": 1, "fp8_tokenblock": 128, "fp8_tensor_current": PER_TENSOR}
+KERNEL_RECIPES = {"fp8_token": 1, "fp8_tokenblock": 128, "fp8_tensor_current": PER_TENSOR, "fp8_tokenblock_dsbf16": 128}
+
+
+def bf16_ds_backward(recipe_name: str) -> bool:
+    """Whether the recipe's backward is the bf16-dS kernel (attention_bwd_dsbf16_sm90) rather than
+    the e4m3-dS one (attention_bwd_sm90): its dS cast is bf16 (and its dV fold per document)."""
+    rec = NAMED_RECIPES[recipe_name]
+    return rec.ds_cast == "bf16" and rec.dv_fold == "document"
 
 
 def layout_block(block: int) -> int:
@@ -136,22 +143,35 @@ def deterministic_backward() -> bool:
     return _env_flag("FLAMIA_CUTE_DETERMINISTIC", False) or torch.are_deterministic_algorithms_enabled()
 
 
-def backward_config(qq, kq, kt, cu, max_seqlen):
-    """The tuned BwdConfig for the saved operands, deterministic when asked (deterministic_backward)."""
-    from .attention_bwd_sm90 import default_config
-    from .tuning import tuned_bwd_config
+def backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16: bool = False):
+    """The backward kernel's config for the saved operands (tuned for the e4m3-dS kernel; the bf16-dS
+    kernel has no tuned entries yet), deterministic when asked (deterministic_backward)."""
+    if ds_bf16:
+        from .attention_bwd_dsbf16_sm90 import default_config as bf16_ds_default
 
-    cfg = tuned_bwd_config(default_config(qq, kq, kt), max_seqlen, qq.data_td.shape[0], cu.numel() - 1)
+        cfg = bf16_ds_default(qq, kq, kt)
+    else:
+        from .attention_bwd_sm90 import default_config
+        from .tuning import tuned_bwd_config
+
+        cfg = tuned_bwd_config(default_config(qq, kq, kt), max_seqlen, qq.data_td.shape[0], cu.numel() - 1)
     return dataclasses.replace(cfg, deterministic=True) if deterministic_backward() else cfg
 
 
-def backward_kernels(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale, block: int = 1):
+def backward_kernels(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale, block: int = 1,
+                     ds_bf16: bool = False):
     """The sm_90a backward kernel from the forward's saved operands (see backward_config); block: the
-    recipe's KERNEL_RECIPES entry (PER_TENSOR quantizes dO with one scale, and D by torch)."""
+    recipe's KERNEL_RECIPES entry (PER_TENSOR quantizes dO with one scale, and D by torch); ds_bf16:
+    the recipe's bf16_ds_backward."""
     from .attention_bwd_sm90 import flamia_bwd_sm90_from_saved
     from .quantize_sm90 import dout_config
 
-    cfg = backward_config(qq, kq, kt, cu, max_seqlen)
+    cfg = backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16)
+    if ds_bf16:
+        from .attention_bwd_dsbf16_sm90 import flamia_bwd_dsbf16_sm90_from_saved
+
+        return flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale,
+                                                 config=cfg)
     kw = {}
     if block == PER_TENSOR:
         pv_order = dout_config(dout.shape[2], dout.shape[1]).dt_pv_order
@@ -189,7 +209,7 @@ class CuteAttention(torch.autograd.Function):
         qq, (kq, kt), (vq, vt) = fctx.saved
         if backward_backend() == "cute":
             dq, dk, dv = backward_kernels(dout.contiguous(), out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, scale,
-                                          kernel_block_tokens(recipe))
+                                          kernel_block_tokens(recipe), bf16_ds_backward(recipe.name))
             return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None
         ectx = EmulatorContext(recipe, scale, True, cu, cu, operand_from_quantized(qq),
                                operand_from_quantized(kq, kt), operand_from_quantized(vq, vt), out, lse)

@@ -68,8 +68,13 @@ for stage in "$@"; do
     op-tests) run op_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_custom_op.py ;;
     quant-new) run quant_new 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_quantize_kernel.py \
                  -k "dout_delta or argument_paths or random_document_mixes or qkv_random or tiny or one_launch" ;;
-    api-tests) run api_tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cute_backend.py ;;
+    api-tests) run api_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cute_backend.py ;;
     bwd-tests) run bwd_tests 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_bwd_kernel.py ;;
+    ds-tests) run ds_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py ;;
+    ds-bench) run ds_bench 420 python3 -m flamia_cute.cli bench --recipe fp8_tokenblock,fp8_tokenblock_dsbf16 \
+                --modes fwd,bwd,fwdbwd --impls flamia,fa4,cudnn --reps 15 --gpu-time --out "$OUT/ds_gputime" ;;
+    ds-bench-api) run ds_bench_api 420 python3 -m flamia_cute.cli bench --recipe fp8_tokenblock,fp8_tokenblock_dsbf16 \
+                --modes fwd,bwd,fwdbwd --impls flamia,fa4,cudnn --reps 15 --out "$OUT/ds_api" ;;
     quant-tests-x) run quant_tests 90 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_quantize_kernel.py ;;
     fwd-tests-all) run fwd_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py ;;
     profile) run profile_api 200 python3 perf/profile_api.py 16x1k fwd stages

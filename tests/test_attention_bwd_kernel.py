@@ -333,7 +333,8 @@ def _kernel_model(qq, kq, vq, kt, vt, doq, out, lse, dout, cu, scale, group, dia
 
 
 def _setup(lengths, H, Hk, D, recipe, seed, device="cpu", zero_do_rows=False):
-    """zero_do_rows: dO is 0 on the last token of every document and on a whole 128-query tile of the
+    """recipe: a name or a Recipe (its K block size picks the layouts). zero_do_rows: dO is 0 on the
+    last token of every document and on a whole 128-query tile of the
     longest, as in training where a token's target is ignored (dO scale 2^-126)."""
     q, k, v, do, cu, scale = make_inputs(lengths, heads_q=H, heads_kv=Hk, head_dim=D, seed=seed, device=device)
     if zero_do_rows:
@@ -343,8 +344,8 @@ def _setup(lengths, H, Hk, D, recipe, seed, device="cpu", zero_do_rows=False):
                 do[e - 1] = 0
         longest = max(range(len(lengths)), key=lambda i: lengths[i])
         do[c[longest] + 128 : min(c[longest] + 256, c[longest + 1])] = 0
-    block = RECIPES[recipe]
-    rec = Recipe.from_name(recipe)
+    rec = recipe if isinstance(recipe, Recipe) else Recipe.from_name(recipe)
+    block = rec.k.block_tokens
     cu = cu.to(device)
     qq, (kq, kt), (vq, vt) = quantize_attention_operands(q, k, v, cu, block)
     # the emulator's forward recomputes the same quantization; its O and LSE are what the kernel saves

@@ -12,6 +12,7 @@ from flamia_cute.testing import attention_fn_for, check_leakage, make_inputs, re
 def test_kernel_recipes_and_reasons():
     assert kernel_block_tokens(NAMED_RECIPES["fp8_tokenblock"]) == 128
     assert kernel_block_tokens(NAMED_RECIPES["fp8_token"]) == 1
+    assert kernel_block_tokens(NAMED_RECIPES["fp8_tokenblock_dsbf16"]) == 128
     assert kernel_block_tokens(NAMED_RECIPES["fp8_tensor_current"]) == PER_TENSOR
     assert layout_block(PER_TENSOR) == 1 and layout_block(128) == 128
     assert kernel_block_tokens(NAMED_RECIPES["mxfp8"]) is None
@@ -67,7 +68,7 @@ def test_per_tensor_operands_fill_one_fused_layout(forward_only):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tensor_current"])
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tensor_current", "fp8_tokenblock_dsbf16"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 1)])
 def test_kernel_path_matches_emulator(recipe, heads):
     q, k, v, do, cu, scale = make_inputs(LENGTHS, *heads, 128, device="cuda", seed=2)
@@ -93,7 +94,7 @@ def test_auto_routes_to_the_kernels_on_sm90(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token"])
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tokenblock_dsbf16"])
 def test_kernel_path_is_leak_free(recipe):
     q, k, v, do, cu, scale = make_inputs(LENGTHS, 2, 2, 128, device="cuda", seed=4)
     # O and LSE bit-identical; gradients within the run-to-run spread of the backward's fp32 dQ atomics

@@ -1,0 +1,871 @@
+"""FP8 causal attention backward for Hopper (sm_90a), recipe fp8_tokenblock_dsbf16, in the CuTe DSL.
+
+Numerics: `flamia_cute.emulator.emulate_backward` with `Recipe.ds_cast = "bf16"` and
+`Recipe.dv_fold = "document"`: S^T, dP^T and dV on e4m3 tensor cores, dK and dQ on bf16 ones.
+
+Why a second backward kernel (perf/NOTES.md, "the register budget of three backward designs"):
+the e4m3-dS kernel (attention_bwd_sm90) gives every tile product its own scales, so each product
+lands in a fresh accumulator that is scaled and added to the running sum, dK lives in shared
+memory, and the dQ scale needs a cross-warpgroup amax per tile. Here nothing is scaled per tile:
+- dV: dO's per-token scale is folded into P^T relative to ONE reference r per (KV head, document)
+  (the max dO scale there, `dv_fold_reference`), so the e4m3 MMA accumulates dV across all query
+  tiles and heads of the group in its own registers; dV = acc * r / 256 once, in the epilogue;
+- dK += bf16(dS^T) . Q and dQ = bf16(dS) . K on bf16 wgmma, with Q and K dequantized to bf16 by
+  the host (exact: e4m3 code times a power of two) and loaded by TMA in their natural [t, d]
+  layout (MN-major B operands: no transposed copies);
+- 64-query tiles: S^T and dP^T take 32 registers each, so dV (64) and dK (64) both stay in
+  registers next to them: 224 fp32 accumulators per thread at d128 (FA3's budget).
+
+Organization (one CTA per (128-key block n, KV head, document), GQA query heads looped inside the
+CTA, so dK and dV are summed over the group in registers: deterministic):
+- producer warp 0 (TMA): K, V (e4m3 A operands of S^T and dP^T, two 64-key slabs) and K (bf16,
+  dQ's B operand) once per phase (the per-token copies for the diagonal tiles when
+  `diagonal_copy`, then the block-scaled ones); per 64-query tile, Q and dO (e4m3 [t, d]: the B
+  operands of S^T and dP^T, pipeline a), dO^T (e4m3 [d, t], dV's B) and Q (bf16 [t, d], dK's B,
+  pipeline b);
+- producer warp 1: per query tile, sq * softmax_scale * log2e, lse * log2e (+inf past the
+  document end, so P = 0 there), D = rowsum(dO * O) and the dO scale (0 past the end);
+- consumer warpgroup w owns keys 64 w .. 64 w + 63 of the block (M everywhere):
+  S^T = K Q^T and dP^T = V dO^T (e4m3, fp32), P^T = exp2(S^T sk sq scale log2e - lse log2e)
+  (masked on the diagonal tiles), dS^T = P^T (dP^T sv sdo - D);
+  dV += e4m3(P^T * sdo * 256 / r) . dO^T (A from registers);
+  dK += bf16(dS^T) . Q_bf16 (A from registers);
+  bf16(dS) is also stored to shared memory [q, key] (double-buffered: a warpgroup may write the
+  next tile's while the other still reads this one), then after one barrier of the two
+  warpgroups dQ_tile = dS . K_bf16 for the warpgroup's half of the head dimension, and
+  red.global.add.v2.f32 of softmax_scale * dQ_tile into an fp32 dQ accumulator (T, H, D);
+- epilogue: dK * softmax_scale and dV * r / 256 to bf16 with 16-byte stores.
+
+Tile order inside a CTA: the diagonal tiles (query tiles 2n and 2n + 1, the second only when it
+holds queries) of every head first, then every head's off-diagonal tiles. Only diagonal tiles
+need masks. `deterministic=True` orders the dQ additions per (query head, document, 64-query
+tile) exactly as the e4m3-dS kernel does per 128-query tile.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint32
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+from . import recipes as _recipes
+from .attention_bwd_sm90 import (
+    P_SCALE,
+    add_dq_tile,
+    dq_turn_pass,
+    dq_turn_wait,
+    store_key_rows_bf16,
+)
+from .compile_cache import compile_entry, launch_on_device
+from .quant import transposed_tokens
+from .recipes import FOLD_REF_MIN
+from .sm90_device import (
+    ARG_BF16,
+    ARG_F8,
+    ARG_F32,
+    ARG_I32,
+    SHARED_SOURCE_FILES,
+    cvt_bf16x2,
+    document_dt_start,
+    pack_a_fragment_e4m3,
+    tma_pipeline,
+    warp_pipeline,
+)
+
+SOURCE_FILES = (
+    Path(__file__).resolve(),
+    Path(__file__).resolve().with_name("attention_bwd_sm90.py"),  # the shared epilogue and dQ helpers
+    Path(_recipes.__file__).resolve(),
+    *SHARED_SOURCE_FILES,
+)
+
+LOG2E = math.log2(math.e)
+SMEM_LIMIT = 232448  # sm_90 dynamic shared memory per CTA (227 KB)
+N_VEC = 4  # per-query vectors per tile in shared memory (see load_vectors)
+KEY_BLOCK = 128
+QUERY_TILE = 64
+
+
+@dataclass(frozen=True)
+class BwdDsBf16Config:
+    """Compile-time shape of the bf16-dS backward kernel. T, heads and documents are dynamic."""
+
+    head_dim: int
+    qhead_per_kvhead: int = 1
+    diagonal_copy: bool = False  # token-block K/V: per-token copies (and their bf16 K) on the diagonal tiles
+    q_stages: int = 2  # query-tile stages of both pipelines
+    vec_stages: int = 2
+    deterministic: bool = False  # dQ additions in key-block order: bit-reproducible dQ
+
+    def __post_init__(self):
+        def bad(name, msg):
+            raise ValueError(f"BwdDsBf16Config.{name}: {msg} (got {getattr(self, name)!r})")
+
+        if self.head_dim not in (64, 128):
+            bad("head_dim", "must be 64 or 128")
+        if not isinstance(self.qhead_per_kvhead, int) or self.qhead_per_kvhead < 1:
+            bad("qhead_per_kvhead", "must be an int >= 1")
+        for name in ("diagonal_copy", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a bool")
+        if self.q_stages not in (1, 2, 3):
+            bad("q_stages", "must be 1, 2 or 3")
+        if self.vec_stages not in (1, 2, 3):
+            bad("vec_stages", "must be 1, 2 or 3")
+        if smem_bytes(self) > SMEM_LIMIT:
+            bad("q_stages", f"shared memory {smem_bytes(self)} bytes exceeds {SMEM_LIMIT}")
+
+
+def smem_bytes(cfg: BwdDsBf16Config) -> int:
+    """Shared memory of one CTA (upper bound: 1 KB alignment per buffer)."""
+    D, tq = cfg.head_dim, QUERY_TILE
+    kv = 2 * KEY_BLOCK * D + 2 * KEY_BLOCK * D  # K, V e4m3 + K bf16
+    per_stage = 2 * tq * D + tq * D + 2 * tq * D  # Q, dO e4m3 | dO^T e4m3 + Q bf16
+    ds = 2 * 2 * tq * KEY_BLOCK  # bf16 dS [q, key], double-buffered
+    vec = N_VEC * tq * 4 * cfg.vec_stages
+    bars = 8 * 2 * (1 + 2 * cfg.q_stages + cfg.vec_stages)
+    return kv + per_stage * cfg.q_stages + ds + vec + bars + 9 * 1024
+
+
+def tile_schedule(i, n, group, n_diag, per):
+    """Tile i of a CTA (key block n): (query-head index in the group, 64-query tile m, diagonal?).
+
+    Tiles 0 .. group * n_diag - 1: the diagonal tiles m = 2n (+ 1) of each head (n_diag = 1 when
+    the document ends in tile 2n); then head j's off-diagonal tiles m = 2n + 2 .. 2n + 1 + per.
+    Plain integer math: the CPU tests run the same function.
+    """
+    if i < group * n_diag:
+        return i // n_diag, 2 * n + i % n_diag, True
+    j = i - group * n_diag
+    return j // per, 2 * n + 2 + j % per, False
+
+
+def dv_fold_reference(sdo: torch.Tensor, cu_seqlens: torch.Tensor, group: int) -> torch.Tensor:
+    """(Hk, num_docs) fp32: the dV fold reference r of every (KV head, document), the max dO scale
+    over the document's tokens and the group's query heads (the emulator's dv_fold="document"),
+    at least FOLD_REF_MIN. On the GPU without a host sync (scatter_reduce over token -> document)."""
+    H, T = sdo.shape
+    num_docs = cu_seqlens.numel() - 1
+    per_kv = sdo.view(H // group, group, T).amax(1) if group > 1 else sdo
+    doc_of_token = torch.searchsorted(cu_seqlens[1:].to(torch.int64), torch.arange(T, device=sdo.device),
+                                      right=True)
+    ref = torch.full((H // group, num_docs), FOLD_REF_MIN, dtype=torch.float32, device=sdo.device)
+    if T > 0 and num_docs > 0:
+        idx = doc_of_token.clamp_max(num_docs - 1).expand(H // group, T)
+        ref.scatter_reduce_(1, idx, per_kv.float(), reduce="amax", include_self=True)
+    return ref
+
+
+def dequantize_bf16(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(T, heads, D) e4m3 codes and (heads, T) power-of-two scales -> bf16 values, exactly."""
+    return codes.to(torch.bfloat16) * scale.t().to(torch.bfloat16).unsqueeze(-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+class FlamiaBwdDsBf16Sm90:
+    def __init__(self, config: BwdDsBf16Config):
+        self.cfg = config
+        self.D = config.head_dim
+        self.group = config.qhead_per_kvhead
+        self.diag_copy = config.diagonal_copy
+        self.deterministic = config.deterministic
+        self.stages = config.q_stages
+        self.sv = config.vec_stages
+        self.kb = KEY_BLOCK
+        self.tq = QUERY_TILE
+        self.wm = 64
+        self.num_threads = 384
+        self.regs_producer = 24
+        self.regs_consumer = 240
+
+    def _make_mmas(self):
+        K_MAJOR, MN_MAJOR = OperandMajorMode.K, OperandMajorMode.MN
+        e4, bf = Float8E4M3FN, BFloat16
+        RMEM = warpgroup.OperandSource.RMEM
+        wm, tq, D = self.wm, self.tq, self.D
+        # S^T = K Q^T, dP^T = V dO^T: M = 64 keys per warpgroup, N = 64 queries, K = D
+        sd_mma = sm90_utils.make_trivial_tiled_mma(e4, e4, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, tq))
+        # dV: M = 64 keys, N = D, K = 64 queries; A = e4m3(P^T) from registers, B = dO^T (K-major)
+        dv_mma = sm90_utils.make_trivial_tiled_mma(e4, e4, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, D), RMEM)
+        # dK: M = 64 keys, N = D, K = 64 queries; A = bf16(dS^T) from registers, B = Q bf16 [t, d] (MN-major)
+        dk_mma = sm90_utils.make_trivial_tiled_mma(bf, bf, K_MAJOR, MN_MAJOR, Float32, (1, 1, 1), (wm, D), RMEM)
+        # dQ: M = 64 queries, N = D (warpgroup w computes columns w D/2 .. (w+1) D/2 - 1), K = 128
+        # keys; A = dS [q, key] (queries contiguous), B = K bf16 [t, d] (MN-major)
+        dq_mma = sm90_utils.make_trivial_tiled_mma(bf, bf, MN_MAJOR, MN_MAJOR, Float32, (1, 2, 1), (tq, D // 2))
+        return sd_mma, dv_mma, dk_mma, dq_mma
+
+    def _smem_layouts(self):
+        e4, bf = Float8E4M3FN, BFloat16
+        ROW, COL = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, cutlass.tensor_utils.LayoutEnum.COL_MAJOR
+        wm, tq, kb, D, st = self.wm, self.tq, self.kb, self.D, self.stages
+        return dict(
+            K=sm90_utils.make_smem_layout_a(ROW, (wm, tq, D), e4, 2),  # (64 keys, D, 2 slabs)
+            Q=sm90_utils.make_smem_layout_b(ROW, (wm, tq, D), e4, st),  # (64 q, D, stages)
+            dOt=sm90_utils.make_smem_layout_b(ROW, (wm, D, tq), e4, st),  # (D, 64 q, stages)
+            Qb=sm90_utils.make_smem_layout_b(COL, (wm, D, tq), bf, st),  # (D, 64 q, stages), d contiguous
+            Kb=sm90_utils.make_smem_layout_b(COL, (tq, D, kb), bf, 1),  # (D, 128 keys, 1)
+            dS=sm90_utils.make_smem_layout_a(COL, (tq, D, kb), bf, 2),  # (64 q, 128 keys, 2 buffers)
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        q_ptr: cute.Pointer,  # (T, H, D) e4m3
+        sq_ptr: cute.Pointer,  # (H, T) f32
+        qb_ptr: cute.Pointer,  # (T, H, D) bf16: Q dequantized
+        k_ptr: cute.Pointer,  # (T, Hk, D) e4m3
+        sk_ptr: cute.Pointer,  # (Hk, T) f32
+        kb_ptr: cute.Pointer,  # (T, Hk, D) bf16: K dequantized
+        v_ptr: cute.Pointer,
+        sv_ptr: cute.Pointer,
+        ktok_ptr: cute.Pointer,  # per-token copies (diagonal tiles)
+        sktok_ptr: cute.Pointer,
+        kbtok_ptr: cute.Pointer,
+        vtok_ptr: cute.Pointer,
+        svtok_ptr: cute.Pointer,
+        do_ptr: cute.Pointer,  # (T, H, D) e4m3
+        dot_ptr: cute.Pointer,  # (H, D, T_dt) e4m3, P-fragment order
+        sdo_ptr: cute.Pointer,  # (H, T) f32
+        lse_ptr: cute.Pointer,  # (H, T) f32
+        delta_ptr: cute.Pointer,  # (H, T) f32: rowsum(dO * O)
+        dvref_ptr: cute.Pointer,  # (Hk, num_docs) f32: dv_fold_reference
+        cu_ptr: cute.Pointer,
+        dq_acc_ptr: cute.Pointer,  # (T, H, D) f32, zeroed
+        dk_ptr: cute.Pointer,  # (T, Hk, D) bf16
+        dv_ptr: cute.Pointer,  # (T, Hk, D) bf16
+        sem_ptr: cute.Pointer,  # (H, docs, 2 max_n_blocks) int32 zeros when deterministic (else unused)
+        T: Int32,
+        T_dt: Int32,
+        num_kv_heads: Int32,
+        num_docs: Int32,
+        max_n_blocks: Int32,
+        softmax_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        D, wm, tq, kb = self.D, self.wm, self.tq, self.kb
+        H = num_kv_heads * self.group
+        hd = cute.assume(H * D, divby=D)
+        khd = cute.assume(num_kv_heads * D, divby=D)
+        tdt = cute.assume(T_dt, divby=128)
+        dtl_stride = cute.assume(D * tdt, divby=128)
+        td = cute.make_layout((T, D, H), stride=(hd, 1, D))  # token-major e4m3 [t, d]
+        td_mn = cute.make_layout((D, T, H), stride=(1, hd, D))  # the same, as (d, t): MN-major B
+        ktd = cute.make_layout((T, D, num_kv_heads), stride=(khd, 1, D))
+        ktd_mn = cute.make_layout((D, T, num_kv_heads), stride=(1, khd, D))
+        mQ = cute.make_tensor(q_ptr, td)
+        mdO = cute.make_tensor(do_ptr, td)
+        mQb = cute.make_tensor(qb_ptr, td_mn)
+        mdOt = cute.make_tensor(dot_ptr, cute.make_layout((D, tdt, H), stride=(tdt, 1, dtl_stride)))
+        mK = cute.make_tensor(k_ptr, ktd)
+        mV = cute.make_tensor(v_ptr, ktd)
+        mKb = cute.make_tensor(kb_ptr, ktd_mn)
+        mKtok = cute.make_tensor(ktok_ptr, ktd)
+        mVtok = cute.make_tensor(vtok_ptr, ktd)
+        mKbtok = cute.make_tensor(kbtok_ptr, ktd_mn)
+        sl = cute.make_layout((T, H), stride=(1, T))
+        skl = cute.make_layout((T, num_kv_heads), stride=(1, T))
+        mSQ = cute.make_tensor(sq_ptr, sl)
+        mSdO = cute.make_tensor(sdo_ptr, sl)
+        mLSE = cute.make_tensor(lse_ptr, sl)
+        mDelta = cute.make_tensor(delta_ptr, sl)
+        mSK = cute.make_tensor(sk_ptr, skl)
+        mSV = cute.make_tensor(sv_ptr, skl)
+        mSKtok = cute.make_tensor(sktok_ptr, skl)
+        mSVtok = cute.make_tensor(svtok_ptr, skl)
+        mRef = cute.make_tensor(dvref_ptr, cute.make_layout((num_kv_heads, num_docs), stride=(num_docs, 1)))
+        mCu = cute.make_tensor(cu_ptr, cute.make_layout(num_docs + 1))
+        mdQ = cute.make_tensor(dq_acc_ptr, cute.make_layout((T, D, H), stride=(hd, 1, D)))
+        mSem = None
+        if cutlass.const_expr(self.deterministic):
+            mSem = cute.make_tensor(sem_ptr, cute.make_layout(H * num_docs * 2 * max_n_blocks))
+        mdK = cute.make_tensor(dk_ptr, ktd)
+        mdV = cute.make_tensor(dv_ptr, ktd)
+
+        mmas = self._make_mmas()
+        L = self._smem_layouts()
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+
+        def atom(gmem, layout, tile):
+            return cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, gmem, cute.slice_(layout, (None, None, 0)), tile)
+
+        tma_k, tK = atom(mK, L["K"], (wm, D))
+        tma_v, tV = atom(mV, L["K"], (wm, D))
+        tma_kb, tKb = atom(mKb, L["Kb"], (D, kb))
+        tma_ktok, tKtok = atom(mKtok, L["K"], (wm, D))
+        tma_vtok, tVtok = atom(mVtok, L["K"], (wm, D))
+        tma_kbtok, tKbtok = atom(mKbtok, L["Kb"], (D, kb))
+        tma_q, tQ = atom(mQ, L["Q"], (tq, D))
+        tma_do, tdO = atom(mdO, L["Q"], (tq, D))
+        tma_dot, tdOt = atom(mdOt, L["dOt"], (D, tq))
+        tma_qb, tQb = atom(mQb, L["Qb"], (D, tq))
+        self.kv_bytes = 2 * kb * D + 2 * kb * D
+        self.a_bytes = 2 * tq * D
+        self.b_bytes = tq * D + 2 * tq * D
+
+        st, sv = self.stages, self.sv
+
+        @cute.struct
+        class SharedStorage:
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            a_mbar: cute.struct.MemRange[cutlass.Int64, 2 * st]
+            b_mbar: cute.struct.MemRange[cutlass.Int64, 2 * st]
+            v_mbar: cute.struct.MemRange[cutlass.Int64, 2 * sv]
+            sVec: cute.struct.Align[cute.struct.MemRange[Float32, N_VEC * tq * sv], 16]
+            sK: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["K"])], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["K"])], 1024]
+            sKb: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["Kb"])], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["Q"])], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["Q"])], 1024]
+            sdOt: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["dOt"])], 1024]
+            sQb: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["Qb"])], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["dS"])], 1024]
+
+        self.shared_storage = SharedStorage
+        tmas = (tma_k, tK, tma_v, tV, tma_kb, tKb, tma_ktok, tKtok, tma_vtok, tVtok, tma_kbtok, tKbtok,
+                tma_q, tQ, tma_do, tdO, tma_dot, tdOt, tma_qb, tQb)
+        self.kernel(
+            mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV, mSem,
+            L["K"], L["Q"], L["dOt"], L["Qb"], L["Kb"], L["dS"], softmax_scale,
+        ).launch(
+            grid=[num_kv_heads, num_docs, max_n_blocks],  # heads fastest, key block slowest
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mmas: tuple,
+        tmas: tuple,
+        mSQ: cute.Tensor,
+        mSdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mSK: cute.Tensor,
+        mSV: cute.Tensor,
+        mSKtok: cute.Tensor,
+        mSVtok: cute.Tensor,
+        mRef: cute.Tensor,
+        mCu: cute.Tensor,
+        mdQ: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mSem: cute.Tensor,
+        sK_layout: cute.ComposedLayout,
+        sQ_layout: cute.ComposedLayout,
+        sdOt_layout: cute.ComposedLayout,
+        sQb_layout: cute.ComposedLayout,
+        sKb_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        softmax_scale: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        kv_head, doc, n_blk = cute.arch.block_idx()
+        doc_start = mCu[doc]
+        doc_len = mCu[doc + 1] - doc_start
+
+        if n_blk * self.kb < doc_len:
+            n_q = (doc_len + self.tq - 1) // self.tq  # 64-query tiles of the document
+            n_diag = cutlass.min(n_q - 2 * n_blk, 2)
+            per = n_q - 2 * n_blk - 2  # off-diagonal tiles per head (may be <= 0)
+            smem = cutlass.memory.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+
+            def buf(mem, layout):
+                return mem.get_tensor(layout.outer, swizzle=layout.inner)
+
+            bufs = (
+                buf(storage.sK, sK_layout), buf(storage.sV, sK_layout), buf(storage.sKb, sKb_layout),
+                buf(storage.sQ, sQ_layout), buf(storage.sdO, sQ_layout), buf(storage.sdOt, sdOt_layout),
+                buf(storage.sQb, sQb_layout), buf(storage.sdS, sdS_layout),
+            )
+            sVec = storage.sVec.get_tensor(cute.make_layout((self.tq, N_VEC, self.sv)))
+            pipe_kv = tma_pipeline(1, self.kv_bytes, storage.kv_mbar.data_ptr())
+            pipe_a = tma_pipeline(self.stages, self.a_bytes, storage.a_mbar.data_ptr())
+            pipe_b = tma_pipeline(self.stages, self.b_bytes, storage.b_mbar.data_ptr())
+            pipe_v = warp_pipeline(self.sv, storage.v_mbar.data_ptr())
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+            sched = (n_blk, n_diag, per)
+            if wg_idx == 0:
+                cute.arch.setmaxregister_decrease(self.regs_producer)
+                if warp_idx == 0:
+                    dt_start = document_dt_start(mCu, doc)
+                    self.load_tma(tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, doc_start, dt_start, sched)
+                if warp_idx == 1:
+                    self.load_vectors(mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, kv_head, doc_start, doc_len, sched,
+                                      softmax_scale)
+            else:
+                cute.arch.setmaxregister_increase(self.regs_consumer)
+                self.consume(
+                    mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok,
+                    mRef[kv_head, doc], (mdQ, mSem, doc), mdK, mdV, kv_head, doc_start, doc_len, sched,
+                    softmax_scale, wg_idx - 1,
+                )
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _part(self, atom, t, head, s, tile: cutlass.Constexpr, offset, token_mode: cutlass.Constexpr):
+        """TMA partition of head `head`'s tiles along the token mode (0 for [t, d], 1 for [d, t]),
+        starting at the document's first token (row) or column `offset`."""
+        if cutlass.const_expr(token_mode == 0):
+            g = cute.local_tile(cute.domain_offset((offset, 0), t[None, None, head]), tile, (None, 0))
+        else:
+            g = cute.local_tile(cute.domain_offset((0, offset), t[None, None, head]), tile, (0, None))
+        return cute.nvgpu.cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+        )
+
+    @cute.jit
+    def _load_kv(self, atoms, bufs, pipe_kv, kv_state, kv_head, doc_start, n_blk):
+        atom_k, t_k, atom_v, t_v, atom_kb, t_kb = atoms
+        D = self.D
+        tKs, tKg = self._part(atom_k, t_k, kv_head, bufs[0], (self.wm, D), doc_start, 0)
+        tVs, tVg = self._part(atom_v, t_v, kv_head, bufs[1], (self.wm, D), doc_start, 0)
+        tKbs, tKbg = self._part(atom_kb, t_kb, kv_head, bufs[2], (D, self.kb), doc_start, 1)
+        pipe_kv.producer_acquire(kv_state)
+        bar = pipe_kv.producer_get_barrier(kv_state)
+        for w in cutlass.range_constexpr(2):
+            cute.copy(atom_k, tKg[None, 2 * n_blk + w], tKs[None, w], tma_bar_ptr=bar)
+            cute.copy(atom_v, tVg[None, 2 * n_blk + w], tVs[None, w], tma_bar_ptr=bar)
+        cute.copy(atom_kb, tKbg[None, n_blk], tKbs[None, 0], tma_bar_ptr=bar)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def _load_q(self, tmas, bufs, pipe_a, pipe_b, a_state, b_state, hq, m, doc_start, dt_start):
+        tma_q, tQ, tma_do, tdO, tma_dot, tdOt, tma_qb, tQb = tmas[12:]
+        D, tq = self.D, self.tq
+        tQs, tQg = self._part(tma_q, tQ, hq, bufs[3], (tq, D), doc_start, 0)
+        tdOs, tdOg = self._part(tma_do, tdO, hq, bufs[4], (tq, D), doc_start, 0)
+        tdOts, tdOtg = self._part(tma_dot, tdOt, hq, bufs[5], (D, tq), dt_start, 1)
+        tQbs, tQbg = self._part(tma_qb, tQb, hq, bufs[6], (D, tq), doc_start, 1)
+        pipe_a.producer_acquire(a_state)
+        bar = pipe_a.producer_get_barrier(a_state)
+        cute.copy(tma_q, tQg[None, m], tQs[None, a_state.index], tma_bar_ptr=bar)
+        cute.copy(tma_do, tdOg[None, m], tdOs[None, a_state.index], tma_bar_ptr=bar)
+        a_state.advance()
+        pipe_b.producer_acquire(b_state)
+        bar = pipe_b.producer_get_barrier(b_state)
+        cute.copy(tma_dot, tdOtg[None, m], tdOts[None, b_state.index], tma_bar_ptr=bar)
+        cute.copy(tma_qb, tQbg[None, m], tQbs[None, b_state.index], tma_bar_ptr=bar)
+        b_state.advance()
+        return a_state, b_state
+
+    @cute.jit
+    def load_tma(self, tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, doc_start, dt_start, sched):
+        n_blk, n_diag, per = sched
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        a_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        b_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        # phase 0: the diagonal tiles of every head (per-token K/V when diag_copy)
+        if cutlass.const_expr(self.diag_copy):
+            kv_state = self._load_kv(tmas[6:12], bufs, pipe_kv, kv_state, kv_head, doc_start, n_blk)
+        else:
+            kv_state = self._load_kv(tmas[0:6], bufs, pipe_kv, kv_state, kv_head, doc_start, n_blk)
+        for i in cutlass.range(self.group * n_diag, unroll=1):
+            a_state, b_state = self._load_q(tmas, bufs, pipe_a, pipe_b, a_state, b_state,
+                                            kv_head * self.group + i // n_diag, 2 * n_blk + i % n_diag,
+                                            doc_start, dt_start)
+        # phase 1: the off-diagonal tiles; the block-scaled K/V replace the copies once released
+        if per > 0:
+            if cutlass.const_expr(self.diag_copy):
+                kv_state = self._load_kv(tmas[0:6], bufs, pipe_kv, kv_state, kv_head, doc_start, n_blk)
+            for j in cutlass.range(self.group * per, unroll=1):
+                a_state, b_state = self._load_q(tmas, bufs, pipe_a, pipe_b, a_state, b_state,
+                                                kv_head * self.group + j // per, 2 * n_blk + 2 + j % per,
+                                                doc_start, dt_start)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def load_vectors(self, mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, kv_head, doc_start, doc_len, sched,
+                     softmax_scale):
+        """Warp 1: per query tile, the four per-query vectors (see the module docstring)."""
+        n_blk, n_diag, per = sched
+        lane = cute.arch.lane_idx()
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sv)
+        scale_log2 = softmax_scale * Float32(LOG2E)
+        total = self.group * n_diag
+        if per > 0:
+            total = total + self.group * per
+        for i in cutlass.range(total, unroll=1):
+            hi = i // n_diag
+            m = 2 * n_blk + i % n_diag
+            if i >= self.group * n_diag:
+                j = i - self.group * n_diag
+                hi = j // per
+                m = 2 * n_blk + 2 + j % per
+            hq = kv_head * self.group + hi
+            pipe_v.producer_acquire(v_state)
+            st = v_state.index
+            for c in cutlass.range_constexpr(self.tq // 32):
+                col = lane + 32 * c
+                q = m * self.tq + col
+                a_ = Float32(0.0)
+                b_ = Float32.inf
+                d_ = Float32(0.0)
+                w_ = Float32(0.0)
+                if q < doc_len:
+                    a_ = mSQ[doc_start + q, hq] * scale_log2
+                    b_ = mLSE[doc_start + q, hq] * Float32(LOG2E)
+                    d_ = mDelta[doc_start + q, hq]
+                    w_ = mSdO[doc_start + q, hq]
+                sVec[col, 0, st] = a_
+                sVec[col, 1, st] = b_
+                sVec[col, 2, st] = d_
+                sVec[col, 3, st] = w_
+            pipe_v.producer_commit(v_state)
+            v_state.advance()
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def consume(
+        self, mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok, dv_ref, dq_out, mdK,
+        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg,
+    ):
+        n_blk, n_diag, per = sched
+        D, wm, tq, kb = self.D, self.wm, self.tq, self.kb
+        sK, sV, sKb, sQ, sdO, sdOt, sQb, sdS = bufs
+        tidx, _, _ = cute.arch.thread_idx()
+        ctid = tidx % 128
+        sd_mma, dv_mma, dk_mma, dq_mma = mmas
+        sd_thr = sd_mma.get_slice(ctid)
+        dv_thr = dv_mma.get_slice(ctid)
+        dk_thr = dk_mma.get_slice(ctid)
+        dq_thr = dq_mma.get_slice(tidx - 128)  # spans both consumer warpgroups
+        tSrK = sd_thr.make_fragment_A(sd_thr.partition_A(sK))  # (MMA, 1, D/32, 2 slabs)
+        tSrV = sd_thr.make_fragment_A(sd_thr.partition_A(sV))
+        tSrQ = sd_thr.make_fragment_B(sd_thr.partition_B(sQ))  # (MMA, 1, D/32, stages)
+        tSrdO = sd_thr.make_fragment_B(sd_thr.partition_B(sdO))
+        tVrdOt = dv_thr.make_fragment_B(dv_thr.partition_B(sdOt))  # (MMA, 1, 2, stages)
+        tKrQb = dk_thr.make_fragment_B(dk_thr.partition_B(sQb))  # (MMA, 1, 4, stages)
+        tQrdS = dq_thr.make_fragment_A(dq_thr.partition_A(sdS))  # (MMA, 1, 8, 2 buffers)
+        tQrKb = dq_thr.make_fragment_B(dq_thr.partition_B(sKb))  # (MMA, 1, 8, 1): this warpgroup's half
+        acc_s = sd_thr.make_fragment_C(sd_thr.partition_shape_C((wm, tq)))
+        acc_dp = sd_thr.make_fragment_C(sd_thr.partition_shape_C((wm, tq)))
+        acc_dv = dv_thr.make_fragment_C(dv_thr.partition_shape_C((wm, D)))
+        acc_dk = dk_thr.make_fragment_C(dk_thr.partition_shape_C((wm, D)))
+        acc_dq = dq_thr.make_fragment_C(dq_thr.partition_shape_C((tq, D)))
+        tVrP = dv_thr.make_fragment_A(dv_thr.partition_shape_A((wm, tq)))
+        tKrdS = dk_thr.make_fragment_A(dk_thr.partition_shape_A((wm, tq)))
+        tVrP32 = cute.recast_tensor(tVrP, Uint32)
+        tKrdS32 = cute.recast_tensor(tKrdS, Uint32)
+        tScS = sd_thr.partition_C(cute.make_identity_tensor((wm, tq)))  # (key in slab, query)
+        tScQ = dq_thr.partition_C(cute.make_identity_tensor((tq, D)))  # (query, d)
+
+        krow = cute.make_rmem_tensor(cute.make_layout(2), Int32)  # key index in the 128-key block
+        for v1 in cutlass.range_constexpr(2):
+            krow[v1] = wg * wm + tScS[2 * v1][0]
+        acc_dv.fill(0.0)
+        acc_dk.fill(0.0)
+        # the dV fold: P^T * sdo * (256 / r), one r per (KV head, document) (a power of two)
+        r = cute.arch.fmax(dv_ref, Float32(FOLD_REF_MIN))
+        cf = Float32(P_SCALE) / r
+
+        frags = (tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQb, tQrdS, tQrKb, acc_s, acc_dp, acc_dv, acc_dk, acc_dq,
+                 tVrP, tVrP32, tKrdS, tKrdS32, tScS, tScQ)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        a_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        b_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sv)
+        rsc = cute.make_rmem_tensor(cute.make_layout(4), Float32)  # sk(row 0), sk(row 1), sv(row 0), sv(row 1)
+        lim = doc_len - n_blk * kb  # keys >= lim lie past the document end
+        self._row_scales(rsc, krow, mSKtok if self.diag_copy else mSK, mSVtok if self.diag_copy else mSV,
+                         kv_head, doc_start, doc_len, n_blk)
+
+        # ---- phase 0: diagonal tiles
+        pipe_kv.consumer_wait(kv_state)
+        for i in cutlass.range(self.group * n_diag, unroll=1):
+            a_state, b_state, v_state = self.tile_step(
+                True, i, kv_head * self.group + i // n_diag, 2 * n_blk + i % n_diag, frags, rsc, krow, cf, sVec,
+                bufs, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk,
+                softmax_scale, wg,
+            )
+        # ---- phase 1: off-diagonal tiles
+        if cutlass.const_expr(self.diag_copy):
+            pipe_kv.consumer_release(kv_state)  # the per-token copies are done
+            kv_state.advance()
+        if per > 0:
+            if cutlass.const_expr(self.diag_copy):
+                self._row_scales(rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, n_blk)
+                pipe_kv.consumer_wait(kv_state)
+            for j in cutlass.range(self.group * per, unroll=1):
+                a_state, b_state, v_state = self.tile_step(
+                    False, self.group * n_diag + j, kv_head * self.group + j // per, 2 * n_blk + 2 + j % per, frags,
+                    rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out, doc_start,
+                    doc_len, lim, n_blk, softmax_scale, wg,
+                )
+
+        # ---- epilogue: dV * r / 256 and dK * softmax_scale to bf16
+        rfac = r / Float32(P_SCALE)
+        store_key_rows_bf16(mdV, lambda i0: (acc_dv[i0] * rfac, acc_dv[i0 + 1] * rfac), krow, n_blk * kb,
+                            doc_start, doc_len, kv_head, D, cute.size(acc_dv))
+        store_key_rows_bf16(mdK, lambda i0: (acc_dk[i0] * softmax_scale, acc_dk[i0 + 1] * softmax_scale), krow,
+                            n_blk * kb, doc_start, doc_len, kv_head, D, cute.size(acc_dk))
+
+    @cute.jit
+    def _row_scales(self, rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, n_blk):
+        for v1 in cutlass.range_constexpr(2):
+            key = n_blk * self.kb + krow[v1]
+            sk = Float32(0.0)
+            sv = Float32(0.0)
+            if key < doc_len:
+                sk = mSK[doc_start + key, kv_head]
+                sv = mSV[doc_start + key, kv_head]
+            rsc[v1] = sk
+            rsc[2 + v1] = sv
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def tile_step(
+        self, diag: cutlass.Constexpr, i, hq, m, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v,
+        a_state, b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg,
+    ):
+        """One 64-query tile m of query head hq (tile number i of the CTA). diag: m in {2n, 2n+1}."""
+        D, tq = self.D, self.tq
+        (tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQb, tQrdS, tQrKb, acc_s, acc_dp, acc_dv, acc_dk, acc_dq,
+         tVrP, tVrP32, tKrdS, tKrdS32, tScS, tScQ) = frags
+        sdS = bufs[7]
+        n_s = cute.size(acc_s)
+        # fresh tiled MMAs per call: ACCUMULATE is state threaded through the IR
+        sd_mma, dv_mma, dk_mma, dq_mma = self._make_mmas()
+
+        # ---- S^T = K Q^T and dP^T = V dO^T
+        pipe_a.consumer_wait(a_state)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(D // 32):
+            sd_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(sd_mma, acc_s, tSrK[None, None, k, wg], tSrQ[None, None, k, a_state.index], acc_s)
+        for k in cutlass.range_constexpr(D // 32):
+            sd_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(sd_mma, acc_dp, tSrV[None, None, k, wg], tSrdO[None, None, k, a_state.index], acc_dp)
+        warpgroup.commit_group()
+        pipe_v.consumer_wait(v_state)
+        vs = v_state.index
+        warpgroup.wait_group(0)
+        pipe_a.consumer_release(a_state)
+        a_state.advance()
+
+        # ---- P^T (into acc_s), dS^T (into acc_dp); column-outer: each query's vectors loaded once
+        qoff = (m - 2 * n_blk) * tq  # diagonal tiles: query index in the key block = qoff + column
+        for w_ in cutlass.range_constexpr(n_s // 4):
+            for v0 in cutlass.range_constexpr(2):
+                col = tScS[4 * w_ + v0][1]
+                ca = sVec[col, 0, vs]
+                cb = sVec[col, 1, vs]
+                cd = sVec[col, 2, vs]
+                cw = sVec[col, 3, vs]
+                for v1 in cutlass.range_constexpr(2):
+                    a = v0 + 2 * v1 + 4 * w_
+                    p = cute.math.exp2(acc_s[a] * rsc[v1] * ca - cb, fastmath=True)
+                    if cutlass.const_expr(diag):
+                        if qoff + col < krow[v1]:
+                            p = Float32(0.0)
+                        if krow[v1] >= lim:
+                            p = Float32(0.0)
+                    acc_dp[a] = p * (acc_dp[a] * rsc[2 + v1] * cw - cd)
+                    acc_s[a] = (p * cw) * cf  # <= 256: sdo <= r; exact scaling by powers of two
+        pipe_v.consumer_release(v_state)
+        v_state.advance()
+        pack_a_fragment_e4m3(acc_s, tVrP32)
+        # dS^T as dK's bf16 A operand: a 16-bit A fragment has the accumulator's value order
+        for j in cutlass.range_constexpr(n_s // 2):
+            tKrdS32[j] = cvt_bf16x2(acc_dp[2 * j], acc_dp[2 * j + 1])
+        # dS [q, key] (queries contiguous) for dQ: this thread's two adjacent queries share one word
+        dbuf = i % 2
+        sdS32 = cute.recast_tensor(sdS, Uint32)
+        for w_ in cutlass.range_constexpr(n_s // 4):
+            for v1 in cutlass.range_constexpr(2):
+                col = tScS[4 * w_][1]  # even
+                sdS32[col // 2, krow[v1], dbuf] = tKrdS32[2 * w_ + v1]
+
+        # ---- dV += e4m3(P^T fold) . dO^T and dK += bf16(dS^T) . Q (both accumulate in place)
+        pipe_b.consumer_wait(b_state)
+        warpgroup.fence()
+        dv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(tq // 32):
+            cute.gemm(dv_mma, acc_dv, tVrP[None, None, k], tVrdOt[None, None, k, b_state.index], acc_dv)
+        dk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(tq // 16):
+            cute.gemm(dk_mma, acc_dk, tKrdS[None, None, k], tKrQb[None, None, k, b_state.index], acc_dk)
+        warpgroup.commit_group()
+
+        # ---- both warpgroups' dS are in shared memory: dQ_tile = dS . K for this warpgroup's half of D
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(self.kb // 16):
+            dq_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(dq_mma, acc_dq, tQrdS[None, None, k, dbuf], tQrKb[None, None, k, 0], acc_dq)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        pipe_b.consumer_release(b_state)
+        b_state.advance()
+
+        mdQ, mSem, doc = dq_out
+        tidx, _, _ = cute.arch.thread_idx()
+        sem_addr = Int64(0)
+        if cutlass.const_expr(self.deterministic):
+            sem_addr = dq_turn_wait(mSem, hq, doc, m, n_blk, tidx, 2)  # two 64-query tiles per key block
+        add_dq_tile(mdQ, acc_dq, tScQ, m * tq, 0, doc_start, doc_len, hq, D, lambda qr: softmax_scale)
+        if cutlass.const_expr(self.deterministic):
+            dq_turn_pass(sem_addr, tidx)
+        return a_state, b_state, v_state
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile and launch
+# ----------------------------------------------------------------------------------------------
+
+
+ARG_KINDS = (
+    ARG_F8, ARG_F32, ARG_BF16,  # q, sq, q bf16
+    ARG_F8, ARG_F32, ARG_BF16,  # k, sk, k bf16
+    ARG_F8, ARG_F32,  # v, sv
+    ARG_F8, ARG_F32, ARG_BF16, ARG_F8, ARG_F32,  # per-token k, sk, k bf16, v, sv
+    ARG_F8, ARG_F8, ARG_F32,  # do, dot, sdo
+    ARG_F32, ARG_F32, ARG_F32,  # lse, delta, dV fold reference
+    ARG_I32,  # cu_seqlens
+    ("ptr", Float32, 16), ARG_BF16, ARG_BF16, ARG_I32,  # dq accumulator, dk, dv, dQ semaphores
+    ("i32",), ("i32",), ("i32",), ("i32",), ("i32",), ("f32",),  # T, T_dt, Hk, num_docs, max_n_blocks, scale
+    ("stream",),
+)
+
+
+def compile_bwd_dsbf16_sm90(config: BwdDsBf16Config, arch: str = "sm_90a", extra_options: str = "",
+                            tvm_ffi: bool = False):
+    """cute.compile the backward for `arch` from plain values only (no tensors, no GPU needed)."""
+    return compile_entry(FlamiaBwdDsBf16Sm90(config), ARG_KINDS, arch, extra_options, tvm_ffi)
+
+
+def get_launcher(config: BwdDsBf16Config, arch: str | None = None, use_tvm_ffi: bool | None = None):
+    from .compile_cache import compile_launcher, target_arch
+
+    return compile_launcher(
+        SOURCE_FILES, config, arch or target_arch(), lambda cfg, a, t: compile_bwd_dsbf16_sm90(cfg, a, tvm_ffi=t),
+        ARG_KINDS, use_tvm_ffi,
+    )
+
+
+def kernel_artifacts(config: BwdDsBf16Config, arch: str = "sm_90a"):
+    from .compile_cache import compile_artifacts
+
+    return compile_artifacts(compile_bwd_dsbf16_sm90, config, arch)
+
+
+def flamia_bwd_dsbf16_sm90(
+    dout, out, lse, q_td, sq, k_td, sk, v_td, sv, k_tok_td, sk_tok, v_tok_td, sv_tok,
+    cu_seqlens, max_seqlen: int, softmax_scale: float, config: BwdDsBf16Config,
+    poison_outputs: bool = False, do_quantized=None, delta=None,
+):
+    """Causal FP8 attention backward of recipe fp8_tokenblock_dsbf16 on the current stream; returns
+    (dq, dk, dv) bf16.
+
+    dout, out: (T, H, D) bf16; lse (H, T) fp32 (the forward's). q_td (T, H, D) e4m3 and sq (H, T);
+    k_td, sk; v_td (T, Hk, D), sv: the forward's saved operands (quant.quantize layouts; no
+    transposed copies are needed). *_tok*: the per-token K/V copies of the diagonal tiles when
+    config.diagonal_copy (else ignored). do_quantized (QuantizedTHD with data_dt in P-fragment
+    order) and delta (H, T) may be passed precomputed; else the preprocess computes them.
+    """
+    from .attention_bwd_sm90 import preprocess_bwd
+
+    T, H, D = q_td.shape
+    Hk = k_td.shape[1]
+    if D != config.head_dim or H != Hk * config.qhead_per_kvhead:
+        raise ValueError(f"shapes (H={H}, Hk={Hk}, D={D}) do not match {config}")
+    if not config.diagonal_copy or k_tok_td is None:
+        if config.diagonal_copy:
+            raise ValueError("config.diagonal_copy needs k_tok_td, sk_tok, v_tok_td, sv_tok")
+        k_tok_td, sk_tok, v_tok_td, sv_tok = k_td, sk, v_td, sv
+    dev = q_td.device
+    cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
+    num_docs = cu.numel() - 1
+    T_dt = transposed_tokens(T, num_docs)
+    if do_quantized is None or delta is None:
+        delta_, doq = preprocess_bwd(dout, out, cu)
+        delta = delta if delta is not None else delta_
+        do_quantized = do_quantized if do_quantized is not None else doq
+    f8 = torch.float8_e4m3fn
+    for name, t, shape, dt in (
+        ("q_td", q_td, (T, H, D), f8), ("k_td", k_td, (T, Hk, D), f8), ("v_td", v_td, (T, Hk, D), f8),
+        ("k_tok_td", k_tok_td, (T, Hk, D), f8), ("v_tok_td", v_tok_td, (T, Hk, D), f8),
+        ("do_td", do_quantized.data_td, (T, H, D), f8), ("do_dt", do_quantized.data_dt, (H, D, T_dt), f8),
+        ("sq", sq, (H, T), torch.float32), ("sk", sk, (Hk, T), torch.float32), ("sv", sv, (Hk, T), torch.float32),
+        ("sk_tok", sk_tok, (Hk, T), torch.float32), ("sv_tok", sv_tok, (Hk, T), torch.float32),
+        ("sdo", do_quantized.scale, (H, T), torch.float32), ("lse", lse, (H, T), torch.float32),
+        ("delta", delta, (H, T), torch.float32),
+    ):
+        if t is None or tuple(t.shape) != shape or t.dtype != dt or not t.is_cuda or not t.is_contiguous():
+            got = None if t is None else (tuple(t.shape), t.dtype)
+            raise ValueError(f"{name} must be a contiguous CUDA {dt} tensor of shape {shape}, got {got}")
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned")
+    if not do_quantized.dt_pv_order:
+        raise ValueError("do_quantized.data_dt must be in P-fragment order (quantize with pv_order=True)")
+    if not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
+    dq_acc = torch.zeros(T, H, D, dtype=torch.float32, device=dev)
+    dk = torch.empty(T, Hk, D, dtype=torch.bfloat16, device=dev)
+    dv = torch.empty(T, Hk, D, dtype=torch.bfloat16, device=dev)
+    if poison_outputs:
+        dk.fill_(float("nan"))
+        dv.fill_(float("nan"))
+    max_n_blocks = (int(max_seqlen) + KEY_BLOCK - 1) // KEY_BLOCK
+    if T > 0 and num_docs > 0 and max_n_blocks > 0:
+        if H * D * T_dt >= 2**31 or T * H * D >= 2**31:
+            raise ValueError("tensor too large for 32-bit indexing")
+        if max_n_blocks > 65535 or num_docs > 65535:
+            raise ValueError(f"grid too large: max_seqlen {max_seqlen} (at most 65535 blocks of {KEY_BLOCK}) or "
+                             f"{num_docs} documents (at most 65535)")
+        # bf16 B operands of dK and dQ: exact dequantizations (e4m3 code times a power of two)
+        qb = dequantize_bf16(q_td, sq)
+        kb = dequantize_bf16(k_td, sk)
+        kb_tok = dequantize_bf16(k_tok_td, sk_tok) if config.diagonal_copy else kb
+        dv_ref = dv_fold_reference(do_quantized.scale, cu, config.qhead_per_kvhead)
+        ptrs = (q_td, sq, qb, k_td, sk, kb, v_td, sv, k_tok_td, sk_tok, kb_tok, v_tok_td, sv_tok,
+                do_quantized.data_td, do_quantized.data_dt, do_quantized.scale, lse, delta, dv_ref, cu, dq_acc, dk, dv)
+        # deterministic dQ: one turn counter per (query head, document, 64-query tile)
+        sem = (torch.zeros(H * num_docs * 2 * max_n_blocks, dtype=torch.int32, device=dev)
+               if config.deterministic else None)
+        launch_on_device(get_launcher(config), dev, *(t.data_ptr() for t in ptrs),
+                         sem.data_ptr() if sem is not None else 0,
+                         T, T_dt, Hk, num_docs, max_n_blocks, float(softmax_scale))
+    dq = dq_acc.to(torch.bfloat16)  # softmax_scale is already applied
+    return dq, dk, dv
+
+
+def default_config(qq, kq, kt) -> BwdDsBf16Config:
+    """The default BwdDsBf16Config for the forward's saved operands (kt: per-token K copy or None)."""
+    return BwdDsBf16Config(head_dim=qq.data_td.shape[2], qhead_per_kvhead=qq.data_td.shape[1] // kq.data_td.shape[1],
+                           diagonal_copy=kt is not None)
+
+
+def flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, cu_seqlens, max_seqlen, softmax_scale,
+                                      config: BwdDsBf16Config | None = None, **kw):
+    """Convenience entry from the forward's saved QuantizedTHD operands (kt, vt: per-token copies or None)."""
+    block = kt is not None
+    if config is None:
+        config = default_config(qq, kq, kt)
+    return flamia_bwd_dsbf16_sm90(
+        dout, out, lse, qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_td, vq.scale,
+        kt.data_td if block else None, kt.scale if block else None,
+        vt.data_td if block else None, vt.scale if block else None,
+        cu_seqlens, max_seqlen, softmax_scale, config, **kw,
+    )
