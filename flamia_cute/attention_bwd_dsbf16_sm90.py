@@ -93,6 +93,8 @@ SMEM_LIMIT = 232448  # sm_90 dynamic shared memory per CTA (227 KB)
 N_VEC = 4  # per-query vectors per tile in shared memory (see load_vectors)
 KEY_BLOCK = 128
 QUERY_TILE = 64
+# bf16 dS [q, key] for dQ's A operand (queries contiguous), two buffers; stored by hand (ds_elem_offset)
+DS_LAYOUT = "S<3,4,3> o 0 o ((64,1),(8,16),(1,2)):((1,0),(64,512),(0,8192))"
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,15 @@ def tile_schedule(i, n, group, n_diag, per):
         return i // n_diag, 2 * n + i % n_diag, True
     j = i - group * n_diag
     return j // per, 2 * n + 2 + j % per, False
+
+
+def ds_elem_offset(q, key, buf):
+    """bf16 element offset of dS (query q, key, buffer) in DS_LAYOUT: 64 queries contiguous per key,
+    keys (8, 16) at (64, 512), buffers at 8192, then Swizzle<3,4,3> (bits 7-9 into bits 4-6).
+    Plain integer math (Python ints in the CPU test, DSL integers in the kernel). The recast of the
+    swizzled-pointer tensor to 32-bit words did not keep the swizzle in element units (GPU test)."""
+    lin = q + (key % 8) * 64 + (key // 8) * 512 + buf * 8192
+    return lin ^ ((lin >> 3) & 0x70)
 
 
 def dv_fold_reference(sdo: torch.Tensor, cu_seqlens: torch.Tensor, group: int) -> torch.Tensor:
@@ -296,6 +307,7 @@ class FlamiaBwdDsBf16Sm90:
 
         mmas = self._make_mmas()
         L = self._smem_layouts()
+        assert str(L["dS"]) == DS_LAYOUT, f"unexpected dS smem layout {L['dS']}"
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
 
         def atom(gmem, layout, tile):
@@ -392,6 +404,7 @@ class FlamiaBwdDsBf16Sm90:
                 buf(storage.sK, sK_layout), buf(storage.sV, sK_layout), buf(storage.sKb, sKb_layout),
                 buf(storage.sQ, sQ_layout), buf(storage.sdO, sQ_layout), buf(storage.sdOt, sdOt_layout),
                 buf(storage.sQb, sQb_layout), buf(storage.sdS, sdS_layout),
+                storage.sdS.get_tensor(cute.make_layout(cute.cosize(sdS_layout) // 2), dtype=Uint32),  # by hand
             )
             sVec = storage.sVec.get_tensor(cute.make_layout((self.tq, N_VEC, self.sv)))
             pipe_kv = tma_pipeline(1, self.kv_bytes, storage.kv_mbar.data_ptr())
@@ -542,7 +555,7 @@ class FlamiaBwdDsBf16Sm90:
     ):
         n_blk, n_diag, per = sched
         D, wm, tq, kb = self.D, self.wm, self.tq, self.kb
-        sK, sV, sKb, sQ, sdO, sdOt, sQb, sdS = bufs
+        sK, sV, sKb, sQ, sdO, sdOt, sQb, sdS, _ = bufs
         tidx, _, _ = cute.arch.thread_idx()
         ctid = tidx % 128
         sd_mma, dv_mma, dk_mma, dq_mma = mmas
@@ -642,7 +655,7 @@ class FlamiaBwdDsBf16Sm90:
         D, tq = self.D, self.tq
         (tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQb, tQrdS, tQrKb, acc_s, acc_dp, acc_dv, acc_dk, acc_dq,
          tVrP, tVrP32, tKrdS, tKrdS32, tScS, tScQ) = frags
-        sdS = bufs[7]
+        sdS_words = bufs[8]
         n_s = cute.size(acc_s)
         # fresh tiled MMAs per call: ACCUMULATE is state threaded through the IR
         sd_mma, dv_mma, dk_mma, dq_mma = self._make_mmas()
@@ -690,11 +703,10 @@ class FlamiaBwdDsBf16Sm90:
             tKrdS32[j] = cvt_bf16x2(acc_dp[2 * j], acc_dp[2 * j + 1])
         # dS [q, key] (queries contiguous) for dQ: this thread's two adjacent queries share one word
         dbuf = i % 2
-        sdS32 = cute.recast_tensor(sdS, Uint32)
         for w_ in cutlass.range_constexpr(n_s // 4):
             for v1 in cutlass.range_constexpr(2):
-                col = tScS[4 * w_][1]  # even
-                sdS32[col // 2, krow[v1], dbuf] = tKrdS32[2 * w_ + v1]
+                col = tScS[4 * w_][1]  # even: the word holds queries col, col + 1
+                sdS_words[ds_elem_offset(col, krow[v1], dbuf) // 2] = tKrdS32[2 * w_ + v1]
 
         # ---- dV += e4m3(P^T fold) . dO^T and dK += bf16(dS^T) . Q (both accumulate in place)
         pipe_b.consumer_wait(b_state)
@@ -770,10 +782,19 @@ def kernel_artifacts(config: BwdDsBf16Config, arch: str = "sm_90a"):
     return compile_artifacts(compile_bwd_dsbf16_sm90, config, arch)
 
 
+def bf16_ds_operands(q_td, sq, k_td, sk, k_tok_td, sk_tok, sdo, cu, config: BwdDsBf16Config):
+    """The kernel's extra inputs, by torch on the current stream (no host sync): Q, K (and the
+    per-token K copy) dequantized to bf16 (dK's and dQ's B operands) and the dV fold references."""
+    qb = dequantize_bf16(q_td, sq)
+    kb = dequantize_bf16(k_td, sk)
+    kb_tok = dequantize_bf16(k_tok_td, sk_tok) if config.diagonal_copy else kb
+    return qb, kb, kb_tok, dv_fold_reference(sdo, cu, config.qhead_per_kvhead)
+
+
 def flamia_bwd_dsbf16_sm90(
     dout, out, lse, q_td, sq, k_td, sk, v_td, sv, k_tok_td, sk_tok, v_tok_td, sv_tok,
     cu_seqlens, max_seqlen: int, softmax_scale: float, config: BwdDsBf16Config,
-    poison_outputs: bool = False, do_quantized=None, delta=None,
+    poison_outputs: bool = False, do_quantized=None, delta=None, prepared=None,
 ):
     """Causal FP8 attention backward of recipe fp8_tokenblock_dsbf16 on the current stream; returns
     (dq, dk, dv) bf16.
@@ -782,7 +803,8 @@ def flamia_bwd_dsbf16_sm90(
     k_td, sk; v_td (T, Hk, D), sv: the forward's saved operands (quant.quantize layouts; no
     transposed copies are needed). *_tok*: the per-token K/V copies of the diagonal tiles when
     config.diagonal_copy (else ignored). do_quantized (QuantizedTHD with data_dt in P-fragment
-    order) and delta (H, T) may be passed precomputed; else the preprocess computes them.
+    order) and delta (H, T) may be passed precomputed; else the preprocess computes them; so may
+    `prepared`, the bf16_ds_operands (perf/bench_fwd_breakdown.py times the kernel alone).
     """
     from .attention_bwd_sm90 import preprocess_bwd
 
@@ -834,11 +856,9 @@ def flamia_bwd_dsbf16_sm90(
         if max_n_blocks > 65535 or num_docs > 65535:
             raise ValueError(f"grid too large: max_seqlen {max_seqlen} (at most 65535 blocks of {KEY_BLOCK}) or "
                              f"{num_docs} documents (at most 65535)")
-        # bf16 B operands of dK and dQ: exact dequantizations (e4m3 code times a power of two)
-        qb = dequantize_bf16(q_td, sq)
-        kb = dequantize_bf16(k_td, sk)
-        kb_tok = dequantize_bf16(k_tok_td, sk_tok) if config.diagonal_copy else kb
-        dv_ref = dv_fold_reference(do_quantized.scale, cu, config.qhead_per_kvhead)
+        if prepared is None:
+            prepared = bf16_ds_operands(q_td, sq, k_td, sk, k_tok_td, sk_tok, do_quantized.scale, cu, config)
+        qb, kb, kb_tok, dv_ref = prepared
         ptrs = (q_td, sq, qb, k_td, sk, kb, v_td, sv, k_tok_td, sk_tok, kb_tok, v_tok_td, sv_tok,
                 do_quantized.data_td, do_quantized.data_dt, do_quantized.scale, lse, delta, dv_ref, cu, dq_acc, dk, dv)
         # deterministic dQ: one turn counter per (query head, document, 64-query tile)

@@ -11,6 +11,7 @@ import statistics
 import torch
 
 from flamia_cute import flamia_attn_varlen_func
+from flamia_cute.attention_bwd_dsbf16_sm90 import BwdDsBf16Config, bf16_ds_operands, flamia_bwd_dsbf16_sm90_from_saved
 from flamia_cute.attention_bwd_sm90 import flamia_bwd_sm90_from_saved, preprocess_bwd
 from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case
@@ -95,13 +96,29 @@ def measure(name, lengths):
         flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
                                    do_quantized=doq, delta=delta)
 
-    for label, fn in (("bwd kernel", bwd), ("bwd preprocess", lambda: preprocess_bwd(dout, out, case.cu))):
+    # the bf16-dS backward (recipe fp8_tokenblock_dsbf16): its kernel alone and its torch operand prep
+    ds_cfg = BwdDsBf16Config(128, diagonal_copy=True)
+
+    def ds_prep():
+        return bf16_ds_operands(qq.data_td, qq.scale, kq.data_td, kq.scale, kt.data_td, kt.scale, doq.scale,
+                                case.cu, ds_cfg)
+
+    prepared = ds_prep()
+
+    def ds_bwd():
+        flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
+                                          config=ds_cfg, do_quantized=doq, delta=delta, prepared=prepared)
+
+    for label, fn in (("bwd kernel", bwd), ("bwd preprocess", lambda: preprocess_bwd(dout, out, case.cu)),
+                      ("dsbf16 bwd kernel", ds_bwd), ("dsbf16 operand prep", ds_prep)):
         try:
             row[label] = graph_ms(fn)
         except Exception as e:
             row[label] = events_ms(fn)
             row["note_bwd"] = f"events ({type(e).__name__})"
-    row["TFLOP/s bwd kernel"] = causal_flops(case.lengths, 16, 128, backward=True) / (row["bwd kernel"] * 1e9)
+    bwd_flops = causal_flops(case.lengths, 16, 128, backward=True)
+    row["TFLOP/s bwd kernel"] = bwd_flops / (row["bwd kernel"] * 1e9)
+    row["TFLOP/s dsbf16 bwd kernel"] = bwd_flops / (row["dsbf16 bwd kernel"] * 1e9)
     return row
 
 

@@ -24,7 +24,9 @@ try:
     import cutlass  # noqa: F401
 
     from flamia_cute.attention_bwd_dsbf16_sm90 import (
+        DS_LAYOUT,
         BwdDsBf16Config,
+        ds_elem_offset,
         dequantize_bf16,
         dv_fold_reference,
         flamia_bwd_dsbf16_sm90_from_saved,
@@ -81,6 +83,35 @@ def test_tile_schedule_covers_each_tile_once():
                 assert sorted((h, m) for h, m, _ in tiles) == [(h, m) for h in range(group) for m in range(2 * n, n_q)]
                 assert all(d == (m < 2 * n + 2) for _, m, d in tiles)
                 assert all(d for _, _, d in tiles[: group * n_diag])
+
+
+@needs_dsl
+def test_ds_offsets_match_the_swizzled_layout():
+    """The hand-written dS offsets equal DS_LAYOUT (checked by the kernel at trace time) evaluated by
+    CuTe, for every (query, key, buffer); adjacent queries share a 32-bit word."""
+    import cutlass
+    import cutlass.cute as cute
+
+    got = {}
+
+    @cute.jit
+    def offsets():
+        lay = cute.make_composed_layout(cute.make_swizzle(3, 4, 3), 0, cute.make_layout(
+            ((64, 1), (8, 16), (1, 2)), stride=((1, 0), (64, 512), (0, 8192))))
+        assert str(lay) == DS_LAYOUT
+        for q in cutlass.range_constexpr(0, 64, 3):  # static coordinates: evaluated while tracing
+            for key in cutlass.range_constexpr(0, 128, 5):
+                for b in cutlass.range_constexpr(2):
+                    got[(q, key, b)] = int(cute.crd2idx((q, key, b), lay))
+
+    offsets()
+    assert len(got) > 1000
+    for (q, key, b), off in got.items():
+        assert ds_elem_offset(q, key, b) == off, (q, key, b)
+    all_offsets = {ds_elem_offset(q, key, b) for q in range(64) for key in range(128) for b in range(2)}
+    assert all_offsets == set(range(2 * 64 * 128))
+    assert all(ds_elem_offset(q + 1, k, b) == ds_elem_offset(q, k, b) + 1 for q in range(0, 64, 2)
+               for k in range(128) for b in range(2))
 
 
 def test_dv_fold_reference_is_the_emulators():
