@@ -26,8 +26,8 @@ try:
     from flamia_cute.attention_bwd_dsbf16_sm90 import (
         DS_LAYOUT,
         BwdDsBf16Config,
-        ds_elem_offset,
         dequantize_bf16,
+        ds_elem_offset,
         dv_fold_reference,
         flamia_bwd_dsbf16_sm90_from_saved,
         kernel_artifacts,
