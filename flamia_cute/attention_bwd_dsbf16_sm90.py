@@ -93,7 +93,7 @@ SMEM_LIMIT = 232448  # sm_90 dynamic shared memory per CTA (227 KB)
 N_VEC = 4  # per-query vectors per tile in shared memory (see load_vectors)
 KEY_BLOCK = 128
 QUERY_TILE = 64
-# bf16 dS [q, key] for dQ's A operand (queries contiguous), two buffers; stored by hand (ds_elem_offset)
+# bf16 dS [q, key] for dQ's A operand (queries contiguous), two buffers; stored by hand (ds_word_index)
 DS_LAYOUT = "S<3,4,3> o 0 o ((64,1),(8,16),(1,2)):((1,0),(64,512),(0,8192))"
 
 
@@ -107,10 +107,16 @@ class BwdDsBf16Config:
     q_stages: int = 2  # query-tile stages of both pipelines
     vec_stages: int = 2
     deterministic: bool = False  # dQ additions in key-block order: bit-reproducible dQ
+    # issue the next tile's S^T, dP^T before this tile's dQ atomics (None: where registers allow,
+    # d64; at d128 S^T, dP^T in flight next to dV, dK and the dQ tile need 224 + ~30 > 240: spills)
+    prefetch_sdp: bool | None = None
 
     def __post_init__(self):
         def bad(name, msg):
             raise ValueError(f"BwdDsBf16Config.{name}: {msg} (got {getattr(self, name)!r})")
+
+        if self.prefetch_sdp is not None and not isinstance(self.prefetch_sdp, bool):
+            bad("prefetch_sdp", "must be None (auto) or a bool")
 
         if self.head_dim not in (64, 128):
             bad("head_dim", "must be 64 or 128")
@@ -151,34 +157,59 @@ def tile_schedule(i, n, group, n_diag, per):
     return j // per, 2 * n + 2 + j % per, False
 
 
-def ds_elem_offset(q, key, buf):
-    """bf16 element offset of dS (query q, key, buffer) in DS_LAYOUT: 64 queries contiguous per key,
-    keys (8, 16) at (64, 512), buffers at 8192, then Swizzle<3,4,3> (bits 7-9 into bits 4-6).
-    Plain integer math (Python ints in the CPU test, DSL integers in the kernel). The recast of the
-    swizzled-pointer tensor to 32-bit words did not keep the swizzle in element units (GPU test)."""
-    lin = q + (key % 8) * 64 + (key // 8) * 512 + buf * 8192
-    return lin ^ ((lin >> 3) & 0x70)
+def ds_word_index(q, key, buf):
+    """32-bit word of dS (query q even, key, buffer) in DS_LAYOUT: the bf16 pair (q, q + 1).
+
+    Unswizzled element offset: 64 queries contiguous per key, keys (8, 16) at (64, 512), buffers at
+    8192. The swizzle S<3,4,3> of a shared-memory layout acts on BYTE addresses (the 128-byte
+    swizzle of TMA and wgmma: bits 7-9 into bits 4-6), whatever the element size: so the byte
+    offset is swizzled, not the element offset (swizzling bf16 element offsets gave a wrong dQ on
+    the GPU, while e4m3 elements are bytes and never showed the difference).
+    Plain integer math (Python ints in the CPU test, DSL integers in the kernel, which keeps the
+    per-key parts in registers: ds_key_parts once, ds_word per store).
+    """
+    base, swz = ds_key_parts(key, (q % 8) // 2)
+    return ds_word(q // 8, base, swz, buf)
+
+
+def ds_key_parts(key, quad):
+    """(byte base of queries 2 quad .. of `key`, its swizzle bits): 128 (key % 8) + 1024 (key // 8)
+    sets byte bits >= 7 only, so the swizzle (bits 7-9 into 4-6) depends on the key alone."""
+    base = 4 * quad + 128 * (key % 8) + 1024 * (key // 8)
+    return base, (base >> 3) & 0x70
+
+
+def ds_word(w, base, swz, buf):
+    """Word of queries 8 w + 2 quad, + 1 (quad and key in base, swz): bits 4-6 of 16 w take the XOR."""
+    return (((16 * w) ^ swz) + base + buf * 16384) >> 2
 
 
 def dv_fold_reference(sdo: torch.Tensor, cu_seqlens: torch.Tensor, group: int) -> torch.Tensor:
     """(Hk, num_docs) fp32: the dV fold reference r of every (KV head, document), the max dO scale
     over the document's tokens and the group's query heads (the emulator's dv_fold="document"),
-    at least FOLD_REF_MIN. On the GPU without a host sync (scatter_reduce over token -> document)."""
+    at least FOLD_REF_MIN. On the GPU without a host sync and without atomics (a scatter-max into
+    one slot per document serialized on its atomics: 0.7-3 ms): the scales are positive powers of
+    two, so (document << 8 | exponent) orders them within a document and puts every document above
+    the ones before; a running max along the tokens read at each document's last token is its max."""
     H, T = sdo.shape
     num_docs = cu_seqlens.numel() - 1
-    per_kv = sdo.view(H // group, group, T).amax(1) if group > 1 else sdo
-    doc_of_token = torch.searchsorted(cu_seqlens[1:].to(torch.int64), torch.arange(T, device=sdo.device),
-                                      right=True)
-    ref = torch.full((H // group, num_docs), FOLD_REF_MIN, dtype=torch.float32, device=sdo.device)
-    if T > 0 and num_docs > 0:
-        idx = doc_of_token.clamp_max(num_docs - 1).expand(H // group, T)
-        ref.scatter_reduce_(1, idx, per_kv.float(), reduce="amax", include_self=True)
-    return ref
+    hk = H // group
+    ref = torch.full((hk, num_docs), FOLD_REF_MIN, dtype=torch.float32, device=sdo.device)
+    if T == 0 or num_docs == 0:
+        return ref
+    per_kv = sdo.float().view(hk, group, T).amax(1) if group > 1 else sdo.float().contiguous()
+    ends = cu_seqlens[1:].to(torch.int64)
+    doc_of_token = torch.searchsorted(ends, torch.arange(T, device=sdo.device), right=True).to(torch.int32)
+    key = (doc_of_token << 8) | ((per_kv.view(torch.int32) >> 23) & 0xFF)
+    at_end = torch.cummax(key, dim=1).values.gather(1, (ends - 1).clamp_min(0).expand(hk, num_docs))
+    doc_max = ((at_end & 0xFF) << 23).view(torch.float32)
+    nonempty = ends > cu_seqlens[:-1].to(torch.int64)
+    return torch.where(nonempty, doc_max, ref).clamp_min(FOLD_REF_MIN)
 
 
 def dequantize_bf16(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(T, heads, D) e4m3 codes and (heads, T) power-of-two scales -> bf16 values, exactly."""
-    return codes.to(torch.bfloat16) * scale.t().to(torch.bfloat16).unsqueeze(-1)
+    return codes.to(torch.bfloat16).mul_(scale.t().to(torch.bfloat16).unsqueeze(-1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -201,6 +232,7 @@ class FlamiaBwdDsBf16Sm90:
         self.num_threads = 384
         self.regs_producer = 24
         self.regs_consumer = 240
+        self.prefetch = config.prefetch_sdp if config.prefetch_sdp is not None else config.head_dim == 64
 
     def _make_mmas(self):
         K_MAJOR, MN_MAJOR = OperandMajorMode.K, OperandMajorMode.MN
@@ -584,8 +616,10 @@ class FlamiaBwdDsBf16Sm90:
         tScQ = dq_thr.partition_C(cute.make_identity_tensor((tq, D)))  # (query, d)
 
         krow = cute.make_rmem_tensor(cute.make_layout(2), Int32)  # key index in the 128-key block
+        dsk = cute.make_rmem_tensor(cute.make_layout(4), Int32)  # ds_key_parts of the two key rows
         for v1 in cutlass.range_constexpr(2):
             krow[v1] = wg * wm + tScS[2 * v1][0]
+            dsk[v1], dsk[2 + v1] = ds_key_parts(krow[v1], cute.arch.lane_idx() % 4)
         acc_dv.fill(0.0)
         acc_dk.fill(0.0)
         # the dV fold: P^T * sdo * (256 / r), one r per (KV head, document) (a power of two)
@@ -593,7 +627,7 @@ class FlamiaBwdDsBf16Sm90:
         cf = Float32(P_SCALE) / r
 
         frags = (tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQb, tQrdS, tQrKb, acc_s, acc_dp, acc_dv, acc_dk, acc_dq,
-                 tVrP, tVrP32, tKrdS, tKrdS32, tScS, tScQ)
+                 tVrP, tVrP32, tKrdS, tKrdS32, tScS, tScQ, dsk)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         a_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         b_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -605,9 +639,11 @@ class FlamiaBwdDsBf16Sm90:
 
         # ---- phase 0: diagonal tiles
         pipe_kv.consumer_wait(kv_state)
+        if cutlass.const_expr(self.prefetch):
+            self.issue_sdp(frags, pipe_a, a_state, wg)
         for i in cutlass.range(self.group * n_diag, unroll=1):
             a_state, b_state, v_state = self.tile_step(
-                True, i, kv_head * self.group + i // n_diag, 2 * n_blk + i % n_diag, frags, rsc, krow, cf, sVec,
+                True, i, i + 1 < self.group * n_diag, kv_head * self.group + i // n_diag, 2 * n_blk + i % n_diag, frags, rsc, krow, cf, sVec,
                 bufs, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk,
                 softmax_scale, wg,
             )
@@ -619,9 +655,11 @@ class FlamiaBwdDsBf16Sm90:
             if cutlass.const_expr(self.diag_copy):
                 self._row_scales(rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, n_blk)
                 pipe_kv.consumer_wait(kv_state)
+            if cutlass.const_expr(self.prefetch):
+                self.issue_sdp(frags, pipe_a, a_state, wg)
             for j in cutlass.range(self.group * per, unroll=1):
                 a_state, b_state, v_state = self.tile_step(
-                    False, self.group * n_diag + j, kv_head * self.group + j // per, 2 * n_blk + 2 + j % per, frags,
+                    False, self.group * n_diag + j, j + 1 < self.group * per, kv_head * self.group + j // per, 2 * n_blk + 2 + j % per, frags,
                     rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out, doc_start,
                     doc_len, lim, n_blk, softmax_scale, wg,
                 )
@@ -647,20 +685,12 @@ class FlamiaBwdDsBf16Sm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def tile_step(
-        self, diag: cutlass.Constexpr, i, hq, m, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v,
-        a_state, b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg,
-    ):
-        """One 64-query tile m of query head hq (tile number i of the CTA). diag: m in {2n, 2n+1}."""
-        D, tq = self.D, self.tq
-        (tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQb, tQrdS, tQrKb, acc_s, acc_dp, acc_dv, acc_dk, acc_dq,
-         tVrP, tVrP32, tKrdS, tKrdS32, tScS, tScQ) = frags
-        sdS_words = bufs[8]
-        n_s = cute.size(acc_s)
-        # fresh tiled MMAs per call: ACCUMULATE is state threaded through the IR
-        sd_mma, dv_mma, dk_mma, dq_mma = self._make_mmas()
-
-        # ---- S^T = K Q^T and dP^T = V dO^T
+    def issue_sdp(self, frags, pipe_a, a_state, wg):
+        """Issue S^T = K Q^T and dP^T = V dO^T of the query tile in stage a_state (one commit group)."""
+        D = self.D
+        tSrK, tSrV, tSrQ, tSrdO = frags[0:4]
+        acc_s, acc_dp = frags[8], frags[9]
+        sd_mma = self._make_mmas()[0]  # fresh: ACCUMULATE is state threaded through the IR
         pipe_a.consumer_wait(a_state)
         warpgroup.fence()
         for k in cutlass.range_constexpr(D // 32):
@@ -670,6 +700,29 @@ class FlamiaBwdDsBf16Sm90:
             sd_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(sd_mma, acc_dp, tSrV[None, None, k, wg], tSrdO[None, None, k, a_state.index], acc_dp)
         warpgroup.commit_group()
+
+    @cute.jit
+    def tile_step(
+        self, diag: cutlass.Constexpr, i, has_next, hq, m, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v,
+        a_state, b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg,
+    ):
+        """One 64-query tile m of query head hq (tile number i of the CTA). diag: m in {2n, 2n+1}.
+
+        With prefetch, its S^T and dP^T were issued before (issue_sdp: by the previous tile of the
+        phase, or before the phase) and has_next issues the next tile's after this tile's dQ
+        product, so that they run on the tensor cores while this tile's dQ atomics are issued.
+        """
+        D, tq = self.D, self.tq
+        (tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQb, tQrdS, tQrKb, acc_s, acc_dp, acc_dv, acc_dk, acc_dq,
+         tVrP, tVrP32, tKrdS, tKrdS32, tScS, tScQ, dsk) = frags
+        sdS_words = bufs[8]
+        n_s = cute.size(acc_s)
+        # fresh tiled MMAs per call: ACCUMULATE is state threaded through the IR
+        sd_mma, dv_mma, dk_mma, dq_mma = self._make_mmas()
+
+        if cutlass.const_expr(not self.prefetch):
+            self.issue_sdp(frags, pipe_a, a_state, wg)
+        # ---- S^T and dP^T are done
         pipe_v.consumer_wait(v_state)
         vs = v_state.index
         warpgroup.wait_group(0)
@@ -705,8 +758,8 @@ class FlamiaBwdDsBf16Sm90:
         dbuf = i % 2
         for w_ in cutlass.range_constexpr(n_s // 4):
             for v1 in cutlass.range_constexpr(2):
-                col = tScS[4 * w_][1]  # even: the word holds queries col, col + 1
-                sdS_words[ds_elem_offset(col, krow[v1], dbuf) // 2] = tKrdS32[2 * w_ + v1]
+                # queries 8 w_ + 2 quad, + 1 (tScS column of value 4 w_) of key krow[v1]
+                sdS_words[ds_word(w_, dsk[v1], dsk[2 + v1], dbuf)] = tKrdS32[2 * w_ + v1]
 
         # ---- dV += e4m3(P^T fold) . dO^T and dK += bf16(dS^T) . Q (both accumulate in place)
         pipe_b.consumer_wait(b_state)
@@ -727,7 +780,14 @@ class FlamiaBwdDsBf16Sm90:
             dq_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(dq_mma, acc_dq, tQrdS[None, None, k, dbuf], tQrKb[None, None, k, 0], acc_dq)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        if cutlass.const_expr(self.prefetch):
+            if has_next:
+                self.issue_sdp(frags, pipe_a, a_state, wg)
+                warpgroup.wait_group(1)  # dV, dK and dQ done; the next S^T, dP^T still running
+            else:
+                warpgroup.wait_group(0)
+        else:
+            warpgroup.wait_group(0)
         pipe_b.consumer_release(b_state)
         b_state.advance()
 

@@ -27,7 +27,7 @@ try:
         DS_LAYOUT,
         BwdDsBf16Config,
         dequantize_bf16,
-        ds_elem_offset,
+        ds_word_index,
         dv_fold_reference,
         flamia_bwd_dsbf16_sm90_from_saved,
         kernel_artifacts,
@@ -56,7 +56,8 @@ RECIPES = {
 
 @needs_dsl
 @pytest.mark.parametrize("field, value", [("head_dim", 96), ("qhead_per_kvhead", 0), ("q_stages", 4),
-                                          ("vec_stages", 0), ("diagonal_copy", 1), ("deterministic", "yes")])
+                                          ("vec_stages", 0), ("diagonal_copy", 1), ("deterministic", "yes"),
+                                          ("prefetch_sdp", 1)])
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"BwdDsBf16Config.{field}"):
         BwdDsBf16Config(**{"head_dim": 128, field: value})
@@ -86,9 +87,11 @@ def test_tile_schedule_covers_each_tile_once():
 
 
 @needs_dsl
-def test_ds_offsets_match_the_swizzled_layout():
-    """The hand-written dS offsets equal DS_LAYOUT (checked by the kernel at trace time) evaluated by
-    CuTe, for every (query, key, buffer); adjacent queries share a 32-bit word."""
+def test_ds_words_follow_the_byte_swizzle():
+    """The hand-written dS words: the unswizzled offsets of DS_LAYOUT (evaluated by CuTe) in bytes,
+    under the hardware's 128-byte swizzle (byte address bits 7-9 XORed into bits 4-6, as TMA and
+    wgmma apply it for any element size); every bf16 pair of adjacent queries in one word, every
+    word used once."""
     import cutlass
     import cutlass.cute as cute
 
@@ -96,22 +99,20 @@ def test_ds_offsets_match_the_swizzled_layout():
 
     @cute.jit
     def offsets():
-        lay = cute.make_composed_layout(cute.make_swizzle(3, 4, 3), 0, cute.make_layout(
-            ((64, 1), (8, 16), (1, 2)), stride=((1, 0), (64, 512), (0, 8192))))
-        assert str(lay) == DS_LAYOUT
-        for q in cutlass.range_constexpr(0, 64, 3):  # static coordinates: evaluated while tracing
+        outer = cute.make_layout(((64, 1), (8, 16), (1, 2)), stride=((1, 0), (64, 512), (0, 8192)))
+        assert DS_LAYOUT.endswith(str(outer)) and DS_LAYOUT.startswith("S<3,4,3> o 0 o ")
+        for q in cutlass.range_constexpr(0, 64, 6):  # static coordinates: evaluated while tracing
             for key in cutlass.range_constexpr(0, 128, 5):
                 for b in cutlass.range_constexpr(2):
-                    got[(q, key, b)] = int(cute.crd2idx((q, key, b), lay))
+                    got[(q, key, b)] = int(cute.crd2idx((q, key, b), outer))
 
     offsets()
-    assert len(got) > 1000
+    assert len(got) == 11 * 26 * 2
     for (q, key, b), off in got.items():
-        assert ds_elem_offset(q, key, b) == off, (q, key, b)
-    all_offsets = {ds_elem_offset(q, key, b) for q in range(64) for key in range(128) for b in range(2)}
-    assert all_offsets == set(range(2 * 64 * 128))
-    assert all(ds_elem_offset(q + 1, k, b) == ds_elem_offset(q, k, b) + 1 for q in range(0, 64, 2)
-               for k in range(128) for b in range(2))
+        byte = 2 * off
+        assert ds_word_index(q, key, b) == (byte ^ (((byte >> 7) & 7) << 4)) // 4, (q, key, b)
+    words = [ds_word_index(q, key, b) for q in range(0, 64, 2) for key in range(128) for b in range(2)]
+    assert sorted(words) == list(range(64 * 128))
 
 
 def test_dv_fold_reference_is_the_emulators():
