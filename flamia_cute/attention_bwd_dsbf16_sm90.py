@@ -643,9 +643,9 @@ class FlamiaBwdDsBf16Sm90:
             self.issue_sdp(frags, pipe_a, a_state, wg)
         for i in cutlass.range(self.group * n_diag, unroll=1):
             a_state, b_state, v_state = self.tile_step(
-                True, i, i + 1 < self.group * n_diag, kv_head * self.group + i // n_diag, 2 * n_blk + i % n_diag, frags, rsc, krow, cf, sVec,
-                bufs, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk,
-                softmax_scale, wg,
+                True, i, i + 1 < self.group * n_diag, kv_head * self.group + i // n_diag, 2 * n_blk + i % n_diag,
+                frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out,
+                doc_start, doc_len, lim, n_blk, softmax_scale, wg,
             )
         # ---- phase 1: off-diagonal tiles
         if cutlass.const_expr(self.diag_copy):
@@ -659,9 +659,9 @@ class FlamiaBwdDsBf16Sm90:
                 self.issue_sdp(frags, pipe_a, a_state, wg)
             for j in cutlass.range(self.group * per, unroll=1):
                 a_state, b_state, v_state = self.tile_step(
-                    False, self.group * n_diag + j, j + 1 < self.group * per, kv_head * self.group + j // per, 2 * n_blk + 2 + j % per, frags,
-                    rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out, doc_start,
-                    doc_len, lim, n_blk, softmax_scale, wg,
+                    False, self.group * n_diag + j, j + 1 < self.group * per, kv_head * self.group + j // per,
+                    2 * n_blk + 2 + j % per, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state,
+                    b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg,
                 )
 
         # ---- epilogue: dV * r / 256 and dK * softmax_scale to bf16
