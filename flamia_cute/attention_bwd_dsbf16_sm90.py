@@ -76,9 +76,12 @@ from .sm90_device import (
     SHARED_SOURCE_FILES,
     cvt_bf16x2,
     document_dt_start,
+    e4m3x2_to_bf16x2,
     pack_a_fragment_e4m3,
+    smem_word_index,
     tma_pipeline,
     warp_pipeline,
+    word_walk,
 )
 
 SOURCE_FILES = (
@@ -90,7 +93,7 @@ SOURCE_FILES = (
 
 LOG2E = math.log2(math.e)
 SMEM_LIMIT = 232448  # sm_90 dynamic shared memory per CTA (227 KB)
-N_VEC = 4  # per-query vectors per tile in shared memory (see load_vectors)
+N_VEC = 5  # per-query vectors per tile in shared memory (see load_vectors)
 KEY_BLOCK = 128
 QUERY_TILE = 64
 # bf16 dS [q, key] for dQ's A operand (queries contiguous), two buffers; stored by hand (ds_word_index)
@@ -136,9 +139,9 @@ class BwdDsBf16Config:
 def smem_bytes(cfg: BwdDsBf16Config) -> int:
     """Shared memory of one CTA (upper bound: 1 KB alignment per buffer)."""
     D, tq = cfg.head_dim, QUERY_TILE
-    kv = 2 * KEY_BLOCK * D + 2 * KEY_BLOCK * D  # K, V e4m3 + K bf16
-    per_stage = 2 * tq * D + tq * D + 2 * tq * D  # Q, dO e4m3 | dO^T e4m3 + Q bf16
-    ds = 2 * 2 * tq * KEY_BLOCK  # bf16 dS [q, key], double-buffered
+    kv = 2 * KEY_BLOCK * D + 2 * KEY_BLOCK * D  # K, V e4m3 + K bf16 (converted in the kernel)
+    per_stage = 2 * tq * D + tq * D  # Q, dO e4m3 | dO^T e4m3
+    ds = 2 * 2 * tq * KEY_BLOCK + 2 * 2 * tq * D  # bf16 dS [q, key] and Q bf16, double-buffered
     vec = N_VEC * tq * 4 * cfg.vec_stages
     bars = 8 * 2 * (1 + 2 * cfg.q_stages + cfg.vec_stages)
     return kv + per_stage * cfg.q_stages + ds + vec + bars + 9 * 1024
@@ -207,11 +210,6 @@ def dv_fold_reference(sdo: torch.Tensor, cu_seqlens: torch.Tensor, group: int) -
     return torch.where(nonempty, doc_max, ref).clamp_min(FOLD_REF_MIN)
 
 
-def dequantize_bf16(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(T, heads, D) e4m3 codes and (heads, T) power-of-two scales -> bf16 values, exactly."""
-    return codes.to(torch.bfloat16).mul_(scale.t().to(torch.bfloat16).unsqueeze(-1))
-
-
 # ----------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------
@@ -258,7 +256,7 @@ class FlamiaBwdDsBf16Sm90:
             K=sm90_utils.make_smem_layout_a(ROW, (wm, tq, D), e4, 2),  # (64 keys, D, 2 slabs)
             Q=sm90_utils.make_smem_layout_b(ROW, (wm, tq, D), e4, st),  # (64 q, D, stages)
             dOt=sm90_utils.make_smem_layout_b(ROW, (wm, D, tq), e4, st),  # (D, 64 q, stages)
-            Qb=sm90_utils.make_smem_layout_b(COL, (wm, D, tq), bf, st),  # (D, 64 q, stages), d contiguous
+            Qb=sm90_utils.make_smem_layout_b(COL, (wm, D, tq), bf, 2),  # (D, 64 q, 2 buffers), d contiguous
             Kb=sm90_utils.make_smem_layout_b(COL, (tq, D, kb), bf, 1),  # (D, 128 keys, 1)
             dS=sm90_utils.make_smem_layout_a(COL, (tq, D, kb), bf, 2),  # (64 q, 128 keys, 2 buffers)
         )
@@ -268,15 +266,12 @@ class FlamiaBwdDsBf16Sm90:
         self,
         q_ptr: cute.Pointer,  # (T, H, D) e4m3
         sq_ptr: cute.Pointer,  # (H, T) f32
-        qb_ptr: cute.Pointer,  # (T, H, D) bf16: Q dequantized
         k_ptr: cute.Pointer,  # (T, Hk, D) e4m3
         sk_ptr: cute.Pointer,  # (Hk, T) f32
-        kb_ptr: cute.Pointer,  # (T, Hk, D) bf16: K dequantized
         v_ptr: cute.Pointer,
         sv_ptr: cute.Pointer,
         ktok_ptr: cute.Pointer,  # per-token copies (diagonal tiles)
         sktok_ptr: cute.Pointer,
-        kbtok_ptr: cute.Pointer,
         vtok_ptr: cute.Pointer,
         svtok_ptr: cute.Pointer,
         do_ptr: cute.Pointer,  # (T, H, D) e4m3
@@ -305,19 +300,14 @@ class FlamiaBwdDsBf16Sm90:
         tdt = cute.assume(T_dt, divby=128)
         dtl_stride = cute.assume(D * tdt, divby=128)
         td = cute.make_layout((T, D, H), stride=(hd, 1, D))  # token-major e4m3 [t, d]
-        td_mn = cute.make_layout((D, T, H), stride=(1, hd, D))  # the same, as (d, t): MN-major B
         ktd = cute.make_layout((T, D, num_kv_heads), stride=(khd, 1, D))
-        ktd_mn = cute.make_layout((D, T, num_kv_heads), stride=(1, khd, D))
         mQ = cute.make_tensor(q_ptr, td)
         mdO = cute.make_tensor(do_ptr, td)
-        mQb = cute.make_tensor(qb_ptr, td_mn)
         mdOt = cute.make_tensor(dot_ptr, cute.make_layout((D, tdt, H), stride=(tdt, 1, dtl_stride)))
         mK = cute.make_tensor(k_ptr, ktd)
         mV = cute.make_tensor(v_ptr, ktd)
-        mKb = cute.make_tensor(kb_ptr, ktd_mn)
         mKtok = cute.make_tensor(ktok_ptr, ktd)
         mVtok = cute.make_tensor(vtok_ptr, ktd)
-        mKbtok = cute.make_tensor(kbtok_ptr, ktd_mn)
         sl = cute.make_layout((T, H), stride=(1, T))
         skl = cute.make_layout((T, num_kv_heads), stride=(1, T))
         mSQ = cute.make_tensor(sq_ptr, sl)
@@ -347,17 +337,14 @@ class FlamiaBwdDsBf16Sm90:
 
         tma_k, tK = atom(mK, L["K"], (wm, D))
         tma_v, tV = atom(mV, L["K"], (wm, D))
-        tma_kb, tKb = atom(mKb, L["Kb"], (D, kb))
         tma_ktok, tKtok = atom(mKtok, L["K"], (wm, D))
         tma_vtok, tVtok = atom(mVtok, L["K"], (wm, D))
-        tma_kbtok, tKbtok = atom(mKbtok, L["Kb"], (D, kb))
         tma_q, tQ = atom(mQ, L["Q"], (tq, D))
         tma_do, tdO = atom(mdO, L["Q"], (tq, D))
         tma_dot, tdOt = atom(mdOt, L["dOt"], (D, tq))
-        tma_qb, tQb = atom(mQb, L["Qb"], (D, tq))
-        self.kv_bytes = 2 * kb * D + 2 * kb * D
+        self.kv_bytes = 2 * kb * D
         self.a_bytes = 2 * tq * D
-        self.b_bytes = tq * D + 2 * tq * D
+        self.b_bytes = tq * D
 
         st, sv = self.stages, self.sv
 
@@ -378,8 +365,7 @@ class FlamiaBwdDsBf16Sm90:
             sdS: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["dS"])], 1024]
 
         self.shared_storage = SharedStorage
-        tmas = (tma_k, tK, tma_v, tV, tma_kb, tKb, tma_ktok, tKtok, tma_vtok, tVtok, tma_kbtok, tKbtok,
-                tma_q, tQ, tma_do, tdO, tma_dot, tdOt, tma_qb, tQb)
+        tmas = (tma_k, tK, tma_v, tV, tma_ktok, tKtok, tma_vtok, tVtok, tma_q, tQ, tma_do, tdO, tma_dot, tdOt)
         self.kernel(
             mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV, mSem,
             L["K"], L["Q"], L["dOt"], L["Qb"], L["Kb"], L["dS"], softmax_scale,
@@ -437,6 +423,13 @@ class FlamiaBwdDsBf16Sm90:
                 buf(storage.sQ, sQ_layout), buf(storage.sdO, sQ_layout), buf(storage.sdOt, sdOt_layout),
                 buf(storage.sQb, sQb_layout), buf(storage.sdS, sdS_layout),
                 storage.sdS.get_tensor(cute.make_layout(cute.cosize(sdS_layout) // 2), dtype=Uint32),  # by hand
+                # 32-bit word views for the in-kernel e4m3 -> bf16 conversions of Q and K
+                storage.sQ.get_tensor(cute.make_layout(cute.cosize(sQ_layout) // 4), dtype=Uint32),
+                storage.sK.get_tensor(cute.make_layout(cute.cosize(sK_layout) // 4), dtype=Uint32),
+                storage.sQb.get_tensor(cute.make_layout(cute.cosize(sQb_layout) // 2), dtype=Uint32),
+                storage.sKb.get_tensor(cute.make_layout(cute.cosize(sKb_layout) // 2), dtype=Uint32),
+                self._conversion_plans(sQ_layout, sK_layout, sQb_layout, sKb_layout),
+                (sQ_layout, sK_layout, sQb_layout, sKb_layout),
             )
             sVec = storage.sVec.get_tensor(cute.make_layout((self.tq, N_VEC, self.sv)))
             pipe_kv = tma_pipeline(1, self.kv_bytes, storage.kv_mbar.data_ptr())
@@ -480,28 +473,25 @@ class FlamiaBwdDsBf16Sm90:
 
     @cute.jit
     def _load_kv(self, atoms, bufs, pipe_kv, kv_state, kv_head, doc_start, n_blk):
-        atom_k, t_k, atom_v, t_v, atom_kb, t_kb = atoms
+        atom_k, t_k, atom_v, t_v = atoms
         D = self.D
         tKs, tKg = self._part(atom_k, t_k, kv_head, bufs[0], (self.wm, D), doc_start, 0)
         tVs, tVg = self._part(atom_v, t_v, kv_head, bufs[1], (self.wm, D), doc_start, 0)
-        tKbs, tKbg = self._part(atom_kb, t_kb, kv_head, bufs[2], (D, self.kb), doc_start, 1)
         pipe_kv.producer_acquire(kv_state)
         bar = pipe_kv.producer_get_barrier(kv_state)
         for w in cutlass.range_constexpr(2):
             cute.copy(atom_k, tKg[None, 2 * n_blk + w], tKs[None, w], tma_bar_ptr=bar)
             cute.copy(atom_v, tVg[None, 2 * n_blk + w], tVs[None, w], tma_bar_ptr=bar)
-        cute.copy(atom_kb, tKbg[None, n_blk], tKbs[None, 0], tma_bar_ptr=bar)
         kv_state.advance()
         return kv_state
 
     @cute.jit
     def _load_q(self, tmas, bufs, pipe_a, pipe_b, a_state, b_state, hq, m, doc_start, dt_start):
-        tma_q, tQ, tma_do, tdO, tma_dot, tdOt, tma_qb, tQb = tmas[12:]
+        tma_q, tQ, tma_do, tdO, tma_dot, tdOt = tmas[8:]
         D, tq = self.D, self.tq
         tQs, tQg = self._part(tma_q, tQ, hq, bufs[3], (tq, D), doc_start, 0)
         tdOs, tdOg = self._part(tma_do, tdO, hq, bufs[4], (tq, D), doc_start, 0)
         tdOts, tdOtg = self._part(tma_dot, tdOt, hq, bufs[5], (D, tq), dt_start, 1)
-        tQbs, tQbg = self._part(tma_qb, tQb, hq, bufs[6], (D, tq), doc_start, 1)
         pipe_a.producer_acquire(a_state)
         bar = pipe_a.producer_get_barrier(a_state)
         cute.copy(tma_q, tQg[None, m], tQs[None, a_state.index], tma_bar_ptr=bar)
@@ -510,7 +500,6 @@ class FlamiaBwdDsBf16Sm90:
         pipe_b.producer_acquire(b_state)
         bar = pipe_b.producer_get_barrier(b_state)
         cute.copy(tma_dot, tdOtg[None, m], tdOts[None, b_state.index], tma_bar_ptr=bar)
-        cute.copy(tma_qb, tQbg[None, m], tQbs[None, b_state.index], tma_bar_ptr=bar)
         b_state.advance()
         return a_state, b_state
 
@@ -522,9 +511,9 @@ class FlamiaBwdDsBf16Sm90:
         b_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         # phase 0: the diagonal tiles of every head (per-token K/V when diag_copy)
         if cutlass.const_expr(self.diag_copy):
-            kv_state = self._load_kv(tmas[6:12], bufs, pipe_kv, kv_state, kv_head, doc_start, n_blk)
+            kv_state = self._load_kv(tmas[4:8], bufs, pipe_kv, kv_state, kv_head, doc_start, n_blk)
         else:
-            kv_state = self._load_kv(tmas[0:6], bufs, pipe_kv, kv_state, kv_head, doc_start, n_blk)
+            kv_state = self._load_kv(tmas[0:4], bufs, pipe_kv, kv_state, kv_head, doc_start, n_blk)
         for i in cutlass.range(self.group * n_diag, unroll=1):
             a_state, b_state = self._load_q(tmas, bufs, pipe_a, pipe_b, a_state, b_state,
                                             kv_head * self.group + i // n_diag, 2 * n_blk + i % n_diag,
@@ -532,7 +521,7 @@ class FlamiaBwdDsBf16Sm90:
         # phase 1: the off-diagonal tiles; the block-scaled K/V replace the copies once released
         if per > 0:
             if cutlass.const_expr(self.diag_copy):
-                kv_state = self._load_kv(tmas[0:6], bufs, pipe_kv, kv_state, kv_head, doc_start, n_blk)
+                kv_state = self._load_kv(tmas[0:4], bufs, pipe_kv, kv_state, kv_head, doc_start, n_blk)
             for j in cutlass.range(self.group * per, unroll=1):
                 a_state, b_state = self._load_q(tmas, bufs, pipe_a, pipe_b, a_state, b_state,
                                                 kv_head * self.group + j // per, 2 * n_blk + 2 + j % per,
@@ -567,8 +556,10 @@ class FlamiaBwdDsBf16Sm90:
                 b_ = Float32.inf
                 d_ = Float32(0.0)
                 w_ = Float32(0.0)
+                s_ = Float32(0.0)
                 if q < doc_len:
-                    a_ = mSQ[doc_start + q, hq] * scale_log2
+                    s_ = mSQ[doc_start + q, hq]
+                    a_ = s_ * scale_log2
                     b_ = mLSE[doc_start + q, hq] * Float32(LOG2E)
                     d_ = mDelta[doc_start + q, hq]
                     w_ = mSdO[doc_start + q, hq]
@@ -576,6 +567,7 @@ class FlamiaBwdDsBf16Sm90:
                 sVec[col, 1, st] = b_
                 sVec[col, 2, st] = d_
                 sVec[col, 3, st] = w_
+                sVec[col, 4, st] = s_
             pipe_v.producer_commit(v_state)
             v_state.advance()
 
@@ -587,7 +579,7 @@ class FlamiaBwdDsBf16Sm90:
     ):
         n_blk, n_diag, per = sched
         D, wm, tq, kb = self.D, self.wm, self.tq, self.kb
-        sK, sV, sKb, sQ, sdO, sdOt, sQb, sdS, _ = bufs
+        sK, sV, sKb, sQ, sdO, sdOt, sQb, sdS = bufs[:8]
         tidx, _, _ = cute.arch.thread_idx()
         ctid = tidx % 128
         sd_mma, dv_mma, dk_mma, dq_mma = mmas
@@ -600,7 +592,7 @@ class FlamiaBwdDsBf16Sm90:
         tSrQ = sd_thr.make_fragment_B(sd_thr.partition_B(sQ))  # (MMA, 1, D/32, stages)
         tSrdO = sd_thr.make_fragment_B(sd_thr.partition_B(sdO))
         tVrdOt = dv_thr.make_fragment_B(dv_thr.partition_B(sdOt))  # (MMA, 1, 2, stages)
-        tKrQb = dk_thr.make_fragment_B(dk_thr.partition_B(sQb))  # (MMA, 1, 4, stages)
+        tKrQb = dk_thr.make_fragment_B(dk_thr.partition_B(sQb))  # (MMA, 1, 4, 2 buffers)
         tQrdS = dq_thr.make_fragment_A(dq_thr.partition_A(sdS))  # (MMA, 1, 8, 2 buffers)
         tQrKb = dq_thr.make_fragment_B(dq_thr.partition_B(sKb))  # (MMA, 1, 8, 1): this warpgroup's half
         acc_s = sd_thr.make_fragment_C(sd_thr.partition_shape_C((wm, tq)))
@@ -639,6 +631,7 @@ class FlamiaBwdDsBf16Sm90:
 
         # ---- phase 0: diagonal tiles
         pipe_kv.consumer_wait(kv_state)
+        self.convert_k(bufs)
         if cutlass.const_expr(self.prefetch):
             self.issue_sdp(frags, pipe_a, a_state, wg)
         for i in cutlass.range(self.group * n_diag, unroll=1):
@@ -654,7 +647,10 @@ class FlamiaBwdDsBf16Sm90:
         if per > 0:
             if cutlass.const_expr(self.diag_copy):
                 self._row_scales(rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, n_blk)
+                # the other warpgroup's last diagonal dQ product has read K bf16: overwrite it
+                cute.arch.barrier(barrier_id=2, number_of_threads=256)
                 pipe_kv.consumer_wait(kv_state)
+                self.convert_k(bufs)
             if cutlass.const_expr(self.prefetch):
                 self.issue_sdp(frags, pipe_a, a_state, wg)
             for j in cutlass.range(self.group * per, unroll=1):
@@ -684,6 +680,68 @@ class FlamiaBwdDsBf16Sm90:
             rsc[2 + v1] = sv
 
     # ------------------------------------------------------------------------------------------
+    def _conversion_plans(self, sQ_layout, sK_layout, sQb_layout, sKb_layout):
+        """Trace time: word offsets of the e4m3 -> bf16 conversion walks (sm90_device.word_walk).
+        Thread t converts the 4 codes (row, d .. d + 3) with d = 4 (t % wpr), rows t // wpr + j rpw
+        (wpr: words per row, rpw = 256 / wpr rows per step); Q tile rows are queries, K rows keys
+        (two 64-key slabs in sK)."""
+        wpr = self.D // 4
+        rpw = 256 // wpr
+
+        def rc(t, j):
+            return t // wpr + j * rpw, 4 * (t % wpr)
+
+        nq, nk = self.tq // rpw, self.kb // rpw
+        plan = dict(
+            q_src=word_walk(sQ_layout, lambda t, j: (*rc(t, j), 0), 1, 256, nq),
+            q_dst=word_walk(sQb_layout, lambda t, j: (rc(t, j)[1], rc(t, j)[0], 0), 2, 256, nq),
+            k_src=word_walk(sK_layout, lambda t, j: (rc(t, j)[0] % self.wm, rc(t, j)[1], rc(t, j)[0] // self.wm),
+                            1, 256, nk),
+            k_dst=word_walk(sKb_layout, lambda t, j: (rc(t, j)[1], rc(t, j)[0], 0), 2, 256, nk),
+            # the stage (Q e4m3) and buffer (Q bf16) strides in words: a shift of the whole walk
+            q_stage=word_walk(sQ_layout, lambda t, j: (*rc(t, 0), j), 1, 256, 2)[1],
+            q_buf=word_walk(sQb_layout, lambda t, j: (rc(t, 0)[1], rc(t, 0)[0], j), 2, 256, 2)[1],
+        )
+        return plan
+
+    @cute.jit
+    def _walk_start(self):
+        """(row, d) of this consumer thread's first word in the conversion walks (_conversion_plans);
+        recomputed per call (a few integer operations) rather than held in registers."""
+        tidx, _, _ = cute.arch.thread_idx()
+        wpr = self.D // 4
+        return (tidx - 128) // wpr, 4 * ((tidx - 128) % wpr)
+
+    @cute.jit
+    def convert_k(self, bufs):
+        """K bf16 [d, key] (dQ's B operand) from the e4m3 key block in shared memory (two 64-key A
+        slabs), codes only (the key scale is folded into dS)."""
+        sK_words, sKb_words, plan = bufs[10], bufs[12], bufs[13]
+        sK_layout, sKb_layout = bufs[14][1], bufs[14][3]
+        key, d = self._walk_start()
+        src = smem_word_index(sK_layout, (key % self.wm, d, key // self.wm), 1)
+        dst = smem_word_index(sKb_layout, (d, key, 0), 2)
+        for j in cutlass.range_constexpr(len(plan["k_src"])):
+            x = sK_words[src + plan["k_src"][j]]
+            o = dst + plan["k_dst"][j]
+            sKb_words[o] = e4m3x2_to_bf16x2(x, False)
+            sKb_words[o + 1] = e4m3x2_to_bf16x2(x, True)
+
+    @cute.jit
+    def convert_q(self, bufs, stage, dbuf):
+        """Q bf16 [d, q] buffer dbuf (dK's B operand) from the e4m3 query tile in stage `stage`,
+        codes only (the query scale is folded into dS^T)."""
+        sQ_words, sQb_words, plan = bufs[9], bufs[11], bufs[13]
+        sQ_layout, sQb_layout = bufs[14][0], bufs[14][2]
+        q, d = self._walk_start()
+        src = smem_word_index(sQ_layout, (q, d, 0), 1) + stage * plan["q_stage"]
+        dst = smem_word_index(sQb_layout, (d, q, 0), 2) + dbuf * plan["q_buf"]
+        for j in cutlass.range_constexpr(len(plan["q_src"])):
+            x = sQ_words[src + plan["q_src"][j]]
+            o = dst + plan["q_dst"][j]
+            sQb_words[o] = e4m3x2_to_bf16x2(x, False)
+            sQb_words[o + 1] = e4m3x2_to_bf16x2(x, True)
+
     @cute.jit
     def issue_sdp(self, frags, pipe_a, a_state, wg):
         """Issue S^T = K Q^T and dP^T = V dO^T of the query tile in stage a_state (one commit group)."""
@@ -722,10 +780,12 @@ class FlamiaBwdDsBf16Sm90:
 
         if cutlass.const_expr(not self.prefetch):
             self.issue_sdp(frags, pipe_a, a_state, wg)
-        # ---- S^T and dP^T are done
+        # ---- S^T and dP^T are done: Q's codes to bf16 for dK, then the e4m3 tile can go
+        dbuf = i % 2
         pipe_v.consumer_wait(v_state)
         vs = v_state.index
         warpgroup.wait_group(0)
+        self.convert_q(bufs, a_state.index, dbuf)
         pipe_a.consumer_release(a_state)
         a_state.advance()
 
@@ -748,34 +808,41 @@ class FlamiaBwdDsBf16Sm90:
                             p = Float32(0.0)
                     acc_dp[a] = p * (acc_dp[a] * rsc[2 + v1] * cw - cd)
                     acc_s[a] = (p * cw) * cf  # <= 256: sdo <= r; exact scaling by powers of two
+        pack_a_fragment_e4m3(acc_s, tVrP32)
+        # bf16(dS^T * sq) as dK's A operand (B is Q's codes; sq a power of two, so this is bf16(dS^T)
+        # * sq as the recipe says): a 16-bit A fragment has the accumulator's value order
+        for w_ in cutlass.range_constexpr(n_s // 4):
+            sq0 = sVec[tScS[4 * w_][1], 4, vs]
+            sq1 = sVec[tScS[4 * w_ + 1][1], 4, vs]
+            for v1 in cutlass.range_constexpr(2):
+                a0 = 4 * w_ + 2 * v1
+                tKrdS32[2 * w_ + v1] = cvt_bf16x2(acc_dp[a0] * sq0, acc_dp[a0 + 1] * sq1)
         pipe_v.consumer_release(v_state)
         v_state.advance()
-        pack_a_fragment_e4m3(acc_s, tVrP32)
-        # dS^T as dK's bf16 A operand: a 16-bit A fragment has the accumulator's value order
-        for j in cutlass.range_constexpr(n_s // 2):
-            tKrdS32[j] = cvt_bf16x2(acc_dp[2 * j], acc_dp[2 * j + 1])
-        # dS [q, key] (queries contiguous) for dQ: this thread's two adjacent queries share one word
-        dbuf = i % 2
+        # bf16(dS * sk) [q, key] (queries contiguous) for dQ (B is K's codes): the thread's two
+        # adjacent queries 8 w_ + 2 quad, + 1 of key krow[v1] share one word
         for w_ in cutlass.range_constexpr(n_s // 4):
             for v1 in cutlass.range_constexpr(2):
-                # queries 8 w_ + 2 quad, + 1 (tScS column of value 4 w_) of key krow[v1]
-                sdS_words[ds_word(w_, dsk[v1], dsk[2 + v1], dbuf)] = tKrdS32[2 * w_ + v1]
+                a0 = 4 * w_ + 2 * v1
+                sdS_words[ds_word(w_, dsk[v1], dsk[2 + v1], dbuf)] = cvt_bf16x2(acc_dp[a0] * rsc[v1],
+                                                                                acc_dp[a0 + 1] * rsc[v1])
 
-        # ---- dV += e4m3(P^T fold) . dO^T and dK += bf16(dS^T) . Q (both accumulate in place)
+        # ---- dV += e4m3(P^T fold) . dO^T (accumulates in place)
         pipe_b.consumer_wait(b_state)
         warpgroup.fence()
         dv_mma.set(warpgroup.Field.ACCUMULATE, True)
         for k in cutlass.range_constexpr(tq // 32):
             cute.gemm(dv_mma, acc_dv, tVrP[None, None, k], tVrdOt[None, None, k, b_state.index], acc_dv)
-        dk_mma.set(warpgroup.Field.ACCUMULATE, True)
-        for k in cutlass.range_constexpr(tq // 16):
-            cute.gemm(dk_mma, acc_dk, tKrdS[None, None, k], tKrQb[None, None, k, b_state.index], acc_dk)
         warpgroup.commit_group()
 
-        # ---- both warpgroups' dS are in shared memory: dQ_tile = dS . K for this warpgroup's half of D
+        # ---- both warpgroups' dS and Q bf16 halves are in shared memory: dK += bf16(dS^T sq) . Q codes
+        # and dQ_tile = bf16(dS sk) . K codes for this warpgroup's half of D
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
         warpgroup.fence()
+        dk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(tq // 16):
+            cute.gemm(dk_mma, acc_dk, tKrdS[None, None, k], tKrQb[None, None, k, dbuf], acc_dk)
         for k in cutlass.range_constexpr(self.kb // 16):
             dq_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(dq_mma, acc_dq, tQrdS[None, None, k, dbuf], tQrKb[None, None, k, 0], acc_dq)
@@ -808,10 +875,10 @@ class FlamiaBwdDsBf16Sm90:
 
 
 ARG_KINDS = (
-    ARG_F8, ARG_F32, ARG_BF16,  # q, sq, q bf16
-    ARG_F8, ARG_F32, ARG_BF16,  # k, sk, k bf16
+    ARG_F8, ARG_F32,  # q, sq
+    ARG_F8, ARG_F32,  # k, sk
     ARG_F8, ARG_F32,  # v, sv
-    ARG_F8, ARG_F32, ARG_BF16, ARG_F8, ARG_F32,  # per-token k, sk, k bf16, v, sv
+    ARG_F8, ARG_F32, ARG_F8, ARG_F32,  # per-token k, sk, v, sv
     ARG_F8, ARG_F8, ARG_F32,  # do, dot, sdo
     ARG_F32, ARG_F32, ARG_F32,  # lse, delta, dV fold reference
     ARG_I32,  # cu_seqlens
@@ -842,29 +909,21 @@ def kernel_artifacts(config: BwdDsBf16Config, arch: str = "sm_90a"):
     return compile_artifacts(compile_bwd_dsbf16_sm90, config, arch)
 
 
-def bf16_ds_operands(q_td, sq, k_td, sk, k_tok_td, sk_tok, sdo, cu, config: BwdDsBf16Config):
-    """The kernel's extra inputs, by torch on the current stream (no host sync): Q, K (and the
-    per-token K copy) dequantized to bf16 (dK's and dQ's B operands) and the dV fold references."""
-    qb = dequantize_bf16(q_td, sq)
-    kb = dequantize_bf16(k_td, sk)
-    kb_tok = dequantize_bf16(k_tok_td, sk_tok) if config.diagonal_copy else kb
-    return qb, kb, kb_tok, dv_fold_reference(sdo, cu, config.qhead_per_kvhead)
-
-
 def flamia_bwd_dsbf16_sm90(
     dout, out, lse, q_td, sq, k_td, sk, v_td, sv, k_tok_td, sk_tok, v_tok_td, sv_tok,
     cu_seqlens, max_seqlen: int, softmax_scale: float, config: BwdDsBf16Config,
-    poison_outputs: bool = False, do_quantized=None, delta=None, prepared=None,
+    poison_outputs: bool = False, do_quantized=None, delta=None, dv_ref=None,
 ):
     """Causal FP8 attention backward of recipe fp8_tokenblock_dsbf16 on the current stream; returns
     (dq, dk, dv) bf16.
 
     dout, out: (T, H, D) bf16; lse (H, T) fp32 (the forward's). q_td (T, H, D) e4m3 and sq (H, T);
     k_td, sk; v_td (T, Hk, D), sv: the forward's saved operands (quant.quantize layouts; no
-    transposed copies are needed). *_tok*: the per-token K/V copies of the diagonal tiles when
+    transposed copies are needed: the kernel converts Q's and K's e4m3 codes to bf16 in shared
+    memory). *_tok*: the per-token K/V copies of the diagonal tiles when
     config.diagonal_copy (else ignored). do_quantized (QuantizedTHD with data_dt in P-fragment
     order) and delta (H, T) may be passed precomputed; else the preprocess computes them; so may
-    `prepared`, the bf16_ds_operands (perf/bench_fwd_breakdown.py times the kernel alone).
+    dv_ref, the dv_fold_reference (perf/bench_fwd_breakdown.py times the kernel alone).
     """
     from .attention_bwd_sm90 import preprocess_bwd
 
@@ -916,10 +975,9 @@ def flamia_bwd_dsbf16_sm90(
         if max_n_blocks > 65535 or num_docs > 65535:
             raise ValueError(f"grid too large: max_seqlen {max_seqlen} (at most 65535 blocks of {KEY_BLOCK}) or "
                              f"{num_docs} documents (at most 65535)")
-        if prepared is None:
-            prepared = bf16_ds_operands(q_td, sq, k_td, sk, k_tok_td, sk_tok, do_quantized.scale, cu, config)
-        qb, kb, kb_tok, dv_ref = prepared
-        ptrs = (q_td, sq, qb, k_td, sk, kb, v_td, sv, k_tok_td, sk_tok, kb_tok, v_tok_td, sv_tok,
+        if dv_ref is None:
+            dv_ref = dv_fold_reference(do_quantized.scale, cu, config.qhead_per_kvhead)
+        ptrs = (q_td, sq, k_td, sk, v_td, sv, k_tok_td, sk_tok, v_tok_td, sv_tok,
                 do_quantized.data_td, do_quantized.data_dt, do_quantized.scale, lse, delta, dv_ref, cu, dq_acc, dk, dv)
         # deterministic dQ: one turn counter per (query head, document, 64-query tile)
         sem = (torch.zeros(H * num_docs * 2 * max_n_blocks, dtype=torch.int32, device=dev)

@@ -49,6 +49,53 @@ def cvt_e4m3x4(a, b, c, d):
                "=r,f,f,f,f", [Float32(a), Float32(b), Float32(c), Float32(d)])
 
 
+def e4m3x2_to_bf16x2(word, high: bool):
+    """Two e4m3 bytes of a u32 (bytes 0, 1, or 2, 3 when `high`) -> two bf16 packed in a u32, the
+    lower byte in the low half. Exact: every e4m3 value is an f16 normal or zero, and a bf16."""
+    half = "hi" if high else "lo"
+    return ptx("{\n.reg .b16 lo, hi, a, b;\n.reg .b32 h;\n.reg .f32 fa, fb;\n"
+               "mov.b32 {lo, hi}, $1;\n"
+               f"cvt.rn.f16x2.e4m3x2 h, {half};\n"
+               "mov.b32 {a, b}, h;\n"
+               "cvt.f32.f16 fa, a;\ncvt.f32.f16 fb, b;\n"
+               "cvt.rn.bf16x2.f32 $0, fb, fa;\n}", "=r,r", [Uint32(word)])
+
+
+def swizzle_bits(layout) -> tuple:
+    """(B, M, S) of a swizzled shared-memory layout S<B,M,S> o outer (its str form)."""
+    text = str(layout.inner)
+    if not (text.startswith("S<") and text.endswith(">")):
+        raise ValueError(f"not a swizzle: {text}")
+    b, m, s = (int(x) for x in text[2:-1].split(","))
+    return b, m, s
+
+
+def word_walk(layout, coord, elem_bytes: int, threads: int, steps: int):
+    """Trace-time plan of a walk over a swizzled layout: thread t visits element coord(t, j) at step
+    j. Returns the word offsets d[j] such that word(t, j) = word(t, 0) + d[j] for EVERY thread
+    (checked here on the static layout: the walk's swizzle bits must not change with j), so the
+    kernel keeps one base register per walk instead of `steps` hoisted addresses. coord(t, j): a
+    tuple of Python ints (the kernel evaluates coord(t, 0) on its thread index)."""
+    deltas = None
+    for t in range(threads):
+        w0 = int(smem_word_index(layout, coord(t, 0), elem_bytes))
+        d = [int(smem_word_index(layout, coord(t, j), elem_bytes)) - w0 for j in range(steps)]
+        if deltas is None:
+            deltas = d
+        elif d != deltas:
+            raise ValueError(f"word_walk: the walk of thread {t} is not a shift of thread 0's on {layout}")
+    return deltas
+
+
+def smem_word_index(layout, coord, elem_bytes: int):
+    """32-bit word holding element `coord` of a swizzled shared-memory layout (S<B,M,S> o outer).
+    The swizzle acts on BYTE addresses (TMA and wgmma's 32/64/128-byte modes), whatever the
+    element size. Plain Python over DSL integers; the CPU tests evaluate it on Python ints."""
+    b, m, s = swizzle_bits(layout)
+    byte = cute.crd2idx(coord, layout.outer) * elem_bytes
+    return (byte ^ ((byte >> s) & (((1 << b) - 1) << m))) >> 2
+
+
 def a_fragment_sources(n_acc: int) -> list:
     """Where each e4m3 A-operand register of the next wgmma takes its bytes from an m64nK fp32
     accumulator fragment of n_acc values: [(register, (4 accumulator indices, lowest byte first))].

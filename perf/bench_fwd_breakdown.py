@@ -11,7 +11,7 @@ import statistics
 import torch
 
 from flamia_cute import flamia_attn_varlen_func
-from flamia_cute.attention_bwd_dsbf16_sm90 import BwdDsBf16Config, bf16_ds_operands, flamia_bwd_dsbf16_sm90_from_saved
+from flamia_cute.attention_bwd_dsbf16_sm90 import BwdDsBf16Config, dv_fold_reference, flamia_bwd_dsbf16_sm90_from_saved
 from flamia_cute.attention_bwd_sm90 import flamia_bwd_sm90_from_saved, preprocess_bwd
 from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case
@@ -100,17 +100,16 @@ def measure(name, lengths):
     ds_cfg = BwdDsBf16Config(128, diagonal_copy=True)
 
     def ds_prep():
-        return bf16_ds_operands(qq.data_td, qq.scale, kq.data_td, kq.scale, kt.data_td, kt.scale, doq.scale,
-                                case.cu, ds_cfg)
+        return dv_fold_reference(doq.scale, case.cu, 1)
 
-    prepared = ds_prep()
+    dv_ref = ds_prep()
 
     def ds_bwd():
         flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
-                                          config=ds_cfg, do_quantized=doq, delta=delta, prepared=prepared)
+                                          config=ds_cfg, do_quantized=doq, delta=delta, dv_ref=dv_ref)
 
     for label, fn in (("bwd kernel", bwd), ("bwd preprocess", lambda: preprocess_bwd(dout, out, case.cu)),
-                      ("dsbf16 bwd kernel", ds_bwd), ("dsbf16 operand prep", ds_prep)):
+                      ("dsbf16 bwd kernel", ds_bwd), ("dsbf16 dV fold references", ds_prep)):
         try:
             row[label] = graph_ms(fn)
         except Exception as e:
