@@ -117,6 +117,49 @@ def test_ds_words_follow_the_byte_swizzle():
     assert sorted(words) == list(range(64 * 128))
 
 
+@needs_dsl
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_conversion_walks_cover_each_word_once(head_dim):
+    """The in-kernel e4m3 -> bf16 conversions of Q (per tile) and K (per phase): over the 256
+    consumer threads and their steps, every e4m3 word of the tile is read once and every bf16 word
+    pair written once, element (row, d) of the e4m3 tile landing at (d, row) of the bf16 one (the
+    same byte-swizzled addressing as ds_word_index, evaluated by smem_word_index)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from flamia_cute.attention_bwd_dsbf16_sm90 import FlamiaBwdDsBf16Sm90
+    from flamia_cute.sm90_device import smem_word_index
+
+    kern = FlamiaBwdDsBf16Sm90(BwdDsBf16Config(head_dim=head_dim))
+    wpr = head_dim // 4
+    found = {}
+
+    @cute.jit
+    def walk():
+        lay = kern._smem_layouts()
+        plan = kern._conversion_plans(lay["Q"], lay["K"], lay["Qb"], lay["Kb"])
+        for name, src, dst, rows in (("q", lay["Q"], lay["Qb"], 64), ("k", lay["K"], lay["Kb"], 128)):
+            reads, writes = [], []
+            for t in cutlass.range_constexpr(256):  # static: evaluated while tracing
+                row0, d = t // wpr, 4 * (t % wpr)
+                s0 = smem_word_index(src, (row0 % 64, d, row0 // 64) if name == "k" else (row0, d, 0), 1)
+                d0 = smem_word_index(dst, (d, row0, 0), 2)
+                for j in cutlass.range_constexpr(len(plan[name + "_src"])):
+                    row = row0 + j * (256 // wpr)
+                    want_s = smem_word_index(src, (row % 64, d, row // 64) if name == "k" else (row, d, 0), 1)
+                    assert int(s0) + plan[name + "_src"][j] == int(want_s)
+                    assert int(d0) + plan[name + "_dst"][j] == int(smem_word_index(dst, (d, row, 0), 2))
+                    reads.append(int(want_s))
+                    writes.append(int(d0) + plan[name + "_dst"][j])
+            found[name] = (reads, writes, rows)
+
+    walk()
+    for name, (reads, writes, rows) in found.items():
+        assert sorted(reads) == list(range(rows * head_dim // 4)), name
+        both = sorted(writes + [w + 1 for w in writes])
+        assert both == list(range(rows * head_dim // 2)), name
+
+
 def test_dv_fold_reference_is_the_emulators():
     """One reference per (KV head, document): the max dO scale over the document and the group's
     query heads (emulate_backward, dv_fold="document"), never below FOLD_REF_MIN; empty documents
