@@ -24,6 +24,7 @@ SASS_COUNTERS = {
 }
 PTX_COUNTERS = {
     "wgmma e4m3": r"wgmma\.mma_async[^\n]*e4m3",
+    "wgmma bf16": r"wgmma\.mma_async[^\n]*bf16",
     "cp.async.bulk.tensor": r"cp\.async\.bulk\.tensor",
     "cvt e4m3x2": r"cvt\.rn\.satfinite\.e4m3x2\.f32",
     "tcgen05.mma": r"tcgen05\.mma",
@@ -83,6 +84,9 @@ KERNELS = {
         }),
         KernelEntry("fwd", ("sm_90a",), "flamia_cute.attention_fwd_sm90", "FwdConfig", ATTENTION_CONFIGS),
         KernelEntry("bwd", ("sm_90a",), "flamia_cute.attention_bwd_sm90", "BwdConfig", ATTENTION_CONFIGS),
+        # the bf16-dS backward (recipe fp8_tokenblock_dsbf16)
+        KernelEntry("bwd_dsbf16", ("sm_90a",), "flamia_cute.attention_bwd_dsbf16_sm90", "BwdDsBf16Config",
+                    ATTENTION_CONFIGS),
     )
 }
 
