@@ -63,7 +63,9 @@ from .attention_bwd_sm90 import (
     add_dq_tile,
     dq_turn_pass,
     dq_turn_wait,
+    load_row_scales,
     store_key_rows_bf16,
+    store_query_vectors,
 )
 from .compile_cache import compile_entry, launch_on_device
 from .quant import transposed_tokens
@@ -83,6 +85,7 @@ from .sm90_device import (
     warp_pipeline,
     word_walk,
 )
+from .validation import check_kernel_tensors
 
 SOURCE_FILES = (
     Path(__file__).resolve(),
@@ -551,23 +554,8 @@ class FlamiaBwdDsBf16Sm90:
             st = v_state.index
             for c in cutlass.range_constexpr(self.tq // 32):
                 col = lane + 32 * c
-                q = m * self.tq + col
-                a_ = Float32(0.0)
-                b_ = Float32.inf
-                d_ = Float32(0.0)
-                w_ = Float32(0.0)
-                s_ = Float32(0.0)
-                if q < doc_len:
-                    s_ = mSQ[doc_start + q, hq]
-                    a_ = s_ * scale_log2
-                    b_ = mLSE[doc_start + q, hq] * Float32(LOG2E)
-                    d_ = mDelta[doc_start + q, hq]
-                    w_ = mSdO[doc_start + q, hq]
-                sVec[col, 0, st] = a_
-                sVec[col, 1, st] = b_
-                sVec[col, 2, st] = d_
-                sVec[col, 3, st] = w_
-                sVec[col, 4, st] = s_
+                store_query_vectors(sVec, col, st, m * self.tq + col, doc_start, doc_len, hq, mSQ, mLSE, mDelta, mSdO,
+                                    scale_log2)
             pipe_v.producer_commit(v_state)
             v_state.advance()
 
@@ -626,8 +614,8 @@ class FlamiaBwdDsBf16Sm90:
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sv)
         rsc = cute.make_rmem_tensor(cute.make_layout(4), Float32)  # sk(row 0), sk(row 1), sv(row 0), sv(row 1)
         lim = doc_len - n_blk * kb  # keys >= lim lie past the document end
-        self._row_scales(rsc, krow, mSKtok if self.diag_copy else mSK, mSVtok if self.diag_copy else mSV,
-                         kv_head, doc_start, doc_len, n_blk)
+        load_row_scales(rsc, krow, mSKtok if self.diag_copy else mSK, mSVtok if self.diag_copy else mSV, kv_head,
+                        doc_start, doc_len, n_blk * kb)
 
         # ---- phase 0: diagonal tiles
         pipe_kv.consumer_wait(kv_state)
@@ -646,7 +634,7 @@ class FlamiaBwdDsBf16Sm90:
             kv_state.advance()
         if per > 0:
             if cutlass.const_expr(self.diag_copy):
-                self._row_scales(rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, n_blk)
+                load_row_scales(rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, n_blk * kb)
                 # the other warpgroup's last diagonal dQ product has read K bf16: overwrite it
                 cute.arch.barrier(barrier_id=2, number_of_threads=256)
                 pipe_kv.consumer_wait(kv_state)
@@ -666,18 +654,6 @@ class FlamiaBwdDsBf16Sm90:
                             doc_start, doc_len, kv_head, D, cute.size(acc_dv))
         store_key_rows_bf16(mdK, lambda i0: (acc_dk[i0] * softmax_scale, acc_dk[i0 + 1] * softmax_scale), krow,
                             n_blk * kb, doc_start, doc_len, kv_head, D, cute.size(acc_dk))
-
-    @cute.jit
-    def _row_scales(self, rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, n_blk):
-        for v1 in cutlass.range_constexpr(2):
-            key = n_blk * self.kb + krow[v1]
-            sk = Float32(0.0)
-            sv = Float32(0.0)
-            if key < doc_len:
-                sk = mSK[doc_start + key, kv_head]
-                sv = mSV[doc_start + key, kv_head]
-            rsc[v1] = sk
-            rsc[2 + v1] = sv
 
     # ------------------------------------------------------------------------------------------
     def _conversion_plans(self, sQ_layout, sK_layout, sQb_layout, sKb_layout):
@@ -944,7 +920,7 @@ def flamia_bwd_dsbf16_sm90(
         delta = delta if delta is not None else delta_
         do_quantized = do_quantized if do_quantized is not None else doq
     f8 = torch.float8_e4m3fn
-    for name, t, shape, dt in (
+    check_kernel_tensors((
         ("q_td", q_td, (T, H, D), f8), ("k_td", k_td, (T, Hk, D), f8), ("v_td", v_td, (T, Hk, D), f8),
         ("k_tok_td", k_tok_td, (T, Hk, D), f8), ("v_tok_td", v_tok_td, (T, Hk, D), f8),
         ("do_td", do_quantized.data_td, (T, H, D), f8), ("do_dt", do_quantized.data_dt, (H, D, T_dt), f8),
@@ -952,12 +928,7 @@ def flamia_bwd_dsbf16_sm90(
         ("sk_tok", sk_tok, (Hk, T), torch.float32), ("sv_tok", sv_tok, (Hk, T), torch.float32),
         ("sdo", do_quantized.scale, (H, T), torch.float32), ("lse", lse, (H, T), torch.float32),
         ("delta", delta, (H, T), torch.float32),
-    ):
-        if t is None or tuple(t.shape) != shape or t.dtype != dt or not t.is_cuda or not t.is_contiguous():
-            got = None if t is None else (tuple(t.shape), t.dtype)
-            raise ValueError(f"{name} must be a contiguous CUDA {dt} tensor of shape {shape}, got {got}")
-        if t.data_ptr() % 16:
-            raise ValueError(f"{name} must be 16-byte aligned")
+    ), dev)
     if not do_quantized.dt_pv_order:
         raise ValueError("do_quantized.data_dt must be in P-fragment order (quantize with pv_order=True)")
     if not softmax_scale > 0:

@@ -82,6 +82,7 @@ from .sm90_device import (
     tma_pipeline,
     warp_pipeline,
 )
+from .validation import check_kernel_tensors
 
 # recipes.py holds FOLD_REF_MIN: a change there must recompile
 SOURCE_FILES = (Path(__file__).resolve(), Path(_recipes.__file__).resolve(), *SHARED_SOURCE_FILES)
@@ -179,6 +180,45 @@ def fence_acq_rel_gpu():
 
 def nanosleep(ns: int):
     ptx("nanosleep.u32 $0;", "r,~{memory}", [Uint32(ns)], result=None, side_effects=True)
+
+
+@cute.jit
+def store_query_vectors(sVec, col, st, q, doc_start, doc_len, hq, mSQ, mLSE, mDelta, mSdO, scale_log2):
+    """Column `col` of a query tile's vectors in stage st of sVec (query q of the document, head hq):
+    0 sq * softmax_scale * log2e, 1 lse * log2e (+inf past the document end: P = 0 there), 2 D =
+    rowsum(dO * O), 3 the dO scale (0 past the end), 4 sq. Returns the dO scale."""
+    a_ = Float32(0.0)
+    b_ = Float32.inf
+    d_ = Float32(0.0)
+    w_ = Float32(0.0)
+    s_ = Float32(0.0)
+    if q < doc_len:
+        s_ = mSQ[doc_start + q, hq]
+        a_ = s_ * scale_log2
+        b_ = mLSE[doc_start + q, hq] * Float32(LOG2E)
+        d_ = mDelta[doc_start + q, hq]
+        w_ = mSdO[doc_start + q, hq]
+    sVec[col, 0, st] = a_
+    sVec[col, 1, st] = b_
+    sVec[col, 2, st] = d_
+    sVec[col, 3, st] = w_
+    sVec[col, 4, st] = s_
+    return w_
+
+
+@cute.jit
+def load_row_scales(rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, key0):
+    """rsc = (sk(row 0), sk(row 1), sv(row 0), sv(row 1)) of this thread's key rows krow of the block
+    starting at key0 (0 past the document end)."""
+    for v1 in cutlass.range_constexpr(2):
+        key = key0 + krow[v1]
+        sk = Float32(0.0)
+        sv = Float32(0.0)
+        if key < doc_len:
+            sk = mSK[doc_start + key, kv_head]
+            sv = mSV[doc_start + key, kv_head]
+        rsc[v1] = sk
+        rsc[2 + v1] = sv
 
 
 @cute.jit
@@ -638,24 +678,8 @@ class FlamiaBwdSm90:
             wv = cute.make_rmem_tensor(cute.make_layout(4), Float32)
             for c in cutlass.range_constexpr(4):
                 col = lane + 32 * c
-                q = m * self.tile + col
-                a_ = Float32(0.0)
-                b_ = Float32.inf
-                d_ = Float32(0.0)
-                w_ = Float32(0.0)
-                s_ = Float32(0.0)
-                if q < doc_len:
-                    s_ = mSQ[doc_start + q, hq]
-                    a_ = s_ * scale_log2
-                    b_ = mLSE[doc_start + q, hq] * Float32(LOG2E)
-                    d_ = mDelta[doc_start + q, hq]
-                    w_ = mSdO[doc_start + q, hq]
-                sVec[col, 0, st] = a_
-                sVec[col, 1, st] = b_
-                sVec[col, 2, st] = d_
-                sVec[col, 3, st] = w_
-                sVec[col, 4, st] = s_
-                wv[c] = w_
+                wv[c] = store_query_vectors(sVec, col, st, m * self.tile + col, doc_start, doc_len, hq, mSQ, mLSE,
+                                            mDelta, mSdO, scale_log2)
             # suffix max of the dO scale over the tile's columns (col' >= col): the dV fold's r
             for c in cutlass.range_constexpr(4):
                 for k in cutlass.range_constexpr(5):
@@ -735,19 +759,8 @@ class FlamiaBwdSm90:
         lim = doc_len - n_blk * tl  # rows (keys) >= lim lie past the document end
 
         # ---- phase 0: diagonal tiles
-        for v1 in cutlass.range_constexpr(2):
-            key = n_blk * tl + krow[v1]
-            sk = Float32(0.0)
-            sv = Float32(0.0)
-            if key < doc_len:
-                if cutlass.const_expr(self.diag_copy):
-                    sk = mSKtok[doc_start + key, kv_head]
-                    sv = mSVtok[doc_start + key, kv_head]
-                else:
-                    sk = mSK[doc_start + key, kv_head]
-                    sv = mSV[doc_start + key, kv_head]
-            rsc[v1] = sk
-            rsc[2 + v1] = sv
+        load_row_scales(rsc, krow, mSKtok if self.diag_copy else mSK, mSVtok if self.diag_copy else mSV, kv_head,
+                        doc_start, doc_len, n_blk * tl)
         pipe_kv.consumer_wait(kv_state)
         for i in cutlass.range(self.group, unroll=1):
             a_state, b_state, v_state = self.tile_step(
@@ -763,15 +776,7 @@ class FlamiaBwdSm90:
             kv_state.advance()
         if per > 0:
             if cutlass.const_expr(self.diag_copy):
-                for v1 in cutlass.range_constexpr(2):
-                    key = n_blk * tl + krow[v1]
-                    sk = Float32(0.0)
-                    sv = Float32(0.0)
-                    if key < doc_len:
-                        sk = mSK[doc_start + key, kv_head]
-                        sv = mSV[doc_start + key, kv_head]
-                    rsc[v1] = sk
-                    rsc[2 + v1] = sv
+                load_row_scales(rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, n_blk * tl)
                 pipe_kv.consumer_wait(kv_state)
             for j in cutlass.range(self.group * per, unroll=1):
                 a_state, b_state, v_state = self.tile_step(
@@ -1077,7 +1082,7 @@ def flamia_bwd_sm90(
         delta = delta if delta is not None else delta_
         do_quantized = do_quantized if do_quantized is not None else doq
     f8 = torch.float8_e4m3fn
-    for name, t, shape, dt in (
+    check_kernel_tensors((
         ("q_td", q_td, (T, H, D), f8), ("q_dt", q_dt, (H, D, T_dt), f8),
         ("k_td", k_td, (T, Hk, D), f8), ("k_dt", k_dt, (Hk, D, T_dt), f8), ("v_td", v_td, (T, Hk, D), f8),
         ("k_tok_td", k_tok_td, (T, Hk, D), f8), ("k_tok_dt", k_tok_dt, (Hk, D, T_dt), f8),
@@ -1087,12 +1092,7 @@ def flamia_bwd_sm90(
         ("sk_tok", sk_tok, (Hk, T), torch.float32), ("sv_tok", sv_tok, (Hk, T), torch.float32),
         ("sdo", do_quantized.scale, (H, T), torch.float32), ("lse", lse, (H, T), torch.float32),
         ("delta", delta, (H, T), torch.float32),
-    ):
-        if t is None or tuple(t.shape) != shape or t.dtype != dt or not t.is_cuda or not t.is_contiguous():
-            got = None if t is None else (tuple(t.shape), t.dtype)
-            raise ValueError(f"{name} must be a contiguous CUDA {dt} tensor of shape {shape}, got {got}")
-        if t.data_ptr() % 16:
-            raise ValueError(f"{name} must be 16-byte aligned")
+    ), dev)
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
     dq_acc = torch.zeros(T, H, D, dtype=torch.float32, device=dev)

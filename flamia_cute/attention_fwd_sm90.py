@@ -71,6 +71,7 @@ from .sm90_device import (
     tma_pipeline,
     warp_pipeline,
 )
+from .validation import check_kernel_tensors
 
 # recipes.py holds FOLD_DROP and FOLD_REF_MIN: a change there must recompile
 SOURCE_FILES = (Path(__file__).resolve(), Path(_recipes.__file__).resolve(), *SHARED_SOURCE_FILES)
@@ -924,14 +925,7 @@ def flamia_fwd_sm90(
         checks += [("k_tok_td", k_tok_td, (T, Hk, D), f8), ("v_tok_dt", v_tok_dt, (Hk, D, T_dt), f8),
                    ("sk_tok", sk_tok, (Hk, T), torch.float32), ("sv_tok", sv_tok, (Hk, T), torch.float32)]
     dev = q_td.device
-    for name, t, shape, dt in checks:
-        if t.shape != shape or t.dtype != dt or t.device != dev or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous {dt} tensor of shape {shape} on {dev}, got "
-                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
-        if t.data_ptr() % 16:
-            raise ValueError(f"{name} must be 16-byte aligned")
-    if dev.type != "cuda":
-        raise ValueError(f"the inputs must be CUDA tensors, got {dev}")
+    check_kernel_tensors(checks, dev)
     num_docs = cu_seqlens.numel() - 1
     if T_dt != transposed_tokens(T, num_docs):
         raise ValueError(f"v_dt's token dim must be transposed_tokens(T, num_docs) = "

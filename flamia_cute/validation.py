@@ -91,3 +91,16 @@ def check_cu_seqlens_values(name, cu, total, mx_name, max_seqlen):
         if len(_CHECKED) >= _CHECKED_MAX:
             _CHECKED.pop(next(iter(_CHECKED)))
         _CHECKED[memo] = None
+
+
+def check_kernel_tensors(checks, device) -> None:
+    """The raw-pointer kernels' inputs: each (name, tensor, shape, dtype) must be a contiguous tensor
+    of that shape and dtype on `device` (a CUDA device), 16-byte aligned (TMA); errors name it."""
+    if device.type != "cuda":
+        raise ValueError(f"the inputs must be CUDA tensors, got {device}")
+    for name, t, shape, dt in checks:
+        if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dt or t.device != device or not t.is_contiguous():
+            got = None if t is None else f"{tuple(t.shape)} {t.dtype} on {t.device}"
+            raise ValueError(f"{name} must be a contiguous {dt} tensor of shape {tuple(shape)} on {device}, got {got}")
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned")
