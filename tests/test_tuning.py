@@ -270,3 +270,13 @@ def test_short_real_tune_then_fresh_process_uses_it(tmp_path):
     got = json.loads(fresh.stdout.strip().splitlines()[-1])
     assert got["configs"] == {name: r["config"] for name, r in recs.items()}
     assert got["compiles"] == 0 and got["disk_hits"] >= 1, got  # no recompiling, no retiming
+
+
+def test_bf16_ds_recipe_does_not_tune_the_other_backward(capsys):
+    """fp8_tokenblock_dsbf16 runs the bf16-dS backward kernel: the e4m3-dS backward's space is not
+    searched for it (its run-time lookup would never read the result); fwd and quant still are."""
+    assert main(["tune", "--dry-run", "--recipe", "fp8_tokenblock_dsbf16"]) == 0
+    cap = capsys.readouterr()
+    assert "fwd search space (" in cap.out and "quant search space (" in cap.out
+    assert "bwd search space" not in cap.out and "not tuning 'bwd'" in cap.err
+    assert main(["tune", "--dry-run", "--recipe", "fp8_tokenblock_dsbf16", "--kernels", "bwd"]) == 2
