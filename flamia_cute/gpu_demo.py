@@ -14,14 +14,15 @@ def run_gpu_kernels() -> int:
         print("\nno sm_90 GPU with the CuTe DSL here: the kernels were not run")
         return 0
     failures = 0
-    print("\nsm_90a kernels (fused quantization + FP8 forward; backward on the emulator from the saved FP8 operands):")
+    print("\nsm_90a kernels (fused quantization, FP8 forward and backward) against the emulator of each recipe:")
     q, k, v, do, cu, scale = make_inputs([1000, 1, 517, 4096, 33], 4, 2, 128, device="cuda", seed=5)
-    for recipe in ("fp8_tokenblock", "fp8_token"):
+    for recipe in ("fp8_tokenblock", "fp8_tokenblock_dsbf16", "fp8_token"):
         got = attention_fn_for(recipe, scale, backend="cute")(q, k, v, cu, do)
         ref = attention_fn_for(recipe, scale, backend="emulate")(q, k, v, cu, do)
         errs = {n: rel_l2(got[n], ref[n]) for n in ("out", "dq", "dk", "dv")}
-        print(f"  {recipe:16s} kernel vs emulator rel L2: " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
+        print(f"  {recipe:22s} kernel vs emulator rel L2: " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
+        failures += any(e >= 2e-2 for e in errs.values())  # the API tests' bound (tests/test_cute_backend.py)
         rep = check_leakage(attention_fn_for(recipe, scale, backend="cute"), q, k, v, cu, do, doc=3, cut=1001)
-        print(f"  {recipe:16s} leakage on the kernels: {str(rep).splitlines()[0]}")
+        print(f"  {recipe:22s} leakage on the kernels: {str(rep).splitlines()[0]}")
         failures += not rep.ok
     return failures
