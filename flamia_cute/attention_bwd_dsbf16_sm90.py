@@ -99,6 +99,8 @@ SMEM_LIMIT = 232448  # sm_90 dynamic shared memory per CTA (227 KB)
 N_VEC = 5  # per-query vectors per tile in shared memory (see load_vectors)
 KEY_BLOCK = 128
 QUERY_TILE = 64
+# named barriers (1: dS and Q bf16 stored, 2: the phase change, 3: deterministic dQ turns)
+DQ_FULL, DQ_EMPTY = 4, 5  # dq_tma_reduce: consumers (256 threads) and the dQ warp (32)
 # bf16 dS [q, key] for dQ's A operand (queries contiguous), two buffers; stored by hand (ds_word_index)
 DS_LAYOUT = "S<3,4,3> o 0 o ((64,1),(8,16),(1,2)):((1,0),(64,512),(0,8192))"
 
@@ -116,6 +118,9 @@ class BwdDsBf16Config:
     # issue the next tile's S^T, dP^T before this tile's dQ atomics (None: where registers allow,
     # d64; at d128 S^T, dP^T in flight next to dV, dK and the dQ tile need 224 + ~30 > 240: spills)
     prefetch_sdp: bool | None = None
+    # dQ tiles through shared memory, added to the fp32 accumulator by a TMA reduce-add that a producer
+    # warp issues (FA3's scheme) instead of the consumers' red.global.add: NOT GPU-RUN YET (session 5)
+    dq_tma_reduce: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -128,9 +133,11 @@ class BwdDsBf16Config:
             bad("head_dim", "must be 64 or 128")
         if not isinstance(self.qhead_per_kvhead, int) or self.qhead_per_kvhead < 1:
             bad("qhead_per_kvhead", "must be an int >= 1")
-        for name in ("diagonal_copy", "deterministic"):
+        for name in ("diagonal_copy", "deterministic", "dq_tma_reduce"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
+        if self.dq_tma_reduce and self.deterministic:
+            bad("dq_tma_reduce", "the deterministic dQ order is kept by the atomics path only")
         if self.q_stages not in (1, 2, 3):
             bad("q_stages", "must be 1, 2 or 3")
         if self.vec_stages not in (1, 2, 3):
@@ -147,7 +154,8 @@ def smem_bytes(cfg: BwdDsBf16Config) -> int:
     ds = 2 * 2 * tq * KEY_BLOCK + 2 * 2 * tq * D  # bf16 dS [q, key] and Q bf16, double-buffered
     vec = N_VEC * tq * 4 * cfg.vec_stages
     bars = 8 * 2 * (1 + 2 * cfg.q_stages + cfg.vec_stages)
-    return kv + per_stage * cfg.q_stages + ds + vec + bars + 9 * 1024
+    dq = tq * D * 4 + 1024 if cfg.dq_tma_reduce else 0  # the fp32 dQ tile
+    return kv + per_stage * cfg.q_stages + ds + vec + bars + dq + 9 * 1024
 
 
 def tile_schedule(i, n, group, n_diag, per):
@@ -234,6 +242,7 @@ class FlamiaBwdDsBf16Sm90:
         self.regs_producer = 24
         self.regs_consumer = 240
         self.prefetch = config.prefetch_sdp if config.prefetch_sdp is not None else config.head_dim == 64
+        self.dq_tma = config.dq_tma_reduce
 
     def _make_mmas(self):
         K_MAJOR, MN_MAJOR = OperandMajorMode.K, OperandMajorMode.MN
@@ -345,6 +354,13 @@ class FlamiaBwdDsBf16Sm90:
         tma_q, tQ = atom(mQ, L["Q"], (tq, D))
         tma_do, tdO = atom(mdO, L["Q"], (tq, D))
         tma_dot, tdOt = atom(mdOt, L["dOt"], (D, tq))
+        # the dQ tile (row-major fp32, a unit stage mode for the shared TMA partition) and its reduce-add
+        sdQ_layout = cute.make_layout((tq, D, 1), stride=(D, 1, tq * D))
+        tma_dq, tdQ = None, None  # no descriptor to build per launch unless used
+        if cutlass.const_expr(self.dq_tma):
+            tma_dq, tdQ = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, cute.slice_(sdQ_layout, (None, None, 0)),
+                (tq, D))
         self.kv_bytes = 2 * kb * D
         self.a_bytes = 2 * tq * D
         self.b_bytes = tq * D
@@ -366,9 +382,11 @@ class FlamiaBwdDsBf16Sm90:
             sdOt: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["dOt"])], 1024]
             sQb: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["Qb"])], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["dS"])], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tq * D if self.dq_tma else 4], 1024]
 
         self.shared_storage = SharedStorage
-        tmas = (tma_k, tK, tma_v, tV, tma_ktok, tKtok, tma_vtok, tVtok, tma_q, tQ, tma_do, tdO, tma_dot, tdOt)
+        tmas = (tma_k, tK, tma_v, tV, tma_ktok, tKtok, tma_vtok, tVtok, tma_q, tQ, tma_do, tdO, tma_dot, tdOt, tma_dq,
+                tdQ, sdQ_layout)
         self.kernel(
             mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV, mSem,
             L["K"], L["Q"], L["dOt"], L["Qb"], L["Kb"], L["dS"], softmax_scale,
@@ -453,11 +471,15 @@ class FlamiaBwdDsBf16Sm90:
                 if warp_idx == 1:
                     self.load_vectors(mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, kv_head, doc_start, doc_len, sched,
                                       softmax_scale)
+                if cutlass.const_expr(self.dq_tma):
+                    if warp_idx == 2:
+                        self.reduce_dq(tmas[14], tmas[15], storage.sdQ.get_tensor(tmas[16]), kv_head, doc_start,
+                                       sched)
             else:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
                 self.consume(
                     mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok,
-                    mRef[kv_head, doc], (mdQ, mSem, doc), mdK, mdV, kv_head, doc_start, doc_len, sched,
+                    mRef[kv_head, doc], (mdQ, mSem, doc, storage.sdQ.get_tensor(tmas[16])), mdK, mdV, kv_head, doc_start, doc_len, sched,
                     softmax_scale, wg_idx - 1,
                 )
 
@@ -490,7 +512,7 @@ class FlamiaBwdDsBf16Sm90:
 
     @cute.jit
     def _load_q(self, tmas, bufs, pipe_a, pipe_b, a_state, b_state, hq, m, doc_start, dt_start):
-        tma_q, tQ, tma_do, tdO, tma_dot, tdOt = tmas[8:]
+        tma_q, tQ, tma_do, tdO, tma_dot, tdOt = tmas[8:14]
         D, tq = self.D, self.tq
         tQs, tQg = self._part(tma_q, tQ, hq, bufs[3], (tq, D), doc_start, 0)
         tdOs, tdOg = self._part(tma_do, tdO, hq, bufs[4], (tq, D), doc_start, 0)
@@ -529,6 +551,37 @@ class FlamiaBwdDsBf16Sm90:
                 a_state, b_state = self._load_q(tmas, bufs, pipe_a, pipe_b, a_state, b_state,
                                                 kv_head * self.group + j // per, 2 * n_blk + 2 + j % per,
                                                 doc_start, dt_start)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def reduce_dq(self, atom, t_dq, sdQ, kv_head, doc_start, sched):
+        """Producer warp 2 (dq_tma_reduce): per tile, wait until both consumer warpgroups stored the
+        tile's dQ (named barrier DQ_FULL), add it to the fp32 accumulator with one TMA reduce-add, and
+        hand the buffer back once the TMA has read it (DQ_EMPTY). Rows past the document end are 0
+        (P = 0 there) and rows past T are clipped by the TMA, so whole 64-row tiles are added."""
+        n_blk, n_diag, per = sched
+        lane = cute.arch.lane_idx()
+        total = self.group * n_diag
+        if per > 0:
+            total = total + self.group * per
+        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)  # the buffer starts free
+        for i in cutlass.range(total, unroll=1):
+            hi = i // n_diag
+            m = 2 * n_blk + i % n_diag
+            if i >= self.group * n_diag:
+                j = i - self.group * n_diag
+                hi = j // per
+                m = 2 * n_blk + 2 + j % per
+            cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=288)
+            if lane == 0:
+                tSs, tSg = self._part(atom, t_dq, kv_head * self.group + hi, sdQ, (self.tq, self.D), doc_start, 0)
+                cute.copy(atom, tSs[None, 0], tSg[None, m])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if i + 1 < total:
+                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0)  # the last adds complete before the CTA retires
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -834,14 +887,24 @@ class FlamiaBwdDsBf16Sm90:
         pipe_b.consumer_release(b_state)
         b_state.advance()
 
-        mdQ, mSem, doc = dq_out
+        mdQ, mSem, doc, sdQ = dq_out
         tidx, _, _ = cute.arch.thread_idx()
-        sem_addr = Int64(0)
-        if cutlass.const_expr(self.deterministic):
-            sem_addr = dq_turn_wait(mSem, hq, doc, m, n_blk, tidx, 2)  # two 64-query tiles per key block
-        add_dq_tile(mdQ, acc_dq, tScQ, m * tq, 0, doc_start, doc_len, hq, D, lambda qr: softmax_scale)
-        if cutlass.const_expr(self.deterministic):
-            dq_turn_pass(sem_addr, tidx)
+        if cutlass.const_expr(self.dq_tma):
+            # the previous tile's reduce-add has read the buffer; store this tile (softmax_scale applied)
+            cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=288)
+            for j in cutlass.range_constexpr(cute.size(acc_dq) // 2):
+                row, col = tScQ[2 * j]
+                sdQ[row, col, 0] = acc_dq[2 * j] * softmax_scale
+                sdQ[row, col + 1, 0] = acc_dq[2 * j + 1] * softmax_scale
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=288)
+        else:
+            sem_addr = Int64(0)
+            if cutlass.const_expr(self.deterministic):
+                sem_addr = dq_turn_wait(mSem, hq, doc, m, n_blk, tidx, 2)  # two 64-query tiles per key block
+            add_dq_tile(mdQ, acc_dq, tScQ, m * tq, 0, doc_start, doc_len, hq, D, lambda qr: softmax_scale)
+            if cutlass.const_expr(self.deterministic):
+                dq_turn_pass(sem_addr, tidx)
         return a_state, b_state, v_state
 
 

@@ -104,12 +104,16 @@ def measure(name, lengths):
 
     dv_ref = ds_prep()
 
-    def ds_bwd():
+    def ds_bwd(cfg=ds_cfg):
         flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
-                                          config=ds_cfg, do_quantized=doq, delta=delta, dv_ref=dv_ref)
+                                          config=cfg, do_quantized=doq, delta=delta, dv_ref=dv_ref)
+
+    def ds_bwd_tma():  # dQ through shared memory and a TMA reduce-add (not the default yet)
+        ds_bwd(BwdDsBf16Config(128, diagonal_copy=True, dq_tma_reduce=True))
 
     for label, fn in (("bwd kernel", bwd), ("bwd preprocess", lambda: preprocess_bwd(dout, out, case.cu)),
-                      ("dsbf16 bwd kernel", ds_bwd), ("dsbf16 dV fold references", ds_prep)):
+                      ("dsbf16 bwd kernel", ds_bwd), ("dsbf16 bwd kernel, dQ TMA reduce", ds_bwd_tma),
+                      ("dsbf16 dV fold references", ds_prep)):
         try:
             row[label] = graph_ms(fn)
         except Exception as e:

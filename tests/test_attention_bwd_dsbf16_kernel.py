@@ -55,10 +55,12 @@ RECIPES = {
 @needs_dsl
 @pytest.mark.parametrize("field, value", [("head_dim", 96), ("qhead_per_kvhead", 0), ("q_stages", 4),
                                           ("vec_stages", 0), ("diagonal_copy", 1), ("deterministic", "yes"),
-                                          ("prefetch_sdp", 1)])
+                                          ("prefetch_sdp", 1), ("dq_tma_reduce", 1)])
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"BwdDsBf16Config.{field}"):
         BwdDsBf16Config(**{"head_dim": 128, field: value})
+    with pytest.raises(ValueError, match="BwdDsBf16Config.dq_tma_reduce"):
+        BwdDsBf16Config(head_dim=128, deterministic=True, dq_tma_reduce=True)
 
 
 @needs_dsl
@@ -223,6 +225,25 @@ def test_compiles_with_fp8_and_bf16_wgmma(artifacts, head_dim, diagonal_copy):
 
 
 @needs_dsl
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_tma_reduce_variant(head_dim):
+    """dq_tma_reduce: one TMA reduce-add per tile (issued by the dQ warp) replaces the consumers'
+    atomics; the products are the same; no spills, shared memory within the limit."""
+    cfg = BwdDsBf16Config(head_dim=head_dim, diagonal_copy=True, dq_tma_reduce=True)
+    art = kernel_artifacts(cfg, "sm_90a")
+    assert smem_bytes(cfg) <= 232448
+    assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", art.ptx)) == 1
+    assert not re.search(r"red\.global", art.ptx)
+    assert re.search(r"bar\.arrive\s+4, 288", art.ptx) and re.search(r"bar\.sync\s+5, 288", art.ptx)
+    assert art.frame_bytes in (None, 0)
+    plain = kernel_artifacts(BwdDsBf16Config(head_dim=head_dim, diagonal_copy=True), "sm_90a")
+    ops = lambda ptx: Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\S+", ptx))  # noqa: E731
+    assert ops(art.ptx) == ops(plain.ptx)
+    if art.sass is not None:
+        assert not re.search(r"\b(STL|LDL)\b", art.sass)
+
+
+@needs_dsl
 def test_deterministic_variant_orders_dq(artifacts):
     det, plain = artifacts(128, True, 2, True), artifacts(128, True, 2)
     for m in (r"ld\.acquire\.gpu\.global\.u32", r"red\.release\.gpu\.global\.add\.u32", r"fence\.acq_rel\.gpu"):
@@ -285,6 +306,20 @@ def test_gpu_zero_dout_rows(recipe):
 @pytest.mark.parametrize("lengths", [[8, 300], [3, 5, 7, 200, 129], [300, 300], [2000]])
 def test_gpu_unaligned_document_starts(lengths):
     _check(lengths, "fp8_tokenblock_dsbf16", 128, 2, 2, seed=4)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("D, H, Hk", [(128, 2, 2), (64, 4, 2), (128, 4, 1)])
+def test_gpu_dq_tma_reduce_matches_emulator(D, H, Hk):
+    """The dQ-through-shared-memory variant (not the default; written in session 5 without a GPU)."""
+    st = _setup(LENGTHS + [3000], H, Hk, D, RECIPES["fp8_tokenblock_dsbf16"], seed=6, device="cuda")
+    cfg = BwdDsBf16Config(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=True, dq_tma_reduce=True)
+    res = _run(st, config=cfg)
+    torch.cuda.synchronize()
+    err = _grad_errors(res, st["emu"], st["cu"].cpu())
+    assert not _violations(err), err
 
 
 @pytest.mark.gpu
