@@ -479,8 +479,8 @@ class FlamiaBwdDsBf16Sm90:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
                 self.consume(
                     mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok,
-                    mRef[kv_head, doc], (mdQ, mSem, doc, storage.sdQ.get_tensor(tmas[16])), mdK, mdV, kv_head, doc_start, doc_len, sched,
-                    softmax_scale, wg_idx - 1,
+                    mRef[kv_head, doc], (mdQ, mSem, doc, storage.sdQ.get_tensor(tmas[16])), mdK, mdV, kv_head,
+                    doc_start, doc_len, sched, softmax_scale, wg_idx - 1,
                 )
 
     # ------------------------------------------------------------------------------------------
