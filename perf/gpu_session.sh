@@ -88,7 +88,7 @@ for stage in "$@"; do
       run ncu_quant 200 ncu -k regex:'[Qq]uant' --launch-skip 1 --launch-count 1 --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --metrics dram__bytes_read.sum,dram__bytes_write.sum \
         python3 perf/profile_kernels.py quant longtail32k ;;
-    fwd-breakdown) run fwd_breakdown 300 env OUT="$OUT" python3 perf/bench_fwd_breakdown.py ;;
+    fwd-breakdown) run fwd_breakdown 420 env OUT="$OUT" python3 perf/bench_fwd_breakdown.py ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
