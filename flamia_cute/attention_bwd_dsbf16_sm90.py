@@ -554,6 +554,27 @@ class FlamiaBwdDsBf16Sm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
+    def _tile_count(self, n_diag, per):
+        """Tiles of a CTA: the group's diagonal tiles, then its off-diagonal ones (tile_schedule)."""
+        total = self.group * n_diag
+        if per > 0:
+            total = total + self.group * per
+        return total
+
+    @cute.jit
+    def _tile_of(self, i, n_blk, n_diag, per):
+        """(query-head index in the group, 64-query tile) of tile i: tile_schedule on DSL integers
+        (the producer warps' loops; the consumers' loops run the two phases separately)."""
+        hi = i // n_diag
+        m = 2 * n_blk + i % n_diag
+        if i >= self.group * n_diag:
+            j = i - self.group * n_diag
+            hi = j // per
+            m = 2 * n_blk + 2 + j % per
+        return hi, m
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
     def reduce_dq(self, atom, t_dq, sdQ, kv_head, doc_start, sched):
         """Producer warp 2 (dq_tma_reduce): per tile, wait until both consumer warpgroups stored the
         tile's dQ (named barrier DQ_FULL), add it to the fp32 accumulator with one TMA reduce-add, and
@@ -561,17 +582,10 @@ class FlamiaBwdDsBf16Sm90:
         (P = 0 there) and rows past T are clipped by the TMA, so whole 64-row tiles are added."""
         n_blk, n_diag, per = sched
         lane = cute.arch.lane_idx()
-        total = self.group * n_diag
-        if per > 0:
-            total = total + self.group * per
+        total = self._tile_count(n_diag, per)
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)  # the buffer starts free
         for i in cutlass.range(total, unroll=1):
-            hi = i // n_diag
-            m = 2 * n_blk + i % n_diag
-            if i >= self.group * n_diag:
-                j = i - self.group * n_diag
-                hi = j // per
-                m = 2 * n_blk + 2 + j % per
+            hi, m = self._tile_of(i, n_blk, n_diag, per)
             cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=288)
             if lane == 0:
                 tSs, tSg = self._part(atom, t_dq, kv_head * self.group + hi, sdQ, (self.tq, self.D), doc_start, 0)
@@ -592,16 +606,9 @@ class FlamiaBwdDsBf16Sm90:
         lane = cute.arch.lane_idx()
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sv)
         scale_log2 = softmax_scale * Float32(LOG2E)
-        total = self.group * n_diag
-        if per > 0:
-            total = total + self.group * per
+        total = self._tile_count(n_diag, per)
         for i in cutlass.range(total, unroll=1):
-            hi = i // n_diag
-            m = 2 * n_blk + i % n_diag
-            if i >= self.group * n_diag:
-                j = i - self.group * n_diag
-                hi = j // per
-                m = 2 * n_blk + 2 + j % per
+            hi, m = self._tile_of(i, n_blk, n_diag, per)
             hq = kv_head * self.group + hi
             pipe_v.producer_acquire(v_state)
             st = v_state.index
