@@ -53,12 +53,13 @@ for stage in "$@"; do
       run train_fp8 "$each" python3 -m train.run --attention flamia --recipe fp8_tokenblock $common
       run train_leaky "$each" python3 -m train.run --attention flamia --recipe fp8_tensor_current $common
       run train_compare 60 python3 -m train.run --compare "$OUT/train" ;;
-    train)  # issue 8, one full run: TRAIN_WHAT = fa4 | fp8 | leaky, TRAIN_STEPS (1000), TRAIN_SEED (0), into $TRAIN_DIR
-      what=${TRAIN_WHAT:?TRAIN_WHAT=fa4|fp8|leaky}
+    train)  # issue 8, one full run: TRAIN_WHAT = fa4 | fp8 | leaky | dsbf16, TRAIN_STEPS (1000), TRAIN_SEED (0), into $TRAIN_DIR
+      what=${TRAIN_WHAT:?TRAIN_WHAT=fa4|fp8|leaky|dsbf16}
       case $what in
         fa4) attn="--attention fa4" ;;
         fp8) attn="--attention flamia --recipe fp8_tokenblock" ;;
         leaky) attn="--attention flamia --recipe fp8_tensor_current" ;;
+        dsbf16) attn="--attention flamia --recipe fp8_tokenblock_dsbf16" ;;  # the bf16-dS backward
         *) echo "unknown TRAIN_WHAT $what"; continue ;;
       esac
       run "train_$what" "${TRAIN_SECONDS:-560}" python3 -m train.run $attn --preset llama_125m \
