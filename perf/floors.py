@@ -27,6 +27,9 @@ def floors(lengths, hq=16, hkv=16, d=128):
         "fwd_ms_bf16": f_fwd / BF16_TFLOPS / 1e9,
         "fwd_mem_ms": fwd_bytes / COPY_TBPS / 1e9,
         "bwd_ms_fp8": f_bwd / FP8_TFLOPS / 1e9,
+        # five products of equal size: all bf16 (FA4), or S, dP, dV in FP8 and dK, dQ in bf16 (fp8_tokenblock_dsbf16)
+        "bwd_ms_bf16": f_bwd / BF16_TFLOPS / 1e9,
+        "bwd_ms_dsbf16": (0.6 * f_bwd / FP8_TFLOPS + 0.4 * f_bwd / BF16_TFLOPS) / 1e9,
         "quant_ms_token": quant_token / COPY_TBPS / 1e9,
         "quant_ms_tokenblock": quant_tokenblock / COPY_TBPS / 1e9,
     }
@@ -35,10 +38,11 @@ def floors(lengths, hq=16, hkv=16, d=128):
 if __name__ == "__main__":
     wl = json.loads((pathlib.Path(__file__).parent.parent / "flamia_cute" / "workloads.json").read_text())["workloads"]
     print("| workload | tokens | fwd TFLOP | fwd floor fp8 ms | fwd floor bf16 ms | fwd bytes ms | bwd floor fp8 ms "
-          "| quant floor token ms | quant floor tokenblock ms |")
-    print("|---" * 9 + "|")
+          "| bwd floor bf16-dS ms | bwd floor bf16 ms | quant floor token ms | quant floor tokenblock ms |")
+    print("|---" * 11 + "|")
     for name, lengths in wl.items():
         f = floors(lengths)
         print(f"| {name} | {f['T']} | {f['fwd_TFLOP']:.3f} | {f['fwd_ms_fp8']:.3f} | {f['fwd_ms_bf16']:.3f} | "
-              f"{f['fwd_mem_ms']:.3f} | {f['bwd_ms_fp8']:.3f} | {f['quant_ms_token']:.3f} | "
+              f"{f['fwd_mem_ms']:.3f} | {f['bwd_ms_fp8']:.3f} | {f['bwd_ms_dsbf16']:.3f} | {f['bwd_ms_bf16']:.3f} | "
+              f"{f['quant_ms_token']:.3f} | "
               f"{f['quant_ms_tokenblock']:.3f} |")
