@@ -971,7 +971,7 @@ def flamia_bwd_dsbf16_sm90(
     order) and delta (H, T) may be passed precomputed; else the preprocess computes them; so may
     dv_ref, the dv_fold_reference (perf/bench_fwd_breakdown.py times the kernel alone).
     """
-    from .attention_bwd_sm90 import preprocess_bwd
+    from .attention_bwd_sm90 import backward_grid_blocks, backward_outputs, preprocess_bwd
 
     T, H, D = q_td.shape
     Hk = k_td.shape[1]
@@ -1003,19 +1003,9 @@ def flamia_bwd_dsbf16_sm90(
         raise ValueError("do_quantized.data_dt must be in P-fragment order (quantize with pv_order=True)")
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
-    dq_acc = torch.zeros(T, H, D, dtype=torch.float32, device=dev)
-    dk = torch.empty(T, Hk, D, dtype=torch.bfloat16, device=dev)
-    dv = torch.empty(T, Hk, D, dtype=torch.bfloat16, device=dev)
-    if poison_outputs:
-        dk.fill_(float("nan"))
-        dv.fill_(float("nan"))
-    max_n_blocks = (int(max_seqlen) + KEY_BLOCK - 1) // KEY_BLOCK
+    dq_acc, dk, dv = backward_outputs(T, H, Hk, D, dev, poison_outputs)
+    max_n_blocks = backward_grid_blocks(T, H, D, T_dt, num_docs, max_seqlen, KEY_BLOCK)
     if T > 0 and num_docs > 0 and max_n_blocks > 0:
-        if H * D * T_dt >= 2**31 or T * H * D >= 2**31:
-            raise ValueError("tensor too large for 32-bit indexing")
-        if max_n_blocks > 65535 or num_docs > 65535:
-            raise ValueError(f"grid too large: max_seqlen {max_seqlen} (at most 65535 blocks of {KEY_BLOCK}) or "
-                             f"{num_docs} documents (at most 65535)")
         if dv_ref is None:
             dv_ref = dv_fold_reference(do_quantized.scale, cu, config.qhead_per_kvhead)
         ptrs = (q_td, sq, k_td, sk, v_td, sv, k_tok_td, sk_tok, v_tok_td, sv_tok,

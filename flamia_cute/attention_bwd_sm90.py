@@ -1095,19 +1095,9 @@ def flamia_bwd_sm90(
     ), dev)
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
-    dq_acc = torch.zeros(T, H, D, dtype=torch.float32, device=dev)
-    dk = torch.empty(T, Hk, D, dtype=torch.bfloat16, device=dev)
-    dv = torch.empty(T, Hk, D, dtype=torch.bfloat16, device=dev)
-    if poison_outputs:
-        dk.fill_(float("nan"))
-        dv.fill_(float("nan"))
-    max_n_blocks = (int(max_seqlen) + 127) // 128
+    dq_acc, dk, dv = backward_outputs(T, H, Hk, D, dev, poison_outputs)
+    max_n_blocks = backward_grid_blocks(T, H, D, T_dt, num_docs, max_seqlen, 128)
     if T > 0 and num_docs > 0 and max_n_blocks > 0:
-        if H * D * T_dt >= 2**31 or T * H * D >= 2**31:
-            raise ValueError("tensor too large for 32-bit indexing")
-        if max_n_blocks > 65535 or num_docs > 65535:
-            raise ValueError(f"grid too large: max_seqlen {max_seqlen} (at most 65535 blocks of 128) or "
-                             f"{num_docs} documents (at most 65535)")
         ptrs = (q_td, q_dt, sq, k_td, k_dt, sk, v_td, sv, k_tok_td, k_tok_dt, sk_tok, v_tok_td, sv_tok,
                 do_quantized.data_td, do_quantized.data_dt, do_quantized.scale, lse, delta, cu, dq_acc, dk, dv)
         # deterministic dQ: one turn counter per (query head, document, query block)
@@ -1118,6 +1108,31 @@ def flamia_bwd_sm90(
     # dQ: fp32 accumulator -> bf16 (a small pass; softmax_scale and the dS scales are already applied)
     dq = dq_acc.to(torch.bfloat16)
     return dq, dk, dv
+
+
+def backward_outputs(T: int, H: int, Hk: int, D: int, device, poison: bool = False):
+    """The backward kernels' outputs: the fp32 dQ accumulator (zeroed: the kernels add into it) and
+    dK, dV bf16 (every row written by the kernel; NaN first with `poison`, as the tests ask)."""
+    dq_acc = torch.zeros(T, H, D, dtype=torch.float32, device=device)
+    dk = torch.empty(T, Hk, D, dtype=torch.bfloat16, device=device)
+    dv = torch.empty(T, Hk, D, dtype=torch.bfloat16, device=device)
+    if poison:
+        dk.fill_(float("nan"))
+        dv.fill_(float("nan"))
+    return dq_acc, dk, dv
+
+
+def backward_grid_blocks(T: int, H: int, D: int, T_dt: int, num_docs: int, max_seqlen: int, key_block: int) -> int:
+    """Key blocks per document of the backward grid (heads, documents, key blocks), after checking
+    that the launch fits 32-bit indexing and the grid limits (errors name the argument at fault)."""
+    max_n_blocks = (int(max_seqlen) + key_block - 1) // key_block
+    if T > 0 and num_docs > 0 and max_n_blocks > 0:
+        if H * D * T_dt >= 2**31 or T * H * D >= 2**31:
+            raise ValueError("tensor too large for 32-bit indexing")
+        if max_n_blocks > 65535 or num_docs > 65535:
+            raise ValueError(f"grid too large: max_seqlen {max_seqlen} (at most 65535 blocks of {key_block}) or "
+                             f"{num_docs} documents (at most 65535)")
+    return max_n_blocks
 
 
 def default_config(qq, kq, kt) -> BwdConfig:

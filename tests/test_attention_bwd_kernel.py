@@ -87,6 +87,24 @@ def test_config_smem_fits():
 
 
 @needs_dsl
+def test_backward_outputs_and_grid_checks():
+    """Both backward entries allocate and check through these: a zeroed fp32 dQ accumulator, dK/dV
+    poisoned on request; the grid's key blocks, and errors past 32-bit indexing or the grid limits."""
+    from flamia_cute.attention_bwd_sm90 import backward_grid_blocks, backward_outputs
+
+    dq, dk, dv = backward_outputs(10, 4, 2, 64, torch.device("cpu"), poison=True)
+    assert dq.dtype == torch.float32 and dq.shape == (10, 4, 64) and bool((dq == 0).all())
+    assert dk.shape == dv.shape == (10, 2, 64) and dk.dtype == torch.bfloat16 and bool(dv.isnan().all())
+    assert backward_grid_blocks(1000, 4, 64, 1024, 3, 300, 128) == 3
+    assert backward_grid_blocks(1000, 4, 64, 1024, 3, 300, 64) == 5
+    assert backward_grid_blocks(0, 4, 64, 0, 0, 0, 128) == 0
+    with pytest.raises(ValueError, match="grid too large: max_seqlen"):
+        backward_grid_blocks(1000, 4, 64, 1024, 3, 128 * 70000, 128)
+    with pytest.raises(ValueError, match="32-bit indexing"):
+        backward_grid_blocks(2**22, 16, 128, 2**22, 1, 2**22, 128)
+
+
+@needs_dsl
 def test_ds_byte_addresses_match_swizzled_layout():
     """The hand-written dS addresses equal Swizzle<3,4,3> o ((8,8),(128,1),(1,2)):((128,1024),(1,0),(0,8192))."""
     assert DS_LAYOUT.startswith("S<3,4,3>")
