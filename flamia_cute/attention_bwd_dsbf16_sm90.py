@@ -115,8 +115,9 @@ class BwdDsBf16Config:
     q_stages: int = 2  # query-tile stages of both pipelines
     vec_stages: int = 2
     deterministic: bool = False  # dQ additions in key-block order: bit-reproducible dQ
-    # issue the next tile's S^T, dP^T before this tile's dQ atomics (None: where registers allow,
-    # d64; at d128 S^T, dP^T in flight next to dV, dK and the dQ tile need 224 + ~30 > 240: spills)
+    # issue the next tile's S^T, dP^T before this tile's dQ atomics, or with dq_tma_reduce after its dQ
+    # tile is stored (None: where registers allow, d64; at d128 with atomics, S^T, dP^T in flight next to
+    # dV, dK and the dQ tile need 224 + ~30 > 240: spills)
     prefetch_sdp: bool | None = None
     # dQ tiles through shared memory, added to the fp32 accumulator by a TMA reduce-add that a producer
     # warp issues (FA3's scheme) instead of the consumers' red.global.add: NOT GPU-RUN YET (session 5)
@@ -883,7 +884,7 @@ class FlamiaBwdDsBf16Sm90:
             dq_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(dq_mma, acc_dq, tQrdS[None, None, k, dbuf], tQrKb[None, None, k, 0], acc_dq)
         warpgroup.commit_group()
-        if cutlass.const_expr(self.prefetch):
+        if cutlass.const_expr(self.prefetch and not self.dq_tma):
             if has_next:
                 self.issue_sdp(frags, pipe_a, a_state, wg)
                 warpgroup.wait_group(1)  # dV, dK and dQ done; the next S^T, dP^T still running
@@ -905,6 +906,10 @@ class FlamiaBwdDsBf16Sm90:
                 sdQ[row, col + 1, 0] = acc_dq[2 * j + 1] * softmax_scale
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=288)
+            if cutlass.const_expr(self.prefetch):
+                # the dQ tile's registers are free: the next tile's S^T, dP^T fit (at d128 too)
+                if has_next:
+                    self.issue_sdp(frags, pipe_a, a_state, wg)
         else:
             sem_addr = Int64(0)
             if cutlass.const_expr(self.deterministic):
