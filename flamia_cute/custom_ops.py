@@ -86,19 +86,26 @@ def _placeholder(device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.float32, device=device)
 
 
-def _qkv_plan(T: int, num_docs: int, Hq: int, Hk: int, D: int, block: int):
-    """The byte plan of the Q/K/V launch (quantize_sm90.qkv_config; tuning changes no layout); block: the
-    recipe's cute_backend.KERNEL_RECIPES entry."""
-    from .cute_backend import layout_block
-    from .quantize_sm90 import _layout_outputs, qkv_config
+def _qkv_launch(Hq: int, Hk: int, D: int, recipe: str):
+    """The layouts of a kernel recipe's Q/K/V launch in a training call (quantize_sm90.qkv_config with
+    cute_backend.launch_layouts; tuning changes no layout)."""
+    from .cute_backend import bf16_ds_backward, launch_layouts, layout_block
+    from .quantize_sm90 import qkv_config
 
-    return _layout_outputs(qkv_config(D, Hq, Hk, layout_block(block)), T, transposed_tokens(T, num_docs))
+    return launch_layouts(qkv_config(D, Hq, Hk, layout_block(_kernel_block(recipe))), ds_bf16=bf16_ds_backward(recipe))
 
 
-def _fake_entry(kind, shape_thd, num_docs, device, k_shape=None, block=1):
+def _qkv_plan(T: int, num_docs: int, Hq: int, Hk: int, D: int, recipe: str):
+    """The byte plan of a kernel recipe's Q/K/V launch (_qkv_launch)."""
+    from .quantize_sm90 import _layout_outputs
+
+    return _layout_outputs(_qkv_launch(Hq, Hk, D, recipe), T, transposed_tokens(T, num_docs))
+
+
+def _fake_entry(kind, shape_thd, num_docs, device, k_shape=None, recipe=None):
     T, H, D = shape_thd
     if kind == _QKV_BUFFER:
-        _, nbytes = _qkv_plan(T, num_docs, H, k_shape[1], D, block)
+        _, nbytes = _qkv_plan(T, num_docs, H, k_shape[1], D, recipe)
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     if kind == _K_SHAPE:
         return torch.empty(0, k_shape[1], k_shape[2], dtype=torch.uint8, device=device)
@@ -157,20 +164,19 @@ def _pack_kernel(layout, out_bf16, quantized) -> list[torch.Tensor]:
     return [out_bf16 if layout[0][1] == _OUT else _placeholder(dev), buf, k_shape]
 
 
-def _unpack_kernel(saved, block: int, T: int, num_docs: int, Hq: int):
-    """The QuantizedTHD views of the saved buffer: (qq, kq, vq, kt, vt); kt, vt None unless block > 1."""
-    from .cute_backend import layout_block
+def _unpack_kernel(saved, recipe: str, T: int, num_docs: int, Hq: int):
+    """The QuantizedTHD views of the saved buffer: (qq, kq, vq, kt, vt); kt, vt None unless the recipe's
+    K/V blocks are > 1 token; layouts its launch does not write are None."""
     from .quant import output_views
-    from .quantize_sm90 import qkv_config, quantized_outputs
+    from .quantize_sm90 import quantized_outputs
 
     buf, k_shape = saved[1], saved[2]
     Hk, D = k_shape.shape[1], k_shape.shape[2]
-    plan, nbytes = _qkv_plan(T, num_docs, Hq, Hk, D, block)
+    plan, nbytes = _qkv_plan(T, num_docs, Hq, Hk, D, recipe)
     if buf.numel() < nbytes:
         raise RuntimeError(f"saved Q/K/V buffer has {buf.numel()} bytes, its layout needs {nbytes}")
     # the Q/K/V launch that wrote them says which data_dt are in P-fragment order
-    qkv = qkv_config(D, Hq, Hk, layout_block(block))
-    (qq, _), (kq, kt), (vq, vt) = quantized_outputs(qkv, output_views(buf, plan))
+    (qq, _), (kq, kt), (vq, vt) = quantized_outputs(_qkv_launch(Hq, Hk, D, recipe), output_views(buf, plan))
     return qq, kq, vq, kt, vt
 
 
@@ -204,7 +210,8 @@ def varlen_fwd(
         if not causal:
             raise NotImplementedError("backend 'cute': causal=False has no sm_90a kernel")
         out_k, lse, quantized = cute_backend.forward_kernels(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale,
-                                                             _kernel_block(recipe))
+                                                             _kernel_block(recipe),
+                                                             ds_bf16=cute_backend.bf16_ds_backward(recipe))
         out = out_k.to(q.dtype)
         return out, lse, _pack_kernel(layout, out_k, quantized)
     from .emulator import emulate_forward
@@ -225,8 +232,8 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
               "vt": (Tk, Hk, D), "qkv": (T, H, D)}
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(H, T, dtype=torch.float32, device=q.device)
-    block = _kernel_block(recipe) if backend == "cute" else 1
-    saved = [_fake_entry(kind, shapes[name], num_docs, q.device, (Tk, Hk, D), block) for name, kind in layout]
+    kernel_recipe = recipe if backend == "cute" else None
+    saved = [_fake_entry(kind, shapes[name], num_docs, q.device, (Tk, Hk, D), kernel_recipe) for name, kind in layout]
     return out, lse, saved
 
 
@@ -258,7 +265,7 @@ def varlen_bwd(
         from .cute_backend import backward_backend, backward_kernels, bf16_ds_backward
 
         block = _kernel_block(recipe)
-        qq, kq, vq, kt, vt = _unpack_kernel(saved, block, out.shape[0], cu_seqlens_q.shape[0] - 1, out.shape[1])
+        qq, kq, vq, kt, vt = _unpack_kernel(saved, recipe, out.shape[0], cu_seqlens_q.shape[0] - 1, out.shape[1])
         if backward_backend() == "cute":
             dq, dk, dv = backward_kernels(dout, out_bf16, lse, qq, kq, vq, kt, vt, cu_seqlens_q, max_seqlen_q,
                                           softmax_scale, block, bf16_ds_backward(recipe))

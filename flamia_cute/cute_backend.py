@@ -71,21 +71,30 @@ def unsupported_reason(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | 
     return None
 
 
-def quantize_operands(q, k, v, cu, block: int, max_seqlen: int, forward_only: bool = False):
+def launch_layouts(cfg, forward_only: bool = False, ds_bf16: bool = False):
+    """A Q/K/V launch config reduced to the layouts that will be read: the forward's only
+    (forward_only), the forward's and the bf16-dS backward's (ds_bf16), or all (the e4m3-dS backward
+    reads Q^T and K^T). Layouts only: the tuned launch settings stay."""
+    from .quantize_sm90 import bf16_ds_layouts
+    from .quantize_sm90 import forward_only as forward_only_config
+
+    if forward_only:
+        return forward_only_config(cfg)
+    return bf16_ds_layouts(cfg) if ds_bf16 else cfg
+
+
+def quantize_operands(q, k, v, cu, block: int, max_seqlen: int, forward_only: bool = False, ds_bf16: bool = False):
     """Q, K, V in ONE fused launch: Q per token; K, V per block plus the per-token diagonal copies.
 
-    forward_only: only the orientations the forward reads (quantize_sm90.forward_only); the
-    backward's (Q^T, K^T, V token-major) are not written and are None in the result."""
-    from .quantize_sm90 import forward_only as forward_only_config
+    forward_only: only the orientations the forward reads (quantize_sm90.forward_only); ds_bf16: those
+    and the bf16-dS backward's (quantize_sm90.bf16_ds_layouts). What is not written is None in the result."""
     from .quantize_sm90 import fused_quantize_multi_sm90, qkv_config
     from .tuning import tuned_quantize_config
 
     cfg = qkv_config(q.shape[2], q.shape[1], k.shape[1], layout_block(block))
     if block == PER_TENSOR:
-        return _quantize_operands_per_tensor(q, k, v, cu, forward_only_config(cfg) if forward_only else cfg)
-    cfg = tuned_quantize_config(cfg, max_seqlen, q.shape[0], cu.numel() - 1)
-    if forward_only:
-        cfg = forward_only_config(cfg)
+        return _quantize_operands_per_tensor(q, k, v, cu, launch_layouts(cfg, forward_only, ds_bf16))
+    cfg = launch_layouts(tuned_quantize_config(cfg, max_seqlen, q.shape[0], cu.numel() - 1), forward_only, ds_bf16)
     (qq, _), (kq, kt), (vq, vt) = fused_quantize_multi_sm90((q, k, v), cu, cfg)
     return qq, (kq, kt), (vq, vt)
 
@@ -107,13 +116,15 @@ def _quantize_operands_per_tensor(q, k, v, cu, cfg):
     return qq, (kq, kt), (vq, vt)
 
 
-def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only: bool = False):
+def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only: bool = False,
+                    ds_bf16: bool = False):
     """Quantize + forward kernel. Returns (out bf16, lse (H, T) fp32, saved quantized operands);
-    forward_only: a call that needs no backward (the saved operands lack the backward's layouts)."""
+    forward_only: a call that needs no backward (the saved operands lack the backward's layouts);
+    ds_bf16: the backward to come is the bf16-dS kernel (no Q^T, K^T: launch_layouts)."""
     from .attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
     from .tuning import tuned_fwd_config
 
-    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block, max_seqlen, forward_only)
+    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block, max_seqlen, forward_only, ds_bf16)
     cfg = FwdConfig(head_dim=q.shape[2], qhead_per_kvhead=q.shape[1] // k.shape[1], diagonal_copy=block > 1)
     cfg = tuned_fwd_config(cfg, max_seqlen, q.shape[0], cu.numel() - 1)
     out, lse = flamia_fwd_sm90(
@@ -193,7 +204,8 @@ def backward_backend() -> str:
 class CuteAttention(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, cu, max_seqlen, softmax_scale, recipe, block):
-        out, lse, saved = forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block)
+        out, lse, saved = forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block,
+                                          ds_bf16=bf16_ds_backward(recipe.name))
         fctx.saved = saved
         fctx.meta = (cu, softmax_scale, recipe, q.dtype, max_seqlen)
         fctx.save_for_backward(out, lse)

@@ -895,6 +895,21 @@ def forward_only(qkv: MultiQuantizeConfig) -> MultiQuantizeConfig:
 
 
 @functools.cache
+def bf16_ds_layouts(qkv: MultiQuantizeConfig) -> MultiQuantizeConfig:
+    """A Q/K/V launch (qkv_config, tuned or not) reduced to what the forward and the bf16-dS backward
+    (attention_bwd_dsbf16_sm90) read: Q and K (and K's per-token copy) token-major only, since that
+    backward converts their [t, d] codes to bf16 in shared memory and never reads Q^T or K^T; V in
+    both orientations (the forward's P V and the backward's dP = dO V^T). Saves T x (H + 2 Hk) x D
+    bytes of writes and of memory kept for the backward (one third of Q/K/V's FP8 bytes at H = Hk)."""
+    q, k, v = qkv.parts
+    q = dataclasses.replace(q, emit_transposed=False, dt_pv_order=False)
+    k = dataclasses.replace(k, emit_transposed=False)
+    # as forward_only: with per-token K, V this body spills 32 bytes at 5 CTAs per SM, not at 4
+    bound = min(qkv.min_ctas_per_sm, 4) if qkv.min_ctas_per_sm else 0
+    return dataclasses.replace(qkv, parts=(q, k, v), min_ctas_per_sm=bound)
+
+
+@functools.cache
 def dout_config(head_dim: int, num_heads: int) -> QuantizeConfig:
     """dO of the backward: per token, both orientations (dP = dO.V^T reads [t,d], dV = P^T.dO reads [d,t],
     the latter with P^T from registers, hence P-fragment order)."""

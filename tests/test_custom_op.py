@@ -51,7 +51,7 @@ def test_saved_tensors_match_the_layout_and_hold_no_inputs(recipe):
         assert (real.shape, real.dtype) == (fake.shape, fake.dtype)
 
 
-@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token"])
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tokenblock_dsbf16"])
 def test_kernel_layout_fake(recipe):
     """The kernel backend's saved list (FP8 data in both layouts and scales), from the fake impl alone."""
     args, _ = _args(recipe, backend="cute", grad=False)
@@ -67,26 +67,32 @@ def test_kernel_layout_fake(recipe):
     assert len(saved) == 3 and saved[0].numel() == 0
     buf, k_shape = saved[1], saved[2]
     assert buf.dtype == torch.uint8 and buf.dim() == 1 and k_shape.shape == (0, Hk, D)
-    sets = 2 if recipe == "fp8_tokenblock" else 1
-    # Q: data_td + data_dt + scale; K and V: the same per set (the per-token copies when block > 1)
+    sets = 1 if recipe == "fp8_token" else 2
+    # Q: data_td + data_dt + scale; K and V: the same per set (the per-token copies when block > 1);
+    # the bf16-dS recipe's backward reads no Q^T or K^T, so its launch writes none
     per = lambda h: T * h * D + h * D * tdt + 4 * h * T  # noqa: E731
-    assert buf.shape[0] >= per(H) + 2 * sets * per(Hk)
+    if recipe == "fp8_tokenblock_dsbf16":
+        td_only = lambda h: T * h * D + 4 * h * T  # noqa: E731
+        assert td_only(H) + sets * (td_only(Hk) + per(Hk)) <= buf.shape[0] < per(H) + 2 * sets * per(Hk)
+    else:
+        assert buf.shape[0] >= per(H) + 2 * sets * per(Hk)
     assert (dq.shape, dk.shape, dv.shape) == ((T, H, D), (Tk, Hk, D), (Tk, Hk, D))
 
 
-@pytest.mark.parametrize("recipe, block", [("fp8_tokenblock", 128), ("fp8_token", 1), ("fp8_tensor_current", 0)])
+@pytest.mark.parametrize("recipe, block", [("fp8_tokenblock", 128), ("fp8_token", 1), ("fp8_tensor_current", 0),
+                                           ("fp8_tokenblock_dsbf16", 128)])
 def test_kernel_pack_unpack_round_trip(recipe, block):
     """The forward saves the ONE buffer of the Q/K/V launch; the backward rebuilds the same views
     (shapes, strides, byte offsets, P-fragment flags) from it and K's shape carrier."""
     pytest.importorskip("cutlass")
     from flamia_cute.custom_ops import _pack_kernel, _unpack_kernel
-    from flamia_cute.cute_backend import layout_block
+    from flamia_cute.cute_backend import bf16_ds_backward, launch_layouts, layout_block
     from flamia_cute.quantize_sm90 import _alloc_outputs, qkv_config
 
     T, docs, Hq, Hk, D = 300, 3, 4, 2, 128
     tdt = transposed_tokens(T, docs)
     lb = layout_block(block)  # the per-tensor recipe uses the per-token layouts
-    cfg = qkv_config(D, Hq, Hk, lb)
+    cfg = launch_layouts(qkv_config(D, Hq, Hk, lb), ds_bf16=bf16_ds_backward(recipe))
     (qs,), ks, vs = _alloc_outputs(cfg, T, tdt, "cpu")
     storage = qs[0].untyped_storage()
     torch.manual_seed(0)
@@ -104,10 +110,10 @@ def test_kernel_pack_unpack_round_trip(recipe, block):
     # the size the fake implementation promises (torch.compile checks real outputs against it)
     from flamia_cute.custom_ops import _qkv_plan
 
-    assert saved[1].shape == (_qkv_plan(T, docs, Hq, Hk, D, block)[1],) and saved[2].shape == (0, Hk, D)
+    assert saved[1].shape == (_qkv_plan(T, docs, Hq, Hk, D, recipe)[1],) and saved[2].shape == (0, Hk, D)
     ptrs = [t.untyped_storage().data_ptr() for t in saved if t.numel()]
     assert len(ptrs) == len(set(ptrs)), "saved outputs alias each other"
-    got = _unpack_kernel(saved, block, T, docs, Hq)
+    got = _unpack_kernel(saved, recipe, T, docs, Hq)
     want = (quantized[0], quantized[1][0], quantized[2][0], quantized[1][1], quantized[2][1])
     for g, w in zip(got, want, strict=True):
         if w is None:
@@ -116,11 +122,18 @@ def test_kernel_pack_unpack_round_trip(recipe, block):
         assert (g.block_tokens, g.dt_pv_order) == (w.block_tokens, w.dt_pv_order)
         for f in ("data_td", "data_dt", "scale"):
             a, b = getattr(g, f), getattr(w, f)
+            if b is None:  # a layout this recipe's launch does not write
+                assert a is None, f
+                continue
             assert a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
-    assert got[0].dt_pv_order and got[2].dt_pv_order and not got[1].dt_pv_order
+    if bf16_ds_backward(recipe):
+        assert got[0].data_dt is None and got[1].data_dt is None and got[3].data_dt is None
+        assert got[2].data_td is not None and got[2].data_dt is not None and got[2].dt_pv_order
+    else:
+        assert got[0].dt_pv_order and got[2].dt_pv_order and not got[1].dt_pv_order
     # a buffer too small for the layout is refused, not read out of bounds
     with pytest.raises(RuntimeError, match="layout needs"):
-        _unpack_kernel([saved[0], saved[1][:100], saved[2]], block, T, docs, Hq)
+        _unpack_kernel([saved[0], saved[1][:100], saved[2]], recipe, T, docs, Hq)
 
 
 @pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "bf16", "mxfp8", "nvfp4_fp8"])
@@ -190,7 +203,7 @@ def test_compile_fullgraph_aot_eager_matches_eager():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token"])
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tokenblock_dsbf16"])
 def test_compile_fullgraph_inductor_cute(recipe):
     torch._dynamo.reset()
     (eager, compiled), (g_eager, g_compiled) = _compiled_matches_eager("inductor", "cuda", "cute", recipe)

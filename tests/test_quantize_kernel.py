@@ -473,6 +473,31 @@ def test_forward_only_launch_writes_only_the_forward_layouts(D, hq, hkv, block):
 
 
 @needs_dsl
+@pytest.mark.parametrize("D, hq, hkv, block", QKV_COMPILE_CASES)
+def test_bf16_ds_launch_writes_what_its_backward_reads(D, hq, hkv, block):
+    """bf16_ds_layouts(qkv_config): Q and K (and K's copy) token-major only, V both orientations
+    (P-fragment order kept); fewer stores than the full launch, no spills, the launch settings kept."""
+    from flamia_cute.quantize_sm90 import _layout_outputs, bf16_ds_layouts
+
+    full = qkv_config(D, hq, hkv, block)
+    lean = bf16_ds_layouts(full)
+    q, k, v = lean.parts
+    assert (q.emit_token_major, q.emit_transposed, q.dt_pv_order) == (True, False, False)
+    assert (k.emit_token_major, k.emit_transposed) == (True, False) and k.emit_token_copy == (block > 1)
+    assert (v.emit_token_major, v.emit_transposed, v.dt_pv_order) == (True, True, True)
+    assert lean.raster == full.raster and lean.min_ctas_per_sm == min(full.min_ctas_per_sm, 4)
+    art, full_art = kernel_artifacts(lean, "sm_90a"), kernel_artifacts(full, "sm_90a")
+    stores = r"st\.global(\.[a-z0-9:_]+)*\.(v4\.(b|u|s)32|b128)"
+    assert _count(stores, art.ptx) < _count(stores, full_art.ptx)
+    assert art.frame_bytes in (0, None), "register spills to local memory"
+    plan, nbytes = _layout_outputs(lean, 1000, 1152)
+    (qp,), kp, vp = plan
+    assert qp[0] is not None and qp[1] is None and all(s_[1] is None for s_ in kp)
+    assert all(s_[0] is not None and s_[1] is not None for s_ in vp)
+    assert nbytes < _layout_outputs(full, 1000, 1152)[1]
+
+
+@needs_dsl
 def test_qkv_shared_memory_fits_the_register_occupancy():
     """The CTAs that the registers allow also fit in shared memory under the max carveout."""
     for block in (1, 128):
