@@ -14,6 +14,8 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 from test_attention_bwd_kernel import _grad_errors, _needs_sm90, _setup, _violations
 
 from flamia_cute.recipes import FOLD_REF_MIN, Recipe
@@ -160,6 +162,23 @@ def test_conversion_walks_cover_each_word_once(head_dim):
         assert sorted(reads) == list(range(rows * head_dim // 4)), name
         both = sorted(writes + [w + 1 for w in writes])
         assert both == list(range(rows * head_dim // 2)), name
+
+
+@given(lengths=hst.lists(hst.integers(0, 300), min_size=1, max_size=8),
+       group=hst.sampled_from([1, 2, 4]), seed=hst.integers(0, 2**16))
+@settings(max_examples=40, deadline=None)
+def test_dv_fold_reference_on_random_document_mixes(lengths, group, seed):
+    """Property: the running-max construction equals the per-(KV head, document) max of a brute-force
+    loop, for any mix (empty documents, length 1, one token of tail) and any group size."""
+    g = torch.Generator().manual_seed(seed)
+    H, T = 2 * group, sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    sdo = torch.exp2(torch.randint(-126, 10, (H, T), generator=g).float())
+    got = dv_fold_reference(sdo, cu, group)
+    for d, (s_, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        for h in range(H // group):
+            want = sdo[h * group : (h + 1) * group, s_:e].max().item() if e > s_ else FOLD_REF_MIN
+            assert got[h, d].item() == max(want, FOLD_REF_MIN), (lengths, group, h, d)
 
 
 def test_dv_fold_reference_is_the_emulators():
