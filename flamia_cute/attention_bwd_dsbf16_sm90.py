@@ -689,6 +689,8 @@ class FlamiaBwdDsBf16Sm90:
                 frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out,
                 doc_start, doc_len, lim, n_blk, softmax_scale, wg,
             )
+        if cutlass.const_expr(self.prefetch and self.dq_tma):
+            warpgroup.wait_group(0)  # the dummy S^T, dP^T issued after the phase's last tile
         # ---- phase 1: off-diagonal tiles
         if cutlass.const_expr(self.diag_copy):
             pipe_kv.consumer_release(kv_state)  # the per-token copies are done
@@ -709,6 +711,8 @@ class FlamiaBwdDsBf16Sm90:
                     b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg,
                 )
 
+        if cutlass.const_expr(self.prefetch and self.dq_tma):
+            warpgroup.wait_group(0)  # the dummy after phase 1's last tile
         # ---- epilogue: dV * r / 256 and dK * softmax_scale to bf16
         rfac = r / Float32(P_SCALE)
         store_key_rows_bf16(mdV, lambda i0: (acc_dv[i0] * rfac, acc_dv[i0 + 1] * rfac), krow, n_blk * kb,
@@ -780,13 +784,19 @@ class FlamiaBwdDsBf16Sm90:
             sQb_words[o + 1] = e4m3x2_to_bf16x2(x, True)
 
     @cute.jit
-    def issue_sdp(self, frags, pipe_a, a_state, wg):
-        """Issue S^T = K Q^T and dP^T = V dO^T of the query tile in stage a_state (one commit group)."""
+    def issue_sdp(self, frags, pipe_a, a_state, wg, has_tile=True):
+        """Issue S^T = K Q^T and dP^T = V dO^T of the query tile in stage a_state (one commit group).
+        has_tile (a runtime flag, or True): False issues on the stage as it is, without waiting for a
+        load (a dummy whose result is dropped: see tile_step's dq_tma_reduce prefetch)."""
         D = self.D
         tSrK, tSrV, tSrQ, tSrdO = frags[0:4]
         acc_s, acc_dp = frags[8], frags[9]
         sd_mma = self._make_mmas()[0]  # fresh: ACCUMULATE is state threaded through the IR
-        pipe_a.consumer_wait(a_state)
+        if cutlass.const_expr(has_tile is True):
+            pipe_a.consumer_wait(a_state)
+        else:
+            if has_tile:
+                pipe_a.consumer_wait(a_state)
         warpgroup.fence()
         for k in cutlass.range_constexpr(D // 32):
             sd_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
@@ -907,9 +917,11 @@ class FlamiaBwdDsBf16Sm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=288)
             if cutlass.const_expr(self.prefetch):
-                # the dQ tile's registers are free: the next tile's S^T, dP^T fit (at d128 too)
-                if has_next:
-                    self.issue_sdp(frags, pipe_a, a_state, wg)
+                # the dQ tile's registers are free: issue the next tile's S^T, dP^T. Always: an MMA
+                # issued under a runtime `if` and waited in the next iteration spilled 272 bytes at
+                # d128; after a phase's last tile it is a dummy on an unloaded stage (the result is
+                # dropped, and consume drains it before the phase change)
+                self.issue_sdp(frags, pipe_a, a_state, wg, has_next)
         else:
             sem_addr = Int64(0)
             if cutlass.const_expr(self.deterministic):

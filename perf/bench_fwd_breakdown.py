@@ -111,8 +111,12 @@ def measure(name, lengths):
     def ds_bwd_tma():  # dQ through shared memory and a TMA reduce-add (not the default yet)
         ds_bwd(BwdDsBf16Config(128, diagonal_copy=True, dq_tma_reduce=True))
 
+    def ds_bwd_tma_prefetch():  # and the next tile's S^T/dP^T issued after the dQ store
+        ds_bwd(BwdDsBf16Config(128, diagonal_copy=True, dq_tma_reduce=True, prefetch_sdp=True))
+
     for label, fn in (("bwd kernel", bwd), ("bwd preprocess", lambda: preprocess_bwd(dout, out, case.cu)),
                       ("dsbf16 bwd kernel", ds_bwd), ("dsbf16 bwd kernel, dQ TMA reduce", ds_bwd_tma),
+                      ("dsbf16 bwd kernel, dQ TMA reduce + prefetch", ds_bwd_tma_prefetch),
                       ("dsbf16 dV fold references", ds_prep)):
         try:
             row[label] = graph_ms(fn)

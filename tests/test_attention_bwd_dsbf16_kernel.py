@@ -248,20 +248,25 @@ def test_compiles_with_fp8_and_bf16_wgmma(artifacts, head_dim, diagonal_copy):
 
 
 @needs_dsl
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_dq_tma_reduce_variant(head_dim):
+@pytest.mark.parametrize("head_dim, prefetch", [(64, None), (128, None), (128, True)])
+def test_dq_tma_reduce_variant(head_dim, prefetch):
     """dq_tma_reduce: one TMA reduce-add per tile (issued by the dQ warp) replaces the consumers'
-    atomics; the products are the same; no spills, shared memory within the limit."""
-    cfg = BwdDsBf16Config(head_dim=head_dim, diagonal_copy=True, dq_tma_reduce=True)
+    atomics; the products are the same (the prefetch issues S^T/dP^T in more places); no spills,
+    also with the S^T/dP^T prefetch at d128 (its issue is unconditional), shared memory within the
+    limit."""
+    cfg = BwdDsBf16Config(head_dim=head_dim, diagonal_copy=True, dq_tma_reduce=True, prefetch_sdp=prefetch)
     art = kernel_artifacts(cfg, "sm_90a")
     assert smem_bytes(cfg) <= 232448
     assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", art.ptx)) == 1
     assert not re.search(r"red\.global", art.ptx)
     assert re.search(r"bar\.arrive\s+4, 288", art.ptx) and re.search(r"bar\.sync\s+5, 288", art.ptx)
     assert art.frame_bytes in (None, 0)
-    plain = kernel_artifacts(BwdDsBf16Config(head_dim=head_dim, diagonal_copy=True), "sm_90a")
-    ops = lambda ptx: Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\S+", ptx))  # noqa: E731
-    assert ops(art.ptx) == ops(plain.ptx)
+    plain = kernel_artifacts(BwdDsBf16Config(head_dim=head_dim, diagonal_copy=True, prefetch_sdp=prefetch),
+                             "sm_90a")
+    ops = lambda ptx: Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+)", ptx))  # noqa: E731
+    assert set(ops(art.ptx)) == set(ops(plain.ptx))
+    for op, n in ops(plain.ptx).items():
+        assert ops(art.ptx)[op] == n or op.startswith("m64n64k32.f32.e4m3"), op
     if art.sass is not None:
         assert not re.search(r"\b(STL|LDL)\b", art.sass)
 
@@ -334,11 +339,14 @@ def test_gpu_unaligned_document_starts(lengths):
 @pytest.mark.gpu
 @needs_dsl
 @_needs_sm90()
-@pytest.mark.parametrize("D, H, Hk", [(128, 2, 2), (64, 4, 2), (128, 4, 1)])
-def test_gpu_dq_tma_reduce_matches_emulator(D, H, Hk):
-    """The dQ-through-shared-memory variant (not the default; written in session 5 without a GPU)."""
+@pytest.mark.parametrize("D, H, Hk, prefetch", [(128, 2, 2, None), (64, 4, 2, None), (128, 4, 1, None),
+                                              (128, 2, 2, True), (128, 4, 1, True)])
+def test_gpu_dq_tma_reduce_matches_emulator(D, H, Hk, prefetch):
+    """The dQ-through-shared-memory variant, with and without the unconditional S^T/dP^T prefetch
+    (not the default; written in session 5 without a GPU)."""
     st = _setup(LENGTHS + [3000], H, Hk, D, RECIPES["fp8_tokenblock_dsbf16"], seed=6, device="cuda")
-    cfg = BwdDsBf16Config(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=True, dq_tma_reduce=True)
+    cfg = BwdDsBf16Config(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=True, dq_tma_reduce=True,
+                          prefetch_sdp=prefetch)
     res = _run(st, config=cfg)
     torch.cuda.synchronize()
     err = _grad_errors(res, st["emu"], st["cu"].cpu())
