@@ -879,19 +879,24 @@ def qkv_config(head_dim: int, q_heads: int, kv_heads: int, block_tokens: int, he
     return _qkv_config(head_dim, q_heads, kv_heads, block_tokens, heads_per_cta, tuple(sorted(kw.items())))
 
 
+def _qk_token_major_only(qkv: MultiQuantizeConfig, v_token_major: bool) -> MultiQuantizeConfig:
+    """qkv with Q and K (and K's per-token copy) written token-major only, V token-major or not
+    (always transposed, in P-fragment order); the launch settings stay but the bound: at 5 CTAs per
+    SM (48 registers) such a body spills 32 bytes (per-token K, V), at 4 it does not."""
+    q, k, v = qkv.parts
+    q = dataclasses.replace(q, emit_transposed=False, dt_pv_order=False)
+    k = dataclasses.replace(k, emit_transposed=False)
+    v = dataclasses.replace(v, emit_token_major=v_token_major)
+    bound = min(qkv.min_ctas_per_sm, 4) if qkv.min_ctas_per_sm else 0
+    return dataclasses.replace(qkv, parts=(q, k, v), min_ctas_per_sm=bound)
+
+
 @functools.cache
 def forward_only(qkv: MultiQuantizeConfig) -> MultiQuantizeConfig:
     """A Q/K/V launch (qkv_config, tuned or not) reduced to what a call that needs no backward
     reads: Q and K token-major, V transposed in P-fragment order (and K's / V's per-token copies
-    likewise). Token-block K and V write 2 of their 4 bytes per element, Q 1 of 2; the launch
-    settings (raster, bound, heads per CTA) stay."""
-    q, k, v = qkv.parts
-    q = dataclasses.replace(q, emit_transposed=False, dt_pv_order=False)
-    k = dataclasses.replace(k, emit_transposed=False)
-    v = dataclasses.replace(v, emit_token_major=False)
-    # at 5 CTAs per SM (48 registers) this body spills 32 bytes; at 4 it does not
-    bound = min(qkv.min_ctas_per_sm, 4) if qkv.min_ctas_per_sm else 0
-    return dataclasses.replace(qkv, parts=(q, k, v), min_ctas_per_sm=bound)
+    likewise). Token-block K and V write 2 of their 4 bytes per element, Q 1 of 2."""
+    return _qk_token_major_only(qkv, v_token_major=False)
 
 
 @functools.cache
@@ -901,12 +906,7 @@ def bf16_ds_layouts(qkv: MultiQuantizeConfig) -> MultiQuantizeConfig:
     backward converts their [t, d] codes to bf16 in shared memory and never reads Q^T or K^T; V in
     both orientations (the forward's P V and the backward's dP = dO V^T). Saves T x (H + 2 Hk) x D
     bytes of writes and of memory kept for the backward (one third of Q/K/V's FP8 bytes at H = Hk)."""
-    q, k, v = qkv.parts
-    q = dataclasses.replace(q, emit_transposed=False, dt_pv_order=False)
-    k = dataclasses.replace(k, emit_transposed=False)
-    # as forward_only: with per-token K, V this body spills 32 bytes at 5 CTAs per SM, not at 4
-    bound = min(qkv.min_ctas_per_sm, 4) if qkv.min_ctas_per_sm else 0
-    return dataclasses.replace(qkv, parts=(q, k, v), min_ctas_per_sm=bound)
+    return _qk_token_major_only(qkv, v_token_major=True)
 
 
 @functools.cache

@@ -338,7 +338,7 @@ def run_tune(args) -> int:
     import torch
 
     from .bench import DEFAULT_WORKLOADS, _progress
-    from .cute_backend import KERNEL_RECIPES, layout_block
+    from .cute_backend import KERNEL_RECIPES, bf16_ds_backward, layout_block
 
     data = json.loads(Path(args.workloads or DEFAULT_WORKLOADS).read_text())
     head = data["head_configs"].get(args.heads)
@@ -353,8 +353,6 @@ def run_tune(args) -> int:
     if unknown or not kernels:
         print(f"tune --kernels: unknown {unknown or args.kernels!r}; tunable: {','.join(TUNED_KERNELS)}", file=sys.stderr)
         return 2
-    from .cute_backend import bf16_ds_backward
-
     if "bwd" in kernels and bf16_ds_backward(args.recipe):
         # the search space and the run-time lookup are the e4m3-dS backward's (BwdConfig)
         print(f"tune: recipe {args.recipe!r} runs the bf16-dS backward kernel, which has no search space yet: "
