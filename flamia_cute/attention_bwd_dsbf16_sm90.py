@@ -10,30 +10,32 @@ memory, and the dQ scale needs a cross-warpgroup amax per tile. Here nothing is 
 - dV: dO's per-token scale is folded into P^T relative to ONE reference r per (KV head, document)
   (the max dO scale there, `dv_fold_reference`), so the e4m3 MMA accumulates dV across all query
   tiles and heads of the group in its own registers; dV = acc * r / 256 once, in the epilogue;
-- dK += bf16(dS^T) . Q and dQ = bf16(dS) . K on bf16 wgmma, with Q and K dequantized to bf16 by
-  the host (exact: e4m3 code times a power of two) and loaded by TMA in their natural [t, d]
-  layout (MN-major B operands: no transposed copies);
+- dK += bf16(dS^T sq) . Q-codes and dQ = bf16(dS sk) . K-codes on bf16 wgmma: the consumers convert
+  the e4m3 codes of the Q tile and the key block, [t, d] as loaded for S^T, to bf16 in shared
+  memory (exact; MN-major B operands, so no transposed copies), and the power-of-two scales go into
+  dS (bf16(dS s) = bf16(dS) s, as the recipe says);
 - 64-query tiles: S^T and dP^T take 32 registers each, so dV (64) and dK (64) both stay in
   registers next to them: 224 fp32 accumulators per thread at d128 (FA3's budget).
 
 Organization (one CTA per (128-key block n, KV head, document), GQA query heads looped inside the
 CTA, so dK and dV are summed over the group in registers: deterministic):
-- producer warp 0 (TMA): K, V (e4m3 A operands of S^T and dP^T, two 64-key slabs) and K (bf16,
-  dQ's B operand) once per phase (the per-token copies for the diagonal tiles when
-  `diagonal_copy`, then the block-scaled ones); per 64-query tile, Q and dO (e4m3 [t, d]: the B
-  operands of S^T and dP^T, pipeline a), dO^T (e4m3 [d, t], dV's B) and Q (bf16 [t, d], dK's B,
-  pipeline b);
+- producer warp 0 (TMA): K, V (e4m3 A operands of S^T and dP^T, two 64-key slabs) once per phase
+  (the per-token copies for the diagonal tiles when `diagonal_copy`, then the block-scaled ones);
+  per 64-query tile, Q and dO (e4m3 [t, d]: the B operands of S^T and dP^T, pipeline a) and dO^T
+  (e4m3 [d, t], dV's B, pipeline b);
 - producer warp 1: per query tile, sq * softmax_scale * log2e, lse * log2e (+inf past the
-  document end, so P = 0 there), D = rowsum(dO * O) and the dO scale (0 past the end);
+  document end, so P = 0 there), D = rowsum(dO * O), the dO scale (0 past the end) and sq;
+- producer warp 2, with `dq_tma_reduce` only: the dQ tiles' TMA reduce-adds (reduce_dq);
 - consumer warpgroup w owns keys 64 w .. 64 w + 63 of the block (M everywhere):
   S^T = K Q^T and dP^T = V dO^T (e4m3, fp32), P^T = exp2(S^T sk sq scale log2e - lse log2e)
   (masked on the diagonal tiles), dS^T = P^T (dP^T sv sdo - D);
   dV += e4m3(P^T * sdo * 256 / r) . dO^T (A from registers);
-  dK += bf16(dS^T) . Q_bf16 (A from registers);
-  bf16(dS) is also stored to shared memory [q, key] (double-buffered: a warpgroup may write the
-  next tile's while the other still reads this one), then after one barrier of the two
-  warpgroups dQ_tile = dS . K_bf16 for the warpgroup's half of the head dimension, and
-  red.global.add.v2.f32 of softmax_scale * dQ_tile into an fp32 dQ accumulator (T, H, D);
+  dK += bf16(dS^T sq) . Q-codes (A from registers; the Q tile's half converted by each warpgroup);
+  bf16(dS sk) is also stored to shared memory [q, key] (double-buffered, as Q's bf16 codes: a
+  warpgroup may write the next tile's while the other still reads this one), then after one
+  barrier of the two warpgroups dQ_tile = dS . K-codes for the warpgroup's half of the head
+  dimension, and red.global.add.v2.f32 of softmax_scale * dQ_tile into an fp32 dQ accumulator
+  (T, H, D);
 - epilogue: dK * softmax_scale and dV * r / 256 to bf16 with 16-byte stores.
 
 Tile order inside a CTA: the diagonal tiles (query tiles 2n and 2n + 1, the second only when it
@@ -164,7 +166,8 @@ def tile_schedule(i, n, group, n_diag, per):
 
     Tiles 0 .. group * n_diag - 1: the diagonal tiles m = 2n (+ 1) of each head (n_diag = 1 when
     the document ends in tile 2n); then head j's off-diagonal tiles m = 2n + 2 .. 2n + 1 + per.
-    Plain integer math: the CPU tests run the same function.
+    Plain integer math for the CPU tests; the kernel's loops do the same arithmetic on DSL integers
+    (_tile_of, and per phase in load_tma and consume).
     """
     if i < group * n_diag:
         return i // n_diag, 2 * n + i % n_diag, True
@@ -602,7 +605,7 @@ class FlamiaBwdDsBf16Sm90:
     @cute.jit
     def load_vectors(self, mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, kv_head, doc_start, doc_len, sched,
                      softmax_scale):
-        """Warp 1: per query tile, the four per-query vectors (see the module docstring)."""
+        """Warp 1: per query tile, the five per-query vectors (store_query_vectors)."""
         n_blk, n_diag, per = sched
         lane = cute.arch.lane_idx()
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sv)
