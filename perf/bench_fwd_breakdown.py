@@ -96,7 +96,8 @@ def measure(name, lengths):
         flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
                                    do_quantized=doq, delta=delta)
 
-    # the bf16-dS backward (recipe fp8_tokenblock_dsbf16): its kernel alone and its torch operand prep
+    # the bf16-dS backward (recipe fp8_tokenblock_dsbf16): its kernel alone (and its variants), and the
+    # torch launches of its dV fold references
     ds_cfg = BwdDsBf16Config(128, diagonal_copy=True)
 
     def ds_prep():
