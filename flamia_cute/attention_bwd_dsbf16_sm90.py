@@ -585,21 +585,20 @@ class FlamiaBwdDsBf16Sm90:
         hand the buffer back once the TMA has read it (DQ_EMPTY). Rows past the document end are 0
         (P = 0 there) and rows past T are clipped by the TMA, so whole 64-row tiles are added."""
         n_blk, n_diag, per = sched
-        lane = cute.arch.lane_idx()
         total = self._tile_count(n_diag, per)
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)  # the buffer starts free
         for i in cutlass.range(total, unroll=1):
             hi, m = self._tile_of(i, n_blk, n_diag, per)
             cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=288)
-            if lane == 0:
-                tSs, tSg = self._part(atom, t_dq, kv_head * self.group + hi, sdQ, (self.tq, self.D), doc_start, 0)
-                cute.copy(atom, tSs[None, 0], tSg[None, m])
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            # the whole warp: a TMA copy elects its issuing lane with a full-mask elect.sync, so calling
+            # it from one lane deadlocks (the first version did: it hung on the H200)
+            tSs, tSg = self._part(atom, t_dq, kv_head * self.group + hi, sdQ, (self.tq, self.D), doc_start, 0)
+            cute.copy(atom, tSs[None, 0], tSg[None, m])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
             if i + 1 < total:
                 cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)
-        if lane == 0:
-            cute.arch.cp_async_bulk_wait_group(0)  # the last adds complete before the CTA retires
+        cute.arch.cp_async_bulk_wait_group(0)  # the last adds complete before the CTA retires
 
     # ------------------------------------------------------------------------------------------
     @cute.jit

@@ -97,11 +97,50 @@ def set_target_arch(arch: str) -> None:
     os.environ["CUTE_DSL_ARCH"] = arch
 
 
+# Instructions that every lane of the warp (or every thread named by a barrier) must execute together.
+_COLLECTIVE = re.compile(r"^\s*(elect\.sync|shfl\.sync|vote\.sync|match\.sync|redux\.sync|bar\.sync|bar\.arrive|"
+                         r"barrier\.sync|barrier\.arrive|bar\.warp\.sync|wgmma\.|setmaxnreg)")
+_REG = re.compile(r"%[a-z]+\d+")
+
+
+def lane_divergent_collectives(ptx: str) -> list[str]:
+    """Warp-collective instructions inside a forward branch taken or not by lane: a predicate computed
+    (through any arithmetic) from %laneid guards `@%p bra L`, and a collective lies on the fall-through
+    path before `L:`.
+    Some lanes then execute it without the others: `elect.sync` with a full mask from lane 0 alone
+    deadlocked the bf16-dS backward's dQ warp (session 6). Returns the offending lines."""
+    lines = ptx.splitlines()
+    lane_vals: set[str] = set()
+    found = []
+    for i, line in enumerate(lines):
+        text = line.strip()
+        if "%laneid" in text:
+            lane_vals.update(_REG.findall(text.split(",")[0]))
+            continue
+        regs = _REG.findall(text)
+        op = text.split()[0] if text else ""
+        if regs and not _COLLECTIVE.match(text) and not op.startswith(("@", "bra", "st.", "ld.")):
+            # destination first: lane-varying when any source is (shuffles and votes excluded above)
+            if any(r in lane_vals for r in regs[1:]):
+                lane_vals.add(regs[0])
+        m = re.match(r"@!?(%p\d+)\s+bra(?:\.uni)?\s+(\$?[\w.]+);", text)
+        if m and m.group(1) in lane_vals:
+            target = m.group(2) + ":"
+            for later in lines[i + 1:]:
+                stripped = later.strip()
+                if stripped == target or re.match(r"(bra(\.uni)?|ret|exit)\b", stripped):
+                    break  # the label, or the end of the fall-through path
+                if _COLLECTIVE.match(later):
+                    found.append(f"{text} .. {stripped[:60]}")
+    return found
+
+
 def summarize(art: Any, smem_bytes: int) -> dict:
     out = {"arch": art.arch, "registers": art.registers, "stack_frame_bytes": art.frame_bytes,
            "shared_memory_bytes": smem_bytes}
     for label, pat in PTX_COUNTERS.items():
         out[f"ptx {label}"] = len(re.findall(pat, art.ptx))
+    out["ptx collectives under a lane branch"] = len(lane_divergent_collectives(art.ptx))
     if art.sass:
         for label, pat in SASS_COUNTERS.items():
             out[f"sass {label}"] = len(re.findall(pat, art.sass))

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as hst
 from test_attention_bwd_kernel import _grad_errors, _needs_sm90, _setup, _violations
 
+from flamia_cute.kernels import lane_divergent_collectives
 from flamia_cute.recipes import FOLD_REF_MIN, Recipe
 from flamia_cute.testing import check_leakage, make_inputs
 
@@ -260,6 +261,8 @@ def test_dq_tma_reduce_variant(head_dim, prefetch):
     assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", art.ptx)) == 1
     assert not re.search(r"red\.global", art.ptx)
     assert re.search(r"bar\.arrive\s+4, 288", art.ptx) and re.search(r"bar\.sync\s+5, 288", art.ptx)
+    # the dQ warp issues the TMA reduce as a whole warp (a one-lane call of the copy hung on the H200)
+    assert lane_divergent_collectives(art.ptx) == []
     assert art.frame_bytes in (None, 0)
     plain = kernel_artifacts(BwdDsBf16Config(head_dim=head_dim, diagonal_copy=True, prefetch_sdp=prefetch),
                              "sm_90a")

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from flamia_cute.kernels import KERNELS
+from flamia_cute.kernels import KERNELS, lane_divergent_collectives
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +102,49 @@ def test_bf16_ds_backward_mixes_fp8_and_bf16_wgmma_without_spills(ptx_all):
             assert int(v["sass QGMMA (fp8 wgmma)"]) >= 3 and int(v["sass HGMMA (16-bit wgmma)"]) >= 2, cfg
             assert int(v["sass STL/LDL (local memory)"]) == 0, cfg
     assert seen == 4
+
+
+def test_no_kernel_runs_a_warp_collective_on_some_lanes_only(ptx_all):
+    blocks, _ = ptx_all
+    for key, v in blocks.items():
+        assert int(v["ptx collectives under a lane branch"]) == 0, key
+
+
+# A TMA copy called from lane 0 alone (the deadlock of the first dq_tma_reduce build) and the same
+# copy issued by the whole warp, which elects its lane itself.
+_ONE_LANE_COPY = """
+	mov.u32 	%r44, %laneid;
+	setp.ne.b32 	%p192, %r44, 0;
+	bar.sync 	4, 288;
+	@%p192 bra 	$L__BB0_95;
+	elect.sync 	%r2327|%p193, -1;
+	cp.async.bulk.commit_group;
+$L__BB0_95:
+	bar.arrive 5, 288;
+"""
+_WARP_COPY = """
+	mov.u32 	%r44, %laneid;
+	add.s32 	%r45, %r44, 1;
+	bar.sync 	4, 288;
+	elect.sync 	%r2327|%p193, -1;
+	@%p193 bra 	$L__BB0_95;
+	cp.async.bulk.commit_group;
+$L__BB0_95:
+	setp.ne.b32 	%p197, %r45, 1;
+	@%p197 bra 	$L__BB0_96;
+	st.global.u32 	[%rd1], %r45;
+	bra.uni 	$L__BB0_97;
+$L__BB0_96:
+	bar.arrive 5, 288;
+$L__BB0_97:
+"""
+
+
+def test_lane_divergence_lint_flags_a_one_lane_collective():
+    assert len(lane_divergent_collectives(_ONE_LANE_COPY)) == 1
+    # derived through arithmetic: still lane-varying
+    derived = _ONE_LANE_COPY.replace("setp.ne.b32 \t%p192, %r44, 0;", "and.b32 \t%r46, %r44, 3;\n\tsetp.ne.b32 \t%p192, %r46, 0;")
+    assert derived != _ONE_LANE_COPY
+    assert len(lane_divergent_collectives(derived)) == 1
+    # a branch on the elected predicate, and a lane branch whose fall-through path ends before the barrier
+    assert lane_divergent_collectives(_WARP_COPY) == []
