@@ -9,9 +9,11 @@ python3 -c "import flamia_cute.quant" 2>/dev/null || python3 -m pip install -q -
   >"$OUT/pip.log" 2>&1
 export TRAIN_DIR=${TRAIN_DIR:-$OUT/train}
 mkdir -p "$OUT/g0" "$OUT/g1" "$TRAIN_DIR"
-(CUDA_VISIBLE_DEVICES=1 OUT=$OUT/g1 TRAIN_WHAT=${TRAIN_WHAT1:-${TRAIN_WHAT:-}} bash perf/gpu_session.sh ${GPU1:-} \
+# each side stops at PAIR_LIMIT seconds so the archive is written inside the device call's 600 s
+lim=${PAIR_LIMIT:-575}
+(CUDA_VISIBLE_DEVICES=1 OUT=$OUT/g1 TRAIN_WHAT=${TRAIN_WHAT1:-${TRAIN_WHAT:-}} timeout "$lim" bash perf/gpu_session.sh ${GPU1:-} \
   > "$OUT/g1/console.log" 2>&1) &
-CUDA_VISIBLE_DEVICES=0 OUT=$OUT/g0 TRAIN_WHAT=${TRAIN_WHAT0:-${TRAIN_WHAT:-}} bash perf/gpu_session.sh ${GPU0:-} \
+CUDA_VISIBLE_DEVICES=0 OUT=$OUT/g0 TRAIN_WHAT=${TRAIN_WHAT0:-${TRAIN_WHAT:-}} timeout "$lim" bash perf/gpu_session.sh ${GPU0:-} \
   2>&1 | tail -60
 wait
 echo "=== g1 console tail"; tail -30 "$OUT/g1/console.log"

@@ -72,7 +72,7 @@ for stage in "$@"; do
     api-tests) run api_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cute_backend.py ;;
     bwd-tests) run bwd_tests 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_bwd_kernel.py ;;
     kernel-accuracy) run kernel_accuracy 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_accuracy.py ;;
-    ds-tests) run ds_tests 320 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py ;;
+    ds-tests) run ds_tests 260 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py ;;
     ds-bench) run ds_bench 420 python3 -m flamia_cute.cli bench --recipe fp8_tokenblock,fp8_tokenblock_dsbf16 \
                 --modes fwd,bwd,fwdbwd --impls flamia,fa4,cudnn --reps 15 --gpu-time --out "$OUT/ds_gputime" ;;
     ds-bench-api) run ds_bench_api 420 python3 -m flamia_cute.cli bench --recipe fp8_tokenblock,fp8_tokenblock_dsbf16 \
@@ -90,7 +90,7 @@ for stage in "$@"; do
       run ncu_quant 200 ncu -k regex:'[Qq]uant' --launch-skip 1 --launch-count 1 --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --metrics dram__bytes_read.sum,dram__bytes_write.sum \
         python3 perf/profile_kernels.py quant longtail32k ;;
-    fwd-breakdown) run fwd_breakdown 420 env OUT="$OUT" python3 perf/bench_fwd_breakdown.py ;;
+    fwd-breakdown) run fwd_breakdown ${BREAKDOWN_SECONDS:-420} env OUT="$OUT" python3 perf/bench_fwd_breakdown.py ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
