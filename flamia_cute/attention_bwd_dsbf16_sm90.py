@@ -25,7 +25,8 @@ CTA, so dK and dV are summed over the group in registers: deterministic):
   (e4m3 [d, t], dV's B, pipeline b);
 - producer warp 1: per query tile, sq * softmax_scale * log2e, lse * log2e (+inf past the
   document end, so P = 0 there), D = rowsum(dO * O), the dO scale (0 past the end) and sq;
-- producer warp 2, with `dq_tma_reduce` only: the dQ tiles' TMA reduce-adds (reduce_dq);
+- producer warp 2, with `dq_tma_reduce` (the default unless deterministic): the dQ tiles' TMA
+  reduce-adds (reduce_dq);
 - consumer warpgroup w owns keys 64 w .. 64 w + 63 of the block (M everywhere):
   S^T = K Q^T and dP^T = V dO^T (e4m3, fp32), P^T = exp2(S^T sk sq scale log2e - lse log2e)
   (masked on the diagonal tiles), dS^T = P^T (dP^T sv sdo - D);
@@ -34,8 +35,9 @@ CTA, so dK and dV are summed over the group in registers: deterministic):
   bf16(dS sk) is also stored to shared memory [q, key] (double-buffered, as Q's bf16 codes: a
   warpgroup may write the next tile's while the other still reads this one), then after one
   barrier of the two warpgroups dQ_tile = dS . K-codes for the warpgroup's half of the head
-  dimension, and red.global.add.v2.f32 of softmax_scale * dQ_tile into an fp32 dQ accumulator
-  (T, H, D);
+  dimension; softmax_scale * dQ_tile goes into an fp32 dQ accumulator (T, H, D), through a
+  shared-memory tile and warp 2's TMA reduce-add (`dq_tma_reduce`), or by red.global.add.v2.f32
+  from the consumers (the deterministic mode orders those);
 - epilogue: dK * softmax_scale and dV * r / 256 to bf16 with 16-byte stores.
 
 Tile order inside a CTA: the diagonal tiles (query tiles 2n and 2n + 1, the second only when it
@@ -122,8 +124,9 @@ class BwdDsBf16Config:
     # dV, dK and the dQ tile need 224 + ~30 > 240: spills)
     prefetch_sdp: bool | None = None
     # dQ tiles through shared memory, added to the fp32 accumulator by a TMA reduce-add that a producer
-    # warp issues (FA3's scheme) instead of the consumers' red.global.add: NOT GPU-RUN YET (session 5)
-    dq_tma_reduce: bool = False
+    # warp issues (FA3's scheme) instead of the consumers' red.global.add (None: on unless deterministic
+    # or out of shared memory; kernel -12% on 1x16k, -14% on 1x64k, run s6b)
+    dq_tma_reduce: bool | None = None
 
     def __post_init__(self):
         def bad(name, msg):
@@ -131,6 +134,11 @@ class BwdDsBf16Config:
 
         if self.prefetch_sdp is not None and not isinstance(self.prefetch_sdp, bool):
             bad("prefetch_sdp", "must be None (auto) or a bool")
+        if self.dq_tma_reduce is None and isinstance(self.deterministic, bool):
+            # on where allowed and its 33 KB dQ tile fits (not with 3 query stages at d128)
+            object.__setattr__(self, "dq_tma_reduce", not self.deterministic)
+            if self.head_dim in (64, 128) and self.q_stages in (1, 2, 3) and smem_bytes(self) > SMEM_LIMIT:
+                object.__setattr__(self, "dq_tma_reduce", False)
 
         if self.head_dim not in (64, 128):
             bad("head_dim", "must be 64 or 128")
@@ -1039,10 +1047,11 @@ def flamia_bwd_dsbf16_sm90(
     return dq, dk, dv
 
 
-def default_config(qq, kq, kt) -> BwdDsBf16Config:
-    """The default BwdDsBf16Config for the forward's saved operands (kt: per-token K copy or None)."""
+def default_config(qq, kq, kt, deterministic: bool = False) -> BwdDsBf16Config:
+    """The default BwdDsBf16Config for the forward's saved operands (kt: per-token K copy or None); the
+    dQ path follows `deterministic` (atomics in key-block order, else the TMA reduce-add)."""
     return BwdDsBf16Config(head_dim=qq.data_td.shape[2], qhead_per_kvhead=qq.data_td.shape[1] // kq.data_td.shape[1],
-                           diagonal_copy=kt is not None)
+                           diagonal_copy=kt is not None, deterministic=deterministic)
 
 
 def flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, cu_seqlens, max_seqlen, softmax_scale,

@@ -160,12 +160,11 @@ def backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16: bool = False):
     if ds_bf16:
         from .attention_bwd_dsbf16_sm90 import default_config as bf16_ds_default
 
-        cfg = bf16_ds_default(qq, kq, kt)
-    else:
-        from .attention_bwd_sm90 import default_config
-        from .tuning import tuned_bwd_config
+        return bf16_ds_default(qq, kq, kt, deterministic=deterministic_backward())
+    from .attention_bwd_sm90 import default_config
+    from .tuning import tuned_bwd_config
 
-        cfg = tuned_bwd_config(default_config(qq, kq, kt), max_seqlen, qq.data_td.shape[0], cu.numel() - 1)
+    cfg = tuned_bwd_config(default_config(qq, kq, kt), max_seqlen, qq.data_td.shape[0], cu.numel() - 1)
     return dataclasses.replace(cfg, deterministic=True) if deterministic_backward() else cfg
 
 

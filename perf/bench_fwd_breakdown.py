@@ -109,15 +109,11 @@ def measure(name, lengths):
         flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
                                           config=cfg, do_quantized=doq, delta=delta, dv_ref=dv_ref)
 
-    def ds_bwd_tma():  # dQ through shared memory and a TMA reduce-add (not the default yet)
-        ds_bwd(BwdDsBf16Config(128, diagonal_copy=True, dq_tma_reduce=True))
-
-    def ds_bwd_tma_prefetch():  # and the next tile's S^T/dP^T issued after the dQ store
-        ds_bwd(BwdDsBf16Config(128, diagonal_copy=True, dq_tma_reduce=True, prefetch_sdp=True))
+    def ds_bwd_atomics():  # dQ by the consumers' atomics (the default until session 6; the deterministic path)
+        ds_bwd(BwdDsBf16Config(128, diagonal_copy=True, dq_tma_reduce=False))
 
     for label, fn in (("bwd kernel", bwd), ("bwd preprocess", lambda: preprocess_bwd(dout, out, case.cu)),
-                      ("dsbf16 bwd kernel", ds_bwd), ("dsbf16 bwd kernel, dQ TMA reduce", ds_bwd_tma),
-                      ("dsbf16 bwd kernel, dQ TMA reduce + prefetch", ds_bwd_tma_prefetch),
+                      ("dsbf16 bwd kernel", ds_bwd), ("dsbf16 bwd kernel, dQ atomics", ds_bwd_atomics),
                       ("dsbf16 dV fold references", ds_prep)):
         try:
             row[label] = graph_ms(fn)

@@ -67,13 +67,38 @@ def test_config_rejects(field, value):
 
 
 @needs_dsl
+def test_dq_path_follows_determinism(monkeypatch):
+    """dQ by TMA reduce-add unless deterministic (then ordered atomics); the API's config follows
+    torch.use_deterministic_algorithms / FLAMIA_CUTE_DETERMINISTIC."""
+    from flamia_cute.cute_backend import backward_config
+    from flamia_cute.quant import QuantizedTHD
+
+    assert BwdDsBf16Config(head_dim=128).dq_tma_reduce is True
+    assert BwdDsBf16Config(head_dim=128, deterministic=True).dq_tma_reduce is False
+    assert BwdDsBf16Config(head_dim=64, dq_tma_reduce=False).dq_tma_reduce is False
+    T, H, Hk, D = 256, 4, 2, 128
+    qq = QuantizedTHD(torch.zeros(T, H, D, dtype=torch.float8_e4m3fn), None, torch.ones(H, T), 128, "e4m3")
+    kq = QuantizedTHD(torch.zeros(T, Hk, D, dtype=torch.float8_e4m3fn), None, torch.ones(Hk, T), 128, "e4m3")
+    cu = torch.tensor([0, T], dtype=torch.int32)
+    for env, tma in (("0", True), ("1", False)):
+        monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", env)
+        cfg = backward_config(qq, kq, kq, cu, T, ds_bf16=True)
+        assert (cfg.dq_tma_reduce, cfg.deterministic, cfg.qhead_per_kvhead) == (tma, not tma, 2), cfg
+
+
+@needs_dsl
 def test_config_smem_fits(monkeypatch):
     import flamia_cute.attention_bwd_dsbf16_sm90 as mod
 
     for d in (64, 128):
         for st in (1, 2, 3):
             assert smem_bytes(BwdDsBf16Config(head_dim=d, q_stages=st)) <= 232448
-    monkeypatch.setattr(mod, "SMEM_LIMIT", smem_bytes(BwdDsBf16Config(head_dim=128)) - 1)
+    # the dQ tile does not fit next to three query stages at d128: the default falls back to atomics
+    assert not BwdDsBf16Config(head_dim=128, q_stages=3).dq_tma_reduce
+    assert BwdDsBf16Config(head_dim=64, q_stages=3).dq_tma_reduce
+    with pytest.raises(ValueError, match="shared memory"):
+        BwdDsBf16Config(head_dim=128, q_stages=3, dq_tma_reduce=True)
+    monkeypatch.setattr(mod, "SMEM_LIMIT", smem_bytes(BwdDsBf16Config(head_dim=128, dq_tma_reduce=False)) - 1)
     with pytest.raises(ValueError, match="shared memory"):
         BwdDsBf16Config(head_dim=128)
 
@@ -237,7 +262,9 @@ def test_compiles_with_fp8_and_bf16_wgmma(artifacts, head_dim, diagonal_copy):
     assert "cp.async.bulk.tensor" in art.ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" in art.ptx and "cvt.rn.bf16x2.f32" in art.ptx
     assert "cvt.rn.f16x2.e4m3x2" in art.ptx, "Q and K codes converted to bf16 in the kernel"
-    assert "red.global.add.v2.f32" in art.ptx
+    # dQ: one TMA reduce-add per tile by the dQ warp, no atomics (dq_tma_reduce's default)
+    assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", art.ptx)) == 1
+    assert "red.global" not in art.ptx
     assert "setmaxnreg.inc" in art.ptx and "setmaxnreg.dec" in art.ptx
     assert not re.search(r"\b(ld|st)\.local\b", art.ptx)
     assert art.frame_bytes in (None, 0)
@@ -264,8 +291,9 @@ def test_dq_tma_reduce_variant(head_dim, prefetch):
     # the dQ warp issues the TMA reduce as a whole warp (a one-lane call of the copy hung on the H200)
     assert lane_divergent_collectives(art.ptx) == []
     assert art.frame_bytes in (None, 0)
-    plain = kernel_artifacts(BwdDsBf16Config(head_dim=head_dim, diagonal_copy=True, prefetch_sdp=prefetch),
-                             "sm_90a")
+    plain = kernel_artifacts(BwdDsBf16Config(head_dim=head_dim, diagonal_copy=True, prefetch_sdp=prefetch,
+                                             dq_tma_reduce=False), "sm_90a")
+    assert "red.global.add.v2.f32" in plain.ptx
     ops = lambda ptx: Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+)", ptx))  # noqa: E731
     assert set(ops(art.ptx)) == set(ops(plain.ptx))
     for op, n in ops(plain.ptx).items():
@@ -342,13 +370,15 @@ def test_gpu_unaligned_document_starts(lengths):
 @pytest.mark.gpu
 @needs_dsl
 @_needs_sm90()
-@pytest.mark.parametrize("D, H, Hk, prefetch", [(128, 2, 2, None), (64, 4, 2, None), (128, 4, 1, None),
-                                              (128, 2, 2, True), (128, 4, 1, True)])
-def test_gpu_dq_tma_reduce_matches_emulator(D, H, Hk, prefetch):
-    """The dQ-through-shared-memory variant, with and without the unconditional S^T/dP^T prefetch
-    (not the default; written in session 5 without a GPU)."""
+@pytest.mark.parametrize("D, H, Hk, prefetch, tma", [(128, 2, 2, None, False), (64, 4, 2, None, False),
+                                                   (128, 4, 1, None, True), (128, 2, 2, True, True),
+                                                   (128, 4, 1, True, True)])
+def test_gpu_dq_paths_match_emulator(D, H, Hk, prefetch, tma):
+    """Both dQ paths on a longer mix: the TMA reduce-add (the default since session 6), with and
+    without the unconditional S^T/dP^T prefetch, and the consumers' atomics (the deterministic
+    mode's path, here unordered)."""
     st = _setup(LENGTHS + [3000], H, Hk, D, RECIPES["fp8_tokenblock_dsbf16"], seed=6, device="cuda")
-    cfg = BwdDsBf16Config(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=True, dq_tma_reduce=True,
+    cfg = BwdDsBf16Config(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=True, dq_tma_reduce=tma,
                           prefetch_sdp=prefetch)
     res = _run(st, config=cfg)
     torch.cuda.synchronize()
