@@ -996,7 +996,8 @@ def flamia_bwd_dsbf16_sm90(
     memory). *_tok*: the per-token K/V copies of the diagonal tiles when
     config.diagonal_copy (else ignored). do_quantized (QuantizedTHD with data_dt in P-fragment
     order) and delta (H, T) may be passed precomputed; else the preprocess computes them; so may
-    dv_ref, the dv_fold_reference (perf/bench_fwd_breakdown.py times the kernel alone).
+    dv_ref, the dv_fold_reference (perf/bench_fwd_breakdown.py times the kernel alone); when dO is
+    quantized here, the same launch computes dv_ref (no torch launches).
     """
     from .attention_bwd_sm90 import backward_grid_blocks, backward_outputs, preprocess_bwd
 
@@ -1013,9 +1014,12 @@ def flamia_bwd_dsbf16_sm90(
     num_docs = cu.numel() - 1
     T_dt = transposed_tokens(T, num_docs)
     if do_quantized is None or delta is None:
-        delta_, doq = preprocess_bwd(dout, out, cu)
+        # the dV fold references come from the same launch when it also quantizes dO
+        delta_, doq, ref_ = preprocess_bwd(dout, out, cu, dv_ref_group=config.qhead_per_kvhead)
         delta = delta if delta is not None else delta_
-        do_quantized = do_quantized if do_quantized is not None else doq
+        if do_quantized is None:
+            do_quantized = doq
+            dv_ref = dv_ref if dv_ref is not None else ref_
     f8 = torch.float8_e4m3fn
     check_kernel_tensors((
         ("q_td", q_td, (T, H, D), f8), ("k_td", k_td, (T, Hk, D), f8), ("v_td", v_td, (T, Hk, D), f8),

@@ -1033,19 +1033,30 @@ def kernel_artifacts(config: BwdConfig, arch: str = "sm_90a"):
     return compile_artifacts(compile_bwd_sm90, config, arch)
 
 
-def preprocess_bwd(dout: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tensor):
+def preprocess_bwd(dout: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tensor, dv_ref_group: int = 0):
     """D = rowsum(dO * O) (H, T) fp32 and dO quantized per token in both orientations (QuantizedTHD).
 
     One launch of the fused quantization kernel: dO bit-exact with quant.quantize_thd, and D from
     the same read of dO (fp32 sums of exact bf16 products; the order differs from torch's by a
-    rounding or two).
+    rounding or two). With dv_ref_group g > 0 it also returns the bf16-dS backward's dV fold
+    references (H / g, docs) fp32 from the same launch (bitwise dv_fold_reference's; one memset).
     """
     from .quantize_sm90 import dout_delta_config, quantize_with_rowdot_sm90
 
     dout = dout.to(torch.bfloat16)
     out = out.to(torch.bfloat16)
-    doq, delta = quantize_with_rowdot_sm90(dout, out, cu_seqlens, dout_delta_config(dout.shape[2], dout.shape[1]))
-    return delta, doq
+    T, H, D = dout.shape
+    docmax = None
+    if dv_ref_group:
+        docmax = torch.zeros(H // dv_ref_group, cu_seqlens.numel() - 1, dtype=torch.int32, device=dout.device)
+    doq, delta = quantize_with_rowdot_sm90(dout, out, cu_seqlens, dout_delta_config(D, H, dv_ref_group),
+                                           docmax=docmax)
+    if not dv_ref_group:
+        return delta, doq
+    from .recipes import FOLD_REF_MIN
+
+    # empty documents (never raised) and all-zero dO stay at the fold's floor, as dv_fold_reference
+    return delta, doq, docmax.view(torch.float32).clamp_min(FOLD_REF_MIN)
 
 
 def flamia_bwd_sm90(

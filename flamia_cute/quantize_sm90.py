@@ -105,6 +105,10 @@ class QuantizeConfig:
     # also read y (same shape as x) and write rowdot (H, T) fp32 = sum_d x * y: the backward's
     # D = rowsum(dO * O) in the pass that quantizes dO (first part of a launch only)
     emit_rowdot: bool = False
+    # g > 0: also raise docmax (H / g, docs) int32 to the max scale bits of each document over its tokens
+    # and the g heads of a group (atomic max; the caller zeroes it; scales are positive powers of two,
+    # so their bits order as the values): the bf16-dS backward's dV fold reference from dO's pass
+    doc_scale_max_group: int = 0
     tile_tokens: int = TILE_TOKENS
     heads_per_cta: int = 0  # 0: choose automatically
     threads: int = 0  # 0: the only supported value, NUM_THREADS
@@ -125,6 +129,12 @@ class QuantizeConfig:
             bad("emit_token_major", "and emit_transposed are both False: the launch would write no data")
         if self.emit_token_copy and self.block_tokens == 1:
             bad("emit_token_copy", "the per-token copy duplicates set 0 when block_tokens == 1")
+        if not isinstance(self.doc_scale_max_group, int) or self.doc_scale_max_group < 0 or (
+                self.doc_scale_max_group and self.num_heads % self.doc_scale_max_group):
+            bad("doc_scale_max_group", f"must be 0 or a divisor of num_heads={self.num_heads}, "
+                                       f"got {self.doc_scale_max_group!r}")
+        if self.doc_scale_max_group and self.emit_token_copy:
+            bad("doc_scale_max_group", "reads set 0's per-token scales: not with emit_token_copy")
         if self.tile_tokens != TILE_TOKENS:
             bad("tile_tokens", f"only {TILE_TOKENS} is supported (the data_dt pad and block 128), got {self.tile_tokens}")
         if self.threads not in (0, NUM_THREADS):
@@ -147,7 +157,8 @@ class QuantizeConfig:
     @property
     def smem_bytes(self) -> int:
         tile = self.heads_per_cta * self.head_dim * TILE_GROUPS * GROUP_TOKENS if self.emit_transposed else 0
-        return self.num_sets * tile + NUM_WARPS * self.heads_per_cta * 4 + NUM_WARPS * 2 * 4 + 16 + 64
+        doc_max = 16 * (1 + self.heads_per_cta // 4) if self.doc_scale_max_group else 0
+        return self.num_sets * tile + NUM_WARPS * self.heads_per_cta * 4 + NUM_WARPS * 2 * 4 + 16 + 64 + doc_max
 
 
 def smem_bytes(config) -> int:
@@ -198,8 +209,9 @@ class MultiQuantizeConfig:
         parts = tuple(parts)
         if not 1 <= len(parts) <= MAX_PARTS or not all(isinstance(p, QuantizeConfig) for p in parts):
             raise ValueError(f"MultiQuantizeConfig.parts: 1..{MAX_PARTS} QuantizeConfig, got {self.parts!r}")
-        if any(p.emit_rowdot for p in parts[1:]):
-            raise ValueError("MultiQuantizeConfig.parts: only the first part may have emit_rowdot")
+        if any(p.emit_rowdot or p.doc_scale_max_group for p in parts[1:]):
+            raise ValueError("MultiQuantizeConfig.parts: only the first part may have emit_rowdot or "
+                             "doc_scale_max_group")
         object.__setattr__(self, "parts", parts)
         if self.raster not in ("heads", "chunks"):
             raise ValueError(f"MultiQuantizeConfig.raster: 'heads' or 'chunks', got {self.raster!r}")
@@ -273,7 +285,7 @@ class FusedQuantizeSm90:
         td11: cute.Pointer, dt11: cute.Pointer, sc11: cute.Pointer,
         x2: cute.Pointer, td20: cute.Pointer, dt20: cute.Pointer, sc20: cute.Pointer,
         td21: cute.Pointer, dt21: cute.Pointer, sc21: cute.Pointer,
-        y0: cute.Pointer, rowdot0: cute.Pointer,
+        y0: cute.Pointer, rowdot0: cute.Pointer, docmax0: cute.Pointer,
         num_tokens: Int32,
         dt_tokens: Int32,
         num_docs: Int32,
@@ -313,13 +325,19 @@ class FusedQuantizeSm90:
             P0 = self.parts[0]
             mY0 = cute.make_tensor(y0, cute.make_layout((T, P0.H, P0.D), stride=(P0.H * P0.D, P0.D, 1)))
             mRowdot0 = cute.make_tensor(rowdot0, cute.make_layout((P0.H, T), stride=(T, 1)))
+        mDocMax0 = None
+        if const_expr(self.parts[0].cfg.doc_scale_max_group > 0):
+            g0 = self.parts[0].cfg.doc_scale_max_group
+            mDocMax0 = cute.make_tensor(docmax0, cute.make_layout((self.parts[0].H // g0, num_docs),
+                                                                  stride=(num_docs, 1)))
         total = grid_slots * sum(self.mcfg.head_groups)
         launch_kw = {}
         if const_expr(self.mcfg.min_ctas_per_sm > 0):
             launch_kw["min_blocks_per_mp"] = self.mcfg.min_ctas_per_sm
         if const_expr(self.mcfg.smem_carveout >= 0):
             launch_kw["preferred_smem_carveout"] = self.mcfg.smem_carveout
-        self.kernel(mCu, *tensors[0], *tensors[1], *tensors[2], mY0, mRowdot0, Tdt, num_docs, grid_slots).launch(
+        self.kernel(mCu, *tensors[0], *tensors[1], *tensors[2], mY0, mRowdot0, mDocMax0, Tdt, num_docs,
+                    grid_slots).launch(
             grid=[total, 1, 1],
             block=[NUM_THREADS, 1, 1],
             stream=stream,
@@ -336,7 +354,7 @@ class FusedQuantizeSm90:
         mTD11: cute.Tensor, mDT11: cute.Tensor, mS11: cute.Tensor,
         mX2: cute.Tensor, mTD20: cute.Tensor, mDT20: cute.Tensor, mS20: cute.Tensor,
         mTD21: cute.Tensor, mDT21: cute.Tensor, mS21: cute.Tensor,
-        mY0: cute.Tensor, mRowdot0: cute.Tensor,
+        mY0: cute.Tensor, mRowdot0: cute.Tensor, mDocMax0: cute.Tensor,
         Tdt: Int32,
         num_docs: Int32,
         grid_slots: Int32,
@@ -351,6 +369,9 @@ class FusedQuantizeSm90:
         sAmaxFlat = smem.allocate_tensor(Int32, cute.make_layout((NUM_WARPS * self.HGMAX,)), 16)
         sScan = smem.allocate_tensor(Int32, cute.make_layout((NUM_WARPS, 2), stride=(2, 1)), 16)
         sInfo = smem.allocate_tensor(Int32, cute.make_layout((4,)), 16)
+        sDocMax = None
+        if const_expr(self.parts[0].cfg.doc_scale_max_group > 0):
+            sDocMax = smem.allocate_tensor(Int32, cute.make_layout((self.parts[0].HG,)), 16)
         sTileFlat = None
         if const_expr(self.TILE_WORDS > 0):
             sTileFlat = smem.allocate_tensor(Uint32, cute.make_layout((self.TILE_WORDS,)), 128)
@@ -432,8 +453,12 @@ class FusedQuantizeSm90:
                         sInfo[0] = s_b + loc
                         sInfo[1] = Int32(cutlass.min(ln - loc, Int32(TILE_TOKENS)))
                         sInfo[2] = p_acc + loc
+                        sInfo[3] = b
                     c_acc = c_acc + nch
                     p_acc = p_acc + ((ln + DT_DOC_ALIGN - 1) & -DT_DOC_ALIGN)
+        if const_expr(self.parts[0].cfg.doc_scale_max_group > 0):
+            if tidx < self.parts[0].HG:
+                sDocMax[tidx] = Int32(0)
         cute.arch.sync_threads()
 
         args = (
@@ -540,6 +565,7 @@ class FusedQuantizeSm90:
                     # ---- scales, quantize, data_td, scale, transposed tile ---------------------------
                     # rows 16j .. 16j+15 of head hl share one rotated segment slot
                     slot_w = (warp + hl * L + j) % TILE_GROUPS
+                    lane_max = Int32(0)
                     for i in cutlass.range_constexpr(SPT):
                         quad = (lane + 32 * i) // (L * HG)
                         # both sets are quantized per token while its fp32 values are live, so the
@@ -576,6 +602,9 @@ class FusedQuantizeSm90:
                                 sel = select(j == p, sbits[st][p], sel)
                             if write_scale:
                                 mS[head, start + ta_j] = sel
+                            if const_expr(p_i == 0 and st == 0 and P.cfg.doc_scale_max_group > 0):
+                                # the chunk's max per head: lanes first, then shared memory
+                                lane_max = imax(lane_max, select(write_scale, sel, Int32(0)))
                             if const_expr(TRANS):
                                 sT = tiles[st]
                                 for m in cutlass.range_constexpr(4):
@@ -599,8 +628,20 @@ class FusedQuantizeSm90:
                     # Segment g holds chunk tokens 16g .. 16g+15 at columns dcol + 16g ..; it is written
                     # when it lies before round_up(n, DT_DOC_ALIGN), tokens past the chunk as 0, so the
                     # last chunk of a document also writes the document's pad columns.
-                    if const_expr(TRANS):
+                    if const_expr(p_i == 0 and P.cfg.doc_scale_max_group > 0):
+                        if lane_max > 0:
+                            cute.arch.atomic_max(sDocMax.iterator + hl, lane_max)
+                    if const_expr(TRANS or (p_i == 0 and P.cfg.doc_scale_max_group > 0)):
                         cute.arch.sync_threads()
+                    # ---- the document's max scale per head group: one global atomic per head ------
+                    # (before the transposed copy: its registers are free here, not after it)
+                    if const_expr(p_i == 0 and P.cfg.doc_scale_max_group > 0):
+                        if tidx < HG:
+                            v = sDocMax[tidx]
+                            if v > 0:
+                                kvh = (hgrp * HG + tidx) // P.cfg.doc_scale_max_group
+                                cute.arch.atomic_max(mDocMax0.iterator + (kvh * num_docs + sInfo[3]), v)
+                    if const_expr(TRANS):
                         seg0 = dcol >> 4
                         n_written = n  # 16g < n == 16g < round_up(n, 16): no rounding needed at 16
                         if const_expr(DT_DOC_ALIGN != GROUP_TOKENS):
@@ -661,9 +702,9 @@ class FusedQuantizeSm90:
 
 # The runtime entry's parameters (FusedQuantizeSm90.__call__) for compile_cache.compile_launcher:
 # cu_seqlens; per part x, then (data_td, data_dt, scale) of set 0 and set 1; rowdot's y and output;
-# T, T_dt, documents, grid slots; the stream
+# the documents' max scale bits (doc_scale_max_group); T, T_dt, documents, grid slots; the stream
 _PART_ARGS = (ARG_BF16, ARG_F8, ARG_F8, ARG_I32, ARG_F8, ARG_F8, ARG_I32)
-ARG_KINDS = (ARG_I32, *_PART_ARGS * MAX_PARTS, ARG_BF16, ARG_F32) + (("i32",),) * 4 + (("stream",),)
+ARG_KINDS = (ARG_I32, *_PART_ARGS * MAX_PARTS, ARG_BF16, ARG_F32, ARG_I32) + (("i32",),) * 4 + (("stream",),)
 
 
 def compile_fused_quantize_sm90(config, arch: str = "sm_90a", extra_options: str = "", tvm_ffi: bool = False):
@@ -737,6 +778,7 @@ def fused_quantize_multi_sm90(
     config,
     debug_fill: int | None = None,
     rowdot=None,
+    docmax=None,
 ) -> list:
     """Quantize up to three (T, H_i, D_i) bf16 tensors sharing cu_seqlens in ONE kernel launch.
 
@@ -744,6 +786,7 @@ def fused_quantize_multi_sm90(
     (block-scaled set, per-token set or None) pair per tensor, as fused_quantize_sm90 does. All
     outputs are views of one allocation. `debug_fill` (tests) fills every output byte first.
     rowdot: (y, out) when the first part has emit_rowdot (see quantize_with_rowdot_sm90).
+    docmax: (H / g, docs) int32, zeroed, when the first part has doc_scale_max_group g.
     """
     mcfg = config if isinstance(config, MultiQuantizeConfig) else MultiQuantizeConfig(tuple(config))
     xs = list(xs)
@@ -751,6 +794,7 @@ def fused_quantize_multi_sm90(
         raise ValueError(f"{len(xs)} tensors for {len(mcfg.parts)} configs")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError("cu_seqlens must be a 1-D tensor of num_docs + 1 prefix sums")
+    _check_docmax(mcfg, docmax, cu_seqlens)
     T = xs[0].shape[0] if xs[0].dim() == 3 else -1
     for x, cfg in zip(xs, mcfg.parts, strict=True):
         _check_input(x, cfg, T)
@@ -768,7 +812,7 @@ def fused_quantize_multi_sm90(
     if cu.dtype != torch.int32 or cu.device != dev or not cu.is_contiguous():
         cu = cu.to(device=dev, dtype=torch.int32).contiguous()
     sets = _alloc_outputs(mcfg, T, Tdt, dev, debug_fill)
-    launch_fused_quantize_multi_sm90(xs, cu, mcfg, sets, rowdot)
+    launch_fused_quantize_multi_sm90(xs, cu, mcfg, sets, rowdot, docmax)
     return quantized_outputs(mcfg, sets)
 
 
@@ -783,7 +827,18 @@ def quantized_outputs(mcfg: MultiQuantizeConfig, sets) -> list:
     return outs
 
 
-def launch_fused_quantize_multi_sm90(xs, cu_seqlens: torch.Tensor, config, sets, rowdot=None) -> None:
+def _check_docmax(mcfg: MultiQuantizeConfig, docmax, cu_seqlens: torch.Tensor) -> None:
+    g = mcfg.parts[0].doc_scale_max_group
+    if bool(g) != (docmax is not None):
+        raise ValueError("docmax is needed exactly when the first part has doc_scale_max_group")
+    if docmax is not None and (docmax.dtype != torch.int32 or not docmax.is_contiguous()
+                               or tuple(docmax.shape) != (mcfg.parts[0].num_heads // g, cu_seqlens.numel() - 1)):
+        raise ValueError(f"docmax must be a contiguous int32 tensor of shape (num_heads / {g}, num_docs) = "
+                         f"({mcfg.parts[0].num_heads // g}, {cu_seqlens.numel() - 1}), got "
+                         f"{tuple(docmax.shape)} {docmax.dtype}")
+
+
+def launch_fused_quantize_multi_sm90(xs, cu_seqlens: torch.Tensor, config, sets, rowdot=None, docmax=None) -> None:
     """Launch into preallocated outputs: sets[i] = [(data_td, data_dt or None, scale)] per set of tensor i.
 
     xs contiguous, cu_seqlens int32 on their device, data_dt of shape (H, D, transposed_tokens(T, docs)).
@@ -793,6 +848,7 @@ def launch_fused_quantize_multi_sm90(xs, cu_seqlens: torch.Tensor, config, sets,
     mcfg = as_multi(config) if not isinstance(config, (list, tuple)) else MultiQuantizeConfig(tuple(config))
     if mcfg.parts[0].emit_rowdot != (rowdot is not None):
         raise ValueError("rowdot=(y, out) is needed exactly when the first part has emit_rowdot")
+    _check_docmax(mcfg, docmax, cu_seqlens)
     T = xs[0].shape[0]
     num_docs = cu_seqlens.numel() - 1
     if T == 0 or num_docs == 0:
@@ -813,6 +869,7 @@ def launch_fused_quantize_multi_sm90(xs, cu_seqlens: torch.Tensor, config, sets,
         else:
             ptrs += [0] * 7
     ptrs += [rowdot[0].data_ptr(), rowdot[1].data_ptr()] if rowdot is not None else [0, 0]
+    ptrs.append(docmax.data_ptr() if docmax is not None else 0)
     stream = torch.cuda.current_stream(xs[0].device).cuda_stream
     _launch(mcfg, ptrs, (T, Tdt, num_docs, chunk_grid_slots(T, num_docs, TILE_TOKENS)), stream)
 
@@ -838,10 +895,13 @@ def fused_quantize_sm90(
 
 
 def quantize_with_rowdot_sm90(x: torch.Tensor, y: torch.Tensor, cu_seqlens: torch.Tensor, config,
-                              debug_fill: int | None = None) -> tuple[QuantizedTHD, torch.Tensor]:
+                              debug_fill: int | None = None, docmax: torch.Tensor | None = None,
+                              ) -> tuple[QuantizedTHD, torch.Tensor]:
     """x quantized as fused_quantize_sm90 does and rowdot (H, T) fp32 = sum over the head dim of x * y,
     in the same launch: the backward's dO and D = rowsum(dO * O). config: a QuantizeConfig or a
-    one-part MultiQuantizeConfig with emit_rowdot and one set (no emit_token_copy)."""
+    one-part MultiQuantizeConfig with emit_rowdot and one set (no emit_token_copy). docmax: zeroed
+    int32 (H / g, docs) raised to each document's max scale bits when the config has
+    doc_scale_max_group g."""
     mcfg = as_multi(config)
     part = mcfg.parts[0]
     if len(mcfg.parts) != 1 or not part.emit_rowdot or part.num_sets != 1:
@@ -857,7 +917,7 @@ def quantize_with_rowdot_sm90(x: torch.Tensor, y: torch.Tensor, cu_seqlens: torc
     rowdot = torch.empty(H, T, dtype=torch.float32, device=x.device)
     if debug_fill is not None:
         rowdot.view(torch.uint8).fill_(debug_fill)
-    (out, _), = fused_quantize_multi_sm90([x], cu_seqlens, mcfg, debug_fill, rowdot=(y, rowdot))
+    (out, _), = fused_quantize_multi_sm90([x], cu_seqlens, mcfg, debug_fill, rowdot=(y, rowdot), docmax=docmax)
     return out, rowdot
 
 
@@ -917,9 +977,12 @@ def dout_config(head_dim: int, num_heads: int) -> QuantizeConfig:
 
 
 @functools.cache
-def dout_delta_config(head_dim: int, num_heads: int) -> MultiQuantizeConfig:
-    """The backward's preprocess in one launch: dO quantized as dout_config, and D = rowsum(dO * O)."""
-    return MultiQuantizeConfig((dataclasses.replace(dout_config(head_dim, num_heads), emit_rowdot=True),))
+def dout_delta_config(head_dim: int, num_heads: int, doc_scale_max_group: int = 0) -> MultiQuantizeConfig:
+    """The backward's preprocess in one launch: dO quantized as dout_config, and D = rowsum(dO * O);
+    with doc_scale_max_group g, also the max dO scale per (document, group of g heads): the bf16-dS
+    backward's dV fold references (attention_bwd_dsbf16_sm90.dv_fold_reference), no torch launches."""
+    return MultiQuantizeConfig((dataclasses.replace(dout_config(head_dim, num_heads), emit_rowdot=True,
+                                                    doc_scale_max_group=doc_scale_max_group),))
 
 
 @functools.cache

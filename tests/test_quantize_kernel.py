@@ -230,6 +230,10 @@ def test_model_writes_random_mixes():
         (dict(head_dim=128, num_heads=6, heads_per_cta=4), "heads_per_cta"),
         (dict(head_dim=128, num_heads=6, heads_per_cta=3), "heads_per_cta"),
         (dict(head_dim=256, num_heads=4, heads_per_cta=4), "heads_per_cta"),
+        (dict(head_dim=128, num_heads=6, doc_scale_max_group=4), "doc_scale_max_group"),
+        (dict(head_dim=128, num_heads=6, doc_scale_max_group=-1), "doc_scale_max_group"),
+        (dict(head_dim=128, num_heads=4, block_tokens=128, emit_token_copy=True, doc_scale_max_group=2),
+         "doc_scale_max_group"),
     ],
 )
 def test_config_errors_name_the_field(kwargs, field):
@@ -319,6 +323,31 @@ def test_rowdot_config_and_argument_errors():
         quantize_with_rowdot_sm90(x, x.float(), cu, part)
     with pytest.raises(ValueError, match="emit_rowdot=True"):
         quantize_with_rowdot_sm90(x, x, cu, QuantizeConfig(head_dim=128, num_heads=16))
+
+
+@needs_dsl
+def test_doc_scale_max_compiles_and_checks_its_argument():
+    """dv_ref from the dO pass: shared-memory max per head, one global atomic max per (CTA, head);
+    the launch refuses a missing or misshapen docmax, and a docmax the config does not write."""
+    cfg = dout_delta_config(128, 16, 2)
+    art = kernel_artifacts(cfg, "sm_90a")
+    plain = kernel_artifacts(dout_delta_config(128, 16), "sm_90a")
+    assert _count(r"atom\.shared\.max\.s32", art.ptx) == 1 and _count(r"atom\.global\.max\.s32", art.ptx) == 1
+    assert "atom." not in plain.ptx
+    # 8 bytes of stack (two values around the rowdot, once per CTA, not in a loop) at 80 registers
+    assert art.frame_bytes in (0, 8, None)
+    with pytest.raises(ValueError, match="only the first part may have emit_rowdot or doc_scale_max_group"):
+        MultiQuantizeConfig((QuantizeConfig(head_dim=128, num_heads=16), cfg.parts[0]))
+    x = torch.zeros(8, 16, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="docmax is needed exactly"):
+        quantize_with_rowdot_sm90(x, x, cu, cfg)
+    with pytest.raises(ValueError, match="docmax is needed exactly"):
+        quantize_with_rowdot_sm90(x, x, cu, dout_delta_config(128, 16), docmax=torch.zeros(8, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"docmax must be .* \(8, 2\)"):
+        quantize_with_rowdot_sm90(x, x, cu, cfg, docmax=torch.zeros(16, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="docmax must be"):
+        quantize_with_rowdot_sm90(x, x, cu, cfg, docmax=torch.zeros(8, 2, dtype=torch.float32))
 
 
 @needs_dsl
@@ -981,6 +1010,36 @@ def test_dout_delta_matches_reference(lengths, H, D):
     # a leaky control: the same check with the tokens of two documents swapped must fail
     if len(lengths) > 1:
         assert not ((got.roll(1, dims=1) - ref).abs() <= bound).all()
+
+
+@gpu
+@needs_sm90
+@needs_dsl
+@pytest.mark.parametrize("lengths, H, group", [([700, 1, 333, 0, 17, 4096], 16, 2), ([16384], 16, 1),
+                                               ([3, 129, 0, 2000], 8, 4), ([1024] * 16, 16, 1)])
+def test_dv_fold_references_from_the_dout_launch(lengths, H, group):
+    """preprocess_bwd(dv_ref_group=g): dO and D bitwise the plain launch's, and the (H / g, docs) dV fold
+    references bitwise dv_fold_reference's (torch), with empty documents and all-zero dO rows."""
+    from flamia_cute.attention_bwd_dsbf16_sm90 import dv_fold_reference
+    from flamia_cute.attention_bwd_sm90 import preprocess_bwd
+
+    do, cu = _input(lengths, H, 128, seed=len(lengths) + group)
+    o, _ = _input(lengths, H, 128, seed=200 + group)
+    # per-token magnitudes spread over octaves, and zero rows (a document's ignored last target)
+    T = do.shape[0]
+    g = torch.Generator().manual_seed(group)
+    do = (do.float() * torch.exp2(torch.randint(-6, 7, (T, H, 1), generator=g)).cuda()).to(torch.bfloat16)
+    do[torch.randperm(T, generator=g)[: max(1, T // 20)].cuda()] = 0
+    delta, doq, ref = preprocess_bwd(do, o, cu, dv_ref_group=group)
+    delta0, doq0 = preprocess_bwd(do, o, cu)
+    want = dv_fold_reference(doq0.scale, cu, group)
+    torch.cuda.synchronize()
+    assert torch.equal(delta, delta0) and torch.equal(doq.scale, doq0.scale)
+    assert torch.equal(doq.data_td.view(torch.uint8), doq0.data_td.view(torch.uint8))
+    assert ref.shape == (H // group, len(lengths)) and torch.equal(ref, want), (ref, want)
+    # the control: a reference over the wrong head grouping differs
+    if group > 1:
+        assert not torch.equal(ref, dv_fold_reference(doq0.scale, cu, 1)[::group])
 
 
 @gpu
