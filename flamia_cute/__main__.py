@@ -23,7 +23,7 @@ def main() -> int:
     name = torch.cuda.get_device_name() if on_gpu else "CPU (emulator)"
     print(f"flamia_cute demo on {name}")
     t0 = time.time()
-    recipes = [DEFAULT_RECIPE, "fp8_tokenblock_dsbf16", "fp8_token", "mxfp8", "nvfp4_fp8", "fp8_tensor_current", "bf16"]
+    recipes = [DEFAULT_RECIPE, "fp8_tokenblock", "fp8_token", "mxfp8", "nvfp4_fp8", "fp8_tensor_current", "bf16"]
     rows = accuracy_rows(recipes, lengths=(517, 300, 1, 0, 130, 64), device=device)
     print("\nerror against fp64 (SQNR, higher is better), packed documents [517, 300, 1, 0, 130, 64], "
           "4 query heads / 2 kv heads, head dim 128:")
@@ -31,7 +31,7 @@ def main() -> int:
     print("\nleakage checks (future perturbation, document isolation):")
     q, k, v, do, cu, scale = make_inputs([300, 517, 1, 130], 2, 1, 128, device=device, seed=3)
     failures = 0
-    for recipe, must_pass in ((DEFAULT_RECIPE, True), ("fp8_tokenblock_dsbf16", True), ("fp8_token", True),
+    for recipe, must_pass in ((DEFAULT_RECIPE, True), ("fp8_tokenblock", True), ("fp8_token", True),
                               ("fp8_tensor_current", False), ("fp8_tokenblock_unsafe", False)):
         rep = check_leakage(attention_fn_for(recipe, scale), q, k, v, cu, do, doc=1, cut=173)
         verdict = "as expected" if rep.ok == must_pass else "UNEXPECTED"

@@ -7,6 +7,8 @@ import json
 import pathlib
 import sys
 
+from .recipes import DEFAULT_RECIPE
+
 
 def cmd_accuracy(args) -> int:
     from .accuracy import accuracy_rows, format_table
@@ -98,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workloads", default=None, help="JSON in the format of flamia_cute/workloads.json (default: that file)")
     b.add_argument("--only", default="", help="comma-separated workload names")
     b.add_argument("--heads", default="h16_d128", help="head config name from the workloads file")
-    b.add_argument("--recipe", default="fp8_tokenblock", help="comma-separated: one flamia_<recipe> column each")
+    b.add_argument("--recipe", default=DEFAULT_RECIPE, help="comma-separated: one flamia_<recipe> column each")
     b.add_argument("--impls", default="", help="comma-separated name prefixes (flamia, fa4, cudnn, flex, sdpa)")
     b.add_argument("--modes", default="fwd,bwd,fwdbwd")
     b.add_argument("--reps", type=int, default=15)
@@ -121,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--workloads", default=None)
     t.add_argument("--only", default="")
     t.add_argument("--heads", default="h16_d128")
-    t.add_argument("--recipe", default="fp8_tokenblock")
+    t.add_argument("--recipe", default=DEFAULT_RECIPE)
     t.add_argument("--reps", type=int, default=20)
     t.add_argument("--kernels", default="fwd,bwd,quant", help="comma-separated kernels to tune (fwd, bwd, quant)")
     t.add_argument("--dry-run", action="store_true", help="enumerate and prune the space; no GPU needed")

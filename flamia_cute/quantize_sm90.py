@@ -453,7 +453,8 @@ class FusedQuantizeSm90:
                         sInfo[0] = s_b + loc
                         sInfo[1] = Int32(cutlass.min(ln - loc, Int32(TILE_TOKENS)))
                         sInfo[2] = p_acc + loc
-                        sInfo[3] = b
+                        if const_expr(self.parts[0].cfg.doc_scale_max_group > 0):
+                            sInfo[3] = b  # the document, for its max-scale atomic
                     c_acc = c_acc + nch
                     p_acc = p_acc + ((ln + DT_DOC_ALIGN - 1) & -DT_DOC_ALIGN)
         if const_expr(self.parts[0].cfg.doc_scale_max_group > 0):

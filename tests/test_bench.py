@@ -5,6 +5,7 @@ import json
 import pandas as pd
 
 from flamia_cute.cli import main
+from flamia_cute.recipes import DEFAULT_RECIPE
 
 
 def test_bench_runs_and_writes_csv(tmp_path, capsys):
@@ -17,7 +18,7 @@ def test_bench_runs_and_writes_csv(tmp_path, capsys):
     assert rc == 0
     df = pd.read_csv(tmp_path / "bench_tiny.csv")
     timed = df[df["ms"].notna()]
-    assert set(timed["impl"]) == {"flamia_fp8_tokenblock[emulate]", "sdpa_per_doc"}
+    assert set(timed["impl"]) == {f"flamia_{DEFAULT_RECIPE}[emulate]", "sdpa_per_doc"}
     assert set(timed["mode"]) == {"fwd", "bwd", "fwdbwd"}
     assert (timed["err_o"] < 0.1).all() and (timed["err_dq"] < 0.15).all()
     assert df[df["impl"] == "cudnn_fp8"]["skipped"].notna().all()

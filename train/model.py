@@ -53,7 +53,7 @@ def preset(name: str, vocab_size: int) -> ModelConfig:
 @dataclass(frozen=True)
 class AttentionSpec:
     kind: str = "flamia"  # one of ATTENTION_KINDS
-    recipe: str = "fp8_tokenblock"  # flamia only ("none" for the others)
+    recipe: str = "fp8_tokenblock_dsbf16"  # flamia only ("none" for the others)
     backend: str = "auto"  # flamia only: auto | emulate | cute
 
     def __post_init__(self):

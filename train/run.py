@@ -32,7 +32,7 @@ FINAL_WINDOW = 20  # final train loss = mean over the last steps: one step's los
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--attention", choices=ATTENTION_KINDS, default="flamia")
-    ap.add_argument("--recipe", default="fp8_tokenblock", help="flamia recipe name (ignored by fa4/sdpa)")
+    ap.add_argument("--recipe", default="fp8_tokenblock_dsbf16", help="flamia recipe name (ignored by fa4/sdpa)")
     ap.add_argument("--backend", default="auto", help="flamia backend: auto | emulate | cute")
     ap.add_argument("--preset", choices=("tiny", "llama_125m"), default="llama_125m")
     ap.add_argument("--steps", type=int, default=1000)
