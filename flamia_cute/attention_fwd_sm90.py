@@ -120,6 +120,12 @@ class FwdConfig:
     # latency). Measured on the H200 (perf/RESULTS.md): 2-5% SLOWER on every workload, so off by
     # default; `flamia-cute tune` still searches it.
     pin_softmax: bool = False
+    # Uniform (block-scaled) tiles zero a dropped row's P bytes (the zero-V rule, recipes.FOLD_DROP).
+    # False: 16 selects on every tile (GPU-tested; the off-diagonal loop grew 543 -> 575 SASS
+    # instructions with the rule, and the 1x16k kernel 1.37 -> 1.47 ms between sessions 4 and 5);
+    # True: the selects only under a warp-uniform branch taken when a row of the warp is dropped
+    # (vote.any), bitwise the same P. NOT GPU-RUN YET (session 6).
+    drop_branch: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -147,6 +153,8 @@ class FwdConfig:
             bad("intra_wg_overlap", "must be a bool or None")
         if not isinstance(self.pin_softmax, bool):
             bad("pin_softmax", "must be a bool")
+        if not isinstance(self.drop_branch, bool):
+            bad("drop_branch", "must be a bool")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -708,9 +716,19 @@ class FlamiaFwdSm90:
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         pack_a_fragment_e4m3(acc_s, tOrP32)
         if cutlass.const_expr(uniform):
-            keep = [Uint32(~(f32_bits(r_run[v1]) >> 31)) for v1 in range(2)]  # ~0, or 0 if dropped
-            for i in cutlass.range_constexpr(cute.size(tOrP32)):
-                tOrP32[i] = tOrP32[i] & keep[i % 2]
+            if cutlass.const_expr(self.cfg.drop_branch):
+                # a dropped row needs an all-zero V tile after normal ones: test it once per warp
+                dropped = (f32_bits(r_run[0]) | f32_bits(r_run[1])) >> 31
+                if cute.arch.vote_any_sync(dropped != Uint32(0)):
+                    self._zero_dropped_rows(tOrP32, r_run)
+            else:
+                self._zero_dropped_rows(tOrP32, r_run)
+
+    @cute.jit
+    def _zero_dropped_rows(self, tOrP32, r_run):
+        keep = [Uint32(~(f32_bits(r_run[v1]) >> 31)) for v1 in range(2)]  # ~0, or 0 if dropped
+        for i in cutlass.range_constexpr(cute.size(tOrP32)):
+            tOrP32[i] = tOrP32[i] & keep[i % 2]
 
     # ------------------------------------------------------------------------------------------
     @cute.jit

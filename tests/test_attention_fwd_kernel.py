@@ -91,6 +91,8 @@ VARIANTS = {
     "overlap_no_pingpong": {"intra_wg_overlap": True, "pingpong": False},
     "stages3": {"kv_stages": 3},
     "pinned_softmax": {"intra_wg_overlap": True, "pin_softmax": True},
+    "drop_branch": {"drop_branch": True},
+    "drop_branch_serial": {"drop_branch": True, "intra_wg_overlap": False},
 }
 
 
@@ -103,7 +105,8 @@ VARIANTS = {
 @pytest.mark.parametrize(
     "field, value",
     [("head_dim", 96), ("head_dim", 256), ("tile_n", 64), ("tile_m", 64), ("kv_stages", 1),
-     ("num_consumer_warpgroups", 1), ("qhead_per_kvhead", 0), ("intra_wg_overlap", 1), ("pingpong", None)],
+     ("num_consumer_warpgroups", 1), ("qhead_per_kvhead", 0), ("intra_wg_overlap", 1), ("pingpong", None),
+     ("pin_softmax", 1), ("drop_branch", "yes")],
 )
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"FwdConfig.{field}"):
@@ -185,6 +188,22 @@ def test_overlap_variants_compile(artifacts, head_dim, diagonal_copy):
             # per loop iteration than the serial schedule's two
             arrives = len(re.findall(r"WARPGROUP\.ARRIVE", art.sass))
             assert arrives == (3 if overlap else 4), arrives
+
+
+@needs_dsl
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_drop_branch_variant(artifacts, head_dim):
+    """drop_branch: the zero-V rule's P selects of the block-scaled tiles sit behind one warp vote,
+    so the off-diagonal loop's common path drops them; both schedules build without spills; the
+    default build has no vote (it is the GPU-tested one)."""
+    plain = artifacts(head_dim, True)
+    assert "vote.sync.any" not in plain.ptx
+    for overlap in (True, False):
+        art = artifacts(head_dim, True, drop_branch=True, intra_wg_overlap=overlap)
+        _check_artifacts(art, head_dim)
+        assert len(re.findall(r"vote\.sync\.any\.pred", art.ptx)) == 1  # the schedule's uniform-tile step
+    # the per-token recipe has no uniform tiles: nothing changes
+    assert "vote.sync.any" not in artifacts(head_dim, False, drop_branch=True).ptx
 
 
 def _check_artifacts(art, head_dim, spill_free=True):
