@@ -155,12 +155,15 @@ def deterministic_backward() -> bool:
 
 
 def backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16: bool = False):
-    """The backward kernel's config for the saved operands (tuned for the e4m3-dS kernel; the bf16-dS
-    kernel has no tuned entries yet), deterministic when asked (deterministic_backward)."""
+    """The backward kernel's config for the saved operands, tuned for this workload class when
+    `flamia-cute tune` measured it, deterministic when asked (deterministic_backward)."""
     if ds_bf16:
         from .attention_bwd_dsbf16_sm90 import default_config as bf16_ds_default
+        from .tuning import tuned_bwd_dsbf16_config
 
-        return bf16_ds_default(qq, kq, kt, deterministic=deterministic_backward())
+        if deterministic_backward():  # the ordered atomics path, untuned
+            return bf16_ds_default(qq, kq, kt, deterministic=True)
+        return tuned_bwd_dsbf16_config(bf16_ds_default(qq, kq, kt), max_seqlen, qq.data_td.shape[0], cu.numel() - 1)
     from .attention_bwd_sm90 import default_config
     from .tuning import tuned_bwd_config
 

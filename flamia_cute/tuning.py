@@ -135,6 +135,41 @@ def bwd_space(head_dim: int, group: int, diagonal_copy: bool):
     return keep, pruned
 
 
+def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool):
+    """Every bf16-dS backward config (recipe fp8_tokenblock_dsbf16) by effective fields: query and
+    vector stages, the dQ path, the S^T/dP^T prefetch; the pruned ones with the reason."""
+    from .attention_bwd_dsbf16_sm90 import BwdDsBf16Config
+
+    def effective(cfg):
+        prefetch = cfg.prefetch_sdp if cfg.prefetch_sdp is not None else cfg.head_dim == 64
+        return cfg.q_stages, cfg.vec_stages, cfg.dq_tma_reduce, prefetch
+
+    default = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
+    keep, pruned, seen = [(default, "default")], [], {effective(default)}
+    for dq_tma_reduce in (True, False):
+        for q_stages in (1, 2, 3):
+            for vec_stages in (1, 2, 3):
+                for prefetch_sdp in (False, True):
+                    fields = {"q_stages": q_stages, "vec_stages": vec_stages, "dq_tma_reduce": dq_tma_reduce,
+                              "prefetch_sdp": prefetch_sdp}
+                    if prefetch_sdp and not dq_tma_reduce and head_dim == 128:
+                        # S^T, dP^T in flight beside dV, dK and the dQ tile: 224 + ~30 > 240 registers
+                        pruned.append((fields, "spills at d128 (prefetch with the atomics path)"))
+                        continue
+                    try:
+                        cfg = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group,
+                                              diagonal_copy=diagonal_copy, **fields)
+                    except ValueError as e:  # shared memory over the limit
+                        pruned.append((fields, str(e)))
+                        continue
+                    if effective(cfg) not in seen:
+                        seen.add(effective(cfg))
+                        keep.append((cfg, "variant"))
+    return keep, pruned
+
+
+# `flamia-cute tune --kernels` names; "bwd" means the backward kernel the recipe runs ("bwd_dsbf16"
+# for recipes with bf16 dS, bf16_ds_backward)
 TUNED_KERNELS = ("fwd", "bwd", "quant")
 
 
@@ -142,7 +177,7 @@ def search_space(kernel: str, head_dim: int, heads_q: int, heads_kv: int, block_
     """(kept, pruned) of one kernel for an attention shape; kept[0] is the kernel's default config."""
     if kernel == "quant":
         return quantize_space(head_dim, heads_q, heads_kv, block_tokens)
-    space = {"fwd": fwd_space, "bwd": bwd_space}[kernel]
+    space = {"fwd": fwd_space, "bwd": bwd_space, "bwd_dsbf16": bwd_dsbf16_space}[kernel]
     return space(head_dim, heads_q // heads_kv, block_tokens > 1)
 
 
@@ -151,7 +186,9 @@ def config_fields(kernel: str, cfg) -> dict:
     if kernel == "quant":
         return {"raster": cfg.raster, "min_ctas_per_sm": cfg.min_ctas_per_sm,
                 "heads_per_cta": [p.heads_per_cta for p in cfg.parts]}
-    names = {"fwd": ("kv_stages", "pingpong", "intra_wg_overlap", "pin_softmax"), "bwd": ("q_stages", "qt_stages", "vec_stages")}
+    names = {"fwd": ("kv_stages", "pingpong", "intra_wg_overlap", "pin_softmax"),
+             "bwd": ("q_stages", "qt_stages", "vec_stages"),
+             "bwd_dsbf16": ("q_stages", "vec_stages", "dq_tma_reduce", "prefetch_sdp")}
     return {n: getattr(cfg, n) for n in names[kernel]}
 
 
@@ -171,7 +208,7 @@ def config_label(kernel: str, cfg) -> str:
 
 
 def fwd_shape(cfg) -> str:
-    """Cache shape of a FwdConfig or BwdConfig (same field names)."""
+    """Cache shape of a FwdConfig, BwdConfig or BwdDsBf16Config (same field names)."""
     return f"d{cfg.head_dim}_g{cfg.qhead_per_kvhead}_{'tokenblock' if cfg.diagonal_copy else 'token'}"
 
 
@@ -249,6 +286,10 @@ def tuned_bwd_config(default, max_seqlen: int, total_tokens: int, num_docs: int)
     return _tuned_config("bwd", default, max_seqlen, total_tokens, num_docs)
 
 
+def tuned_bwd_dsbf16_config(default, max_seqlen: int, total_tokens: int, num_docs: int):
+    return _tuned_config("bwd_dsbf16", default, max_seqlen, total_tokens, num_docs)
+
+
 def tuned_quantize_config(default_multi, max_seqlen: int, total_tokens: int, num_docs: int):
     return _tuned_config("quant", default_multi, max_seqlen, total_tokens, num_docs)
 
@@ -276,7 +317,7 @@ def _kernel_calls(case, block: int, kernels) -> dict:
             launch_fused_quantize_multi_sm90(case.sets[i][:3], case.cu, cfg, outs)
 
         calls["quant"] = (quant, len(case.sets))
-    if "fwd" not in kernels and "bwd" not in kernels:
+    if not {"fwd", "bwd", "bwd_dsbf16"} & set(kernels):
         return calls
     ops = [quantize_operands(q, k, v, case.cu, block, case.max_len) for q, k, v, _ in case.sets]
 
@@ -288,20 +329,33 @@ def _kernel_calls(case, block: int, kernels) -> dict:
                                case.cu, case.max_len, case.scale, cfg)
 
     calls["fwd"] = (fwd, len(ops))
-    if "bwd" in kernels:
-        from .attention_bwd_sm90 import flamia_bwd_sm90_from_saved, preprocess_bwd
+    if "bwd" in kernels or "bwd_dsbf16" in kernels:
+        from .attention_bwd_sm90 import preprocess_bwd
 
         out, lse = fwd(FwdConfig(head_dim=case.head_dim, qhead_per_kvhead=case.heads_q // case.heads_kv,
                                  diagonal_copy=block > 1), 0)
         dout = torch.randn(out.shape, device=out.device).to(torch.bfloat16)
-        delta, doq = preprocess_bwd(dout, out, case.cu)  # precomputed: only the kernel is timed
+        group = case.heads_q // case.heads_kv
+        # precomputed: only the kernel is timed
+        delta, doq, dv_ref = preprocess_bwd(dout, out, case.cu, dv_ref_group=group)
         qq, (kq, kt), (vq, vt) = ops[0]
+    if "bwd" in kernels:
+        from .attention_bwd_sm90 import flamia_bwd_sm90_from_saved
 
         def bwd(cfg, _i):
             flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
                                        config=cfg, do_quantized=doq, delta=delta)
 
         calls["bwd"] = (bwd, 1)
+    if "bwd_dsbf16" in kernels:
+        from .attention_bwd_dsbf16_sm90 import flamia_bwd_dsbf16_sm90_from_saved
+
+        def bwd_dsbf16(cfg, _i):
+            flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
+                                              case.scale, config=cfg, do_quantized=doq, delta=delta,
+                                              dv_ref=dv_ref)
+
+        calls["bwd_dsbf16"] = (bwd_dsbf16, 1)
     return calls
 
 
@@ -353,13 +407,8 @@ def run_tune(args) -> int:
     if unknown or not kernels:
         print(f"tune --kernels: unknown {unknown or args.kernels!r}; tunable: {','.join(TUNED_KERNELS)}", file=sys.stderr)
         return 2
-    if "bwd" in kernels and bf16_ds_backward(args.recipe):
-        # the search space and the run-time lookup are the e4m3-dS backward's (BwdConfig)
-        print(f"tune: recipe {args.recipe!r} runs the bf16-dS backward kernel, which has no search space yet: "
-              "not tuning 'bwd'", file=sys.stderr)
-        kernels = [k for k in kernels if k != "bwd"]
-        if not kernels:
-            return 2
+    if bf16_ds_backward(args.recipe):  # the backward this recipe runs, and its run-time lookup
+        kernels = ["bwd_dsbf16" if k == "bwd" else k for k in kernels]
     wl = data["workloads"]
     if args.only:
         wl = {w: wl[w] for w in args.only.split(",") if w in wl} or wl

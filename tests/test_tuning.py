@@ -5,6 +5,7 @@ import json
 import warnings
 
 import pytest
+import torch
 
 from flamia_cute import tuning
 from flamia_cute.cli import main
@@ -118,26 +119,28 @@ def test_bwd_space_fits_shared_memory_and_starts_with_the_default(head_dim):
 
 
 def _defaults():
+    from flamia_cute.attention_bwd_dsbf16_sm90 import BwdDsBf16Config
     from flamia_cute.attention_bwd_sm90 import BwdConfig
     from flamia_cute.attention_fwd_sm90 import FwdConfig
     from flamia_cute.quantize_sm90 import qkv_config
 
     return {"fwd": FwdConfig(head_dim=128, diagonal_copy=True), "bwd": BwdConfig(head_dim=128, diagonal_copy=True),
-            "quant": qkv_config(128, 16, 16, 128)}
+            "bwd_dsbf16": BwdDsBf16Config(head_dim=128, diagonal_copy=True), "quant": qkv_config(128, 16, 16, 128)}
 
 
 TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "pin_softmax": False},
          "bwd": {"q_stages": 1, "qt_stages": 1, "vec_stages": 3},
+         "bwd_dsbf16": {"q_stages": 1, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": True},
          "quant": {"raster": "chunks", "min_ctas_per_sm": 0, "heads_per_cta": [2, 2, 2]}}
 
 
-@pytest.mark.parametrize("kernel", ["fwd", "bwd", "quant"])
+@pytest.mark.parametrize("kernel", ["fwd", "bwd", "bwd_dsbf16", "quant"])
 def test_lookup_returns_the_tuned_config_for_its_class_only(tmp_path, monkeypatch, kernel):
     lookup = {"fwd": tuning.tuned_fwd_config, "bwd": tuning.tuned_bwd_config,
-              "quant": tuning.tuned_quantize_config}[kernel]
+              "bwd_dsbf16": tuning.tuned_bwd_dsbf16_config, "quant": tuning.tuned_quantize_config}[kernel]
     default = _defaults()[kernel]
     cache = TuningCache(KEY, tmp_path / "t.json")
-    shape = {"fwd": "d128_g1_tokenblock", "bwd": "d128_g1_tokenblock", "quant": "d128_q16_kv16_tokenblock"}[kernel]
+    shape = "d128_q16_kv16_tokenblock" if kernel == "quant" else "d128_g1_tokenblock"
     assert tuning.kernel_shape(kernel, default) == shape
     cache.put(kernel, "mid-uniform", shape, {"config": TUNED[kernel], "ms": 1.0, "default_ms": 1.2})
     monkeypatch.setattr(tuning, "_loaded", {"cache": TuningCache(KEY, cache.path)})  # reloaded from disk
@@ -146,7 +149,8 @@ def test_lookup_returns_the_tuned_config_for_its_class_only(tmp_path, monkeypatc
     assert tuning.config_fields(kernel, tuned) == TUNED[kernel]
     assert lookup(default, 1024, 4096, 4) is tuned  # memoized: no config built per call
     assert lookup(default, 16384, 16384, 1) is default  # long-uniform: nothing tuned
-    other = {"fwd": "quant", "bwd": "fwd", "quant": "bwd"}[kernel]  # entries of another kernel are not used
+    # entries of another kernel are not used (the two backward kernels share shape names)
+    other = {"fwd": "quant", "bwd": "bwd_dsbf16", "bwd_dsbf16": "bwd", "quant": "bwd"}[kernel]
     other_default = _defaults()[other]
     assert tuning._tuned_config(other, other_default, 1024, 4096, 4) is other_default
     monkeypatch.setenv("FLAMIA_CUTE_NO_TUNING", "1")
@@ -163,7 +167,7 @@ def test_lookup_ignores_an_unusable_entry(tmp_path, monkeypatch):
         assert tuning.tuned_bwd_config(default, 1024, 4096, 4) is default
 
 
-@pytest.mark.parametrize("kernel", ["fwd", "bwd", "quant"])
+@pytest.mark.parametrize("kernel", ["fwd", "bwd", "bwd_dsbf16", "quant"])
 def test_every_kept_config_round_trips_through_the_cache_fields(kernel):
     keep, _ = tuning.search_space(kernel, 128, 16, 16, 128)
     default = keep[0][0]
@@ -230,14 +234,14 @@ def test_tune_loop_keeps_the_best_skips_failures_and_reuses_the_cache(tmp_path, 
 _FRESH = """
 import json, torch
 from flamia_cute import compile_cache, flamia_attn_varlen_func
-from flamia_cute.attention_bwd_sm90 import BwdConfig
+from flamia_cute.attention_bwd_dsbf16_sm90 import BwdDsBf16Config
 from flamia_cute.attention_fwd_sm90 import FwdConfig
 from flamia_cute.quantize_sm90 import qkv_config
 from flamia_cute.testing import make_inputs
-from flamia_cute.tuning import config_fields, tuned_bwd_config, tuned_fwd_config, tuned_quantize_config
+from flamia_cute.tuning import config_fields, tuned_bwd_dsbf16_config, tuned_fwd_config, tuned_quantize_config
 q, k, v, do, cu, scale = make_inputs([1024] * 4, 16, 16, 128, device="cuda")
 cfgs = {"fwd": tuned_fwd_config(FwdConfig(head_dim=128, diagonal_copy=True), 1024, 4096, 4),
-        "bwd": tuned_bwd_config(BwdConfig(head_dim=128, diagonal_copy=True), 1024, 4096, 4),
+        "bwd_dsbf16": tuned_bwd_dsbf16_config(BwdDsBf16Config(head_dim=128, diagonal_copy=True), 1024, 4096, 4),
         "quant": tuned_quantize_config(qkv_config(128, 16, 16, 128), 1024, 4096, 4)}
 q.requires_grad_()
 flamia_attn_varlen_func(q, k, v, cu, cu, 1024, 1024).backward(do)
@@ -263,7 +267,7 @@ def test_short_real_tune_then_fresh_process_uses_it(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     tuned = json.loads(next((tmp_path / "cache" / "tuning").glob("*.json")).read_text())
     recs = {"fwd": tuned["entries"]["fwd"]["d128_g1_tokenblock/mid-uniform"],
-            "bwd": tuned["entries"]["bwd"]["d128_g1_tokenblock/mid-uniform"],
+            "bwd_dsbf16": tuned["entries"]["bwd_dsbf16"]["d128_g1_tokenblock/mid-uniform"],
             "quant": tuned["entries"]["quant"]["d128_q16_kv16_tokenblock/mid-uniform"]}
     assert all(r["workload"] == "4x1k" and r["default_ms"] is not None for r in recs.values()), recs
     fresh = subprocess.run([sys.executable, "-c", _FRESH], env=env, capture_output=True, text=True, timeout=600)
@@ -273,11 +277,53 @@ def test_short_real_tune_then_fresh_process_uses_it(tmp_path):
     assert got["compiles"] == 0 and got["disk_hits"] >= 1, got  # no recompiling, no retiming
 
 
-def test_bf16_ds_recipe_does_not_tune_the_other_backward(capsys):
-    """fp8_tokenblock_dsbf16 runs the bf16-dS backward kernel: the e4m3-dS backward's space is not
-    searched for it (its run-time lookup would never read the result); fwd and quant still are."""
-    assert main(["tune", "--dry-run", "--recipe", "fp8_tokenblock_dsbf16"]) == 0
-    cap = capsys.readouterr()
-    assert "fwd search space (" in cap.out and "quant search space (" in cap.out
-    assert "bwd search space" not in cap.out and "not tuning 'bwd'" in cap.err
-    assert main(["tune", "--dry-run", "--recipe", "fp8_tokenblock_dsbf16", "--kernels", "bwd"]) == 2
+def test_bf16_ds_recipe_tunes_its_own_backward(capsys):
+    """fp8_tokenblock_dsbf16 (the default) runs the bf16-dS backward kernel: `--kernels bwd` searches
+    that kernel's space (BwdDsBf16Config), not the e4m3-dS one's, whose entries it would never read."""
+    for argv in (["tune", "--dry-run"], ["tune", "--dry-run", "--recipe", "fp8_tokenblock_dsbf16"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "fwd search space (" in out and "quant search space (" in out
+        assert "bwd_dsbf16 search space (" in out and "qt_stages" not in out
+    assert main(["tune", "--dry-run", "--kernels", "bwd"]) == 0
+    out = capsys.readouterr().out
+    assert "bwd_dsbf16 search space (" in out and "fwd search space" not in out
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bwd_dsbf16_space(head_dim):
+    """Default first; every effective config (stages, dQ path, prefetch) once; nothing kept that
+    exceeds shared memory or is known to spill (the prefetch beside the atomics path at d128)."""
+    from flamia_cute.attention_bwd_dsbf16_sm90 import SMEM_LIMIT, BwdDsBf16Config, smem_bytes
+
+    keep, pruned = tuning.bwd_dsbf16_space(head_dim, 2, True)
+    assert keep[0] == (BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=2, diagonal_copy=True), "default")
+    eff = [(c.q_stages, c.vec_stages, c.dq_tma_reduce, c.prefetch_sdp if c.prefetch_sdp is not None else head_dim == 64)
+           for c, _ in keep]
+    assert len(set(eff)) == len(eff) and all(smem_bytes(c) <= SMEM_LIMIT for c, _ in keep)
+    assert {e[2] for e in eff} == {True, False} and {e[0] for e in eff} == {1, 2, 3}
+    if head_dim == 128:
+        assert not any(p and not tma for _, _, tma, p in eff)
+        assert any("spills" in why for _, why in pruned) and any("shared memory" in why for _, why in pruned)
+
+
+def test_api_backward_config_follows_the_tuned_bwd_dsbf16_entry(tmp_path, monkeypatch):
+    """The default recipe's backward reads its tuned entry; the deterministic mode ignores it."""
+    from flamia_cute.cute_backend import backward_config
+    from flamia_cute.quant import QuantizedTHD
+
+    cache = TuningCache(KEY, tmp_path / "t.json")
+    cache.put("bwd_dsbf16", "mid-uniform", "d128_g1_tokenblock", {"config": TUNED["bwd_dsbf16"], "ms": 1.0,
+                                                                  "default_ms": 1.2})
+    monkeypatch.setattr(tuning, "_loaded", {"cache": cache})
+    monkeypatch.delenv("FLAMIA_CUTE_NO_TUNING", raising=False)
+    T, H, D = 4096, 16, 128
+    qq = QuantizedTHD(torch.zeros(T, H, D, dtype=torch.float8_e4m3fn), None, torch.ones(H, T), 1, "e4m3")
+    kq = QuantizedTHD(torch.zeros(T, H, D, dtype=torch.float8_e4m3fn), None, torch.ones(H, T), 128, "e4m3")
+    cu = torch.tensor([0, 1024, 2048, 3072, 4096], dtype=torch.int32)
+    monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "0")
+    cfg = backward_config(qq, kq, kq, cu, 1024, ds_bf16=True)
+    assert tuning.config_fields("bwd_dsbf16", cfg) == TUNED["bwd_dsbf16"]
+    monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1")
+    cfg = backward_config(qq, kq, kq, cu, 1024, ds_bf16=True)
+    assert cfg.deterministic and not cfg.dq_tma_reduce and cfg.q_stages == 2
