@@ -132,27 +132,30 @@ class BwdDsBf16Config:
         def bad(name, msg):
             raise ValueError(f"BwdDsBf16Config.{name}: {msg} (got {getattr(self, name)!r})")
 
-        if self.prefetch_sdp is not None and not isinstance(self.prefetch_sdp, bool):
-            bad("prefetch_sdp", "must be None (auto) or a bool")
-        if self.dq_tma_reduce is None and isinstance(self.deterministic, bool):
-            # on where allowed and its 33 KB dQ tile fits (not with 3 query stages at d128)
-            object.__setattr__(self, "dq_tma_reduce", not self.deterministic)
-            if self.head_dim in (64, 128) and self.q_stages in (1, 2, 3) and smem_bytes(self) > SMEM_LIMIT:
-                object.__setattr__(self, "dq_tma_reduce", False)
-
         if self.head_dim not in (64, 128):
             bad("head_dim", "must be 64 or 128")
         if not isinstance(self.qhead_per_kvhead, int) or self.qhead_per_kvhead < 1:
             bad("qhead_per_kvhead", "must be an int >= 1")
-        for name in ("diagonal_copy", "deterministic", "dq_tma_reduce"):
+        for name in ("diagonal_copy", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
-        if self.dq_tma_reduce and self.deterministic:
-            bad("dq_tma_reduce", "the deterministic dQ order is kept by the atomics path only")
+        for name in ("prefetch_sdp", "dq_tma_reduce"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                bad(name, "must be None (auto) or a bool")
         if self.q_stages not in (1, 2, 3):
             bad("q_stages", "must be 1, 2 or 3")
         if self.vec_stages not in (1, 2, 3):
             bad("vec_stages", "must be 1, 2 or 3")
+        # the automatic choices, resolved here so that the config says what the kernel builds
+        if self.prefetch_sdp is None:
+            object.__setattr__(self, "prefetch_sdp", self.head_dim == 64)
+        if self.dq_tma_reduce is None:
+            # on where allowed and its 33 KB dQ tile fits (not with 3 query stages at d128)
+            object.__setattr__(self, "dq_tma_reduce", not self.deterministic)
+            if smem_bytes(self) > SMEM_LIMIT:
+                object.__setattr__(self, "dq_tma_reduce", False)
+        if self.dq_tma_reduce and self.deterministic:
+            bad("dq_tma_reduce", "the deterministic dQ order is kept by the atomics path only")
         if smem_bytes(self) > SMEM_LIMIT:
             bad("q_stages", f"shared memory {smem_bytes(self)} bytes exceeds {SMEM_LIMIT}")
 
@@ -253,7 +256,7 @@ class FlamiaBwdDsBf16Sm90:
         self.num_threads = 384
         self.regs_producer = 24
         self.regs_consumer = 240
-        self.prefetch = config.prefetch_sdp if config.prefetch_sdp is not None else config.head_dim == 64
+        self.prefetch = config.prefetch_sdp
         self.dq_tma = config.dq_tma_reduce
 
     def _make_mmas(self):

@@ -140,9 +140,8 @@ def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool):
     vector stages, the dQ path, the S^T/dP^T prefetch; the pruned ones with the reason."""
     from .attention_bwd_dsbf16_sm90 import BwdDsBf16Config
 
-    def effective(cfg):
-        prefetch = cfg.prefetch_sdp if cfg.prefetch_sdp is not None else cfg.head_dim == 64
-        return cfg.q_stages, cfg.vec_stages, cfg.dq_tma_reduce, prefetch
+    def effective(cfg):  # the config resolves its automatic fields
+        return cfg.q_stages, cfg.vec_stages, cfg.dq_tma_reduce, cfg.prefetch_sdp
 
     default = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
     keep, pruned, seen = [(default, "default")], [], {effective(default)}

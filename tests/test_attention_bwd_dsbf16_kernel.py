@@ -76,6 +76,8 @@ def test_dq_path_follows_determinism(monkeypatch):
     assert BwdDsBf16Config(head_dim=128).dq_tma_reduce is True
     assert BwdDsBf16Config(head_dim=128, deterministic=True).dq_tma_reduce is False
     assert BwdDsBf16Config(head_dim=64, dq_tma_reduce=False).dq_tma_reduce is False
+    # the prefetch's automatic choice is resolved in the config too (the kernel builds what it says)
+    assert BwdDsBf16Config(head_dim=64).prefetch_sdp is True and BwdDsBf16Config(head_dim=128).prefetch_sdp is False
     T, H, Hk, D = 256, 4, 2, 128
     qq = QuantizedTHD(torch.zeros(T, H, D, dtype=torch.float8_e4m3fn), None, torch.ones(H, T), 128, "e4m3")
     kq = QuantizedTHD(torch.zeros(T, Hk, D, dtype=torch.float8_e4m3fn), None, torch.ones(Hk, T), 128, "e4m3")

@@ -298,8 +298,7 @@ def test_bwd_dsbf16_space(head_dim):
 
     keep, pruned = tuning.bwd_dsbf16_space(head_dim, 2, True)
     assert keep[0] == (BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=2, diagonal_copy=True), "default")
-    eff = [(c.q_stages, c.vec_stages, c.dq_tma_reduce, c.prefetch_sdp if c.prefetch_sdp is not None else head_dim == 64)
-           for c, _ in keep]
+    eff = [(c.q_stages, c.vec_stages, c.dq_tma_reduce, c.prefetch_sdp) for c, _ in keep]
     assert len(set(eff)) == len(eff) and all(smem_bytes(c) <= SMEM_LIMIT for c, _ in keep)
     assert {e[2] for e in eff} == {True, False} and {e[0] for e in eff} == {1, 2, 3}
     if head_dim == 128:
