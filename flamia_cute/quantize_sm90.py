@@ -270,6 +270,7 @@ class FusedQuantizeSm90:
         self.mcfg = as_multi(config)
         self.parts = [_Part(c) for c in self.mcfg.parts]
         self.cfg = self.mcfg.parts[0]  # single-tensor compatibility
+        self.doc_max_group = self.cfg.doc_scale_max_group  # first part only (MultiQuantizeConfig)
         self.HGMAX = max(p.HG for p in self.parts)
         self.TILE_WORDS = max(
             (p.NSETS * p.rows * TILE_GROUPS * 4 if p.TRANS else 0) for p in self.parts
@@ -326,9 +327,8 @@ class FusedQuantizeSm90:
             mY0 = cute.make_tensor(y0, cute.make_layout((T, P0.H, P0.D), stride=(P0.H * P0.D, P0.D, 1)))
             mRowdot0 = cute.make_tensor(rowdot0, cute.make_layout((P0.H, T), stride=(T, 1)))
         mDocMax0 = None
-        if const_expr(self.parts[0].cfg.doc_scale_max_group > 0):
-            g0 = self.parts[0].cfg.doc_scale_max_group
-            mDocMax0 = cute.make_tensor(docmax0, cute.make_layout((self.parts[0].H // g0, num_docs),
+        if const_expr(self.doc_max_group > 0):
+            mDocMax0 = cute.make_tensor(docmax0, cute.make_layout((self.parts[0].H // self.doc_max_group, num_docs),
                                                                   stride=(num_docs, 1)))
         total = grid_slots * sum(self.mcfg.head_groups)
         launch_kw = {}
@@ -370,7 +370,7 @@ class FusedQuantizeSm90:
         sScan = smem.allocate_tensor(Int32, cute.make_layout((NUM_WARPS, 2), stride=(2, 1)), 16)
         sInfo = smem.allocate_tensor(Int32, cute.make_layout((4,)), 16)
         sDocMax = None
-        if const_expr(self.parts[0].cfg.doc_scale_max_group > 0):
+        if const_expr(self.doc_max_group > 0):
             sDocMax = smem.allocate_tensor(Int32, cute.make_layout((self.parts[0].HG,)), 16)
         sTileFlat = None
         if const_expr(self.TILE_WORDS > 0):
@@ -453,11 +453,11 @@ class FusedQuantizeSm90:
                         sInfo[0] = s_b + loc
                         sInfo[1] = Int32(cutlass.min(ln - loc, Int32(TILE_TOKENS)))
                         sInfo[2] = p_acc + loc
-                        if const_expr(self.parts[0].cfg.doc_scale_max_group > 0):
+                        if const_expr(self.doc_max_group > 0):
                             sInfo[3] = b  # the document, for its max-scale atomic
                     c_acc = c_acc + nch
                     p_acc = p_acc + ((ln + DT_DOC_ALIGN - 1) & -DT_DOC_ALIGN)
-        if const_expr(self.parts[0].cfg.doc_scale_max_group > 0):
+        if const_expr(self.doc_max_group > 0):
             if tidx < self.parts[0].HG:
                 sDocMax[tidx] = Int32(0)
         cute.arch.sync_threads()
@@ -473,6 +473,7 @@ class FusedQuantizeSm90:
             mX, mTD0, mDT0, mS0, mTD1, mDT1, mS1 = args[p_i]
             if pid == p_i:
                 D, HG, L, B, SPT = P.D, P.HG, P.L, P.B, P.spt
+                doc_max = p_i == 0 and self.doc_max_group > 0  # this part raises the documents' max scales
                 NSETS = P.NSETS
                 TRANS = P.TRANS
                 sAmax = cute.make_tensor(sAmaxFlat.iterator, cute.make_layout((NUM_WARPS, HG), stride=(HG, 1)))
@@ -603,7 +604,7 @@ class FusedQuantizeSm90:
                                 sel = select(j == p, sbits[st][p], sel)
                             if write_scale:
                                 mS[head, start + ta_j] = sel
-                            if const_expr(p_i == 0 and st == 0 and P.cfg.doc_scale_max_group > 0):
+                            if const_expr(doc_max and st == 0):
                                 # the chunk's max per head: lanes first, then shared memory
                                 lane_max = imax(lane_max, select(write_scale, sel, Int32(0)))
                             if const_expr(TRANS):
@@ -629,18 +630,18 @@ class FusedQuantizeSm90:
                     # Segment g holds chunk tokens 16g .. 16g+15 at columns dcol + 16g ..; it is written
                     # when it lies before round_up(n, DT_DOC_ALIGN), tokens past the chunk as 0, so the
                     # last chunk of a document also writes the document's pad columns.
-                    if const_expr(p_i == 0 and P.cfg.doc_scale_max_group > 0):
+                    if const_expr(doc_max):
                         if lane_max > 0:
                             cute.arch.atomic_max(sDocMax.iterator + hl, lane_max)
-                    if const_expr(TRANS or (p_i == 0 and P.cfg.doc_scale_max_group > 0)):
+                    if const_expr(TRANS or doc_max):
                         cute.arch.sync_threads()
                     # ---- the document's max scale per head group: one global atomic per head ------
                     # (before the transposed copy: its registers are free here, not after it)
-                    if const_expr(p_i == 0 and P.cfg.doc_scale_max_group > 0):
+                    if const_expr(doc_max):
                         if tidx < HG:
                             v = sDocMax[tidx]
                             if v > 0:
-                                kvh = (hgrp * HG + tidx) // P.cfg.doc_scale_max_group
+                                kvh = (hgrp * HG + tidx) // self.doc_max_group
                                 cute.arch.atomic_max(mDocMax0.iterator + (kvh * num_docs + sInfo[3]), v)
                     if const_expr(TRANS):
                         seg0 = dcol >> 4
