@@ -775,11 +775,7 @@ class FlamiaBwdDsBf16Sm90:
         key, d = self._walk_start()
         src = smem_word_index(sK_layout, (key % self.wm, d, key // self.wm), 1)
         dst = smem_word_index(sKb_layout, (d, key, 0), 2)
-        for j in cutlass.range_constexpr(len(plan["k_src"])):
-            x = sK_words[src + plan["k_src"][j]]
-            o = dst + plan["k_dst"][j]
-            sKb_words[o] = e4m3x2_to_bf16x2(x, False)
-            sKb_words[o + 1] = e4m3x2_to_bf16x2(x, True)
+        self._convert_walk(sK_words, sKb_words, src, dst, plan["k_src"], plan["k_dst"])
 
     @cute.jit
     def convert_q(self, bufs, stage, dbuf):
@@ -790,11 +786,17 @@ class FlamiaBwdDsBf16Sm90:
         q, d = self._walk_start()
         src = smem_word_index(sQ_layout, (q, d, 0), 1) + stage * plan["q_stage"]
         dst = smem_word_index(sQb_layout, (d, q, 0), 2) + dbuf * plan["q_buf"]
-        for j in cutlass.range_constexpr(len(plan["q_src"])):
-            x = sQ_words[src + plan["q_src"][j]]
-            o = dst + plan["q_dst"][j]
-            sQb_words[o] = e4m3x2_to_bf16x2(x, False)
-            sQb_words[o + 1] = e4m3x2_to_bf16x2(x, True)
+        self._convert_walk(sQ_words, sQb_words, src, dst, plan["q_src"], plan["q_dst"])
+
+    @cute.jit
+    def _convert_walk(self, src_words, dst_words, src, dst, src_walk, dst_walk):
+        """One conversion walk: e4m3 words at src + src_walk[j] -> two bf16x2 words each at
+        dst + dst_walk[j] (the plans of _conversion_plans, fixed at trace time)."""
+        for j in cutlass.range_constexpr(len(src_walk)):
+            x = src_words[src + src_walk[j]]
+            o = dst + dst_walk[j]
+            dst_words[o] = e4m3x2_to_bf16x2(x, False)
+            dst_words[o + 1] = e4m3x2_to_bf16x2(x, True)
 
     @cute.jit
     def issue_sdp(self, frags, pipe_a, a_state, wg, has_tile=True):
