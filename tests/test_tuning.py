@@ -194,7 +194,11 @@ def test_tune_loop_keeps_the_best_skips_failures_and_reuses_the_cache(tmp_path, 
     monkeypatch.setattr(bench.Case, "build", lambda self, seed=0: self)
     keeps = {k: [c for c, _ in tuning.search_space(k, 128, 16, 16, 128)[0]] for k in tuning.TUNED_KERNELS}
 
-    def fake_calls(case, block, kernels):
+    layouts = []  # the ds_bf16 flag of each _kernel_calls: the recipe's quantization layouts
+
+    def fake_calls(case, block, kernels, ds_bf16):
+        layouts.append(ds_bf16)
+
         def make(kernel):
             def call(cfg, i):  # "time" = 1 + position; the last config is the fastest, the second fails
                 pos = keeps[kernel].index(cfg)
@@ -224,6 +228,9 @@ def test_tune_loop_keeps_the_best_skips_failures_and_reuses_the_cache(tmp_path, 
     assert _statuses(capsys.readouterr().out) == ["cached", "cached"]
     assert main(argv + ["--kernels", "bwd", "--force"]) == 0
     assert _statuses(capsys.readouterr().out) == ["tuned", "cached"]
+    assert layouts and not any(layouts)  # fp8_tokenblock's backward reads every layout
+    assert main(["tune", "--only", "16x1k", "--reps", "1", "--kernels", "quant", "--force"]) == 0
+    assert layouts[-1] is True  # the default recipe (bf16 dS) launches fewer: those are timed
     assert main(["tune", "--print"]) == 0
     out = capsys.readouterr().out
     for line in ("fwd d128_g1_tokenblock/mid-uniform:", "bwd d128_g1_tokenblock/mid-uniform:",
