@@ -88,6 +88,7 @@ from .sm90_device import (
     tma_pipeline,
     warp_pipeline,
     word_walk,
+    xor_walk,
 )
 from .validation import check_kernel_tensors
 
@@ -369,8 +370,10 @@ class FlamiaBwdDsBf16Sm90:
         tma_q, tQ = atom(mQ, L["Q"], (tq, D))
         tma_do, tdO = atom(mdO, L["Q"], (tq, D))
         tma_dot, tdOt = atom(mdOt, L["dOt"], (D, tq))
-        # the dQ tile (row-major fp32, a unit stage mode for the shared TMA partition) and its reduce-add
-        sdQ_layout = cute.make_layout((tq, D, 1), stride=(D, 1, tq * D))
+        # the dQ tile: fp32 rows with an epilogue tile's 128-byte swizzle (8-row x 32-float atoms), so
+        # the consumers' 64-bit stores are conflict-free (row-major, a warp's 8 rows share one bank:
+        # 8-way conflicts, perf/NOTES.md session 7); the TMA reduce-add reads it as 32-column boxes
+        sdQ_layout = sm90_utils.make_smem_layout_epi(Float32, cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, (tq, D), 1)
         tma_dq, tdQ = None, None  # no descriptor to build per launch unless used
         if cutlass.const_expr(self.dq_tma):
             tma_dq, tdQ = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -397,7 +400,7 @@ class FlamiaBwdDsBf16Sm90:
             sdOt: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["dOt"])], 1024]
             sQb: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["Qb"])], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["dS"])], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tq * D if self.dq_tma else 4], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout) if self.dq_tma else 4], 1024]
 
         self.shared_storage = SharedStorage
         tmas = (tma_k, tK, tma_v, tV, tma_ktok, tKtok, tma_vtok, tVtok, tma_q, tQ, tma_do, tdO, tma_dot, tdOt, tma_dq,
@@ -468,6 +471,10 @@ class FlamiaBwdDsBf16Sm90:
                 (sQ_layout, sK_layout, sQb_layout, sKb_layout),
             )
             sVec = storage.sVec.get_tensor(cute.make_layout((self.tq, N_VEC, self.sv)))
+            sdQ, sdQ_words = None, None
+            if cutlass.const_expr(self.dq_tma):
+                sdQ = buf(storage.sdQ, tmas[16])  # the TMA's view
+                sdQ_words = storage.sdQ.get_tensor(cute.make_layout(cute.cosize(tmas[16])))  # stored by hand
             pipe_kv = tma_pipeline(1, self.kv_bytes, storage.kv_mbar.data_ptr())
             pipe_a = tma_pipeline(self.stages, self.a_bytes, storage.a_mbar.data_ptr())
             pipe_b = tma_pipeline(self.stages, self.b_bytes, storage.b_mbar.data_ptr())
@@ -488,13 +495,12 @@ class FlamiaBwdDsBf16Sm90:
                                       softmax_scale)
                 if cutlass.const_expr(self.dq_tma):
                     if warp_idx == 2:
-                        self.reduce_dq(tmas[14], tmas[15], storage.sdQ.get_tensor(tmas[16]), kv_head, doc_start,
-                                       sched)
+                        self.reduce_dq(tmas[14], tmas[15], sdQ, kv_head, doc_start, sched)
             else:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
                 self.consume(
                     mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok,
-                    mRef[kv_head, doc], (mdQ, mSem, doc, storage.sdQ.get_tensor(tmas[16])), mdK, mdV, kv_head,
+                    mRef[kv_head, doc], (mdQ, mSem, doc, sdQ_words, tmas[16]), mdK, mdV, kv_head,
                     doc_start, doc_len, sched, softmax_scale, wg_idx - 1,
                 )
 
@@ -758,6 +764,17 @@ class FlamiaBwdDsBf16Sm90:
         )
         return plan
 
+    def _dq_store_plan(self, sdQ_layout):
+        """Trace time: (xors, adds) of the dQ tile's column pairs in the swizzled shared tile
+        (sm90_device.xor_walk over the dQ MMA's thread-value layout: pair j holds values 2j, 2j+1)."""
+        tv = self._make_mmas()[3].tv_layout_C_tiled
+
+        def coord(t, j):
+            idx = cute.crd2idx((t, 2 * j), tv)
+            return idx % self.tq, idx // self.tq, 0
+
+        return xor_walk(sdQ_layout, coord, 4, 256, self.D // 8)
+
     @cute.jit
     def _walk_start(self):
         """(row, d) of this consumer thread's first word in the conversion walks (_conversion_plans);
@@ -920,15 +937,20 @@ class FlamiaBwdDsBf16Sm90:
         pipe_b.consumer_release(b_state)
         b_state.advance()
 
-        mdQ, mSem, doc, sdQ = dq_out
+        mdQ, mSem, doc, sdQ_words, sdQ_layout = dq_out
         tidx, _, _ = cute.arch.thread_idx()
         if cutlass.const_expr(self.dq_tma):
             # the previous tile's reduce-add has read the buffer; store this tile (softmax_scale applied)
+            # column pairs to the swizzled tile (64-bit stores, conflict-free): one base word per thread,
+            # each pair an XOR and an add away from it (_dq_store_plan)
+            xors, adds = self._dq_store_plan(sdQ_layout)
+            row0, col0 = tScQ[0]
+            w0 = smem_word_index(sdQ_layout, (row0, col0, 0), 4)
             cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=288)
-            for j in cutlass.range_constexpr(cute.size(acc_dq) // 2):
-                row, col = tScQ[2 * j]
-                sdQ[row, col, 0] = acc_dq[2 * j] * softmax_scale
-                sdQ[row, col + 1, 0] = acc_dq[2 * j + 1] * softmax_scale
+            for j in cutlass.range_constexpr(len(xors)):
+                w = (w0 ^ xors[j]) + adds[j]
+                sdQ_words[w] = acc_dq[2 * j] * softmax_scale
+                sdQ_words[w + 1] = acc_dq[2 * j + 1] * softmax_scale
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=288)
             if cutlass.const_expr(self.prefetch):

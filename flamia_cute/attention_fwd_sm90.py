@@ -121,11 +121,12 @@ class FwdConfig:
     # default; `flamia-cute tune` still searches it.
     pin_softmax: bool = False
     # Uniform (block-scaled) tiles zero a dropped row's P bytes (the zero-V rule, recipes.FOLD_DROP).
-    # False: 16 selects on every tile (GPU-tested; the off-diagonal loop grew 543 -> 575 SASS
-    # instructions with the rule, and the 1x16k kernel 1.37 -> 1.47 ms between sessions 4 and 5);
     # True: the selects only under a warp-uniform branch taken when a row of the warp is dropped
-    # (vote.any), bitwise the same P. NOT GPU-RUN YET (session 6).
-    drop_branch: bool = False
+    # (vote.any), bitwise the same P; False: 16 selects on every tile (the off-diagonal loop grew
+    # 543 -> 575 SASS instructions with the rule, the 1x16k kernel 1.37 -> 1.47 ms). Measured on the
+    # H200 (run s7a, same run): True is 0.8% faster on 1x16k, 1.2% on 4x4k, 0.3-0.8% on 1x64k and
+    # longtail32k, +0.3% on 16x1k (noise): less than the predicted half of the 7%.
+    drop_branch: bool = True
 
     def __post_init__(self):
         def bad(name, msg):

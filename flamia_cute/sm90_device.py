@@ -87,6 +87,27 @@ def word_walk(layout, coord, elem_bytes: int, threads: int, steps: int):
     return deltas
 
 
+def xor_walk(layout, coord, elem_bytes: int, threads: int, steps: int):
+    """word_walk for walks whose swizzle bits DO change with j (an accumulator fragment's column
+    blocks across a swizzle atom): (xors, adds) with word(t, j) = (word(t, 0) ^ xors[j]) + adds[j]
+    for EVERY thread, checked here. The unswizzled step is split at the top of the swizzle's target
+    bits: the low part can only flip bits that thread 0's walk leaves clear, the high part adds."""
+    b, m, _ = swizzle_bits(layout)
+    low = (1 << (m + b)) - 1
+    lin = [[int(cute.crd2idx(coord(t, j), layout.outer)) * elem_bytes for j in range(steps)] for t in range(threads)]
+    xors, adds = [], []
+    for j in range(steps):
+        d = lin[0][j] - lin[0][0]
+        xors.append((d & low) >> 2)
+        adds.append((d & ~low) >> 2)
+    for t in range(threads):
+        w0 = int(smem_word_index(layout, coord(t, 0), elem_bytes))
+        for j in range(steps):
+            if int(smem_word_index(layout, coord(t, j), elem_bytes)) != (w0 ^ xors[j]) + adds[j]:
+                raise ValueError(f"xor_walk: step {j} of thread {t} is not (word ^ x) + a on {layout}")
+    return xors, adds
+
+
 def smem_word_index(layout, coord, elem_bytes: int):
     """32-bit word holding element `coord` of a swizzled shared-memory layout (S<B,M,S> o outer).
     The swizzle acts on BYTE addresses (TMA and wgmma's 32/64/128-byte modes), whatever the

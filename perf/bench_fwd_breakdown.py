@@ -66,7 +66,7 @@ def measure(name, lengths):
                        ("kernel s2 nopp", FwdConfig(128, diagonal_copy=True, pingpong=False)),
                        ("kernel s2 pp nopin", FwdConfig(128, diagonal_copy=True, pin_softmax=False)),
                        # the zero-V rule's selects behind a warp vote (session 6: the rule cost ~7%?)
-                       ("kernel s2 pp drop-branch", FwdConfig(128, diagonal_copy=True, drop_branch=True))):
+                       ("kernel s2 pp selects always", FwdConfig(128, diagonal_copy=True, drop_branch=False))):
         def fwd(cfg=cfg):
             flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
                             kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale, cfg)

@@ -192,6 +192,71 @@ def test_conversion_walks_cover_each_word_once(head_dim):
         assert both == list(range(rows * head_dim // 2)), name
 
 
+@needs_dsl
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_store_plan_writes_the_swizzled_tile_once(head_dim):
+    """The dQ tile's hand-computed stores (dq_tma_reduce): for each of the 256 consumer threads,
+    (base ^ xor) + add lands value pair j of the dQ MMA's fragment at its (query, d) element of the
+    swizzled shared tile that the TMA reduce-add reads (as smem_word_index evaluates it), pairs
+    8-byte aligned, every word of the tile written exactly once."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+
+    from flamia_cute.attention_bwd_dsbf16_sm90 import FlamiaBwdDsBf16Sm90
+    from flamia_cute.sm90_device import smem_word_index
+
+    kern = FlamiaBwdDsBf16Sm90(BwdDsBf16Config(head_dim=head_dim))
+    found = {}
+
+    @cute.jit
+    def plan():
+        sdq = sm90_utils.make_smem_layout_epi(cutlass.Float32, cutlass.tensor_utils.LayoutEnum.ROW_MAJOR,
+                                              (64, head_dim), 1)
+        xors, adds = kern._dq_store_plan(sdq)
+        tv = kern._make_mmas()[3].tv_layout_C_tiled
+        words = []
+        for t in cutlass.range_constexpr(256):  # static: evaluated while tracing
+            i0 = int(cute.crd2idx((t, 0), tv))
+            w0 = int(smem_word_index(sdq, (i0 % 64, i0 // 64, 0), 4))
+            for j in cutlass.range_constexpr(len(xors)):
+                i = int(cute.crd2idx((t, 2 * j), tv))
+                want = int(smem_word_index(sdq, (i % 64, i // 64, 0), 4))
+                assert (w0 ^ xors[j]) + adds[j] == want and want % 2 == 0, (t, j)
+                i1 = int(cute.crd2idx((t, 2 * j + 1), tv))
+                assert int(smem_word_index(sdq, (i1 % 64, i1 // 64, 0), 4)) == want + 1, (t, j)
+                words += [want, want + 1]
+        found["words"] = words
+
+    plan()
+    assert sorted(found["words"]) == list(range(64 * head_dim))
+
+
+def test_xor_walk_rejects_a_walk_that_is_not_an_xor_and_add():
+    """The check in sm90_device.xor_walk can fail: a walk whose step carries into the swizzle's
+    target bits differently per thread is refused."""
+    pytest.importorskip("cutlass")
+    import cutlass.cute as cute
+
+    from flamia_cute.sm90_device import xor_walk
+
+    err = {}
+
+    @cute.jit
+    def walk():
+        lay = cute.make_composed_layout(cute.make_swizzle(3, 4, 3), 0, cute.make_layout((64, 32), stride=(32, 1)))
+        try:  # thread t starts at float column t % 8 (any 4-byte offset): a 16-byte step carries per thread
+            xor_walk(lay, lambda t, j: (t // 8, t % 8 + 4 * j, ), 4, 64, 4)
+        except ValueError as e:
+            err["msg"] = str(e)
+        found = xor_walk(lay, lambda t, j: (t, 8 * j), 4, 64, 4)  # 32-byte steps from column 0: fine
+        err["ok"] = found
+
+    walk()
+    assert "not (word ^ x) + a" in err["msg"]
+    assert err["ok"] == ([0, 8, 16, 24], [0, 0, 0, 0])
+
+
 @given(lengths=hst.lists(hst.one_of(hst.integers(0, 3), hst.integers(0, 300)), min_size=1, max_size=8),
        group=hst.sampled_from([1, 2, 4]), seed=hst.integers(0, 2**16))
 @settings(max_examples=40, deadline=None)
@@ -264,8 +329,9 @@ def test_compiles_with_fp8_and_bf16_wgmma(artifacts, head_dim, diagonal_copy):
     assert "cp.async.bulk.tensor" in art.ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" in art.ptx and "cvt.rn.bf16x2.f32" in art.ptx
     assert "cvt.rn.f16x2.e4m3x2" in art.ptx, "Q and K codes converted to bf16 in the kernel"
-    # dQ: one TMA reduce-add per tile by the dQ warp, no atomics (dq_tma_reduce's default)
-    assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", art.ptx)) == 1
+    # dQ: one TMA reduce-add per tile by the dQ warp, no atomics (dq_tma_reduce's default), in boxes
+    # of 32 floats (the 128-byte swizzle of the shared dQ tile)
+    assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", art.ptx)) == head_dim // 32
     assert "red.global" not in art.ptx
     assert "setmaxnreg.inc" in art.ptx and "setmaxnreg.dec" in art.ptx
     assert not re.search(r"\b(ld|st)\.local\b", art.ptx)
@@ -287,7 +353,7 @@ def test_dq_tma_reduce_variant(head_dim, prefetch):
     cfg = BwdDsBf16Config(head_dim=head_dim, diagonal_copy=True, dq_tma_reduce=True, prefetch_sdp=prefetch)
     art = kernel_artifacts(cfg, "sm_90a")
     assert smem_bytes(cfg) <= 232448
-    assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", art.ptx)) == 1
+    assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", art.ptx)) == head_dim // 32
     assert not re.search(r"red\.global", art.ptx)
     assert re.search(r"bar\.arrive\s+4, 288", art.ptx) and re.search(r"bar\.sync\s+5, 288", art.ptx)
     # the dQ warp issues the TMA reduce as a whole warp (a one-lane call of the copy hung on the H200)

@@ -91,8 +91,8 @@ VARIANTS = {
     "overlap_no_pingpong": {"intra_wg_overlap": True, "pingpong": False},
     "stages3": {"kv_stages": 3},
     "pinned_softmax": {"intra_wg_overlap": True, "pin_softmax": True},
-    "drop_branch": {"drop_branch": True},
-    "drop_branch_serial": {"drop_branch": True, "intra_wg_overlap": False},
+    "selects_always": {"drop_branch": False},
+    "selects_always_serial": {"drop_branch": False, "intra_wg_overlap": False},
 }
 
 
@@ -193,17 +193,16 @@ def test_overlap_variants_compile(artifacts, head_dim, diagonal_copy):
 @needs_dsl
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_drop_branch_variant(artifacts, head_dim):
-    """drop_branch: the zero-V rule's P selects of the block-scaled tiles sit behind one warp vote,
-    so the off-diagonal loop's common path drops them; both schedules build without spills; the
-    default build has no vote (it is the GPU-tested one)."""
-    plain = artifacts(head_dim, True)
-    assert "vote.sync.any" not in plain.ptx
+    """drop_branch (the default): the zero-V rule's P selects of the block-scaled tiles sit behind one
+    warp vote, so the off-diagonal loop's common path drops them; both schedules build without
+    spills; drop_branch=False selects on every tile, without a vote."""
     for overlap in (True, False):
-        art = artifacts(head_dim, True, drop_branch=True, intra_wg_overlap=overlap)
+        art = artifacts(head_dim, True, intra_wg_overlap=overlap)
         _check_artifacts(art, head_dim)
         assert len(re.findall(r"vote\.sync\.any\.pred", art.ptx)) == 1  # the schedule's uniform-tile step
+        assert "vote.sync.any" not in artifacts(head_dim, True, drop_branch=False, intra_wg_overlap=overlap).ptx
     # the per-token recipe has no uniform tiles: nothing changes
-    assert "vote.sync.any" not in artifacts(head_dim, False, drop_branch=True).ptx
+    assert "vote.sync.any" not in artifacts(head_dim, False).ptx
 
 
 def _check_artifacts(art, head_dim, spill_free=True):
