@@ -128,6 +128,11 @@ class BwdDsBf16Config:
     # warp issues (FA3's scheme) instead of the consumers' red.global.add (None: on unless deterministic
     # or out of shared memory; kernel -12% on 1x16k, -14% on 1x64k, run s6b)
     dq_tma_reduce: bool | None = None
+    # S^T and dP^T in separate commit groups, waited for one by one, so that P^T's exp2 (and the Q
+    # tile's bf16 conversion) run while dP^T is on the tensor cores (FA4's order); False: one wait.
+    # None: on unless prefetch_sdp (with the prefetch in flight across the loop, ptxas serializes
+    # every wgmma of the split build: 44-60 warpgroup arrives instead of 6-8)
+    exp_under_dp: bool | None = None
 
     def __post_init__(self):
         def bad(name, msg):
@@ -140,7 +145,7 @@ class BwdDsBf16Config:
         for name in ("diagonal_copy", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
-        for name in ("prefetch_sdp", "dq_tma_reduce"):
+        for name in ("prefetch_sdp", "dq_tma_reduce", "exp_under_dp"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 bad(name, "must be None (auto) or a bool")
         if self.q_stages not in (1, 2, 3):
@@ -150,6 +155,10 @@ class BwdDsBf16Config:
         # the automatic choices, resolved here so that the config says what the kernel builds
         if self.prefetch_sdp is None:
             object.__setattr__(self, "prefetch_sdp", self.head_dim == 64)
+        if self.exp_under_dp is None:
+            object.__setattr__(self, "exp_under_dp", not self.prefetch_sdp)
+        if self.exp_under_dp and self.prefetch_sdp:
+            bad("exp_under_dp", "with prefetch_sdp, ptxas serializes the split S^T/dP^T waits")
         if self.dq_tma_reduce is None:
             # on where allowed and its 33 KB dQ tile fits (not with 3 query stages at d128)
             object.__setattr__(self, "dq_tma_reduce", not self.deterministic)
@@ -259,6 +268,7 @@ class FlamiaBwdDsBf16Sm90:
         self.regs_consumer = 240
         self.prefetch = config.prefetch_sdp
         self.dq_tma = config.dq_tma_reduce
+        self.sdp_groups = 2 if config.exp_under_dp else 1  # commit groups of one issue_sdp
 
     def _make_mmas(self):
         K_MAJOR, MN_MAJOR = OperandMajorMode.K, OperandMajorMode.MN
@@ -817,7 +827,8 @@ class FlamiaBwdDsBf16Sm90:
 
     @cute.jit
     def issue_sdp(self, frags, pipe_a, a_state, wg, has_tile=True):
-        """Issue S^T = K Q^T and dP^T = V dO^T of the query tile in stage a_state (one commit group).
+        """Issue S^T = K Q^T and dP^T = V dO^T of the query tile in stage a_state (one commit group, or
+        one each with exp_under_dp: self.sdp_groups).
         has_tile (a runtime flag, or True): False issues on the stage as it is, without waiting for a
         load (a dummy whose result is dropped: see tile_step's dq_tma_reduce prefetch)."""
         D = self.D
@@ -833,6 +844,8 @@ class FlamiaBwdDsBf16Sm90:
         for k in cutlass.range_constexpr(D // 32):
             sd_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(sd_mma, acc_s, tSrK[None, None, k, wg], tSrQ[None, None, k, a_state.index], acc_s)
+        if cutlass.const_expr(self.cfg.exp_under_dp):
+            warpgroup.commit_group()
         for k in cutlass.range_constexpr(D // 32):
             sd_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(sd_mma, acc_dp, tSrV[None, None, k, wg], tSrdO[None, None, k, a_state.index], acc_dp)
@@ -859,24 +872,18 @@ class FlamiaBwdDsBf16Sm90:
 
         if cutlass.const_expr(not self.prefetch):
             self.issue_sdp(frags, pipe_a, a_state, wg)
-        # ---- S^T and dP^T are done: Q's codes to bf16 for dK, then the e4m3 tile can go
+        # ---- P^T = exp2(S^T sk sq scale log2e - lse log2e) into acc_s (masked on the diagonal tiles);
+        # column-outer: each query's vectors loaded once. With exp_under_dp, while dP^T still runs
         dbuf = i % 2
         pipe_v.consumer_wait(v_state)
         vs = v_state.index
-        warpgroup.wait_group(0)
-        self.convert_q(bufs, a_state.index, dbuf)
-        pipe_a.consumer_release(a_state)
-        a_state.advance()
-
-        # ---- P^T (into acc_s), dS^T (into acc_dp); column-outer: each query's vectors loaded once
+        warpgroup.wait_group(self.sdp_groups - 1)
         qoff = (m - 2 * n_blk) * tq  # diagonal tiles: query index in the key block = qoff + column
         for w_ in cutlass.range_constexpr(n_s // 4):
             for v0 in cutlass.range_constexpr(2):
                 col = tScS[4 * w_ + v0][1]
                 ca = sVec[col, 0, vs]
                 cb = sVec[col, 1, vs]
-                cd = sVec[col, 2, vs]
-                cw = sVec[col, 3, vs]
                 for v1 in cutlass.range_constexpr(2):
                     a = v0 + 2 * v1 + 4 * w_
                     p = cute.math.exp2(acc_s[a] * rsc[v1] * ca - cb, fastmath=True)
@@ -885,6 +892,23 @@ class FlamiaBwdDsBf16Sm90:
                             p = Float32(0.0)
                         if krow[v1] >= lim:
                             p = Float32(0.0)
+                    acc_s[a] = p
+        # ---- Q's codes to bf16 for dK (S^T has read the e4m3 tile); once dP^T is done it can go
+        self.convert_q(bufs, a_state.index, dbuf)
+        if cutlass.const_expr(self.sdp_groups == 2):
+            warpgroup.wait_group(0)
+        pipe_a.consumer_release(a_state)
+        a_state.advance()
+
+        # ---- dS^T = P^T (dP^T sv sdo - D) into acc_dp, the dV fold of P^T into acc_s
+        for w_ in cutlass.range_constexpr(n_s // 4):
+            for v0 in cutlass.range_constexpr(2):
+                col = tScS[4 * w_ + v0][1]
+                cd = sVec[col, 2, vs]
+                cw = sVec[col, 3, vs]
+                for v1 in cutlass.range_constexpr(2):
+                    a = v0 + 2 * v1 + 4 * w_
+                    p = acc_s[a]
                     acc_dp[a] = p * (acc_dp[a] * rsc[2 + v1] * cw - cd)
                     acc_s[a] = (p * cw) * cf  # <= 256: sdo <= r; exact scaling by powers of two
         pack_a_fragment_e4m3(acc_s, tVrP32)
@@ -929,7 +953,7 @@ class FlamiaBwdDsBf16Sm90:
         if cutlass.const_expr(self.prefetch and not self.dq_tma):
             if has_next:
                 self.issue_sdp(frags, pipe_a, a_state, wg)
-                warpgroup.wait_group(1)  # dV, dK and dQ done; the next S^T, dP^T still running
+                warpgroup.wait_group(self.sdp_groups)  # dV, dK and dQ done; the next S^T, dP^T still running
             else:
                 warpgroup.wait_group(0)
         else:

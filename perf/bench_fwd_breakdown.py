@@ -114,8 +114,12 @@ def measure(name, lengths):
     def ds_bwd_atomics():  # dQ by the consumers' atomics (the default until session 6; the deterministic path)
         ds_bwd(BwdDsBf16Config(128, diagonal_copy=True, dq_tma_reduce=False))
 
+    def ds_bwd_one_wait():  # S^T and dP^T waited for together (before session 7)
+        ds_bwd(BwdDsBf16Config(128, diagonal_copy=True, exp_under_dp=False))
+
     for label, fn in (("bwd kernel", bwd), ("bwd preprocess", lambda: preprocess_bwd(dout, out, case.cu)),
                       ("dsbf16 bwd kernel", ds_bwd), ("dsbf16 bwd kernel, dQ atomics", ds_bwd_atomics),
+                      ("dsbf16 bwd kernel, one S/dP wait", ds_bwd_one_wait),
                       ("dsbf16 dV fold references", ds_prep)):
         try:
             row[label] = graph_ms(fn)

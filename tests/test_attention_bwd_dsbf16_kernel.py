@@ -58,12 +58,14 @@ RECIPES = {
 @needs_dsl
 @pytest.mark.parametrize("field, value", [("head_dim", 96), ("qhead_per_kvhead", 0), ("q_stages", 4),
                                           ("vec_stages", 0), ("diagonal_copy", 1), ("deterministic", "yes"),
-                                          ("prefetch_sdp", 1), ("dq_tma_reduce", 1)])
+                                          ("prefetch_sdp", 1), ("dq_tma_reduce", 1), ("exp_under_dp", 1)])
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"BwdDsBf16Config.{field}"):
         BwdDsBf16Config(**{"head_dim": 128, field: value})
     with pytest.raises(ValueError, match="BwdDsBf16Config.dq_tma_reduce"):
         BwdDsBf16Config(head_dim=128, deterministic=True, dq_tma_reduce=True)
+    with pytest.raises(ValueError, match="BwdDsBf16Config.exp_under_dp"):  # ptxas would serialize the wgmmas
+        BwdDsBf16Config(head_dim=128, prefetch_sdp=True, exp_under_dp=True)
 
 
 @needs_dsl
@@ -78,6 +80,9 @@ def test_dq_path_follows_determinism(monkeypatch):
     assert BwdDsBf16Config(head_dim=64, dq_tma_reduce=False).dq_tma_reduce is False
     # the prefetch's automatic choice is resolved in the config too (the kernel builds what it says)
     assert BwdDsBf16Config(head_dim=64).prefetch_sdp is True and BwdDsBf16Config(head_dim=128).prefetch_sdp is False
+    # S^T and dP^T waited apart wherever the prefetch is off
+    assert [BwdDsBf16Config(head_dim=d, prefetch_sdp=p).exp_under_dp for d in (64, 128) for p in (None, False, True)] \
+        == [False, True, False, True, True, False]
     T, H, Hk, D = 256, 4, 2, 128
     qq = QuantizedTHD(torch.zeros(T, H, D, dtype=torch.float8_e4m3fn), None, torch.ones(H, T), 128, "e4m3")
     kq = QuantizedTHD(torch.zeros(T, Hk, D, dtype=torch.float8_e4m3fn), None, torch.ones(Hk, T), 128, "e4m3")
@@ -341,6 +346,9 @@ def test_compiles_with_fp8_and_bf16_wgmma(artifacts, head_dim, diagonal_copy):
         assert len(re.findall(r"\bHGMMA\b", art.sass)) == sum(n for k, n in want.items() if "bf16" in k)
         assert "UTMALDG" in art.sass
         assert not re.search(r"\b(STL|LDL)\b", art.sass), "register spills in SASS"
+        # ptxas did not serialize the wgmmas (it does when it cannot track the accumulators in flight:
+        # 44-60 arrives, one per wgmma, e.g. split S^T/dP^T waits beside the prefetch)
+        assert len(re.findall(r"\bWARPGROUP\.ARRIVE\b", art.sass)) <= 8
 
 
 @needs_dsl
@@ -438,16 +446,18 @@ def test_gpu_unaligned_document_starts(lengths):
 @pytest.mark.gpu
 @needs_dsl
 @_needs_sm90()
-@pytest.mark.parametrize("D, H, Hk, prefetch, tma", [(128, 2, 2, None, False), (64, 4, 2, None, False),
-                                                   (128, 4, 1, None, True), (128, 2, 2, True, True),
-                                                   (128, 4, 1, True, True)])
-def test_gpu_dq_paths_match_emulator(D, H, Hk, prefetch, tma):
+@pytest.mark.parametrize("D, H, Hk, prefetch, tma, split", [(128, 2, 2, None, False, None), (64, 4, 2, None, False, None),
+                                                          (128, 4, 1, None, True, None), (128, 2, 2, True, True, None),
+                                                          (128, 4, 1, True, True, None), (128, 4, 1, None, True, False),
+                                                          (64, 2, 2, False, True, None)])
+def test_gpu_dq_paths_match_emulator(D, H, Hk, prefetch, tma, split):
     """Both dQ paths on a longer mix: the TMA reduce-add (the default since session 6), with and
     without the unconditional S^T/dP^T prefetch, and the consumers' atomics (the deterministic
-    mode's path, here unordered)."""
+    mode's path, here unordered); S^T and dP^T waited for apart (exp_under_dp, the default without
+    the prefetch: d128, and d64 with the prefetch off) or together."""
     st = _setup(LENGTHS + [3000], H, Hk, D, RECIPES["fp8_tokenblock_dsbf16"], seed=6, device="cuda")
     cfg = BwdDsBf16Config(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=True, dq_tma_reduce=tma,
-                          prefetch_sdp=prefetch)
+                          prefetch_sdp=prefetch, exp_under_dp=split)
     res = _run(st, config=cfg)
     torch.cuda.synchronize()
     err = _grad_errors(res, st["emu"], st["cu"].cpu())
