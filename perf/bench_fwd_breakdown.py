@@ -117,9 +117,12 @@ def measure(name, lengths):
     def ds_bwd_one_wait():  # S^T and dP^T waited for together (before session 7)
         ds_bwd(BwdDsBf16Config(128, diagonal_copy=True, exp_under_dp=False))
 
+    def ds_bwd_prefetch():  # the next tile's S^T, dP^T issued under this tile's dQ store (d128: tuner's choice)
+        ds_bwd(BwdDsBf16Config(128, diagonal_copy=True, prefetch_sdp=True))
+
     for label, fn in (("bwd kernel", bwd), ("bwd preprocess", lambda: preprocess_bwd(dout, out, case.cu)),
                       ("dsbf16 bwd kernel", ds_bwd), ("dsbf16 bwd kernel, dQ atomics", ds_bwd_atomics),
-                      ("dsbf16 bwd kernel, one S/dP wait", ds_bwd_one_wait),
+                      ("dsbf16 bwd kernel, one S/dP wait", ds_bwd_one_wait), ("dsbf16 bwd kernel, prefetch", ds_bwd_prefetch),
                       ("dsbf16 dV fold references", ds_prep)):
         try:
             row[label] = graph_ms(fn)
