@@ -92,6 +92,14 @@ for stage in "$@"; do
       run ncu_quant 200 ncu -k regex:'[Qq]uant' --launch-skip 1 --launch-count 1 --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --metrics dram__bytes_read.sum,dram__bytes_write.sum \
         python3 perf/profile_kernels.py quant longtail32k ;;
+    ncu-ds)  # where the bf16-dS backward kernel's time goes: one long and one short-document workload
+      for wl in ${NCU_WORKLOADS:-1x16k 16x1k}; do
+        run ncu_ds_$wl 240 ncu -k regex:'BwdDsBf16' --launch-skip 1 --launch-count 1 --set full --import-source no \
+          -o "$OUT/ds_$wl" -f python3 perf/profile_kernels.py bwd_dsbf16 "$wl"
+        ncu -i "$OUT/ds_$wl.ncu-rep" --page details > "$OUT/ncu_ds_${wl}_details.txt" 2>&1
+        ncu -i "$OUT/ds_$wl.ncu-rep" --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/ncu_ds_${wl}_sass.csv.gz"
+        rm -f "$OUT/ds_$wl.ncu-rep"
+      done ;;
     fwd-breakdown) run fwd_breakdown ${BREAKDOWN_SECONDS:-420} env OUT="$OUT" python3 perf/bench_fwd_breakdown.py ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -1,6 +1,7 @@
 """Launch one kernel of interest a few times so `ncu` can profile it (see gpu_session.sh `ncu`).
 
     python perf/profile_kernels.py bwd 1x4k        # the backward kernel alone (dO preprocessed)
+    python perf/profile_kernels.py bwd_dsbf16 16x1k   # the bf16-dS backward kernel alone (the default)
     python perf/profile_kernels.py quant longtail32k  # the fused Q/K/V quantization launch
 """
 
@@ -9,6 +10,7 @@ import sys
 
 import torch
 
+from flamia_cute.attention_bwd_dsbf16_sm90 import flamia_bwd_dsbf16_sm90_from_saved
 from flamia_cute.attention_bwd_sm90 import flamia_bwd_sm90_from_saved, preprocess_bwd
 from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case
@@ -33,10 +35,14 @@ def main():
         out, lse = flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
                                    kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale,
                                    FwdConfig(128, diagonal_copy=True))
-        delta, doq = preprocess_bwd(dout, out, case.cu)
+        delta, doq, dv_ref = preprocess_bwd(dout, out, case.cu, dv_ref_group=1)
         for _ in range(3):
-            flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
-                                       do_quantized=doq, delta=delta)
+            if what == "bwd_dsbf16":
+                flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
+                                                  case.scale, do_quantized=doq, delta=delta, dv_ref=dv_ref)
+            else:
+                flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
+                                           do_quantized=doq, delta=delta)
     torch.cuda.synchronize()
     print("done", what, name)
 
