@@ -138,11 +138,12 @@ def bwd_space(head_dim: int, group: int, diagonal_copy: bool):
 def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool):
     """Every bf16-dS backward config (recipe fp8_tokenblock_dsbf16) by effective fields: query and
     vector stages, the dQ path, the S^T/dP^T prefetch (each with its automatic exp_under_dp), and the
-    default with one S^T/dP^T wait; the pruned ones with the reason."""
+    default with one S^T/dP^T wait and with the key-block-fastest CTA order; the pruned ones with the
+    reason."""
     from .attention_bwd_dsbf16_sm90 import BwdDsBf16Config
 
     def effective(cfg):  # the config resolves its automatic fields
-        return cfg.q_stages, cfg.vec_stages, cfg.dq_tma_reduce, cfg.prefetch_sdp, cfg.exp_under_dp
+        return cfg.q_stages, cfg.vec_stages, cfg.dq_tma_reduce, cfg.prefetch_sdp, cfg.exp_under_dp, cfg.raster
 
     default = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
     keep, pruned, seen = [(default, "default")], [], {effective(default)}
@@ -167,6 +168,7 @@ def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool):
                         keep.append((cfg, "variant"))
     if default.exp_under_dp:
         keep.append((dataclasses.replace(default, exp_under_dp=False), "variant"))
+    keep.append((dataclasses.replace(default, raster="blocks"), "variant"))  # the CTA order (key block fastest)
     return keep, pruned
 
 
@@ -190,7 +192,7 @@ def config_fields(kernel: str, cfg) -> dict:
                 "heads_per_cta": [p.heads_per_cta for p in cfg.parts]}
     names = {"fwd": ("kv_stages", "pingpong", "intra_wg_overlap", "pin_softmax"),
              "bwd": ("q_stages", "qt_stages", "vec_stages"),
-             "bwd_dsbf16": ("q_stages", "vec_stages", "dq_tma_reduce", "prefetch_sdp", "exp_under_dp")}
+             "bwd_dsbf16": ("q_stages", "vec_stages", "dq_tma_reduce", "prefetch_sdp", "exp_under_dp", "raster")}
     return {n: getattr(cfg, n) for n in names[kernel]}
 
 

@@ -61,6 +61,8 @@ def measure(name, lengths):
     qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, case.cu, 128, case.max_len)
     flops = causal_flops(case.lengths, 16, 128)
     row = {"workload": name}
+    if ONLY_DS:
+        return measure_ds_orders(case, qq, kq, kt, vq, vt, row)
     for label, cfg in (("kernel s2 pp", FwdConfig(128, diagonal_copy=True)),
                        ("kernel s3 pp", FwdConfig(128, diagonal_copy=True, kv_stages=3)),
                        ("kernel s2 nopp", FwdConfig(128, diagonal_copy=True, pingpong=False)),
@@ -135,10 +137,30 @@ def measure(name, lengths):
     return row
 
 
+# BREAKDOWN_ONLY=ds: only the bf16-dS backward kernel in both CTA orders (BwdDsBf16Config.raster)
+ONLY_DS = os.environ.get("BREAKDOWN_ONLY") == "ds"
+
+
+def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
+    out, lse = flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
+                               kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale,
+                               FwdConfig(128, diagonal_copy=True))
+    dout = case.sets[0][3]
+    delta, doq, dv_ref = preprocess_bwd(dout, out, case.cu, dv_ref_group=1)
+    for raster in ("heads", "blocks"):
+        cfg = BwdDsBf16Config(128, diagonal_copy=True, raster=raster)
+
+        def fn(cfg=cfg):
+            flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
+                                              case.scale, config=cfg, do_quantized=doq, delta=delta, dv_ref=dv_ref)
+        row[f"dsbf16 bwd kernel, {raster} order"] = graph_ms(fn)
+    return row
+
+
 def main():
     wl = json.loads(DEFAULT_WORKLOADS.read_text())["workloads"]
     rows = []
-    for name in ("1x16k", "16x1k", "4x4k", "longtail32k", "1x64k"):
+    for name in ("1x16k", "16x1k", "4x4k", "longtail32k", "1x64k") + (("mixed16k",) if ONLY_DS else ()):
         row = measure(name, wl[name])
         rows.append(row)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)

@@ -58,7 +58,8 @@ RECIPES = {
 @needs_dsl
 @pytest.mark.parametrize("field, value", [("head_dim", 96), ("qhead_per_kvhead", 0), ("q_stages", 4),
                                           ("vec_stages", 0), ("diagonal_copy", 1), ("deterministic", "yes"),
-                                          ("prefetch_sdp", 1), ("dq_tma_reduce", 1), ("exp_under_dp", 1)])
+                                          ("prefetch_sdp", 1), ("dq_tma_reduce", 1), ("exp_under_dp", 1),
+                                          ("raster", "rows")])
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"BwdDsBf16Config.{field}"):
         BwdDsBf16Config(**{"head_dim": 128, field: value})
@@ -91,6 +92,28 @@ def test_dq_path_follows_determinism(monkeypatch):
         monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", env)
         cfg = backward_config(qq, kq, kq, cu, T, ds_bf16=True)
         assert (cfg.dq_tma_reduce, cfg.deterministic, cfg.qhead_per_kvhead) == (tma, not tma, 2), cfg
+
+
+@needs_dsl
+def test_cta_order_follows_document_length(monkeypatch):
+    """Short documents (max_seqlen <= BLOCKS_RASTER_MAX_SEQLEN) run the key-block-fastest CTA order,
+    longer ones and the deterministic mode the heads order; the API's config follows (untuned)."""
+    from flamia_cute.attention_bwd_dsbf16_sm90 import BLOCKS_RASTER_MAX_SEQLEN, default_config
+    from flamia_cute.cute_backend import backward_config
+    from flamia_cute.quant import QuantizedTHD
+
+    T, H, Hk, D = 4096, 4, 2, 128
+    qq = QuantizedTHD(torch.zeros(T, H, D, dtype=torch.float8_e4m3fn), None, torch.ones(H, T), 1, "e4m3")
+    kq = QuantizedTHD(torch.zeros(T, Hk, D, dtype=torch.float8_e4m3fn), None, torch.ones(Hk, T), 128, "e4m3")
+    got = [default_config(qq, kq, kq, max_seqlen=n).raster for n in (1, BLOCKS_RASTER_MAX_SEQLEN,
+                                                                      BLOCKS_RASTER_MAX_SEQLEN + 1, None)]
+    assert got == ["blocks", "blocks", "heads", "heads"]
+    assert default_config(qq, kq, kq, deterministic=True, max_seqlen=1024).raster == "heads"
+    monkeypatch.setenv("FLAMIA_CUTE_NO_TUNING", "1")
+    for env, length, want in (("0", 1024, "blocks"), ("0", 4096, "heads"), ("1", 1024, "heads")):
+        monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", env)
+        cu = torch.tensor(list(range(0, T + 1, length)), dtype=torch.int32)
+        assert backward_config(qq, kq, kq, cu, length, ds_bf16=True).raster == want, (env, length)
 
 
 @needs_dsl
@@ -459,6 +482,20 @@ def test_gpu_dq_paths_match_emulator(D, H, Hk, prefetch, tma, split):
     cfg = BwdDsBf16Config(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=True, dq_tma_reduce=tma,
                           prefetch_sdp=prefetch, exp_under_dp=split)
     res = _run(st, config=cfg)
+    torch.cuda.synchronize()
+    err = _grad_errors(res, st["emu"], st["cu"].cpu())
+    assert not _violations(err), err
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("raster", ["heads", "blocks"])
+def test_gpu_cta_orders_match_emulator(raster):
+    """Both CTA orders (BwdDsBf16Config.raster) on a mix with a long document, GQA 2: the same
+    gradients as the emulator (the order changes which CTA runs when, nothing else)."""
+    st = _setup(LENGTHS + [3000], 4, 2, 128, RECIPES["fp8_tokenblock_dsbf16"], seed=7, device="cuda")
+    res = _run(st, config=BwdDsBf16Config(head_dim=128, qhead_per_kvhead=2, diagonal_copy=True, raster=raster))
     torch.cuda.synchronize()
     err = _grad_errors(res, st["emu"], st["cu"].cpu())
     assert not _violations(err), err
