@@ -133,11 +133,13 @@ class BwdDsBf16Config:
     # None: on unless prefetch_sdp (with the prefetch in flight across the loop, ptxas serializes
     # every wgmma of the split build: 44-60 warpgroup arrives instead of 6-8)
     exp_under_dp: bool | None = None
-    # CTA order: "heads" (KV head fastest, key block slowest: the longest CTAs, key block 0, of every
-    # head and document start first) or "blocks" (key block fastest: the CTAs of one (document, KV
-    # head) run together and share its Q, dO and dQ accumulator in L2; on 16x1k the heads order
-    # hit L2 29.7% of the time, 1x16k 86.7%, ncu run s7d). default_config picks by max_seqlen.
-    raster: str = "heads"
+    # CTA order: "blocks" (key block fastest: the CTAs of one (document, KV head) run together and
+    # share its Q, dO and dQ accumulator in L2) or "heads" (KV head fastest, key block slowest: the
+    # longest CTAs of every head start first). Heads hit L2 29.7% of the time on 16x1k (ncu s7d);
+    # blocks is faster on every workload (run s7e, kernel alone: 16x1k -18%, longtail32k -24%,
+    # mixed16k -21%, 1x16k and 1x64k -3%, 4x4k -1%). None: blocks, but heads when deterministic
+    # (the order the ordered dQ additions were GPU-tested in)
+    raster: str | None = None
 
     def __post_init__(self):
         def bad(name, msg):
@@ -153,8 +155,8 @@ class BwdDsBf16Config:
         for name in ("prefetch_sdp", "dq_tma_reduce", "exp_under_dp"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 bad(name, "must be None (auto) or a bool")
-        if self.raster not in ("heads", "blocks"):
-            bad("raster", "must be 'heads' or 'blocks'")
+        if self.raster not in (None, "heads", "blocks"):
+            bad("raster", "must be None (auto), 'heads' or 'blocks'")
         if self.q_stages not in (1, 2, 3):
             bad("q_stages", "must be 1, 2 or 3")
         if self.vec_stages not in (1, 2, 3):
@@ -162,6 +164,8 @@ class BwdDsBf16Config:
         # the automatic choices, resolved here so that the config says what the kernel builds
         if self.prefetch_sdp is None:
             object.__setattr__(self, "prefetch_sdp", self.head_dim == 64)
+        if self.raster is None:
+            object.__setattr__(self, "raster", "heads" if self.deterministic else "blocks")
         if self.exp_under_dp is None:
             object.__setattr__(self, "exp_under_dp", not self.prefetch_sdp)
         if self.exp_under_dp and self.prefetch_sdp:
@@ -1122,21 +1126,12 @@ def flamia_bwd_dsbf16_sm90(
     return dq, dk, dv
 
 
-# documents up to this long run the key-block-fastest CTA order by default (BwdDsBf16Config.raster):
-# at most 16 CTAs per (document, KV head), so running them together costs little tail, and their Q,
-# dO and dQ stay in L2; longer documents keep the longest-first heads order
-BLOCKS_RASTER_MAX_SEQLEN = 2048
-
-
-def default_config(qq, kq, kt, deterministic: bool = False, max_seqlen: int | None = None) -> BwdDsBf16Config:
+def default_config(qq, kq, kt, deterministic: bool = False) -> BwdDsBf16Config:
     """The default BwdDsBf16Config for the forward's saved operands (kt: per-token K copy or None); the
-    dQ path follows `deterministic` (atomics in key-block order, else the TMA reduce-add); the CTA order
-    follows max_seqlen (BLOCKS_RASTER_MAX_SEQLEN; None: the heads order), the deterministic mode keeps
-    the heads order."""
-    short = max_seqlen is not None and max_seqlen <= BLOCKS_RASTER_MAX_SEQLEN and not deterministic
+    dQ path and the CTA order follow `deterministic` (atomics in key-block order, else the TMA
+    reduce-add; see BwdDsBf16Config.raster)."""
     return BwdDsBf16Config(head_dim=qq.data_td.shape[2], qhead_per_kvhead=qq.data_td.shape[1] // kq.data_td.shape[1],
-                           diagonal_copy=kt is not None, deterministic=deterministic,
-                           raster="blocks" if short else "heads")
+                           diagonal_copy=kt is not None, deterministic=deterministic)
 
 
 def flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, cu_seqlens, max_seqlen, softmax_scale,
@@ -1144,7 +1139,7 @@ def flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, cu_seq
     """Convenience entry from the forward's saved QuantizedTHD operands (kt, vt: per-token copies or None)."""
     block = kt is not None
     if config is None:
-        config = default_config(qq, kq, kt, max_seqlen=max_seqlen)
+        config = default_config(qq, kq, kt)
     return flamia_bwd_dsbf16_sm90(
         dout, out, lse, qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_td, vq.scale,
         kt.data_td if block else None, kt.scale if block else None,

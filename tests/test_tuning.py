@@ -131,7 +131,7 @@ def _defaults():
 TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "pin_softmax": False},
          "bwd": {"q_stages": 1, "qt_stages": 1, "vec_stages": 3},
          "bwd_dsbf16": {"q_stages": 1, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": True,
-                        "exp_under_dp": False, "raster": "blocks"},
+                        "exp_under_dp": False, "raster": "heads"},
          "quant": {"raster": "chunks", "min_ctas_per_sm": 0, "heads_per_cta": [2, 2, 2]}}
 
 
@@ -301,8 +301,8 @@ def test_bf16_ds_recipe_tunes_its_own_backward(capsys):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_bwd_dsbf16_space(head_dim):
     """Default first; every effective config (stages, dQ path, prefetch, split S^T/dP^T waits) once;
-    nothing kept that exceeds shared memory or is known to spill (the prefetch beside the atomics
-    path at d128); at d128 the default also with one S^T/dP^T wait; every kept config round-trips
+    nothing kept that exceeds shared memory or is known to spill (the prefetch at d128); the default
+    also with one S^T/dP^T wait (d128) and in the heads CTA order; every kept config round-trips
     through its cache fields."""
     from flamia_cute.attention_bwd_dsbf16_sm90 import SMEM_LIMIT, BwdDsBf16Config, smem_bytes
 
@@ -313,12 +313,12 @@ def test_bwd_dsbf16_space(head_dim):
     assert len(set(eff)) == len(eff) and all(smem_bytes(c) <= SMEM_LIMIT for c, _ in keep)
     assert {e[2] for e in eff} == {True, False} and {e[0] for e in eff} == {1, 2, 3}
     assert not any(p and split for *_, p, split, _ in eff)
-    assert [c for c, _ in keep if c.raster == "blocks"] == [dataclasses.replace(default, raster="blocks")]
+    assert [c for c, _ in keep if c.raster == "heads"] == [dataclasses.replace(default, raster="heads")]
     for c, _ in keep:
         assert tuning.config_from_fields("bwd_dsbf16", default, tuning.config_fields("bwd_dsbf16", c)) == c
     if head_dim == 128:
-        assert (2, 2, True, False, False, "heads") in eff and (2, 2, True, False, True, "heads") in eff
-        assert not any(p and not tma for _, _, tma, p, _, _ in eff)
+        assert (2, 2, True, False, False, "blocks") in eff and (2, 2, True, False, True, "blocks") in eff
+        assert not any(p for _, _, _, p, _, _ in eff)
         assert any("spills" in why for _, why in pruned) and any("shared memory" in why for _, why in pruned)
 
 
