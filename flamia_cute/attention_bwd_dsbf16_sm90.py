@@ -65,6 +65,8 @@ from . import recipes as _recipes
 from .attention_bwd_sm90 import (
     P_SCALE,
     add_dq_tile,
+    backward_grid,
+    backward_work_item,
     dq_turn_pass,
     dq_turn_wait,
     load_row_scales,
@@ -430,24 +432,11 @@ class FlamiaBwdDsBf16Sm90:
             mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV, mSem,
             L["K"], L["Q"], L["dOt"], L["Qb"], L["Kb"], L["dS"], softmax_scale,
         ).launch(
-            grid=self._grid(num_kv_heads, num_docs, max_n_blocks),
+            grid=backward_grid(self.cfg.raster, num_kv_heads, num_docs, max_n_blocks),
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
         )
-
-    def _grid(self, num_kv_heads, num_docs, max_n_blocks):
-        """Launch grid of config.raster (x fastest): see _work_item."""
-        if cutlass.const_expr(self.cfg.raster == "blocks"):
-            return [max_n_blocks, num_kv_heads, num_docs]
-        return [num_kv_heads, num_docs, max_n_blocks]
-
-    def _work_item(self, block_idx):
-        """(KV head, document, key block) of this CTA under config.raster."""
-        x, y, z = block_idx
-        if cutlass.const_expr(self.cfg.raster == "blocks"):
-            return y, z, x
-        return x, y, z
 
     @cute.kernel
     def kernel(
@@ -477,7 +466,7 @@ class FlamiaBwdDsBf16Sm90:
         softmax_scale: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        kv_head, doc, n_blk = self._work_item(cute.arch.block_idx())
+        kv_head, doc, n_blk = backward_work_item(self.cfg.raster, cute.arch.block_idx())
         doc_start = mCu[doc]
         doc_len = mCu[doc + 1] - doc_start
 

@@ -106,6 +106,9 @@ class BwdConfig:
     qt_stages: int = 0  # Q^T/dO^T tile stages (0: as q_stages)
     vec_stages: int = 2
     deterministic: bool = False  # dQ additions in key-block order: bit-reproducible dQ
+    # CTA order (backward_grid). "heads" is the GPU-measured default of this kernel; "blocks" made the
+    # bf16-dS kernel 1-24% faster (run s7e) and is built and tested here but NOT GPU-RUN YET (session 7)
+    raster: str = "heads"
 
     def __post_init__(self):
         def bad(name, msg):
@@ -124,6 +127,8 @@ class BwdConfig:
                 bad(name, "must be 0 (auto), 1 or 2")
         if self.vec_stages not in (1, 2, 3):
             bad("vec_stages", "must be 1, 2 or 3")
+        if self.raster not in ("heads", "blocks"):
+            bad("raster", "must be 'heads' or 'blocks'")
         if smem_bytes(self) > SMEM_LIMIT:
             bad("q_stages", f"shared memory {smem_bytes(self)} bytes exceeds {SMEM_LIMIT}")
 
@@ -310,6 +315,22 @@ def ds_byte_offset(w: int) -> int:
     return (w // 8) * 8192 + (w % 8) * 1024
 
 
+def backward_grid(raster: str, num_kv_heads, num_docs, max_n_blocks) -> list:
+    """Launch grid (x fastest) of a backward kernel's CTA order: "heads" runs the KV head fastest and
+    the key block slowest (key block 0, the most query tiles, of every head and document first);
+    "blocks" runs the key block fastest (the CTAs of one (document, KV head) together, sharing its Q,
+    dO and dQ accumulator in L2). Trace time: `raster` is a config string."""
+    if raster == "blocks":
+        return [max_n_blocks, num_kv_heads, num_docs]
+    return [num_kv_heads, num_docs, max_n_blocks]
+
+
+def backward_work_item(raster: str, block_idx) -> tuple:
+    """(KV head, document, key block) of this CTA under backward_grid(raster, ...)."""
+    x, y, z = block_idx
+    return (y, z, x) if raster == "blocks" else (x, y, z)
+
+
 def tile_schedule(i, n, group, per):
     """Tile i of a CTA (key block n): (query-head index in the group, query block m, diagonal?).
 
@@ -490,7 +511,7 @@ class FlamiaBwdSm90:
             mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mCu, mdQ, mdK, mdV, mSem,
             sK_layout, sQ_layout, sQt_layout, sKt_layout, sdS_layout, softmax_scale,
         ).launch(
-            grid=[num_kv_heads, num_docs, max_n_blocks],  # heads fastest, key block slowest
+            grid=backward_grid(self.cfg.raster, num_kv_heads, num_docs, max_n_blocks),
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -525,9 +546,7 @@ class FlamiaBwdSm90:
     ):
         tl = self.tile
         tidx, _, _ = cute.arch.thread_idx()
-        # launch order: heads fastest, then documents, then key block: block 0 (the most query
-        # tiles) of every head and document first, i.e. longest-first across the grid
-        kv_head, doc, n_blk = cute.arch.block_idx()
+        kv_head, doc, n_blk = backward_work_item(self.cfg.raster, cute.arch.block_idx())
         doc_start = mCu[doc]
         doc_len = mCu[doc + 1] - doc_start
 

@@ -111,7 +111,8 @@ def quantize_space(head_dim: int, heads_q: int, heads_kv: int, block_tokens: int
 
 
 def bwd_space(head_dim: int, group: int, diagonal_copy: bool):
-    """Every backward config by effective stages, with the reason each pruned one was dropped."""
+    """Every backward config by effective stages (and the default in the key-block-fastest CTA order),
+    with the reason each pruned one was dropped."""
     from .attention_bwd_sm90 import BwdConfig, smem_bytes
 
     def stages(cfg):
@@ -132,6 +133,7 @@ def bwd_space(head_dim: int, group: int, diagonal_copy: bool):
                 if stages(cfg) not in seen:
                     seen.add(stages(cfg))
                     keep.append((cfg, f"smem {smem_bytes(cfg)} B"))
+    keep.append((dataclasses.replace(default, raster="blocks"), "the key-block-fastest CTA order"))
     return keep, pruned
 
 
@@ -192,7 +194,7 @@ def config_fields(kernel: str, cfg) -> dict:
         return {"raster": cfg.raster, "min_ctas_per_sm": cfg.min_ctas_per_sm,
                 "heads_per_cta": [p.heads_per_cta for p in cfg.parts]}
     names = {"fwd": ("kv_stages", "pingpong", "intra_wg_overlap", "pin_softmax"),
-             "bwd": ("q_stages", "qt_stages", "vec_stages"),
+             "bwd": ("q_stages", "qt_stages", "vec_stages", "raster"),
              "bwd_dsbf16": ("q_stages", "vec_stages", "dq_tma_reduce", "prefetch_sdp", "exp_under_dp", "raster")}
     return {n: getattr(cfg, n) for n in names[kernel]}
 

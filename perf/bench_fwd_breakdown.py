@@ -12,7 +12,7 @@ import torch
 
 from flamia_cute import flamia_attn_varlen_func
 from flamia_cute.attention_bwd_dsbf16_sm90 import BwdDsBf16Config, dv_fold_reference, flamia_bwd_dsbf16_sm90_from_saved
-from flamia_cute.attention_bwd_sm90 import flamia_bwd_sm90_from_saved, preprocess_bwd
+from flamia_cute.attention_bwd_sm90 import BwdConfig, flamia_bwd_sm90_from_saved, preprocess_bwd
 from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case
 from flamia_cute.cute_backend import quantize_operands
@@ -122,7 +122,13 @@ def measure(name, lengths):
     def ds_bwd_prefetch():  # the next tile's S^T, dP^T issued under this tile's dQ store (d128: tuner's choice)
         ds_bwd(BwdDsBf16Config(128, diagonal_copy=True, prefetch_sdp=True))
 
-    for label, fn in (("bwd kernel", bwd), ("bwd preprocess", lambda: preprocess_bwd(dout, out, case.cu)),
+    def bwd_blocks():  # the e4m3-dS kernel in the key-block-fastest CTA order (not its default yet)
+        flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
+                                   config=BwdConfig(128, diagonal_copy=True, raster="blocks"), do_quantized=doq,
+                                   delta=delta)
+
+    for label, fn in (("bwd kernel", bwd), ("bwd kernel, blocks order", bwd_blocks),
+                      ("bwd preprocess", lambda: preprocess_bwd(dout, out, case.cu)),
                       ("dsbf16 bwd kernel", ds_bwd), ("dsbf16 bwd kernel, dQ atomics", ds_bwd_atomics),
                       ("dsbf16 bwd kernel, one S/dP wait", ds_bwd_one_wait), ("dsbf16 bwd kernel, prefetch", ds_bwd_prefetch),
                       ("dsbf16 dV fold references", ds_prep)):

@@ -72,7 +72,8 @@ GRAD_REL_L2_TOL = {"dq": 1.5e-2, "dk": 1.5e-2, "dv": 1.5e-2}
 
 
 @needs_dsl
-@pytest.mark.parametrize("field, value", [("head_dim", 96), ("qhead_per_kvhead", 0), ("q_stages", 3), ("vec_stages", 0)])
+@pytest.mark.parametrize("field, value", [("head_dim", 96), ("qhead_per_kvhead", 0), ("q_stages", 3), ("vec_stages", 0),
+                                          ("raster", "rows")])
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"BwdConfig.{field}"):
         BwdConfig(**{"head_dim": 128, field: value})
@@ -239,6 +240,21 @@ def test_d128_no_spills(artifacts, diagonal_copy):
     assert art.frame_bytes in (None, 0)
     if art.sass is not None:
         assert not re.search(r"\b(STL|LDL)\b", art.sass)
+
+
+@needs_dsl
+@pytest.mark.parametrize("head_dim, group", [(128, 1), (64, 2)])
+def test_blocks_cta_order_builds_without_spills(head_dim, group):
+    """BwdConfig.raster="blocks" (the bf16-dS kernel's default order): no spills; the CTA index is read
+    in the other order (the key block from ctaid.x), everything else the same."""
+    heads = kernel_artifacts(BwdConfig(head_dim=head_dim, diagonal_copy=True, qhead_per_kvhead=group), "sm_90a")
+    blocks = kernel_artifacts(BwdConfig(head_dim=head_dim, diagonal_copy=True, qhead_per_kvhead=group,
+                                        raster="blocks"), "sm_90a")
+    assert blocks.frame_bytes in (None, 0) and blocks.ptx != heads.ptx
+    if blocks.sass is not None:
+        assert not re.search(r"\b(STL|LDL)\b", blocks.sass)
+    wgmma = lambda ptx: sorted(re.findall(r"wgmma\.mma_async\S*", ptx))  # noqa: E731
+    assert wgmma(blocks.ptx) == wgmma(heads.ptx)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -470,12 +486,12 @@ def _needs_sm90():
     )
 
 
-def _run_kernel(st, poison=False):
+def _run_kernel(st, poison=False, **kw):
     cu = st["cu"]
     lens = (cu[1:] - cu[:-1]).tolist()
     return flamia_bwd_sm90_from_saved(
         st["do"], st["out"], st["lse"], st["qq"], st["kq"], st["vq"], st["kt"], st["vt"], cu,
-        max(lens) if lens else 0, st["scale"], poison_outputs=poison,
+        max(lens) if lens else 0, st["scale"], poison_outputs=poison, **kw,
     )
 
 
@@ -494,6 +510,21 @@ def _check_gpu(lengths, recipe, D, H, Hk, seed):
 @pytest.mark.parametrize("D, H, Hk", [(128, 2, 2), (64, 4, 2), (128, 4, 1)])
 def test_gpu_matches_emulator(recipe, D, H, Hk):
     _check_gpu(LENGTHS, recipe, D, H, Hk, seed=1)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("D, H, Hk", [(128, 4, 2), (64, 2, 2)])
+def test_gpu_blocks_cta_order_matches_emulator(D, H, Hk):
+    """The key-block-fastest CTA order (BwdConfig.raster, not the default of this kernel yet): the
+    same gradients as the emulator on a mix with a long document."""
+    st = _setup(LENGTHS + [3000], H, Hk, D, "fp8_tokenblock", 7, device="cuda")
+    cfg = BwdConfig(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=True, raster="blocks")
+    res = _run_kernel(st, poison=True, config=cfg)
+    torch.cuda.synchronize()
+    err = _grad_errors(res, st["emu"], st["cu"].cpu())
+    assert not _violations(err), err
 
 
 @pytest.mark.gpu

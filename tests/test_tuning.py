@@ -113,8 +113,9 @@ def test_bwd_space_fits_shared_memory_and_starts_with_the_default(head_dim):
     keep, pruned = tuning.bwd_space(head_dim, 1, True)
     assert keep[0] == (BwdConfig(head_dim=head_dim, diagonal_copy=True), "default")
     assert all(smem_bytes(c) <= SMEM_LIMIT for c, _ in keep)
-    stages = [(c.stages_a, c.stages_b, c.vec_stages) for c, _ in keep]
-    assert len(set(stages)) == len(stages) == (12 if head_dim == 64 else 3)
+    stages = [(c.stages_a, c.stages_b, c.vec_stages, c.raster) for c, _ in keep]
+    assert len(set(stages)) == len(stages) == (12 if head_dim == 64 else 3) + 1
+    assert [c for c, _ in keep if c.raster == "blocks"] == [dataclasses.replace(keep[0][0], raster="blocks")]
     assert all("exceeds" in why for _, why in pruned) and (head_dim == 64) == (not pruned)
 
 
@@ -129,7 +130,7 @@ def _defaults():
 
 
 TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "pin_softmax": False},
-         "bwd": {"q_stages": 1, "qt_stages": 1, "vec_stages": 3},
+         "bwd": {"q_stages": 1, "qt_stages": 1, "vec_stages": 3, "raster": "blocks"},
          "bwd_dsbf16": {"q_stages": 1, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": True,
                         "exp_under_dp": False, "raster": "heads"},
          "quant": {"raster": "chunks", "min_ctas_per_sm": 0, "heads_per_cta": [2, 2, 2]}}
