@@ -209,6 +209,13 @@ def tile_schedule(i, n, group, n_diag, per):
     return j // per, 2 * n + 2 + j % per, False
 
 
+def _column_walk(n_s: int):
+    """Trace time: the column-outer walk over an S^T accumulator fragment of n_s values: (value index
+    of the column's first value, [(value index, key row v1)] of that query column), so that each
+    query's per-query vectors are loaded once (value v0 + 2 v1 + 4 w: column block w, row v1)."""
+    return [(4 * w + v0, [(v0 + 2 * v1 + 4 * w, v1) for v1 in range(2)]) for w in range(n_s // 4) for v0 in range(2)]
+
+
 def ds_word_index(q, key, buf):
     """32-bit word of dS (query q even, key, buffer) in DS_LAYOUT: the bf16 pair (q, q + 1).
 
@@ -892,20 +899,18 @@ class FlamiaBwdDsBf16Sm90:
         vs = v_state.index
         warpgroup.wait_group(self.sdp_groups - 1)
         qoff = (m - 2 * n_blk) * tq  # diagonal tiles: query index in the key block = qoff + column
-        for w_ in cutlass.range_constexpr(n_s // 4):
-            for v0 in cutlass.range_constexpr(2):
-                col = tScS[4 * w_ + v0][1]
-                ca = sVec[col, 0, vs]
-                cb = sVec[col, 1, vs]
-                for v1 in cutlass.range_constexpr(2):
-                    a = v0 + 2 * v1 + 4 * w_
-                    p = cute.math.exp2(acc_s[a] * rsc[v1] * ca - cb, fastmath=True)
-                    if cutlass.const_expr(diag):
-                        if qoff + col < krow[v1]:
-                            p = Float32(0.0)
-                        if krow[v1] >= lim:
-                            p = Float32(0.0)
-                    acc_s[a] = p
+        for c, rows in _column_walk(n_s):
+            col = tScS[c][1]
+            ca = sVec[col, 0, vs]
+            cb = sVec[col, 1, vs]
+            for a, v1 in rows:
+                p = cute.math.exp2(acc_s[a] * rsc[v1] * ca - cb, fastmath=True)
+                if cutlass.const_expr(diag):
+                    if qoff + col < krow[v1]:
+                        p = Float32(0.0)
+                    if krow[v1] >= lim:
+                        p = Float32(0.0)
+                acc_s[a] = p
         # ---- Q's codes to bf16 for dK (S^T has read the e4m3 tile); once dP^T is done it can go
         self.convert_q(bufs, a_state.index, dbuf)
         if cutlass.const_expr(self.sdp_groups == 2):
@@ -914,16 +919,14 @@ class FlamiaBwdDsBf16Sm90:
         a_state.advance()
 
         # ---- dS^T = P^T (dP^T sv sdo - D) into acc_dp, the dV fold of P^T into acc_s
-        for w_ in cutlass.range_constexpr(n_s // 4):
-            for v0 in cutlass.range_constexpr(2):
-                col = tScS[4 * w_ + v0][1]
-                cd = sVec[col, 2, vs]
-                cw = sVec[col, 3, vs]
-                for v1 in cutlass.range_constexpr(2):
-                    a = v0 + 2 * v1 + 4 * w_
-                    p = acc_s[a]
-                    acc_dp[a] = p * (acc_dp[a] * rsc[2 + v1] * cw - cd)
-                    acc_s[a] = (p * cw) * cf  # <= 256: sdo <= r; exact scaling by powers of two
+        for c, rows in _column_walk(n_s):
+            col = tScS[c][1]
+            cd = sVec[col, 2, vs]
+            cw = sVec[col, 3, vs]
+            for a, v1 in rows:
+                p = acc_s[a]
+                acc_dp[a] = p * (acc_dp[a] * rsc[2 + v1] * cw - cd)
+                acc_s[a] = (p * cw) * cf  # <= 256: sdo <= r; exact scaling by powers of two
         pack_a_fragment_e4m3(acc_s, tVrP32)
         # bf16(dS^T * sq) as dK's A operand (B is Q's codes; sq a power of two, so this is bf16(dS^T)
         # * sq as the recipe says): a 16-bit A fragment has the accumulator's value order
