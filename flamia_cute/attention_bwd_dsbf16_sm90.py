@@ -40,6 +40,10 @@ CTA, so dK and dV are summed over the group in registers: deterministic):
   from the consumers (the deterministic mode orders those);
 - epilogue: dK * softmax_scale and dV * r / 256 to bf16 with 16-byte stores.
 
+CTA order (`raster`): key block fastest by default, so the CTAs of one (document, KV head) run
+together and share its Q, dO and dQ accumulator in L2 (the heads-fastest order, kept for the
+deterministic mode, hit L2 30% of the time on 16 documents of 1k).
+
 Tile order inside a CTA: the diagonal tiles (query tiles 2n and 2n + 1, the second only when it
 holds queries) of every head first, then every head's off-diagonal tiles. Only diagonal tiles
 need masks. `deterministic=True` orders the dQ additions per (query head, document, 64-query
@@ -400,9 +404,9 @@ class FlamiaBwdDsBf16Sm90:
         tma_q, tQ = atom(mQ, L["Q"], (tq, D))
         tma_do, tdO = atom(mdO, L["Q"], (tq, D))
         tma_dot, tdOt = atom(mdOt, L["dOt"], (D, tq))
-        # the dQ tile: fp32 rows with an epilogue tile's 128-byte swizzle (8-row x 32-float atoms), so
-        # the consumers' 64-bit stores are conflict-free (row-major, a warp's 8 rows share one bank:
-        # 8-way conflicts, perf/NOTES.md session 7); the TMA reduce-add reads it as 32-column boxes
+        # the dQ tile: fp32 rows with an epilogue tile's 128-byte swizzle (8-row x 32-float atoms): a
+        # warp's 64-bit stores take 4 wavefronts, row-major they took 8 (its 8 rows in one bank; ideal
+        # 2: rows r and r^1 still pair up, ncu s7d); the TMA reduce-add reads it as 32-column boxes
         sdQ_layout = sm90_utils.make_smem_layout_epi(Float32, cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, (tq, D), 1)
         tma_dq, tdQ = None, None  # no descriptor to build per launch unless used
         if cutlass.const_expr(self.dq_tma):
@@ -981,8 +985,8 @@ class FlamiaBwdDsBf16Sm90:
         tidx, _, _ = cute.arch.thread_idx()
         if cutlass.const_expr(self.dq_tma):
             # the previous tile's reduce-add has read the buffer; store this tile (softmax_scale applied)
-            # column pairs to the swizzled tile (64-bit stores, conflict-free): one base word per thread,
-            # each pair an XOR and an add away from it (_dq_store_plan)
+            # column pairs to the swizzled tile (64-bit stores): one base word per thread, each pair an
+            # XOR and an add away from it (_dq_store_plan)
             xors, adds = self._dq_store_plan(sdQ_layout)
             row0, col0 = tScQ[0]
             w0 = smem_word_index(sdQ_layout, (row0, col0, 0), 4)
