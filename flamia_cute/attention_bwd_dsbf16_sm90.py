@@ -90,6 +90,7 @@ from .sm90_device import (
     document_dt_start,
     e4m3x2_to_bf16x2,
     pack_a_fragment_e4m3,
+    select,
     smem_word_index,
     tma_pipeline,
     warp_pipeline,
@@ -146,6 +147,10 @@ class BwdDsBf16Config:
     # mixed16k -21%, 1x16k and 1x64k -3%, 4x4k -1%). None: blocks, but heads when deterministic
     # (the order the ordered dQ additions were GPU-tested in)
     raster: str | None = None
+    # dQ tile stores: odd rows store column block i ^ 2 at the step even rows store block i, so a
+    # half-warp's 4 rows hit 4 distinct 32-byte pairs of the swizzled tile (2 wavefronts per 64-bit
+    # store instead of 4, ncu s7d) at 2 selects per store. NOT GPU-RUN YET (session 7): off
+    dq_store_swap: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -155,7 +160,7 @@ class BwdDsBf16Config:
             bad("head_dim", "must be 64 or 128")
         if not isinstance(self.qhead_per_kvhead, int) or self.qhead_per_kvhead < 1:
             bad("qhead_per_kvhead", "must be an int >= 1")
-        for name in ("diagonal_copy", "deterministic"):
+        for name in ("diagonal_copy", "deterministic", "dq_store_swap"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
         for name in ("prefetch_sdp", "dq_tma_reduce", "exp_under_dp"):
@@ -809,6 +814,15 @@ class FlamiaBwdDsBf16Sm90:
 
         return xor_walk(sdQ_layout, coord, 4, 256, self.D // 8)
 
+    def _dq_swap_xor(self, xors, adds):
+        """Trace time (dq_store_swap): the word XOR that takes a thread's pair j to pair j ^ 4 (column
+        block i ^ 2: pair j holds row half j % 2 of block j // 2), the same for every j (checked)."""
+        x = xors[4] ^ xors[0]
+        for j in range(len(xors)):
+            if xors[j ^ 4] != xors[j] ^ x or adds[j ^ 4] != adds[j]:
+                raise ValueError(f"dq_store_swap: pair {j ^ 4} is not pair {j} ^ {x} in the dQ store plan")
+        return x
+
     @cute.jit
     def _walk_start(self):
         """(row, d) of this consumer thread's first word in the conversion walks (_conversion_plans);
@@ -990,11 +1004,18 @@ class FlamiaBwdDsBf16Sm90:
             xors, adds = self._dq_store_plan(sdQ_layout)
             row0, col0 = tScQ[0]
             w0 = smem_word_index(sdQ_layout, (row0, col0, 0), 4)
+            odd = (row0 % 2) == 1
+            if cutlass.const_expr(self.cfg.dq_store_swap):
+                w0 = w0 ^ select(odd, Int32(self._dq_swap_xor(xors, adds)), Int32(0))
             cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=288)
             for j in cutlass.range_constexpr(len(xors)):
                 w = (w0 ^ xors[j]) + adds[j]
-                sdQ_words[w] = acc_dq[2 * j] * softmax_scale
-                sdQ_words[w + 1] = acc_dq[2 * j + 1] * softmax_scale
+                lo, hi = acc_dq[2 * j], acc_dq[2 * j + 1]
+                if cutlass.const_expr(self.cfg.dq_store_swap):  # odd rows: pair j ^ 4, at its own address
+                    lo = select(odd, acc_dq[2 * (j ^ 4)], lo)
+                    hi = select(odd, acc_dq[2 * (j ^ 4) + 1], hi)
+                sdQ_words[w] = lo * softmax_scale
+                sdQ_words[w + 1] = hi * softmax_scale
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=288)
             if cutlass.const_expr(self.prefetch):

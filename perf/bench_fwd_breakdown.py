@@ -143,7 +143,8 @@ def measure(name, lengths):
     return row
 
 
-# BREAKDOWN_ONLY=ds: only the bf16-dS backward kernel in both CTA orders (BwdDsBf16Config.raster)
+# BREAKDOWN_ONLY=ds: only the bf16-dS backward kernel in both CTA orders (BwdDsBf16Config.raster),
+# and with the swapped dQ stores (dq_store_swap)
 ONLY_DS = os.environ.get("BREAKDOWN_ONLY") == "ds"
 
 
@@ -153,13 +154,14 @@ def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
                                FwdConfig(128, diagonal_copy=True))
     dout = case.sets[0][3]
     delta, doq, dv_ref = preprocess_bwd(dout, out, case.cu, dv_ref_group=1)
-    for raster in ("heads", "blocks"):
-        cfg = BwdDsBf16Config(128, diagonal_copy=True, raster=raster)
+    for label, cfg in (("heads order", BwdDsBf16Config(128, diagonal_copy=True, raster="heads")),
+                       ("blocks order", BwdDsBf16Config(128, diagonal_copy=True, raster="blocks")),
+                       ("blocks order, dQ store swap", BwdDsBf16Config(128, diagonal_copy=True, dq_store_swap=True))):
 
         def fn(cfg=cfg):
             flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
                                               case.scale, config=cfg, do_quantized=doq, delta=delta, dv_ref=dv_ref)
-        row[f"dsbf16 bwd kernel, {raster} order"] = graph_ms(fn)
+        row[f"dsbf16 bwd kernel, {label}"] = graph_ms(fn)
     return row
 
 

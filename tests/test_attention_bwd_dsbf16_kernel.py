@@ -59,7 +59,7 @@ RECIPES = {
 @pytest.mark.parametrize("field, value", [("head_dim", 96), ("qhead_per_kvhead", 0), ("q_stages", 4),
                                           ("vec_stages", 0), ("diagonal_copy", 1), ("deterministic", "yes"),
                                           ("prefetch_sdp", 1), ("dq_tma_reduce", 1), ("exp_under_dp", 1),
-                                          ("raster", "rows")])
+                                          ("raster", "rows"), ("dq_store_swap", 1)])
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"BwdDsBf16Config.{field}"):
         BwdDsBf16Config(**{"head_dim": 128, field: value})
@@ -256,6 +256,55 @@ def test_dq_store_plan_writes_the_swizzled_tile_once(head_dim):
 
     plan()
     assert sorted(found["words"]) == list(range(64 * head_dim))
+
+
+@needs_dsl
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_store_swap_halves_the_store_wavefronts(head_dim):
+    """dq_store_swap on a shared-memory bank model: every lane still lands each of its values at
+    its own element (odd rows store pair j ^ 4 at step j), and a half-warp's 64-bit store takes 1
+    wavefront instead of 2 (the baseline's 2 is what ncu measured: 4 per warp, run s7d)."""
+    from collections import Counter
+
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+
+    from flamia_cute.attention_bwd_dsbf16_sm90 import FlamiaBwdDsBf16Sm90
+    from flamia_cute.sm90_device import smem_word_index
+
+    kern = FlamiaBwdDsBf16Sm90(BwdDsBf16Config(head_dim=head_dim, dq_store_swap=True))
+    words = {}
+
+    @cute.jit
+    def model():
+        sdq = sm90_utils.make_smem_layout_epi(cutlass.Float32, cutlass.tensor_utils.LayoutEnum.ROW_MAJOR,
+                                              (64, head_dim), 1)
+        xors, adds = kern._dq_store_plan(sdq)
+        x = kern._dq_swap_xor(xors, adds)
+        tv = kern._make_mmas()[3].tv_layout_C_tiled
+        for t in cutlass.range_constexpr(256):  # static: evaluated while tracing
+            i0 = int(cute.crd2idx((t, 0), tv))
+            w0 = int(smem_word_index(sdq, (i0 % 64, i0 // 64, 0), 4))
+            odd = (i0 % 64) % 2 == 1
+            for swap in cutlass.range_constexpr(2):
+                base = w0 ^ x if swap and odd else w0
+                for j in cutlass.range_constexpr(len(xors)):
+                    jj = j ^ 4 if swap and odd else j
+                    i = int(cute.crd2idx((t, 2 * jj), tv))
+                    w = (base ^ xors[j]) + adds[j]
+                    assert w == int(smem_word_index(sdq, (i % 64, i // 64, 0), 4)), (swap, t, j)
+                    words[(swap, t, j)] = w
+
+    model()
+    steps = head_dim // 8
+    for swap, per_half in ((0, 2), (1, 1)):
+        for warp in range(8):
+            for half in range(2):
+                lanes = range(32 * warp + 16 * half, 32 * warp + 16 * half + 16)
+                for j in range(steps):
+                    banks = Counter(b for t in lanes for b in (words[(swap, t, j)] % 32, (words[(swap, t, j)] + 1) % 32))
+                    assert max(banks.values()) == per_half, (swap, warp, half, j, banks)
 
 
 def test_xor_walk_rejects_a_walk_that_is_not_an_xor_and_add():
@@ -497,6 +546,20 @@ def test_gpu_cta_orders_match_emulator(raster):
     gradients as the emulator (the order changes which CTA runs when, nothing else)."""
     st = _setup(LENGTHS + [3000], 4, 2, 128, RECIPES["fp8_tokenblock_dsbf16"], seed=7, device="cuda")
     res = _run(st, config=BwdDsBf16Config(head_dim=128, qhead_per_kvhead=2, diagonal_copy=True, raster=raster))
+    torch.cuda.synchronize()
+    err = _grad_errors(res, st["emu"], st["cu"].cpu())
+    assert not _violations(err), err
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("D, H, Hk", [(128, 4, 2), (64, 2, 2)])
+def test_gpu_dq_store_swap_matches_emulator(D, H, Hk):
+    """dq_store_swap (not the default yet): the swapped dQ stores give the emulator's gradients."""
+    st = _setup(LENGTHS + [3000], H, Hk, D, RECIPES["fp8_tokenblock_dsbf16"], seed=8, device="cuda")
+    res = _run(st, config=BwdDsBf16Config(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=True,
+                                          dq_store_swap=True))
     torch.cuda.synchronize()
     err = _grad_errors(res, st["emu"], st["cu"].cpu())
     assert not _violations(err), err
