@@ -221,49 +221,12 @@ def test_conversion_walks_cover_each_word_once(head_dim):
 @needs_dsl
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_dq_store_plan_writes_the_swizzled_tile_once(head_dim):
-    """The dQ tile's hand-computed stores (dq_tma_reduce): for each of the 256 consumer threads,
-    (base ^ xor) + add lands value pair j of the dQ MMA's fragment at its (query, d) element of the
-    swizzled shared tile that the TMA reduce-add reads (as smem_word_index evaluates it), pairs
-    8-byte aligned, every word of the tile written exactly once."""
-    import cutlass
-    import cutlass.cute as cute
-    import cutlass.utils.hopper_helpers as sm90_utils
-
-    from flamia_cute.attention_bwd_dsbf16_sm90 import FlamiaBwdDsBf16Sm90
-    from flamia_cute.sm90_device import smem_word_index
-
-    kern = FlamiaBwdDsBf16Sm90(BwdDsBf16Config(head_dim=head_dim))
-    found = {}
-
-    @cute.jit
-    def plan():
-        sdq = sm90_utils.make_smem_layout_epi(cutlass.Float32, cutlass.tensor_utils.LayoutEnum.ROW_MAJOR,
-                                              (64, head_dim), 1)
-        xors, adds = kern._dq_store_plan(sdq)
-        tv = kern._make_mmas()[3].tv_layout_C_tiled
-        words = []
-        for t in cutlass.range_constexpr(256):  # static: evaluated while tracing
-            i0 = int(cute.crd2idx((t, 0), tv))
-            w0 = int(smem_word_index(sdq, (i0 % 64, i0 // 64, 0), 4))
-            for j in cutlass.range_constexpr(len(xors)):
-                i = int(cute.crd2idx((t, 2 * j), tv))
-                want = int(smem_word_index(sdq, (i % 64, i // 64, 0), 4))
-                assert (w0 ^ xors[j]) + adds[j] == want and want % 2 == 0, (t, j)
-                i1 = int(cute.crd2idx((t, 2 * j + 1), tv))
-                assert int(smem_word_index(sdq, (i1 % 64, i1 // 64, 0), 4)) == want + 1, (t, j)
-                words += [want, want + 1]
-        found["words"] = words
-
-    plan()
-    assert sorted(found["words"]) == list(range(64 * head_dim))
-
-
-@needs_dsl
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_dq_store_swap_halves_the_store_wavefronts(head_dim):
-    """dq_store_swap on a shared-memory bank model: every lane still lands each of its values at
-    its own element (odd rows store pair j ^ 4 at step j), and a half-warp's 64-bit store takes 1
-    wavefront instead of 2 (the baseline's 2 is what ncu measured: 4 per warp, run s7d)."""
+    """The dQ tile's hand-computed stores (dq_tma_reduce), plain and with dq_store_swap (odd rows store
+    pair j ^ 4 at step j): for each of the 256 consumer threads, (base ^ xor) + add lands each value
+    pair of the dQ MMA's fragment at its (query, d) element of the swizzled shared tile that the TMA
+    reduce-add reads (as smem_word_index evaluates it), pairs 8-byte aligned, every word written
+    once. On a bank model, a half-warp's 64-bit store takes 2 wavefronts plain (ncu measured 4 per
+    warp, run s7d) and 1 with the swap."""
     from collections import Counter
 
     import cutlass
@@ -291,14 +254,17 @@ def test_dq_store_swap_halves_the_store_wavefronts(head_dim):
                 base = w0 ^ x if swap and odd else w0
                 for j in cutlass.range_constexpr(len(xors)):
                     jj = j ^ 4 if swap and odd else j
-                    i = int(cute.crd2idx((t, 2 * jj), tv))
+                    i, i1 = int(cute.crd2idx((t, 2 * jj), tv)), int(cute.crd2idx((t, 2 * jj + 1), tv))
                     w = (base ^ xors[j]) + adds[j]
-                    assert w == int(smem_word_index(sdq, (i % 64, i // 64, 0), 4)), (swap, t, j)
+                    assert w == int(smem_word_index(sdq, (i % 64, i // 64, 0), 4)) and w % 2 == 0, (swap, t, j)
+                    assert int(smem_word_index(sdq, (i1 % 64, i1 // 64, 0), 4)) == w + 1, (swap, t, j)
                     words[(swap, t, j)] = w
 
     model()
     steps = head_dim // 8
     for swap, per_half in ((0, 2), (1, 1)):
+        placed = sorted(w + k for t in range(256) for j in range(steps) for k in (0, 1) for w in [words[(swap, t, j)]])
+        assert placed == list(range(64 * head_dim)), swap
         for warp in range(8):
             for half in range(2):
                 lanes = range(32 * warp + 16 * half, 32 * warp + 16 * half + 16)
@@ -528,10 +494,14 @@ def test_gpu_dq_paths_match_emulator(D, H, Hk, prefetch, tma, split):
     without the unconditional S^T/dP^T prefetch, and the consumers' atomics (the deterministic
     mode's path, here unordered); S^T and dP^T waited for apart (exp_under_dp, the default without
     the prefetch: d128, and d64 with the prefetch off) or together."""
-    st = _setup(LENGTHS + [3000], H, Hk, D, RECIPES["fp8_tokenblock_dsbf16"], seed=6, device="cuda")
-    cfg = BwdDsBf16Config(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=True, dq_tma_reduce=tma,
-                          prefetch_sdp=prefetch, exp_under_dp=split)
-    res = _run(st, config=cfg)
+    _check_config(D, H, Hk, 6, dq_tma_reduce=tma, prefetch_sdp=prefetch, exp_under_dp=split)
+
+
+def _check_config(D, H, Hk, seed, **fields):
+    """The kernel with BwdDsBf16Config(**fields) against the emulator, on LENGTHS and a 3000-token
+    document (diagonal copies, GQA H / Hk)."""
+    st = _setup(LENGTHS + [3000], H, Hk, D, RECIPES["fp8_tokenblock_dsbf16"], seed=seed, device="cuda")
+    res = _run(st, config=BwdDsBf16Config(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=True, **fields))
     torch.cuda.synchronize()
     err = _grad_errors(res, st["emu"], st["cu"].cpu())
     assert not _violations(err), err
@@ -544,11 +514,7 @@ def test_gpu_dq_paths_match_emulator(D, H, Hk, prefetch, tma, split):
 def test_gpu_cta_orders_match_emulator(raster):
     """Both CTA orders (BwdDsBf16Config.raster) on a mix with a long document, GQA 2: the same
     gradients as the emulator (the order changes which CTA runs when, nothing else)."""
-    st = _setup(LENGTHS + [3000], 4, 2, 128, RECIPES["fp8_tokenblock_dsbf16"], seed=7, device="cuda")
-    res = _run(st, config=BwdDsBf16Config(head_dim=128, qhead_per_kvhead=2, diagonal_copy=True, raster=raster))
-    torch.cuda.synchronize()
-    err = _grad_errors(res, st["emu"], st["cu"].cpu())
-    assert not _violations(err), err
+    _check_config(128, 4, 2, 7, raster=raster)
 
 
 @pytest.mark.gpu
@@ -557,12 +523,7 @@ def test_gpu_cta_orders_match_emulator(raster):
 @pytest.mark.parametrize("D, H, Hk", [(128, 4, 2), (64, 2, 2)])
 def test_gpu_dq_store_swap_matches_emulator(D, H, Hk):
     """dq_store_swap (not the default yet): the swapped dQ stores give the emulator's gradients."""
-    st = _setup(LENGTHS + [3000], H, Hk, D, RECIPES["fp8_tokenblock_dsbf16"], seed=8, device="cuda")
-    res = _run(st, config=BwdDsBf16Config(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=True,
-                                          dq_store_swap=True))
-    torch.cuda.synchronize()
-    err = _grad_errors(res, st["emu"], st["cu"].cpu())
-    assert not _violations(err), err
+    _check_config(D, H, Hk, 8, dq_store_swap=True)
 
 
 @pytest.mark.gpu
