@@ -368,6 +368,11 @@ def summarize(rows, env, csv_path=None, png_path=None):
     if len(ok):
         table = ok.pivot_table(index=["workload", "mode"], columns="impl", values="ms")
         print(table.round(3).to_string())
+        ratios = speedups(table)
+        if len(ratios):
+            print("\nspeedup of ours over each baseline (baseline ms / ours ms): geomean and minimum over the"
+                  " workloads both ran")
+            print(ratios.to_string(float_format=lambda x: f"{x:.3f}"))
         errs = ok.groupby("impl")[["err_o", "err_dq"]].max()
         print("\nrelative L2 error vs fp32 (max over workloads):")
         print(errs.to_string(float_format=lambda x: f"{x:.2e}"))
@@ -377,6 +382,26 @@ def summarize(rows, env, csv_path=None, png_path=None):
         for (impl, why), _ in df[df["skipped"].notna()].groupby(["impl", "skipped"]):
             print(f"skipped {impl}: {why}")
     return df
+
+
+def speedups(table):
+    """Per (ours, baseline, mode): the geometric mean and the minimum over workloads of baseline ms /
+    ours ms (the issues' bars), with the workload count; `table` is summarize's (workload, mode) x impl
+    pivot of ms. Ours are the flamia* columns; only workloads that both timed count."""
+    import numpy as np
+    import pandas as pd
+
+    ours = [c for c in table.columns if c.startswith("flamia")]
+    base = [c for c in table.columns if not c.startswith("flamia")]
+    out = []
+    for o in ours:
+        for b in base:
+            for mode, sub in table.groupby(level="mode"):
+                r = (sub[b] / sub[o]).dropna()
+                if len(r):
+                    out.append({"ours": o, "baseline": b, "mode": mode, "geomean": float(np.exp(np.log(r).mean())),
+                                "min": float(r.min()), "workloads": len(r)})
+    return pd.DataFrame(out).set_index(["ours", "baseline", "mode"]) if out else pd.DataFrame()
 
 
 def _plot(table, png_path):

@@ -25,6 +25,7 @@ def test_bench_runs_and_writes_csv(tmp_path, capsys):
     for col in ("gpu", "torch", "commit", "source_hash", "timestamp", "timing"):
         assert col in df.columns
     assert (df["timing"] == "wall_cpu").all()
+    assert "speedup of ours over each baseline" in capsys.readouterr().out
 
 
 def test_bench_gpu_time_flag_is_recorded(tmp_path):
@@ -40,3 +41,20 @@ def test_bench_gpu_time_flag_is_recorded(tmp_path):
 def test_bench_rejects_unknown_names(tmp_path, capsys):
     assert main(["bench", "--heads", "nope", "--device", "cpu"]) == 2
     assert "--heads" in capsys.readouterr().err
+
+
+def test_speedups_are_geomeans_over_the_workloads_both_timed():
+    """The summary the issues' bars are stated in: baseline ms / ours ms, geomean and minimum per
+    mode, over the workloads both implementations timed (a skipped baseline's rows do not count)."""
+    from flamia_cute.bench import speedups
+
+    table = pd.DataFrame({"workload": ["a", "a", "b", "b", "c"], "mode": ["fwd", "bwd", "fwd", "bwd", "fwd"],
+                          "flamia_x": [1.0, 2.0, 4.0, 1.0, 3.0], "fa4_bf16": [2.0, 2.0, 2.0, 4.0, None],
+                          "cudnn_fp8": [None, None, 8.0, 3.0, None]}).set_index(["workload", "mode"])
+    got = speedups(table)
+    fwd = got.loc[("flamia_x", "fa4_bf16", "fwd")]
+    assert abs(fwd["geomean"] - 1.0) < 1e-12 and fwd["min"] == 0.5 and fwd["workloads"] == 2  # 2 and 0.5
+    bwd = got.loc[("flamia_x", "fa4_bf16", "bwd")]
+    assert abs(bwd["geomean"] - 2.0) < 1e-12 and bwd["min"] == 1.0
+    assert got.loc[("flamia_x", "cudnn_fp8", "fwd")]["workloads"] == 1
+    assert len(speedups(table[["fa4_bf16"]])) == 0  # nothing of ours: no rows
