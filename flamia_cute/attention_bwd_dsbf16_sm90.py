@@ -510,10 +510,11 @@ class FlamiaBwdDsBf16Sm90:
                 (sQ_layout, sK_layout, sQb_layout, sKb_layout),
             )
             sVec = storage.sVec.get_tensor(cute.make_layout((self.tq, N_VEC, self.sv)))
-            sdQ, sdQ_words = None, None
+            sdQ, sdQ_words, dq_plan = None, None, None
             if cutlass.const_expr(self.dq_tma):
                 sdQ = buf(storage.sdQ, tmas[16])  # the TMA's view
                 sdQ_words = storage.sdQ.get_tensor(cute.make_layout(cute.cosize(tmas[16])))  # stored by hand
+                dq_plan = self._dq_store_plan(tmas[16])  # trace time, once per build
             pipe_kv = tma_pipeline(1, self.kv_bytes, storage.kv_mbar.data_ptr())
             pipe_a = tma_pipeline(self.stages, self.a_bytes, storage.a_mbar.data_ptr())
             pipe_b = tma_pipeline(self.stages, self.b_bytes, storage.b_mbar.data_ptr())
@@ -539,7 +540,7 @@ class FlamiaBwdDsBf16Sm90:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
                 self.consume(
                     mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok,
-                    mRef[kv_head, doc], (mdQ, mSem, doc, sdQ_words, tmas[16]), mdK, mdV, kv_head,
+                    mRef[kv_head, doc], (mdQ, mSem, doc, sdQ_words, dq_plan), mdK, mdV, kv_head,
                     doc_start, doc_len, sched, softmax_scale, wg_idx - 1,
                 )
 
@@ -804,15 +805,18 @@ class FlamiaBwdDsBf16Sm90:
         return plan
 
     def _dq_store_plan(self, sdQ_layout):
-        """Trace time: (xors, adds) of the dQ tile's column pairs in the swizzled shared tile
-        (sm90_device.xor_walk over the dQ MMA's thread-value layout: pair j holds values 2j, 2j+1)."""
+        """Trace time: (layout, xors, adds, swap) of the dQ tile's column pairs in the swizzled shared
+        tile (sm90_device.xor_walk over the dQ MMA's thread-value layout: pair j holds values 2j,
+        2j+1); swap: the word XOR of dq_store_swap (_dq_swap_xor), 0 without it."""
         tv = self._make_mmas()[3].tv_layout_C_tiled
 
         def coord(t, j):
             idx = cute.crd2idx((t, 2 * j), tv)
             return idx % self.tq, idx // self.tq, 0
 
-        return xor_walk(sdQ_layout, coord, 4, 256, self.D // 8)
+        xors, adds = xor_walk(sdQ_layout, coord, 4, 256, self.D // 8)
+        swap = self._dq_swap_xor(xors, adds) if self.cfg.dq_store_swap else 0
+        return sdQ_layout, xors, adds, swap
 
     def _dq_swap_xor(self, xors, adds):
         """Trace time (dq_store_swap): the word XOR that takes a thread's pair j to pair j ^ 4 (column
@@ -995,18 +999,18 @@ class FlamiaBwdDsBf16Sm90:
         pipe_b.consumer_release(b_state)
         b_state.advance()
 
-        mdQ, mSem, doc, sdQ_words, sdQ_layout = dq_out
+        mdQ, mSem, doc, sdQ_words, dq_plan = dq_out
         tidx, _, _ = cute.arch.thread_idx()
         if cutlass.const_expr(self.dq_tma):
             # the previous tile's reduce-add has read the buffer; store this tile (softmax_scale applied)
             # column pairs to the swizzled tile (64-bit stores): one base word per thread, each pair an
             # XOR and an add away from it (_dq_store_plan)
-            xors, adds = self._dq_store_plan(sdQ_layout)
+            sdQ_layout, xors, adds, swap = dq_plan
             row0, col0 = tScQ[0]
             w0 = smem_word_index(sdQ_layout, (row0, col0, 0), 4)
-            odd = (row0 % 2) == 1
             if cutlass.const_expr(self.cfg.dq_store_swap):
-                w0 = w0 ^ select(odd, Int32(self._dq_swap_xor(xors, adds)), Int32(0))
+                odd = (row0 % 2) == 1
+                w0 = w0 ^ select(odd, Int32(swap), Int32(0))
             cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=288)
             for j in cutlass.range_constexpr(len(xors)):
                 w = (w0 ^ xors[j]) + adds[j]

@@ -70,19 +70,24 @@ def swizzle_bits(layout) -> tuple:
     return b, m, s
 
 
+def _walk_words(layout, coord, elem_bytes: int, threads: int, steps: int):
+    """Trace time: the 32-bit words [t][j] of the walk in which thread t visits element coord(t, j),
+    each element's offset evaluated once (these walks run 2-4k CuTe evaluations per kernel build)."""
+    bits = swizzle_bits(layout)
+    return [[swizzled_word(int(cute.crd2idx(coord(t, j), layout.outer)) * elem_bytes, bits) for j in range(steps)]
+            for t in range(threads)]
+
+
 def word_walk(layout, coord, elem_bytes: int, threads: int, steps: int):
     """Trace-time plan of a walk over a swizzled layout: thread t visits element coord(t, j) at step
     j. Returns the word offsets d[j] such that word(t, j) = word(t, 0) + d[j] for EVERY thread
     (checked here on the static layout: the walk's swizzle bits must not change with j), so the
     kernel keeps one base register per walk instead of `steps` hoisted addresses. coord(t, j): a
     tuple of Python ints (the kernel evaluates coord(t, 0) on its thread index)."""
-    deltas = None
-    for t in range(threads):
-        w0 = int(smem_word_index(layout, coord(t, 0), elem_bytes))
-        d = [int(smem_word_index(layout, coord(t, j), elem_bytes)) - w0 for j in range(steps)]
-        if deltas is None:
-            deltas = d
-        elif d != deltas:
+    words = _walk_words(layout, coord, elem_bytes, threads, steps)
+    deltas = [w - words[0][0] for w in words[0]]
+    for t, row in enumerate(words):
+        if [w - row[0] for w in row] != deltas:
             raise ValueError(f"word_walk: the walk of thread {t} is not a shift of thread 0's on {layout}")
     return deltas
 
@@ -94,27 +99,28 @@ def xor_walk(layout, coord, elem_bytes: int, threads: int, steps: int):
     bits: the low part can only flip bits that thread 0's walk leaves clear, the high part adds."""
     b, m, _ = swizzle_bits(layout)
     low = (1 << (m + b)) - 1
-    lin = [[int(cute.crd2idx(coord(t, j), layout.outer)) * elem_bytes for j in range(steps)] for t in range(threads)]
-    xors, adds = [], []
-    for j in range(steps):
-        d = lin[0][j] - lin[0][0]
-        xors.append((d & low) >> 2)
-        adds.append((d & ~low) >> 2)
-    for t in range(threads):
-        w0 = int(smem_word_index(layout, coord(t, 0), elem_bytes))
+    lin0 = [int(cute.crd2idx(coord(0, j), layout.outer)) * elem_bytes for j in range(steps)]
+    xors = [((d - lin0[0]) & low) >> 2 for d in lin0]
+    adds = [((d - lin0[0]) & ~low) >> 2 for d in lin0]
+    for t, row in enumerate(_walk_words(layout, coord, elem_bytes, threads, steps)):
         for j in range(steps):
-            if int(smem_word_index(layout, coord(t, j), elem_bytes)) != (w0 ^ xors[j]) + adds[j]:
+            if row[j] != (row[0] ^ xors[j]) + adds[j]:
                 raise ValueError(f"xor_walk: step {j} of thread {t} is not (word ^ x) + a on {layout}")
     return xors, adds
 
 
+def swizzled_word(byte, bits: tuple):
+    """32-bit word of unswizzled byte offset `byte` under the swizzle S<B,M,S> = bits (swizzle_bits):
+    the swizzle acts on BYTE addresses (TMA and wgmma's 32/64/128-byte modes), whatever the element
+    size. Plain Python over DSL or Python integers."""
+    b, m, s = bits
+    return (byte ^ ((byte >> s) & (((1 << b) - 1) << m))) >> 2
+
+
 def smem_word_index(layout, coord, elem_bytes: int):
     """32-bit word holding element `coord` of a swizzled shared-memory layout (S<B,M,S> o outer).
-    The swizzle acts on BYTE addresses (TMA and wgmma's 32/64/128-byte modes), whatever the
-    element size. Plain Python over DSL integers; the CPU tests evaluate it on Python ints."""
-    b, m, s = swizzle_bits(layout)
-    byte = cute.crd2idx(coord, layout.outer) * elem_bytes
-    return (byte ^ ((byte >> s) & (((1 << b) - 1) << m))) >> 2
+    Plain Python over DSL integers; the CPU tests evaluate it on Python ints."""
+    return swizzled_word(cute.crd2idx(coord, layout.outer) * elem_bytes, swizzle_bits(layout))
 
 
 def a_fragment_sources(n_acc: int) -> list:

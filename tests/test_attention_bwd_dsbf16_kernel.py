@@ -243,8 +243,7 @@ def test_dq_store_plan_writes_the_swizzled_tile_once(head_dim):
     def model():
         sdq = sm90_utils.make_smem_layout_epi(cutlass.Float32, cutlass.tensor_utils.LayoutEnum.ROW_MAJOR,
                                               (64, head_dim), 1)
-        xors, adds = kern._dq_store_plan(sdq)
-        x = kern._dq_swap_xor(xors, adds)
+        _, xors, adds, x = kern._dq_store_plan(sdq)
         tv = kern._make_mmas()[3].tv_layout_C_tiled
         for t in cutlass.range_constexpr(256):  # static: evaluated while tracing
             i0 = int(cute.crd2idx((t, 0), tv))
