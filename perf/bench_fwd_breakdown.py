@@ -90,11 +90,7 @@ def measure(name, lengths):
     row["TFLOP/s kernel"] = flops / (row["kernel s2 pp"] * 1e9)
 
     # backward: the kernel alone (dO quantization and D precomputed), and that preprocess
-    dout = case.sets[0][3]
-    out, lse = flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
-                               kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale,
-                               FwdConfig(128, diagonal_copy=True))
-    delta, doq = preprocess_bwd(dout, out, case.cu)
+    dout, out, lse, delta, doq, dv_ref = backward_inputs(case, qq, kq, kt, vq, vt)
 
     def bwd():
         flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
@@ -107,8 +103,6 @@ def measure(name, lengths):
     def ds_prep():
         return dv_fold_reference(doq.scale, case.cu, 1)
 
-    dv_ref = ds_prep()
-
     def ds_bwd(cfg=ds_cfg):
         flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
                                           config=cfg, do_quantized=doq, delta=delta, dv_ref=dv_ref)
@@ -119,9 +113,6 @@ def measure(name, lengths):
     def ds_bwd_one_wait():  # S^T and dP^T waited for together (before session 7)
         ds_bwd(BwdDsBf16Config(128, diagonal_copy=True, exp_under_dp=False))
 
-    def ds_bwd_prefetch():  # the next tile's S^T, dP^T issued under this tile's dQ store (d128: tuner's choice)
-        ds_bwd(BwdDsBf16Config(128, diagonal_copy=True, prefetch_sdp=True))
-
     def bwd_blocks():  # the e4m3-dS kernel in the key-block-fastest CTA order (not its default yet)
         flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
                                    config=BwdConfig(128, diagonal_copy=True, raster="blocks"), do_quantized=doq,
@@ -130,7 +121,7 @@ def measure(name, lengths):
     for label, fn in (("bwd kernel", bwd), ("bwd kernel, blocks order", bwd_blocks),
                       ("bwd preprocess", lambda: preprocess_bwd(dout, out, case.cu)),
                       ("dsbf16 bwd kernel", ds_bwd), ("dsbf16 bwd kernel, dQ atomics", ds_bwd_atomics),
-                      ("dsbf16 bwd kernel, one S/dP wait", ds_bwd_one_wait), ("dsbf16 bwd kernel, prefetch", ds_bwd_prefetch),
+                      ("dsbf16 bwd kernel, one S/dP wait", ds_bwd_one_wait),
                       ("dsbf16 dV fold references", ds_prep)):
         try:
             row[label] = graph_ms(fn)
@@ -148,12 +139,19 @@ def measure(name, lengths):
 ONLY_DS = os.environ.get("BREAKDOWN_ONLY") == "ds"
 
 
-def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
+def backward_inputs(case, qq, kq, kt, vq, vt):
+    """What the backward kernels read besides the saved operands: dO, the forward's O and LSE, and the
+    preprocess's D, quantized dO and dV fold references (one launch; timed apart by measure)."""
     out, lse = flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
                                kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale,
                                FwdConfig(128, diagonal_copy=True))
     dout = case.sets[0][3]
     delta, doq, dv_ref = preprocess_bwd(dout, out, case.cu, dv_ref_group=1)
+    return dout, out, lse, delta, doq, dv_ref
+
+
+def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
+    dout, out, lse, delta, doq, dv_ref = backward_inputs(case, qq, kq, kt, vq, vt)
     for label, cfg in (("heads order", BwdDsBf16Config(128, diagonal_copy=True, raster="heads")),
                        ("blocks order", BwdDsBf16Config(128, diagonal_copy=True, raster="blocks")),
                        ("blocks order, dQ store swap", BwdDsBf16Config(128, diagonal_copy=True, dq_store_swap=True))):
