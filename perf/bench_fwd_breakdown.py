@@ -134,8 +134,8 @@ def measure(name, lengths):
     return row
 
 
-# BREAKDOWN_ONLY=ds: only the bf16-dS backward kernel in both CTA orders (BwdDsBf16Config.raster),
-# and with the swapped dQ stores (dq_store_swap)
+# BREAKDOWN_ONLY=ds: only the bf16-dS backward kernel's build variants (the default, the dQ stores
+# unswapped, Q's bf16 codes by TMA, the warpgroups' dQ split by keys) and the Q code conversion
 ONLY_DS = os.environ.get("BREAKDOWN_ONLY") == "ds"
 
 
@@ -152,14 +152,27 @@ def backward_inputs(case, qq, kq, kt, vq, vt):
 
 def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
     dout, out, lse, delta, doq, dv_ref = backward_inputs(case, qq, kq, kt, vq, vt)
-    for label, cfg in (("heads order", BwdDsBf16Config(128, diagonal_copy=True, raster="heads")),
-                       ("blocks order", BwdDsBf16Config(128, diagonal_copy=True, raster="blocks")),
-                       ("blocks order, dQ store swap", BwdDsBf16Config(128, diagonal_copy=True, dq_store_swap=True))):
+    q_codes = qq.data_td.to(torch.bfloat16)  # what the host wrapper makes for q_bf16_source="tma"
+    ref = None
+    for label, cfg in (("default", BwdDsBf16Config(128, diagonal_copy=True)),
+                       ("no dQ store swap", BwdDsBf16Config(128, diagonal_copy=True, dq_store_swap=False)),
+                       ("Q bf16 by TMA", BwdDsBf16Config(128, diagonal_copy=True, q_bf16_source="tma")),
+                       ("Q bf16 by TMA, dQ split by keys",
+                        BwdDsBf16Config(128, diagonal_copy=True, q_bf16_source="tma", dq_split="keys"))):
 
         def fn(cfg=cfg):
-            flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
-                                              case.scale, config=cfg, do_quantized=doq, delta=delta, dv_ref=dv_ref)
+            return flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
+                                                     case.scale, config=cfg, do_quantized=doq, delta=delta,
+                                                     dv_ref=dv_ref, q_codes_bf16=q_codes)
         row[f"dsbf16 bwd kernel, {label}"] = graph_ms(fn)
+        # each variant's gradients against the default's (the tests check each against the emulator)
+        grads = [g.float() for g in fn()]
+        if ref is None:
+            ref = grads
+        else:
+            for name, g, r in zip(("dq", "dk", "dv"), grads, ref, strict=True):
+                row[f"rel diff {name}, {label}"] = float((g - r).norm() / r.norm())
+    row["Q codes to bf16 (torch)"] = graph_ms(lambda: qq.data_td.to(torch.bfloat16))
     return row
 
 
