@@ -100,7 +100,7 @@ for stage in "$@"; do
         ncu -i "$OUT/ds_$wl.ncu-rep" --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/ncu_ds_${wl}_sass.csv.gz"
         rm -f "$OUT/ds_$wl.ncu-rep"
       done ;;
-    ds-orders) run ds_orders 200 env OUT="$OUT" BREAKDOWN_ONLY=ds python3 perf/bench_fwd_breakdown.py ;;
+    ds-orders) run ds_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=ds python3 perf/bench_fwd_breakdown.py ;;
     fwd-breakdown) run fwd_breakdown ${BREAKDOWN_SECONDS:-420} env OUT="$OUT" python3 perf/bench_fwd_breakdown.py ;;
     *) echo "unknown stage $stage" ;;
   esac
