@@ -10,9 +10,10 @@ memory, and the dQ scale needs a cross-warpgroup amax per tile. Here nothing is 
 - dV: dO's per-token scale is folded into P^T relative to ONE reference r per (KV head, document)
   (the max dO scale there, `dv_fold_reference`), so the e4m3 MMA accumulates dV across all query
   tiles and heads of the group in its own registers; dV = acc * r / 256 once, in the epilogue;
-- dK += bf16(dS^T sq) . Q-codes and dQ = bf16(dS sk) . K-codes on bf16 wgmma: the consumers convert
-  the e4m3 codes of the Q tile and the key block, [t, d] as loaded for S^T, to bf16 in shared
-  memory (exact; MN-major B operands, so no transposed copies), and the power-of-two scales go into
+- dK += bf16(dS^T sq) . Q-codes and dQ = bf16(dS sk) . K-codes on bf16 wgmma: Q's codes come as a
+  bf16 copy made before the launch (`codes_sm90`, `q_bf16_source="tma"`) or are converted per tile
+  in shared memory ("convert"); the consumers convert the key block's codes once per phase; all
+  [t, d] (exact; MN-major B operands, so no transposed copies), and the power-of-two scales go into
   dS (bf16(dS s) = bf16(dS) s, as the recipe says);
 - 64-query tiles: S^T and dP^T take 32 registers each, so dV (64) and dK (64) both stay in
   registers next to them: 224 fp32 accumulators per thread at d128 (FA3's budget).
@@ -22,7 +23,7 @@ CTA, so dK and dV are summed over the group in registers: deterministic):
 - producer warp 0 (TMA): K, V (e4m3 A operands of S^T and dP^T, two 64-key slabs) once per phase
   (the per-token copies for the diagonal tiles when `diagonal_copy`, then the block-scaled ones);
   per 64-query tile, Q and dO (e4m3 [t, d]: the B operands of S^T and dP^T, pipeline a) and dO^T
-  (e4m3 [d, t], dV's B, pipeline b);
+  (e4m3 [d, t], dV's B, pipeline b, with Q's bf16 codes [t, d], dK's B, by default);
 - producer warp 1: per query tile, sq * softmax_scale * log2e, lse * log2e (+inf past the
   document end, so P = 0 there), D = rowsum(dO * O), the dO scale (0 past the end) and sq;
 - producer warp 2, with `dq_tma_reduce` (the default unless deterministic): the dQ tiles' TMA
@@ -31,9 +32,9 @@ CTA, so dK and dV are summed over the group in registers: deterministic):
   S^T = K Q^T and dP^T = V dO^T (e4m3, fp32), P^T = exp2(S^T sk sq scale log2e - lse log2e)
   (masked on the diagonal tiles), dS^T = P^T (dP^T sv sdo - D);
   dV += e4m3(P^T * sdo * 256 / r) . dO^T (A from registers);
-  dK += bf16(dS^T sq) . Q-codes (A from registers; the Q tile's half converted by each warpgroup);
-  bf16(dS sk) is also stored to shared memory [q, key] (double-buffered, as Q's bf16 codes: a
-  warpgroup may write the next tile's while the other still reads this one), then after one
+  dK += bf16(dS^T sq) . Q-codes (A from registers);
+  bf16(dS sk) is also stored to shared memory [q, key] (double-buffered: a warpgroup may write
+  the next tile's while the other still reads this one), then after one
   barrier of the two warpgroups dQ_tile = dS . K-codes for the warpgroup's half of the head
   dimension; softmax_scale * dQ_tile goes into an fp32 dQ accumulator (T, H, D), through a
   shared-memory tile and warp 2's TMA reduce-add (`dq_tma_reduce`), or by red.global.add.v2.f32
@@ -112,9 +113,7 @@ N_VEC = 5  # per-query vectors per tile in shared memory (see load_vectors)
 KEY_BLOCK = 128
 QUERY_TILE = 64
 # named barriers (1: dS and Q bf16 stored, 2: the phase change, 3: deterministic dQ turns)
-DQ_FULL, DQ_EMPTY = 4, 5  # dq_tma_reduce: the dQ tile's writers (256 threads; 128 with dq_split "keys") + dQ warp
-DQ_HALF = 6  # dq_split "keys": warpgroup 0's partial tile is stored (warpgroup 1 adds its own)
-DS_STORED = 7  # dq_split "keys": + warpgroup index, this warpgroup's dS half is stored (128 threads)
+DQ_FULL, DQ_EMPTY = 4, 5  # dq_tma_reduce: consumers (256 threads) and the dQ warp (32)
 # bf16 dS [q, key] for dQ's A operand (queries contiguous), two buffers; stored by hand (ds_word_index)
 DS_LAYOUT = "S<3,4,3> o 0 o ((64,1),(8,16),(1,2)):((1,0),(64,512),(0,8192))"
 
@@ -153,19 +152,12 @@ class BwdDsBf16Config:
     # half-warp's 4 rows hit 4 distinct 32-byte pairs of the swizzled tile (2 wavefronts per 64-bit
     # store instead of 4, ncu s7d) at 2 selects per store. Kernel -2..-7% (run s8a, 4x4k -6.8%)
     dq_store_swap: bool = True
-    # dK's B operand, Q's codes in bf16: "convert" (the consumers convert the e4m3 tile in shared
-    # memory, ~105 warp instructions per tile and the two warpgroups' halves meet at the dS barrier)
-    # or "tma" (the TMA loads a bf16 copy of the codes, made before the launch, into pipeline b's
-    # stage next to dO^T: 16 KB more per tile from L2 at d128, no conversion)
-    q_bf16_source: str = "convert"
-    # dQ's GEMM split between the two consumer warpgroups: "columns" (each computes half of the head
-    # dimension over all 128 keys: it needs both warpgroups' dS, one 256-thread barrier per tile keeps
-    # them in lockstep, so their ALU phases and GEMM waits line up while the tensor cores idle: ncu
-    # s7d) or "keys" (each its own 64 keys over all of D, 64 more accumulator registers at d128; no
-    # cross-warpgroup barrier before the GEMMs; warpgroup 0 stores its partial tile, warpgroup 1 adds
-    # its own and hands the sum to the TMA reduce-add, which keeps it up to a tile behind warpgroup 0).
-    # "keys" needs dq_tma_reduce and q_bf16_source "tma" (else the Q conversion couples them again)
-    dq_split: str = "columns"
+    # dK's B operand, Q's codes in bf16: "tma" (the TMA loads a bf16 copy of the codes, made before
+    # the launch by codes_sm90, into pipeline b's stage next to dO^T: 16 KB more per tile from L2 at
+    # d128) or "convert" (the consumers convert the e4m3 tile in shared memory, ~105 warp
+    # instructions per tile per warp). Kernel alone -3..-8% with "tma" (run s8b). None: "tma" where
+    # it fits in shared memory (not with 3 query stages at d128: 16 KB more per stage)
+    q_bf16_source: str | None = None
 
     def __post_init__(self):
         def bad(name, msg):
@@ -181,10 +173,8 @@ class BwdDsBf16Config:
         for name in ("prefetch_sdp", "dq_tma_reduce", "exp_under_dp"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 bad(name, "must be None (auto) or a bool")
-        if self.q_bf16_source not in ("convert", "tma"):
-            bad("q_bf16_source", "must be 'convert' or 'tma'")
-        if self.dq_split not in ("columns", "keys"):
-            bad("dq_split", "must be 'columns' or 'keys'")
+        if self.q_bf16_source not in (None, "convert", "tma"):
+            bad("q_bf16_source", "must be None (auto), 'convert' or 'tma'")
         if self.raster not in (None, "heads", "blocks"):
             bad("raster", "must be None (auto), 'heads' or 'blocks'")
         if self.q_stages not in (1, 2, 3):
@@ -200,6 +190,10 @@ class BwdDsBf16Config:
             object.__setattr__(self, "exp_under_dp", not self.prefetch_sdp)
         if self.exp_under_dp and self.prefetch_sdp:
             bad("exp_under_dp", "with prefetch_sdp, ptxas serializes the split S^T/dP^T waits")
+        if self.q_bf16_source is None:  # before the dQ path: smem_bytes counts no dQ tile yet
+            object.__setattr__(self, "q_bf16_source", "tma")
+            if smem_bytes(self) > SMEM_LIMIT:
+                object.__setattr__(self, "q_bf16_source", "convert")
         if self.dq_tma_reduce is None:
             # on where allowed and its 33 KB dQ tile fits (not with 3 query stages at d128)
             object.__setattr__(self, "dq_tma_reduce", not self.deterministic)
@@ -207,8 +201,6 @@ class BwdDsBf16Config:
                 object.__setattr__(self, "dq_tma_reduce", False)
         if self.dq_tma_reduce and self.deterministic:
             bad("dq_tma_reduce", "the deterministic dQ order is kept by the atomics path only")
-        if self.dq_split == "keys" and not (self.dq_tma_reduce and self.q_bf16_source == "tma"):
-            bad("dq_split", "'keys' needs dq_tma_reduce and q_bf16_source='tma'")
         if smem_bytes(self) > SMEM_LIMIT:
             bad("q_stages", f"shared memory {smem_bytes(self)} bytes exceeds {SMEM_LIMIT}")
 
@@ -321,8 +313,6 @@ class FlamiaBwdDsBf16Sm90:
         self.dq_tma = config.dq_tma_reduce
         self.sdp_groups = 2 if config.exp_under_dp else 1  # commit groups of one issue_sdp
         self.qb_tma = config.q_bf16_source == "tma"
-        self.split_keys = config.dq_split == "keys"
-        self.dq_writers = 128 if self.split_keys else 256  # threads that write the shared dQ tile
 
     def _make_mmas(self):
         K_MAJOR, MN_MAJOR = OperandMajorMode.K, OperandMajorMode.MN
@@ -335,14 +325,9 @@ class FlamiaBwdDsBf16Sm90:
         dv_mma = sm90_utils.make_trivial_tiled_mma(e4, e4, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, D), RMEM)
         # dK: M = 64 keys, N = D, K = 64 queries; A = bf16(dS^T) from registers, B = Q bf16 [t, d] (MN-major)
         dk_mma = sm90_utils.make_trivial_tiled_mma(bf, bf, K_MAJOR, MN_MAJOR, Float32, (1, 1, 1), (wm, D), RMEM)
-        # dQ: M = 64 queries, N = D (dq_split "columns": warpgroup w computes columns w D/2 ..
-        # (w+1) D/2 - 1 over K = 128 keys; "keys": all of D over its own 64 keys); A = dS [q, key]
-        # (queries contiguous), B = K bf16 [t, d] (MN-major)
-        # (each half of D in turn: a 64-register accumulator next to dV's and dK's spilled at d128)
-        if self.split_keys:
-            dq_mma = sm90_utils.make_trivial_tiled_mma(bf, bf, MN_MAJOR, MN_MAJOR, Float32, (1, 1, 1), (tq, D // 2))
-        else:
-            dq_mma = sm90_utils.make_trivial_tiled_mma(bf, bf, MN_MAJOR, MN_MAJOR, Float32, (1, 2, 1), (tq, D // 2))
+        # dQ: M = 64 queries, N = D (warpgroup w computes columns w D/2 .. (w+1) D/2 - 1), K = 128
+        # keys; A = dS [q, key] (queries contiguous), B = K bf16 [t, d] (MN-major)
+        dq_mma = sm90_utils.make_trivial_tiled_mma(bf, bf, MN_MAJOR, MN_MAJOR, Float32, (1, 2, 1), (tq, D // 2))
         return sd_mma, dv_mma, dk_mma, dq_mma
 
     def _smem_layouts(self):
@@ -684,11 +669,10 @@ class FlamiaBwdDsBf16Sm90:
         (P = 0 there) and rows past T are clipped by the TMA, so whole 64-row tiles are added."""
         n_blk, n_diag, per = sched
         total = self._tile_count(n_diag, per)
-        n = self.dq_writers + 32
-        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=n)  # the buffer starts free
+        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)  # the buffer starts free
         for i in cutlass.range(total, unroll=1):
             hi, m = self._tile_of(i, n_blk, n_diag, per)
-            cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=n)
+            cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=288)
             # the whole warp: a TMA copy elects its issuing lane with a full-mask elect.sync, so calling
             # it from one lane deadlocks (the first version did: it hung on the H200)
             tSs, tSg = self._part(atom, t_dq, kv_head * self.group + hi, sdQ, (self.tq, self.D), doc_start, 0)
@@ -696,7 +680,7 @@ class FlamiaBwdDsBf16Sm90:
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
             if i + 1 < total:
-                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=n)
+                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)
         cute.arch.cp_async_bulk_wait_group(0)  # the last adds complete before the CTA retires
 
     # ------------------------------------------------------------------------------------------
@@ -736,7 +720,7 @@ class FlamiaBwdDsBf16Sm90:
         sd_thr = sd_mma.get_slice(ctid)
         dv_thr = dv_mma.get_slice(ctid)
         dk_thr = dk_mma.get_slice(ctid)
-        dq_thr = dq_mma.get_slice(ctid if self.split_keys else tidx - 128)  # "columns": spans both warpgroups
+        dq_thr = dq_mma.get_slice(tidx - 128)  # spans both consumer warpgroups
         tSrK = sd_thr.make_fragment_A(sd_thr.partition_A(sK))  # (MMA, 1, D/32, 2 slabs)
         tSrV = sd_thr.make_fragment_A(sd_thr.partition_A(sV))
         tSrQ = sd_thr.make_fragment_B(sd_thr.partition_B(sQ))  # (MMA, 1, D/32, stages)
@@ -744,16 +728,12 @@ class FlamiaBwdDsBf16Sm90:
         tVrdOt = dv_thr.make_fragment_B(dv_thr.partition_B(sdOt))  # (MMA, 1, 2, stages)
         tKrQb = dk_thr.make_fragment_B(dk_thr.partition_B(sQb))  # (MMA, 1, 4, 2 buffers or stages)
         tQrdS = dq_thr.make_fragment_A(dq_thr.partition_A(sdS))  # (MMA, 1, 8, 2 buffers)
-        if cutlass.const_expr(self.split_keys):  # one B per half of D: (MMA, 1, 8)
-            tQrKb = [dq_thr.make_fragment_B(dq_thr.partition_B(cute.local_tile(sKb[None, None, 0], (D // 2, kb), (h, 0))))
-                     for h in range(2)]
-        else:
-            tQrKb = dq_thr.make_fragment_B(dq_thr.partition_B(sKb))  # (MMA, 1, 8, 1): this warpgroup's D half
+        tQrKb = dq_thr.make_fragment_B(dq_thr.partition_B(sKb))  # (MMA, 1, 8, 1): this warpgroup's half
         acc_s = sd_thr.make_fragment_C(sd_thr.partition_shape_C((wm, tq)))
         acc_dp = sd_thr.make_fragment_C(sd_thr.partition_shape_C((wm, tq)))
         acc_dv = dv_thr.make_fragment_C(dv_thr.partition_shape_C((wm, D)))
         acc_dk = dk_thr.make_fragment_C(dk_thr.partition_shape_C((wm, D)))
-        acc_dq = dq_thr.make_fragment_C(dq_thr.partition_shape_C((tq, D // 2)))  # one half of D
+        acc_dq = dq_thr.make_fragment_C(dq_thr.partition_shape_C((tq, D)))
         tVrP = dv_thr.make_fragment_A(dv_thr.partition_shape_A((wm, tq)))
         tKrdS = dk_thr.make_fragment_A(dk_thr.partition_shape_A((wm, tq)))
         tVrP32 = cute.recast_tensor(tVrP, Uint32)
@@ -786,7 +766,6 @@ class FlamiaBwdDsBf16Sm90:
         # ---- phase 0: diagonal tiles
         pipe_kv.consumer_wait(kv_state)
         self.convert_k(bufs)
-        self._k_converted()
         if cutlass.const_expr(self.prefetch):
             self.issue_sdp(frags, pipe_a, a_state, wg)
         for i in cutlass.range(self.group * n_diag, unroll=1):
@@ -808,7 +787,6 @@ class FlamiaBwdDsBf16Sm90:
                 cute.arch.barrier(barrier_id=2, number_of_threads=256)
                 pipe_kv.consumer_wait(kv_state)
                 self.convert_k(bufs)
-                self._k_converted()
             if cutlass.const_expr(self.prefetch):
                 self.issue_sdp(frags, pipe_a, a_state, wg)
             for j in cutlass.range(self.group * per, unroll=1):
@@ -857,15 +835,12 @@ class FlamiaBwdDsBf16Sm90:
         tile (sm90_device.xor_walk over the dQ MMA's thread-value layout: pair j holds values 2j,
         2j+1); swap: the word XOR of dq_store_swap (_dq_swap_xor), 0 without it."""
         tv = self._make_mmas()[3].tv_layout_C_tiled
-        threads = self.dq_writers  # the dQ MMA's threads: both warpgroups ("columns") or one ("keys")
-        pairs = self.D // 8  # per thread and MMA tile: (64 x D/2) / 128 / 2 either way
-        halves = 2 if self.split_keys else 1  # "keys": one MMA tile per half of D, in turn
 
         def coord(t, j):
-            idx = cute.crd2idx((t, 2 * (j % pairs)), tv)
-            return idx % self.tq, idx // self.tq + (j // pairs) * (self.D // 2), 0
+            idx = cute.crd2idx((t, 2 * j), tv)
+            return idx % self.tq, idx // self.tq, 0
 
-        xors, adds = xor_walk(sdQ_layout, coord, 4, threads, halves * pairs)
+        xors, adds = xor_walk(sdQ_layout, coord, 4, 256, self.D // 8)
         swap = self._dq_swap_xor(xors, adds) if self.cfg.dq_store_swap else 0
         return sdQ_layout, xors, adds, swap
 
@@ -896,15 +871,6 @@ class FlamiaBwdDsBf16Sm90:
         src = smem_word_index(sK_layout, (key % self.wm, d, key // self.wm), 1)
         dst = smem_word_index(sKb_layout, (d, key, 0), 2)
         self._convert_walk(sK_words, sKb_words, src, dst, plan["k_src"], plan["k_dst"])
-
-    @cute.jit
-    def _k_converted(self):
-        """dq_split "keys": the K bf16 rows a warpgroup's dQ reads were converted by threads of both
-        warpgroups, and no per-tile 256-thread barrier follows: make them visible to the wgmmas here
-        (once per phase)."""
-        if cutlass.const_expr(self.split_keys):
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=2, number_of_threads=256)
 
     @cute.jit
     def convert_q(self, bufs, stage, dbuf):
@@ -1040,21 +1006,15 @@ class FlamiaBwdDsBf16Sm90:
         # ---- both warpgroups' dS and Q bf16 halves are in shared memory: dK += bf16(dS^T sq) . Q codes
         # and dQ_tile = bf16(dS sk) . K codes for this warpgroup's half of D
         cute.arch.fence_proxy("async.shared", space="cta")
-        if cutlass.const_expr(self.split_keys):
-            cute.arch.barrier(barrier_id=DS_STORED + wg, number_of_threads=128)  # its own dS half only
-        else:
-            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
         warpgroup.fence()
         dk_mma.set(warpgroup.Field.ACCUMULATE, True)
         qbuf = b_state.index if cutlass.const_expr(self.qb_tma) else dbuf
         for k in cutlass.range_constexpr(tq // 16):
             cute.gemm(dk_mma, acc_dk, tKrdS[None, None, k], tKrQb[None, None, k, qbuf], acc_dk)
-        if cutlass.const_expr(self.split_keys):
-            self._dq_half_gemm(acc_dq, tQrdS, tQrKb, dbuf, wg, 0)
-        else:
-            for k in cutlass.range_constexpr(self.kb // 16):
-                dq_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
-                cute.gemm(dq_mma, acc_dq, tQrdS[None, None, k, dbuf], tQrKb[None, None, k, 0], acc_dq)
+        for k in cutlass.range_constexpr(self.kb // 16):
+            dq_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(dq_mma, acc_dq, tQrdS[None, None, k, dbuf], tQrKb[None, None, k, 0], acc_dq)
         warpgroup.commit_group()
         if cutlass.const_expr(self.prefetch and not self.dq_tma):
             if has_next:
@@ -1073,26 +1033,10 @@ class FlamiaBwdDsBf16Sm90:
             # the previous tile's reduce-add has read the buffer; store this tile (softmax_scale applied)
             # column pairs to the swizzled tile (64-bit stores): one base word per thread, each pair an
             # XOR and an add away from it (_dq_store_plan)
-            n = self.dq_writers + 32
-            if cutlass.const_expr(self.split_keys):
-                # warpgroup 0 stores its partial tile, warpgroup 1 adds its own to it and hands the sum
-                # to the dQ warp (the same thread owns the same words in both: one store plan); the
-                # second half of D is computed once the first is stored
-                q_halves = (tQrdS, tQrKb, dbuf, wg)
-                if wg == 0:
-                    cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=n)
-                    self._store_dq_halves(sdQ_words, dq_plan, acc_dq, tScQ, softmax_scale, q_halves, False)
-                    cute.arch.barrier_arrive(barrier_id=DQ_HALF, number_of_threads=256)
-                else:
-                    cute.arch.barrier(barrier_id=DQ_HALF, number_of_threads=256)
-                    self._store_dq_halves(sdQ_words, dq_plan, acc_dq, tScQ, softmax_scale, q_halves, True)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=n)
-            else:
-                cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=n)
-                self._store_dq_tile(sdQ_words, dq_plan, acc_dq, tScQ, softmax_scale, False, 0)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=n)
+            cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=288)
+            self._store_dq_tile(sdQ_words, dq_plan, acc_dq, tScQ, softmax_scale)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=288)
             if cutlass.const_expr(self.prefetch):
                 # the dQ tile's registers are free: issue the next tile's S^T, dP^T. Always: an MMA
                 # issued under a runtime `if` and waited in the next iteration spilled 272 bytes at
@@ -1109,55 +1053,23 @@ class FlamiaBwdDsBf16Sm90:
         return a_state, b_state, v_state
 
     @cute.jit
-    def _dq_half_gemm(self, acc_dq, tQrdS, tQrKb, dbuf, wg, half: cutlass.Constexpr):
-        """dq_split "keys": acc_dq = dS . K-codes over this warpgroup's 64 keys (k-blocks 4 wg ..
-        4 wg + 3) for columns half * D/2 .. of the head dimension (issued, not committed)."""
-        dq_mma = self._make_mmas()[3]  # fresh: ACCUMULATE is state threaded through the IR
-        n_kq = self.wm // 16
-        for k in cutlass.range_constexpr(n_kq):
-            dq_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(dq_mma, acc_dq, tQrdS[None, None, n_kq * wg + k, dbuf], tQrKb[half][None, None, n_kq * wg + k],
-                      acc_dq)
-
-    @cute.jit
-    def _store_dq_halves(self, sdQ_words, dq_plan, acc_dq, tScQ, softmax_scale, q_halves,
-                         accumulate: cutlass.Constexpr):
-        """dq_split "keys": store (or add) the first half of D's partial dQ (already computed), then
-        compute the second half in the same registers and store (or add) it."""
-        tQrdS, tQrKb, dbuf, wg = q_halves
-        self._store_dq_tile(sdQ_words, dq_plan, acc_dq, tScQ, softmax_scale, accumulate, 0)
-        warpgroup.fence()
-        self._dq_half_gemm(acc_dq, tQrdS, tQrKb, dbuf, wg, 1)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-        self._store_dq_tile(sdQ_words, dq_plan, acc_dq, tScQ, softmax_scale, accumulate, 1)
-
-    @cute.jit
-    def _store_dq_tile(self, sdQ_words, dq_plan, acc_dq, tScQ, softmax_scale, accumulate: cutlass.Constexpr,
-                       half: cutlass.Constexpr):
+    def _store_dq_tile(self, sdQ_words, dq_plan, acc_dq, tScQ, softmax_scale):
         """softmax_scale * acc_dq into the swizzled shared dQ tile (64-bit stores): one base word per
-        thread, each column pair an XOR and an add away from it (_dq_store_plan; with dq_split "keys"
-        the plan covers both halves of D, `half` picks its pairs). accumulate: add to what the tile
-        holds at those words (dq_split "keys": warpgroup 1 onto warpgroup 0's partial)."""
+        thread, each column pair an XOR and an add away from it (_dq_store_plan)."""
         sdQ_layout, xors, adds, swap = dq_plan
         row0, col0 = tScQ[0]
         w0 = smem_word_index(sdQ_layout, (row0, col0, 0), 4)
         odd = (row0 % 2) == 1
         if cutlass.const_expr(self.cfg.dq_store_swap):
             w0 = w0 ^ select(odd, Int32(swap), Int32(0))
-        n_pairs = cute.size(acc_dq) // 2
-        for jj in cutlass.range_constexpr(n_pairs):
-            j = half * n_pairs + jj
+        for j in cutlass.range_constexpr(len(xors)):
             w = (w0 ^ xors[j]) + adds[j]
-            lo, hi = acc_dq[2 * jj], acc_dq[2 * jj + 1]
+            lo, hi = acc_dq[2 * j], acc_dq[2 * j + 1]
             if cutlass.const_expr(self.cfg.dq_store_swap):  # odd rows: pair j ^ 4, at its own address
-                lo = select(odd, acc_dq[2 * (jj ^ 4)], lo)
-                hi = select(odd, acc_dq[2 * (jj ^ 4) + 1], hi)
-            lo, hi = lo * softmax_scale, hi * softmax_scale
-            if cutlass.const_expr(accumulate):
-                lo, hi = sdQ_words[w] + lo, sdQ_words[w + 1] + hi
-            sdQ_words[w] = lo
-            sdQ_words[w + 1] = hi
+                lo = select(odd, acc_dq[2 * (j ^ 4)], lo)
+                hi = select(odd, acc_dq[2 * (j ^ 4) + 1], hi)
+            sdQ_words[w] = lo * softmax_scale
+            sdQ_words[w + 1] = hi * softmax_scale
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1216,8 +1128,8 @@ def flamia_bwd_dsbf16_sm90(
     order) and delta (H, T) may be passed precomputed; else the preprocess computes them; so may
     dv_ref, the dv_fold_reference (perf/bench_fwd_breakdown.py times the kernel alone); when dO is
     quantized here, the same launch computes dv_ref (no torch launches). q_codes_bf16 (T, H, D) bf16:
-    q_td's codes as bf16 for config.q_bf16_source "tma" (made here when not given; exact: bf16 holds
-    every e4m3 value).
+    q_td's codes as bf16 for config.q_bf16_source "tma" (made here by codes_sm90 when not given;
+    exact: bf16 holds every e4m3 value).
     """
     from .attention_bwd_sm90 import backward_grid_blocks, backward_outputs, preprocess_bwd
 
@@ -1243,7 +1155,9 @@ def flamia_bwd_dsbf16_sm90(
     f8 = torch.float8_e4m3fn
     if config.q_bf16_source == "tma":
         if q_codes_bf16 is None:
-            q_codes_bf16 = q_td.to(torch.bfloat16)
+            from .codes_sm90 import e4m3_codes_to_bf16
+
+            q_codes_bf16 = e4m3_codes_to_bf16(q_td)
         check_kernel_tensors((("q_codes_bf16", q_codes_bf16, (T, H, D), torch.bfloat16),), dev)
     else:
         q_codes_bf16 = q_td  # not read: any valid pointer

@@ -87,6 +87,8 @@ KERNELS = {
         # the bf16-dS backward (recipe fp8_tokenblock_dsbf16)
         KernelEntry("bwd_dsbf16", ("sm_90a",), "flamia_cute.attention_bwd_dsbf16_sm90", "BwdDsBf16Config",
                     ATTENTION_CONFIGS),
+        # Q's e4m3 codes as bf16 for the bf16-dS backward's q_bf16_source="tma"
+        KernelEntry("codes", ("sm_90a",), "flamia_cute.codes_sm90", "CodesConfig", {"default": {}}),
     )
 }
 

@@ -15,6 +15,7 @@ from flamia_cute.attention_bwd_dsbf16_sm90 import BwdDsBf16Config, dv_fold_refer
 from flamia_cute.attention_bwd_sm90 import BwdConfig, flamia_bwd_sm90_from_saved, preprocess_bwd
 from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case
+from flamia_cute.codes_sm90 import e4m3_codes_to_bf16
 from flamia_cute.cute_backend import quantize_operands
 from flamia_cute.schedules import causal_flops
 
@@ -135,7 +136,7 @@ def measure(name, lengths):
 
 
 # BREAKDOWN_ONLY=ds: only the bf16-dS backward kernel's build variants (the default, the dQ stores
-# unswapped, Q's bf16 codes by TMA, the warpgroups' dQ split by keys) and the Q code conversion
+# unswapped, Q's bf16 codes converted in the kernel) and the Q code copy (torch, codes_sm90)
 ONLY_DS = os.environ.get("BREAKDOWN_ONLY") == "ds"
 
 
@@ -152,13 +153,11 @@ def backward_inputs(case, qq, kq, kt, vq, vt):
 
 def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
     dout, out, lse, delta, doq, dv_ref = backward_inputs(case, qq, kq, kt, vq, vt)
-    q_codes = qq.data_td.to(torch.bfloat16)  # what the host wrapper makes for q_bf16_source="tma"
+    q_codes = e4m3_codes_to_bf16(qq.data_td)  # what the host wrapper makes for q_bf16_source="tma"
     ref = None
     for label, cfg in (("default", BwdDsBf16Config(128, diagonal_copy=True)),
                        ("no dQ store swap", BwdDsBf16Config(128, diagonal_copy=True, dq_store_swap=False)),
-                       ("Q bf16 by TMA", BwdDsBf16Config(128, diagonal_copy=True, q_bf16_source="tma")),
-                       ("Q bf16 by TMA, dQ split by keys",
-                        BwdDsBf16Config(128, diagonal_copy=True, q_bf16_source="tma", dq_split="keys"))):
+                       ("Q bf16 converted", BwdDsBf16Config(128, diagonal_copy=True, q_bf16_source="convert"))):
 
         def fn(cfg=cfg):
             return flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
@@ -173,6 +172,8 @@ def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
             for name, g, r in zip(("dq", "dk", "dv"), grads, ref, strict=True):
                 row[f"rel diff {name}, {label}"] = float((g - r).norm() / r.norm())
     row["Q codes to bf16 (torch)"] = graph_ms(lambda: qq.data_td.to(torch.bfloat16))
+    row["Q codes to bf16 (codes_sm90)"] = graph_ms(lambda: e4m3_codes_to_bf16(qq.data_td))
+    assert torch.equal(e4m3_codes_to_bf16(qq.data_td), qq.data_td.to(torch.bfloat16))
     return row
 
 

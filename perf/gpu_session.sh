@@ -75,6 +75,7 @@ for stage in "$@"; do
     dvref-tests) run dvref_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_quantize_kernel.py \
       -k "dv_fold or dout_delta or forward_only or reduced" ;;
     ds-tests) run ds_tests 260 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py ;;
+    codes-tests) run codes_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_codes_kernel.py ;;
     ds-bench) run ds_bench 420 python3 -m flamia_cute.cli bench --recipe fp8_tokenblock,fp8_tokenblock_dsbf16 \
                 --modes fwd,bwd,fwdbwd --impls flamia,fa4,cudnn --reps 15 --gpu-time --out "$OUT/ds_gputime" ;;
     ds-bench-api) run ds_bench_api 420 python3 -m flamia_cute.cli bench --recipe fp8_tokenblock,fp8_tokenblock_dsbf16 \

@@ -59,8 +59,7 @@ RECIPES = {
 @pytest.mark.parametrize("field, value", [("head_dim", 96), ("qhead_per_kvhead", 0), ("q_stages", 4),
                                           ("vec_stages", 0), ("diagonal_copy", 1), ("deterministic", "yes"),
                                           ("prefetch_sdp", 1), ("dq_tma_reduce", 1), ("exp_under_dp", 1),
-                                          ("raster", "rows"), ("dq_store_swap", 1), ("q_bf16_source", "gmem"),
-                                          ("dq_split", "rows")])
+                                          ("raster", "rows"), ("dq_store_swap", 1), ("q_bf16_source", "gmem")])
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"BwdDsBf16Config.{field}"):
         BwdDsBf16Config(**{"head_dim": 128, field: value})
@@ -68,11 +67,6 @@ def test_config_rejects(field, value):
         BwdDsBf16Config(head_dim=128, deterministic=True, dq_tma_reduce=True)
     with pytest.raises(ValueError, match="BwdDsBf16Config.exp_under_dp"):  # ptxas would serialize the wgmmas
         BwdDsBf16Config(head_dim=128, prefetch_sdp=True, exp_under_dp=True)
-    # the key split needs the dQ tile in shared memory and no Q conversion shared by the warpgroups
-    for bad in (dict(q_bf16_source="convert"), dict(q_bf16_source="tma", dq_tma_reduce=False),
-                dict(q_bf16_source="tma", deterministic=True)):
-        with pytest.raises(ValueError, match="BwdDsBf16Config.dq_split"):
-            BwdDsBf16Config(head_dim=128, dq_split="keys", **bad)
 
 
 @needs_dsl
@@ -127,8 +121,13 @@ def test_config_smem_fits(monkeypatch):
     for d in (64, 128):
         for st in (1, 2, 3):
             assert smem_bytes(BwdDsBf16Config(head_dim=d, q_stages=st)) <= 232448
-    # the dQ tile does not fit next to three query stages at d128: the default falls back to atomics
+    # the dQ tile does not fit next to three query stages at d128: the default falls back to atomics,
+    # and Q's codes are converted in the kernel (the bf16 copy's stages would not fit either)
     assert not BwdDsBf16Config(head_dim=128, q_stages=3).dq_tma_reduce
+    assert BwdDsBf16Config(head_dim=128, q_stages=3).q_bf16_source == "convert"
+    assert BwdDsBf16Config(head_dim=128).q_bf16_source == "tma"
+    with pytest.raises(ValueError, match="shared memory"):
+        BwdDsBf16Config(head_dim=128, q_stages=3, q_bf16_source="tma")
     assert BwdDsBf16Config(head_dim=64, q_stages=3).dq_tma_reduce
     with pytest.raises(ValueError, match="shared memory"):
         BwdDsBf16Config(head_dim=128, q_stages=3, dq_tma_reduce=True)
@@ -225,12 +224,11 @@ def test_conversion_walks_cover_each_word_once(head_dim):
 
 
 @needs_dsl
-@pytest.mark.parametrize("head_dim, dq_split", [(64, "columns"), (128, "columns"), (64, "keys"), (128, "keys")])
-def test_dq_store_plan_writes_the_swizzled_tile_once(head_dim, dq_split):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_store_plan_writes_the_swizzled_tile_once(head_dim):
     """The dQ tile's hand-computed stores (dq_tma_reduce), plain and with dq_store_swap (odd rows store
-    pair j ^ 4 at step j): for each thread that writes the tile (256 with dq_split "columns"; 128 with
-    "keys", each warpgroup writing all of D in two halves), (base ^ xor) + add lands each value pair
-    of the dQ MMA's fragment at its (query, d) element of the swizzled shared tile that the TMA
+    pair j ^ 4 at step j): for each of the 256 consumer threads, (base ^ xor) + add lands each value
+    pair of the dQ MMA's fragment at its (query, d) element of the swizzled shared tile that the TMA
     reduce-add reads (as smem_word_index evaluates it), pairs 8-byte aligned, every word written
     once. On a bank model, a half-warp's 64-bit store takes 2 wavefronts plain (ncu measured 4 per
     warp, run s7d) and 1 with the swap."""
@@ -243,10 +241,8 @@ def test_dq_store_plan_writes_the_swizzled_tile_once(head_dim, dq_split):
     from flamia_cute.attention_bwd_dsbf16_sm90 import FlamiaBwdDsBf16Sm90
     from flamia_cute.sm90_device import smem_word_index
 
-    keys = dict(q_bf16_source="tma", dq_split="keys") if dq_split == "keys" else {}
-    kern = FlamiaBwdDsBf16Sm90(BwdDsBf16Config(head_dim=head_dim, dq_store_swap=True, **keys))
-    threads, pairs, halves = kern.dq_writers, head_dim // 8, 2 if keys else 1
-    assert threads == (128 if keys else 256)
+    kern = FlamiaBwdDsBf16Sm90(BwdDsBf16Config(head_dim=head_dim, dq_store_swap=True))
+    threads, pairs = 256, head_dim // 8
     words = {}
 
     @cute.jit
@@ -254,29 +250,28 @@ def test_dq_store_plan_writes_the_swizzled_tile_once(head_dim, dq_split):
         sdq = sm90_utils.make_smem_layout_epi(cutlass.Float32, cutlass.tensor_utils.LayoutEnum.ROW_MAJOR,
                                               (64, head_dim), 1)
         _, xors, adds, x = kern._dq_store_plan(sdq)
-        assert len(xors) == halves * pairs
+        assert len(xors) == pairs
         tv = kern._make_mmas()[3].tv_layout_C_tiled
 
-        def word(t, v, h):  # value v of thread t's fragment of half h of D
+        def word(t, v):  # value v of thread t's fragment
             i = int(cute.crd2idx((t, v), tv))
-            return int(smem_word_index(sdq, (i % 64, i // 64 + h * head_dim // 2, 0), 4))
+            return int(smem_word_index(sdq, (i % 64, i // 64, 0), 4))
 
         for t in cutlass.range_constexpr(threads):  # static: evaluated while tracing
             i0 = int(cute.crd2idx((t, 0), tv))
-            w0 = word(t, 0, 0)
+            w0 = word(t, 0)
             odd = (i0 % 64) % 2 == 1
             for swap in cutlass.range_constexpr(2):
                 base = w0 ^ x if swap and odd else w0
                 for j in cutlass.range_constexpr(len(xors)):
-                    h, jj = divmod(j, pairs)
-                    jj = jj ^ 4 if swap and odd else jj
+                    jj = j ^ 4 if swap and odd else j
                     w = (base ^ xors[j]) + adds[j]
-                    assert w == word(t, 2 * jj, h) and w % 2 == 0, (swap, t, j)
-                    assert word(t, 2 * jj + 1, h) == w + 1, (swap, t, j)
+                    assert w == word(t, 2 * jj) and w % 2 == 0, (swap, t, j)
+                    assert word(t, 2 * jj + 1) == w + 1, (swap, t, j)
                     words[(swap, t, j)] = w
 
     model()
-    steps = halves * pairs
+    steps = pairs
     for swap, per_half in ((0, 2), (1, 1)):
         placed = sorted(w + k for t in range(threads) for j in range(steps) for k in (0, 1)
                         for w in [words[(swap, t, j)]])
@@ -354,7 +349,7 @@ def test_dv_fold_reference_is_the_emulators():
 
 
 # config fields of the kernel's build variants that the compile tests cover besides the default
-VARIANTS = {"": {}, "q-tma": dict(q_bf16_source="tma"), "keys": dict(q_bf16_source="tma", dq_split="keys")}
+VARIANTS = {"": {}, "q-convert": dict(q_bf16_source="convert")}
 
 
 @pytest.fixture(scope="module")
@@ -374,30 +369,27 @@ def artifacts():
 
 @needs_dsl
 @pytest.mark.parametrize("head_dim, diagonal_copy, variant", [(64, False, ""), (128, False, ""), (128, True, ""),
-                                                                (128, True, "q-tma"), (64, True, "keys"),
-                                                                (128, True, "keys")])
+                                                                (128, True, "q-convert"), (64, False, "q-convert")])
 def test_compiles_with_fp8_and_bf16_wgmma(artifacts, head_dim, diagonal_copy, variant):
     art = artifacts(head_dim, diagonal_copy, variant=variant)
     ops = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+\.f32\.\w+\.\w+)", art.ptx))
     # two copies of the tile step (diagonal, off-diagonal); per copy: S^T and dP^T (D/32 k-steps
-    # each, N = 64 queries), dV (2 k-steps of 32 queries), dK (4 of 16), dQ (8 of 16 keys, N = D/2;
-    # dq_split "keys": 4 of 16 keys per half of D, the second half issued in each warpgroup's
-    # branch: 4 + 2 x 4); with the S^T/dP^T prefetch (default at d64) they are issued in four
-    # places: before each phase and in each tile step for the next tile
-    keys = variant == "keys"
+    # each, N = 64 queries), dV (2 k-steps of 32 queries), dK (4 of 16), dQ (8 of 16 keys, N = D/2);
+    # with the S^T/dP^T prefetch (default at d64) they are issued in four places: before each phase
+    # and in each tile step for the next tile
     sdp_copies = 4 if head_dim == 64 else 2
     want = Counter()
     want["m64n64k32.f32.e4m3.e4m3"] += sdp_copies * 2 * head_dim // 32
     want[f"m64n{head_dim}k32.f32.e4m3.e4m3"] += 2 * 2
     want[f"m64n{head_dim}k16.f32.bf16.bf16"] += 2 * 4
-    want[f"m64n{head_dim // 2}k16.f32.bf16.bf16"] += 2 * (12 if keys else 8)
+    want[f"m64n{head_dim // 2}k16.f32.bf16.bf16"] += 2 * 8
     assert ops == want
     assert "cp.async.bulk.tensor" in art.ptx
-    # Q's bf16 codes: by TMA (one more tensor load per tile in each phase's loop, in boxes of 64
-    # codes: the 128-byte swizzle's width) or converted
+    # Q's bf16 codes: by TMA (the default: one more tensor load per tile in each phase's loop, in
+    # boxes of 64 codes, the 128-byte swizzle's width) or converted in the kernel
     if variant:
         loads = lambda ptx: len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared", ptx))  # noqa: E731
-        assert loads(art.ptx) == loads(artifacts(head_dim, diagonal_copy).ptx) + 2 * head_dim // 64
+        assert loads(art.ptx) + 2 * head_dim // 64 == loads(artifacts(head_dim, diagonal_copy).ptx)
     assert "cvt.rn.satfinite.e4m3x2.f32" in art.ptx and "cvt.rn.bf16x2.f32" in art.ptx
     assert "cvt.rn.f16x2.e4m3x2" in art.ptx, "Q and K codes converted to bf16 in the kernel"
     # dQ: one TMA reduce-add per tile by the dQ warp, no atomics (dq_tma_reduce's default), in boxes
@@ -414,13 +406,8 @@ def test_compiles_with_fp8_and_bf16_wgmma(artifacts, head_dim, diagonal_copy, va
         assert not re.search(r"\b(STL|LDL)\b", art.sass), "register spills in SASS"
         # ptxas did not serialize the wgmmas (it does when it cannot track the accumulators in flight:
         # 36-60 arrives, one per wgmma, e.g. split S^T/dP^T waits beside the prefetch, or a whole-D
-        # dQ accumulator per warpgroup at d128); the key split issues dQ's second half apart (+4)
-        assert len(re.findall(r"\bWARPGROUP\.ARRIVE\b", art.sass)) <= (12 if keys else 8)
-    if keys:  # one barrier per warpgroup for its dS half, no 256-thread one per tile; the add chain
-        assert re.search(r"bar\.sync\s+%r\d+, 128", art.ptx) and not re.search(r"bar\.sync\s+1, 256", art.ptx)
-        assert re.search(r"bar\.arrive\s+6, 256", art.ptx) and re.search(r"bar\.sync\s+6, 256", art.ptx)
-        assert re.search(r"bar\.arrive\s+4, 160", art.ptx) and re.search(r"bar\.sync\s+5, 160", art.ptx)
-        assert lane_divergent_collectives(art.ptx) == []
+        # dQ accumulator per warpgroup at d128, session 8)
+        assert len(re.findall(r"\bWARPGROUP\.ARRIVE\b", art.sass)) <= 8
 
 
 @needs_dsl
@@ -567,31 +554,20 @@ def test_gpu_dq_store_without_swap_matches_emulator(D, H, Hk):
 @needs_dsl
 @_needs_sm90()
 @pytest.mark.parametrize("D, H, Hk, raster", [(128, 4, 2, None), (64, 2, 2, None), (128, 2, 2, "heads")])
-def test_gpu_q_bf16_by_tma_matches_emulator(D, H, Hk, raster):
-    """q_bf16_source="tma": dK's B operand loaded as a bf16 copy of Q's codes (made by the host
-    wrapper) instead of converted in the kernel: the emulator's gradients."""
-    _check_config(D, H, Hk, 9, q_bf16_source="tma", raster=raster)
+def test_gpu_q_bf16_converted_matches_emulator(D, H, Hk, raster):
+    """q_bf16_source="convert" (the default before session 8): dK's B operand converted from the e4m3
+    Q tile in the kernel instead of loaded as a bf16 copy of the codes: the emulator's gradients."""
+    _check_config(D, H, Hk, 9, q_bf16_source="convert", raster=raster)
 
 
 @pytest.mark.gpu
 @needs_dsl
 @_needs_sm90()
-@pytest.mark.parametrize("D, H, Hk, raster, swap", [(128, 4, 2, None, True), (64, 2, 2, None, True),
-                                                    (128, 2, 2, "heads", True), (128, 4, 1, None, False)])
-def test_gpu_dq_split_keys_matches_emulator(D, H, Hk, raster, swap):
-    """dq_split="keys": each warpgroup's dQ over its own 64 keys, summed in the shared dQ tile
-    (warpgroup 0 stores, warpgroup 1 adds): the emulator's gradients, on the long mix."""
-    _check_config(D, H, Hk, 10, q_bf16_source="tma", dq_split="keys", raster=raster, dq_store_swap=swap)
-
-
-@pytest.mark.gpu
-@needs_dsl
-@_needs_sm90()
-@pytest.mark.parametrize("fields", [{}, {"q_bf16_source": "tma", "dq_split": "keys"}], ids=["default", "keys"])
+@pytest.mark.parametrize("fields", [{}, {"q_bf16_source": "convert"}], ids=["default", "q-convert"])
 def test_gpu_leakage(fields, monkeypatch):
     """Quantize + forward kernel + this backward: nothing after a cut (or in another document)
     reaches dQ, dK, dV before it, within the fp32 atomics' run-to-run spread (the default build,
-    and the warpgroup-decoupled one through the same API call)."""
+    and with Q's bf16 codes converted in the kernel, through the same API call)."""
     import dataclasses
 
     from flamia_cute import cute_backend, flamia_attn_varlen_func

@@ -38,7 +38,8 @@ def test_every_kernel_and_config_compiled(ptx_all):
 def test_summary_reports_shared_memory_within_the_sm90_limit(ptx_all):
     blocks, _ = ptx_all
     for key, v in blocks.items():
-        assert 0 < int(v["shared_memory_bytes"]) <= 227 * 1024, key
+        low = 0 if key[0] == "codes" else 1  # the code conversion runs in registers
+        assert low <= int(v["shared_memory_bytes"]) <= 227 * 1024, key
 
 
 def test_forward_uses_fp8_wgmma_and_tma_without_spills(ptx_all):

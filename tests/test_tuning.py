@@ -132,7 +132,7 @@ def _defaults():
 TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "pin_softmax": False},
          "bwd": {"q_stages": 1, "qt_stages": 1, "vec_stages": 3, "raster": "blocks"},
          "bwd_dsbf16": {"q_stages": 1, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": True,
-                        "exp_under_dp": False, "raster": "heads"},
+                        "exp_under_dp": False, "raster": "heads", "q_bf16_source": "convert"},
          "quant": {"raster": "chunks", "min_ctas_per_sm": 0, "heads_per_cta": [2, 2, 2]}}
 
 
@@ -303,23 +303,26 @@ def test_bf16_ds_recipe_tunes_its_own_backward(capsys):
 def test_bwd_dsbf16_space(head_dim):
     """Default first; every effective config (stages, dQ path, prefetch, split S^T/dP^T waits) once;
     nothing kept that exceeds shared memory or is known to spill (the prefetch at d128); the default
-    also with one S^T/dP^T wait (d128) and in the heads CTA order; every kept config round-trips
-    through its cache fields."""
+    also with one S^T/dP^T wait (d128), in the heads CTA order and with Q's bf16 codes the other way;
+    every kept config round-trips through its cache fields."""
     from flamia_cute.attention_bwd_dsbf16_sm90 import SMEM_LIMIT, BwdDsBf16Config, smem_bytes
 
     keep, pruned = tuning.bwd_dsbf16_space(head_dim, 2, True)
     default = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=2, diagonal_copy=True)
     assert keep[0] == (default, "default")
-    eff = [(c.q_stages, c.vec_stages, c.dq_tma_reduce, c.prefetch_sdp, c.exp_under_dp, c.raster) for c, _ in keep]
+    eff = [(c.q_stages, c.vec_stages, c.dq_tma_reduce, c.prefetch_sdp, c.exp_under_dp, c.raster, c.q_bf16_source)
+           for c, _ in keep]
     assert len(set(eff)) == len(eff) and all(smem_bytes(c) <= SMEM_LIMIT for c, _ in keep)
     assert {e[2] for e in eff} == {True, False} and {e[0] for e in eff} == {1, 2, 3}
-    assert not any(p and split for *_, p, split, _ in eff)
+    assert not any(p and split for *_, p, split, _, _ in eff)
+    assert [c for c, _ in keep if c.q_bf16_source != default.q_bf16_source and c.q_stages == default.q_stages] \
+        == [dataclasses.replace(default, q_bf16_source="convert")]
     assert [c for c, _ in keep if c.raster == "heads"] == [dataclasses.replace(default, raster="heads")]
     for c, _ in keep:
         assert tuning.config_from_fields("bwd_dsbf16", default, tuning.config_fields("bwd_dsbf16", c)) == c
     if head_dim == 128:
-        assert (2, 2, True, False, False, "blocks") in eff and (2, 2, True, False, True, "blocks") in eff
-        assert not any(p for _, _, _, p, _, _ in eff)
+        assert (2, 2, True, False, False, "blocks", "tma") in eff and (2, 2, True, False, True, "blocks", "tma") in eff
+        assert not any(p for _, _, _, p, _, _, _ in eff)
         assert any("spills" in why for _, why in pruned) and any("shared memory" in why for _, why in pruned)
 
 
@@ -343,3 +346,17 @@ def test_api_backward_config_follows_the_tuned_bwd_dsbf16_entry(tmp_path, monkey
     monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1")
     cfg = backward_config(qq, kq, kq, cu, 1024, ds_bf16=True)
     assert cfg.deterministic and not cfg.dq_tma_reduce and cfg.q_stages == 2
+
+
+def test_bwd_dsbf16_records_from_before_q_bf16_source_still_load():
+    """A cached bf16-dS record without q_bf16_source (written before session 8) gets that field's
+    automatic choice for its own stages: 3 query stages at d128 do not fit the bf16 Q copy."""
+    pytest.importorskip("cutlass")
+    keep, _ = tuning.search_space("bwd_dsbf16", 128, 16, 16, 128)
+    default = keep[0][0]
+    old = {"q_stages": 3, "vec_stages": 2, "dq_tma_reduce": False, "prefetch_sdp": False, "exp_under_dp": True,
+           "raster": "blocks"}
+    cfg = tuning.config_from_fields("bwd_dsbf16", default, old)
+    assert (cfg.q_stages, cfg.q_bf16_source) == (3, "convert")
+    assert tuning.config_from_fields("bwd_dsbf16", default, dict(old, q_stages=2)).q_bf16_source == "tma"
+    assert {c.q_bf16_source for c, _ in keep} == {"tma", "convert"}

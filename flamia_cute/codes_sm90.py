@@ -1,0 +1,107 @@
+"""e4m3 codes to bf16 on Hopper (sm_90a), in the CuTe DSL.
+
+The bf16-dS backward's dK operand is Q's e4m3 codes in bf16 (exact: bf16 holds every e4m3 value;
+the scales stay out, folded into dS). With `BwdDsBf16Config.q_bf16_source="tma"` the kernel loads
+them from a bf16 copy instead of converting each query tile in shared memory once per key block
+(kernel -4..-8%, run s8b). This makes that copy in one pass at memory speed: 16 bytes of codes in,
+32 bytes out per thread. torch's `.to(torch.bfloat16)` does the same at ~1 TB/s (0.10 ms for 16k
+tokens x 16 heads x 128, run s8b), which cost short-document workloads more than the kernel saved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Int32, Uint32
+
+from .compile_cache import compile_entry, launch_on_device
+from .sm90_device import ARG_BF16, ARG_F8, SHARED_SOURCE_FILES, e4m3x2_to_bf16x2
+
+SOURCE_FILES = (Path(__file__).resolve(), *SHARED_SOURCE_FILES)
+CHUNK = 16  # bytes of codes per thread (one 128-bit load, two 128-bit stores)
+
+
+@dataclass(frozen=True)
+class CodesConfig:
+    """Compile-time shape of the conversion: threads per CTA (the element count is dynamic)."""
+
+    threads: int = 256
+
+    def __post_init__(self):
+        if self.threads not in (128, 256, 512, 1024):
+            raise ValueError(f"CodesConfig.threads: must be 128, 256, 512 or 1024 (got {self.threads!r})")
+
+
+def smem_bytes(config: CodesConfig) -> int:
+    """No shared memory: registers only."""
+    return 0
+
+
+class E4m3CodesToBf16Sm90:
+    def __init__(self, config: CodesConfig):
+        self.cfg = config
+
+    @cute.jit
+    def __call__(self, src_ptr: cute.Pointer, dst_ptr: cute.Pointer, n_chunks: Int32, stream: cuda.CUstream):
+        words = CHUNK // 4
+        src = cute.make_tensor(cute.recast_ptr(src_ptr, dtype=Uint32), cute.make_layout((words, n_chunks),
+                                                                                         stride=(1, words)))
+        dst = cute.make_tensor(cute.recast_ptr(dst_ptr, dtype=Uint32), cute.make_layout((2 * words, n_chunks),
+                                                                                         stride=(1, 2 * words)))
+        t = self.cfg.threads
+        self.kernel(src, dst, n_chunks).launch(grid=[(n_chunks + t - 1) // t, 1, 1], block=[t, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, src: cute.Tensor, dst: cute.Tensor, n_chunks: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        i = bidx * self.cfg.threads + tidx
+        if i < n_chunks:
+            words = CHUNK // 4
+            codes = cute.make_rmem_tensor(cute.make_layout(words), Uint32)
+            cute.autovec_copy(src[None, i], codes)
+            out = cute.make_rmem_tensor(cute.make_layout(2 * words), Uint32)
+            for w in cutlass.range_constexpr(words):
+                out[2 * w] = e4m3x2_to_bf16x2(codes[w], False)
+                out[2 * w + 1] = e4m3x2_to_bf16x2(codes[w], True)
+            cute.autovec_copy(out, dst[None, i])
+
+
+ARG_KINDS = (ARG_F8, ARG_BF16, ("i32",), ("stream",))
+
+
+def compile_codes_sm90(config: CodesConfig, arch: str = "sm_90a", extra_options: str = "", tvm_ffi: bool = False):
+    """cute.compile the conversion for `arch` from plain values only (no tensors, no GPU needed)."""
+    return compile_entry(E4m3CodesToBf16Sm90(config), ARG_KINDS, arch, extra_options, tvm_ffi)
+
+
+def kernel_artifacts(config: CodesConfig, arch: str = "sm_90a"):
+    from .compile_cache import compile_artifacts
+
+    return compile_artifacts(compile_codes_sm90, config, arch)
+
+
+def e4m3_codes_to_bf16(codes: torch.Tensor, config: CodesConfig | None = None) -> torch.Tensor:
+    """bf16 copy of an e4m3 tensor's values (same shape), on its device's current stream: one launch.
+    `codes` must be a contiguous float8_e4m3fn CUDA tensor, 16-byte aligned, of a multiple of 16
+    elements (every THD operand at head dim 64 or 128 is)."""
+    from .compile_cache import compile_launcher, target_arch
+
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"codes must be a float8_e4m3fn tensor, got {getattr(codes, 'dtype', type(codes))}")
+    if codes.device.type != "cuda" or not codes.is_contiguous() or codes.data_ptr() % 16:
+        raise ValueError("codes must be a contiguous, 16-byte aligned CUDA tensor")
+    if codes.numel() % CHUNK:
+        raise ValueError(f"codes must hold a multiple of {CHUNK} elements, got {codes.numel()}")
+    out = torch.empty(codes.shape, dtype=torch.bfloat16, device=codes.device)
+    if codes.numel():
+        cfg = config or CodesConfig()
+        launch = compile_launcher(SOURCE_FILES, cfg, target_arch(),
+                                  lambda c, a, t: compile_codes_sm90(c, a, tvm_ffi=t), ARG_KINDS, None)
+        launch_on_device(launch, codes.device, codes.data_ptr(), out.data_ptr(), codes.numel() // CHUNK)
+    return out

@@ -1,0 +1,60 @@
+"""The e4m3 -> bf16 code conversion (codes_sm90): compile-only checks (CI) and exactness on the GPU."""
+
+import re
+
+import pytest
+import torch
+from test_attention_bwd_kernel import _needs_sm90
+
+try:
+    from flamia_cute.codes_sm90 import CodesConfig, e4m3_codes_to_bf16, kernel_artifacts
+
+    HAVE_DSL = True
+except Exception:  # pragma: no cover
+    HAVE_DSL = False
+
+needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl not importable")
+
+
+@needs_dsl
+def test_compiles_to_wide_accesses_and_hardware_conversions():
+    art = kernel_artifacts(CodesConfig(), "sm_90a")
+    # 16 codes in by one 128-bit load, 32 bf16 out by two 128-bit stores; e4m3x2 -> f16x2 in hardware
+    assert len(re.findall(r"ld\.global\.v4\.b32", art.ptx)) == 1
+    assert len(re.findall(r"st\.global\.v4\.b32", art.ptx)) == 2
+    assert len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", art.ptx)) == 8
+    assert art.frame_bytes in (None, 0)
+    if art.sass is not None:
+        assert re.findall(r"\bLDG\.E\.128\b", art.sass) and len(re.findall(r"\bSTG\.E\.128\b", art.sass)) == 2
+        assert not re.search(r"\b(STL|LDL)\b", art.sass)
+
+
+@needs_dsl
+def test_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="CodesConfig.threads"):
+        CodesConfig(threads=100)
+    with pytest.raises(ValueError, match="codes must be a float8_e4m3fn"):
+        e4m3_codes_to_bf16(torch.zeros(16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="CUDA"):
+        e4m3_codes_to_bf16(torch.zeros(16, dtype=torch.float8_e4m3fn))
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("shape", [(16,), (3, 5, 64), (1000, 4, 128), (4096, 16, 128)])
+def test_gpu_every_code_converts_exactly(shape):
+    """Every e4m3 byte (all 256, NaNs included) and random ones: the same values as torch's conversion,
+    bit for bit except NaN payloads (both NaN)."""
+    n = torch.Size(shape).numel()
+    g = torch.Generator(device="cuda").manual_seed(n)
+    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=g)
+    raw[: min(n, 256)] = torch.arange(min(n, 256), dtype=torch.uint8, device="cuda")
+    codes = raw.view(torch.float8_e4m3fn).view(shape)
+    got, want = e4m3_codes_to_bf16(codes), codes.to(torch.bfloat16)
+    assert got.shape == codes.shape and got.dtype == torch.bfloat16
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        e4m3_codes_to_bf16(codes.reshape(-1)[: n - 8] if n > 16 else codes.reshape(-1)[:8])
