@@ -10,11 +10,12 @@ memory, and the dQ scale needs a cross-warpgroup amax per tile. Here nothing is 
 - dV: dO's per-token scale is folded into P^T relative to ONE reference r per (KV head, document)
   (the max dO scale there, `dv_fold_reference`), so the e4m3 MMA accumulates dV across all query
   tiles and heads of the group in its own registers; dV = acc * r / 256 once, in the epilogue;
-- dK += bf16(dS^T sq) . Q-codes and dQ = bf16(dS sk) . K-codes on bf16 wgmma: Q's codes come as a
-  bf16 copy made before the launch (`codes_sm90`, `q_bf16_source="tma"`) or are converted per tile
-  in shared memory ("convert"); the consumers convert the key block's codes once per phase; all
-  [t, d] (exact; MN-major B operands, so no transposed copies), and the power-of-two scales go into
-  dS (bf16(dS s) = bf16(dS) s, as the recipe says);
+- dK += bf16(dS^T) . (sq Q-codes) and dQ = bf16(dS) . (sk K-codes) on bf16 wgmma: the scaled codes
+  are exact in bf16 (powers of two), so this is bf16(dS s) . codes as the recipe says (bf16(dS s) =
+  bf16(dS) s), with one bf16 conversion of dS for both products. Q in bf16 comes as a copy made
+  before the launch (`codes_sm90`, `q_bf16_source="tma"`) or is converted per tile in shared memory
+  ("convert"); the consumers convert the key block once per phase; all [t, d] (MN-major B
+  operands, so no transposed copies);
 - 64-query tiles: S^T and dP^T take 32 registers each, so dV (64) and dK (64) both stay in
   registers next to them: 224 fp32 accumulators per thread at d128 (FA3's budget).
 
@@ -23,7 +24,7 @@ CTA, so dK and dV are summed over the group in registers: deterministic):
 - producer warp 0 (TMA): K, V (e4m3 A operands of S^T and dP^T, two 64-key slabs) once per phase
   (the per-token copies for the diagonal tiles when `diagonal_copy`, then the block-scaled ones);
   per 64-query tile, Q and dO (e4m3 [t, d]: the B operands of S^T and dP^T, pipeline a) and dO^T
-  (e4m3 [d, t], dV's B, pipeline b, with Q's bf16 codes [t, d], dK's B, by default);
+  (e4m3 [d, t], dV's B, pipeline b, with Q in bf16 [t, d], dK's B, by default);
 - producer warp 1: per query tile, sq * softmax_scale * log2e, lse * log2e (+inf past the
   document end, so P = 0 there), D = rowsum(dO * O), the dO scale (0 past the end) and sq;
 - producer warp 2, with `dq_tma_reduce` (the default unless deterministic): the dQ tiles' TMA
@@ -32,10 +33,10 @@ CTA, so dK and dV are summed over the group in registers: deterministic):
   S^T = K Q^T and dP^T = V dO^T (e4m3, fp32), P^T = exp2(S^T sk sq scale log2e - lse log2e)
   (masked on the diagonal tiles), dS^T = P^T (dP^T sv sdo - D);
   dV += e4m3(P^T * sdo * 256 / r) . dO^T (A from registers);
-  dK += bf16(dS^T sq) . Q-codes (A from registers);
+  dK += bf16(dS^T) . Q bf16 (A from registers);
   bf16(dS sk) is also stored to shared memory [q, key] (double-buffered: a warpgroup may write
   the next tile's while the other still reads this one), then after one
-  barrier of the two warpgroups dQ_tile = dS . K-codes for the warpgroup's half of the head
+  barrier of the two warpgroups dQ_tile = dS . K bf16 for the warpgroup's half of the head
   dimension; softmax_scale * dQ_tile goes into an fp32 dQ accumulator (T, H, D), through a
   shared-memory tile and warp 2's TMA reduce-add (`dq_tma_reduce`), or by red.global.add.v2.f32
   from the consumers (the deterministic mode orders those);
@@ -152,12 +153,15 @@ class BwdDsBf16Config:
     # half-warp's 4 rows hit 4 distinct 32-byte pairs of the swizzled tile (2 wavefronts per 64-bit
     # store instead of 4, ncu s7d) at 2 selects per store. Kernel -2..-7% (run s8a, 4x4k -6.8%)
     dq_store_swap: bool = True
-    # dK's B operand, Q's codes in bf16: "tma" (the TMA loads a bf16 copy of the codes, made before
-    # the launch by codes_sm90, into pipeline b's stage next to dO^T: 16 KB more per tile from L2 at
+    # dK's B operand, Q in bf16 (codes times sq): "tma" (the TMA loads a bf16 copy, made before the
+    # launch by codes_sm90, into pipeline b's stage next to dO^T: 16 KB more per tile from L2 at
     # d128) or "convert" (the consumers convert the e4m3 tile in shared memory, ~105 warp
     # instructions per tile per warp). Kernel alone -3..-8% with "tma" (run s8b). None: "tma" where
     # it fits in shared memory (not with 3 query stages at d128: 16 KB more per stage)
     q_bf16_source: str | None = None
+    # dQ's GEMM issued before dK's, in its own commit group: the warpgroups wait for dQ alone, and
+    # store the dQ tile while dK computes (FA4's order). Needs dq_tma_reduce, no prefetch_sdp.
+    dk_under_dq_store: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -167,7 +171,7 @@ class BwdDsBf16Config:
             bad("head_dim", "must be 64 or 128")
         if not isinstance(self.qhead_per_kvhead, int) or self.qhead_per_kvhead < 1:
             bad("qhead_per_kvhead", "must be an int >= 1")
-        for name in ("diagonal_copy", "deterministic", "dq_store_swap"):
+        for name in ("diagonal_copy", "deterministic", "dq_store_swap", "dk_under_dq_store"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
         for name in ("prefetch_sdp", "dq_tma_reduce", "exp_under_dp"):
@@ -201,6 +205,8 @@ class BwdDsBf16Config:
                 object.__setattr__(self, "dq_tma_reduce", False)
         if self.dq_tma_reduce and self.deterministic:
             bad("dq_tma_reduce", "the deterministic dQ order is kept by the atomics path only")
+        if self.dk_under_dq_store and (not self.dq_tma_reduce or self.prefetch_sdp):
+            bad("dk_under_dq_store", "needs dq_tma_reduce and no prefetch_sdp")
         if smem_bytes(self) > SMEM_LIMIT:
             bad("q_stages", f"shared memory {smem_bytes(self)} bytes exceeds {SMEM_LIMIT}")
 
@@ -212,7 +218,7 @@ def smem_bytes(cfg: BwdDsBf16Config) -> int:
     qb_tma = cfg.q_bf16_source == "tma"
     per_stage = 2 * tq * D + tq * D + (2 * tq * D if qb_tma else 0)  # Q, dO e4m3 | dO^T e4m3 (+ Q bf16)
     ds = 2 * 2 * tq * KEY_BLOCK + (0 if qb_tma else 2 * 2 * tq * D)  # bf16 dS [q, key] (+ Q bf16), 2 buffers
-    vec = N_VEC * tq * 4 * cfg.vec_stages
+    vec = N_VEC * tq * 4 * cfg.vec_stages + KEY_BLOCK * 4  # + the phase's key scales
     bars = 8 * 2 * (1 + 2 * cfg.q_stages + cfg.vec_stages)
     dq = tq * D * 4 + 1024 if cfg.dq_tma_reduce else 0  # the fp32 dQ tile
     return kv + per_stage * cfg.q_stages + ds + vec + bars + dq + 9 * 1024
@@ -348,7 +354,7 @@ class FlamiaBwdDsBf16Sm90:
     def __call__(
         self,
         q_ptr: cute.Pointer,  # (T, H, D) e4m3
-        qb_ptr: cute.Pointer,  # (T, H, D) bf16: Q's codes (q_bf16_source "tma", else unused)
+        qb_ptr: cute.Pointer,  # (T, H, D) bf16: Q's codes times sq (q_bf16_source "tma", else unused)
         sq_ptr: cute.Pointer,  # (H, T) f32
         k_ptr: cute.Pointer,  # (T, Hk, D) e4m3
         sk_ptr: cute.Pointer,  # (Hk, T) f32
@@ -428,7 +434,7 @@ class FlamiaBwdDsBf16Sm90:
         tma_dot, tdOt = atom(mdOt, L["dOt"], (D, tq))
         tma_qb, tQb = None, None
         if cutlass.const_expr(self.qb_tma):
-            # Q's bf16 codes [t, d] seen as (d, t): the (D, 64 q) boxes of dK's MN-major B operand
+            # Q in bf16 [t, d] seen as (d, t): the (D, 64 q) boxes of dK's MN-major B operand
             tma_qb, tQb = atom(cute.make_tensor(qb_ptr, cute.make_layout((D, T, H), stride=(1, hd, D))), L["Qb"],
                                (D, tq))
         # the dQ tile: fp32 rows with an epilogue tile's 128-byte swizzle (8-row x 32-float atoms): a
@@ -453,6 +459,7 @@ class FlamiaBwdDsBf16Sm90:
             b_mbar: cute.struct.MemRange[cutlass.Int64, 2 * st]
             v_mbar: cute.struct.MemRange[cutlass.Int64, 2 * sv]
             sVec: cute.struct.Align[cute.struct.MemRange[Float32, N_VEC * tq * sv], 16]
+            sKs: cute.struct.Align[cute.struct.MemRange[Float32, kb], 16]  # the phase's key scales
             sK: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["K"])], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["K"])], 1024]
             sKb: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["Kb"])], 1024]
@@ -530,6 +537,7 @@ class FlamiaBwdDsBf16Sm90:
                 storage.sKb.get_tensor(cute.make_layout(cute.cosize(sKb_layout) // 2), dtype=Uint32),
                 self._conversion_plans(sQ_layout, sK_layout, sQb_layout, sKb_layout),
                 (sQ_layout, sK_layout, sQb_layout, sKb_layout),
+                storage.sKs.get_tensor(cute.make_layout(self.kb)),  # the phase's key scales (convert_k)
             )
             sVec = storage.sVec.get_tensor(cute.make_layout((self.tq, N_VEC, self.sv)))
             sdQ, sdQ_words, dq_plan = None, None, None
@@ -714,6 +722,7 @@ class FlamiaBwdDsBf16Sm90:
         n_blk, n_diag, per = sched
         D, wm, tq, kb = self.D, self.wm, self.tq, self.kb
         sK, sV, sKb, sQ, sdO, sdOt, sQb, sdS = bufs[:8]
+        sKs = bufs[15]
         tidx, _, _ = cute.arch.thread_idx()
         ctid = tidx % 128
         sd_mma, dv_mma, dk_mma, dq_mma = mmas
@@ -764,8 +773,10 @@ class FlamiaBwdDsBf16Sm90:
                         doc_start, doc_len, n_blk * kb)
 
         # ---- phase 0: diagonal tiles
+        self.share_key_scales(sKs, rsc, krow)
+        cute.arch.barrier(barrier_id=2, number_of_threads=256)  # every key's scale is in sKs
         pipe_kv.consumer_wait(kv_state)
-        self.convert_k(bufs)
+        self.convert_k(bufs, sKs)
         if cutlass.const_expr(self.prefetch):
             self.issue_sdp(frags, pipe_a, a_state, wg)
         for i in cutlass.range(self.group * n_diag, unroll=1):
@@ -783,10 +794,13 @@ class FlamiaBwdDsBf16Sm90:
         if per > 0:
             if cutlass.const_expr(self.diag_copy):
                 load_row_scales(rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, n_blk * kb)
-                # the other warpgroup's last diagonal dQ product has read K bf16: overwrite it
+                # (phase 0's convert_k read sKs before the diagonal tiles' barriers)
+                self.share_key_scales(sKs, rsc, krow)
+                # the other warpgroup's last diagonal dQ product has read K bf16: overwrite it; and
+                # every key's block scale is in sKs
                 cute.arch.barrier(barrier_id=2, number_of_threads=256)
                 pipe_kv.consumer_wait(kv_state)
-                self.convert_k(bufs)
+                self.convert_k(bufs, sKs)
             if cutlass.const_expr(self.prefetch):
                 self.issue_sdp(frags, pipe_a, a_state, wg)
             for j in cutlass.range(self.group * per, unroll=1):
@@ -862,36 +876,52 @@ class FlamiaBwdDsBf16Sm90:
         return (tidx - 128) // wpr, 4 * ((tidx - 128) % wpr)
 
     @cute.jit
-    def convert_k(self, bufs):
+    def share_key_scales(self, sKs, rsc, krow):
+        """The phase's key scales (rsc: this thread's two rows, 0 past the document end) into sKs
+        for convert_k, whose rows are other threads' (the 4 threads of a quad write the same value).
+        Global loads per converted row instead spilled 24 bytes at d128 (hoisted across phase 0)."""
+        for v1 in cutlass.range_constexpr(2):
+            sKs[krow[v1]] = rsc[v1]
+
+    @cute.jit
+    def convert_k(self, bufs, sKs):
         """K bf16 [d, key] (dQ's B operand) from the e4m3 key block in shared memory (two 64-key A
-        slabs), codes only (the key scale is folded into dS)."""
+        slabs), times each key's scale of this phase (sKs, share_key_scales: per-token or block, 0
+        past the document end): exact (powers of two), so dQ's A operand is bf16(dS) itself."""
         sK_words, sKb_words, plan = bufs[10], bufs[12], bufs[13]
         sK_layout, sKb_layout = bufs[14][1], bufs[14][3]
         key, d = self._walk_start()
         src = smem_word_index(sK_layout, (key % self.wm, d, key // self.wm), 1)
         dst = smem_word_index(sKb_layout, (d, key, 0), 2)
-        self._convert_walk(sK_words, sKb_words, src, dst, plan["k_src"], plan["k_dst"])
+        rpw = 256 // (self.D // 4)
+        self._convert_walk(sK_words, sKb_words, src, dst, plan["k_src"], plan["k_dst"],
+                           lambda j: sKs[key + j * rpw])
 
     @cute.jit
-    def convert_q(self, bufs, stage, dbuf):
-        """Q bf16 [d, q] buffer dbuf (dK's B operand) from the e4m3 query tile in stage `stage`,
-        codes only (the query scale is folded into dS^T)."""
+    def convert_q(self, bufs, stage, dbuf, sVec, vs):
+        """Q bf16 [d, q] buffer dbuf (dK's B operand) from the e4m3 query tile in stage `stage`, times
+        each query's scale sq (sVec vector 4, stage vs; 0 past the document end): exact (powers of
+        two), so dK's A operand is bf16(dS^T) itself, as with q_bf16_source "tma"."""
         sQ_words, sQb_words, plan = bufs[9], bufs[11], bufs[13]
         sQ_layout, sQb_layout = bufs[14][0], bufs[14][2]
         q, d = self._walk_start()
         src = smem_word_index(sQ_layout, (q, d, 0), 1) + stage * plan["q_stage"]
         dst = smem_word_index(sQb_layout, (d, q, 0), 2) + dbuf * plan["q_buf"]
-        self._convert_walk(sQ_words, sQb_words, src, dst, plan["q_src"], plan["q_dst"])
+        rpw = 256 // (self.D // 4)
+        self._convert_walk(sQ_words, sQb_words, src, dst, plan["q_src"], plan["q_dst"],
+                           lambda j: sVec[q + j * rpw, 4, vs])
 
     @cute.jit
-    def _convert_walk(self, src_words, dst_words, src, dst, src_walk, dst_walk):
+    def _convert_walk(self, src_words, dst_words, src, dst, src_walk, dst_walk, row_scale):
         """One conversion walk: e4m3 words at src + src_walk[j] -> two bf16x2 words each at
-        dst + dst_walk[j] (the plans of _conversion_plans, fixed at trace time)."""
+        dst + dst_walk[j] (the plans of _conversion_plans, fixed at trace time), times row_scale(j),
+        the scale of the walk's row at step j."""
         for j in cutlass.range_constexpr(len(src_walk)):
             x = src_words[src + src_walk[j]]
             o = dst + dst_walk[j]
-            dst_words[o] = e4m3x2_to_bf16x2(x, False)
-            dst_words[o + 1] = e4m3x2_to_bf16x2(x, True)
+            sc = row_scale(j)
+            dst_words[o] = e4m3x2_to_bf16x2(x, False, sc)
+            dst_words[o + 1] = e4m3x2_to_bf16x2(x, True, sc)
 
     @cute.jit
     def issue_sdp(self, frags, pipe_a, a_state, wg, has_tile=True):
@@ -959,9 +989,9 @@ class FlamiaBwdDsBf16Sm90:
                     if krow[v1] >= lim:
                         p = Float32(0.0)
                 acc_s[a] = p
-        # ---- Q's codes to bf16 for dK (S^T has read the e4m3 tile); once dP^T is done it can go
+        # ---- Q to bf16 for dK (S^T has read the e4m3 tile); once dP^T is done it can go
         if cutlass.const_expr(not self.qb_tma):
-            self.convert_q(bufs, a_state.index, dbuf)
+            self.convert_q(bufs, a_state.index, dbuf, sVec, vs)
         if cutlass.const_expr(self.sdp_groups == 2):
             warpgroup.wait_group(0)
         pipe_a.consumer_release(a_state)
@@ -972,28 +1002,25 @@ class FlamiaBwdDsBf16Sm90:
             col = tScS[c][1]
             cd = sVec[col, 2, vs]
             cw = sVec[col, 3, vs]
+            cwf = cw * cf  # sdo * 256 / r: powers of two, so (p * sdo) * (256 / r) exactly
             for a, v1 in rows:
                 p = acc_s[a]
                 acc_dp[a] = p * (acc_dp[a] * rsc[2 + v1] * cw - cd)
-                acc_s[a] = (p * cw) * cf  # <= 256: sdo <= r; exact scaling by powers of two
-        pack_a_fragment_e4m3(acc_s, tVrP32)
-        # bf16(dS^T * sq) as dK's A operand (B is Q's codes; sq a power of two, so this is bf16(dS^T)
-        # * sq as the recipe says): a 16-bit A fragment has the accumulator's value order
-        for w_ in cutlass.range_constexpr(n_s // 4):
-            sq0 = sVec[tScS[4 * w_][1], 4, vs]
-            sq1 = sVec[tScS[4 * w_ + 1][1], 4, vs]
-            for v1 in cutlass.range_constexpr(2):
-                a0 = 4 * w_ + 2 * v1
-                tKrdS32[2 * w_ + v1] = cvt_bf16x2(acc_dp[a0] * sq0, acc_dp[a0 + 1] * sq1)
+                acc_s[a] = p * cwf  # <= 256: sdo <= r
         pipe_v.consumer_release(v_state)
         v_state.advance()
-        # bf16(dS * sk) [q, key] (queries contiguous) for dQ (B is K's codes): the thread's two
-        # adjacent queries 8 w_ + 2 quad, + 1 of key krow[v1] share one word
+        pack_a_fragment_e4m3(acc_s, tVrP32)
+        # bf16(dS) once per value pair, for both bf16 products: the query and key scales are in their
+        # B operands (Q and K in bf16 times sq and sk: exact, powers of two; bf16(dS s) = bf16(dS) s
+        # as the recipe says). dK's A operand: a 16-bit A fragment has the accumulator's value order;
+        # dQ's, [q, key] in shared memory (queries contiguous): the thread's two adjacent queries
+        # 8 w_ + 2 quad, + 1 of key krow[v1] share one word, the same pair as the fragment's
         for w_ in cutlass.range_constexpr(n_s // 4):
             for v1 in cutlass.range_constexpr(2):
                 a0 = 4 * w_ + 2 * v1
-                sdS_words[ds_word(w_, dsk[v1], dsk[2 + v1], dbuf)] = cvt_bf16x2(acc_dp[a0] * rsc[v1],
-                                                                                acc_dp[a0 + 1] * rsc[v1])
+                pair = cvt_bf16x2(acc_dp[a0], acc_dp[a0 + 1])
+                tKrdS32[2 * w_ + v1] = pair
+                sdS_words[ds_word(w_, dsk[v1], dsk[2 + v1], dbuf)] = pair
 
         # ---- dV += e4m3(P^T fold) . dO^T (accumulates in place)
         pipe_b.consumer_wait(b_state)
@@ -1003,20 +1030,29 @@ class FlamiaBwdDsBf16Sm90:
             cute.gemm(dv_mma, acc_dv, tVrP[None, None, k], tVrdOt[None, None, k, b_state.index], acc_dv)
         warpgroup.commit_group()
 
-        # ---- both warpgroups' dS and Q bf16 halves are in shared memory: dK += bf16(dS^T sq) . Q codes
-        # and dQ_tile = bf16(dS sk) . K codes for this warpgroup's half of D
+        # ---- both warpgroups' dS (and Q bf16) halves are in shared memory: dK += bf16(dS^T) . Q bf16
+        # and dQ_tile = bf16(dS) . K bf16 for this warpgroup's half of D
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
         warpgroup.fence()
         dk_mma.set(warpgroup.Field.ACCUMULATE, True)
         qbuf = b_state.index if cutlass.const_expr(self.qb_tma) else dbuf
+        dk_late = self.cfg.dk_under_dq_store
+        if cutlass.const_expr(dk_late):  # dQ first, in its own group: its store runs while dK computes
+            for k in cutlass.range_constexpr(self.kb // 16):
+                dq_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+                cute.gemm(dq_mma, acc_dq, tQrdS[None, None, k, dbuf], tQrKb[None, None, k, 0], acc_dq)
+            warpgroup.commit_group()
         for k in cutlass.range_constexpr(tq // 16):
             cute.gemm(dk_mma, acc_dk, tKrdS[None, None, k], tKrQb[None, None, k, qbuf], acc_dk)
-        for k in cutlass.range_constexpr(self.kb // 16):
-            dq_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(dq_mma, acc_dq, tQrdS[None, None, k, dbuf], tQrKb[None, None, k, 0], acc_dq)
+        if cutlass.const_expr(not dk_late):
+            for k in cutlass.range_constexpr(self.kb // 16):
+                dq_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+                cute.gemm(dq_mma, acc_dq, tQrdS[None, None, k, dbuf], tQrKb[None, None, k, 0], acc_dq)
         warpgroup.commit_group()
-        if cutlass.const_expr(self.prefetch and not self.dq_tma):
+        if cutlass.const_expr(dk_late):
+            warpgroup.wait_group(1)  # dV and dQ done; dK still running (its B stage is released below)
+        elif cutlass.const_expr(self.prefetch and not self.dq_tma):
             if has_next:
                 self.issue_sdp(frags, pipe_a, a_state, wg)
                 warpgroup.wait_group(self.sdp_groups)  # dV, dK and dQ done; the next S^T, dP^T still running
@@ -1024,8 +1060,9 @@ class FlamiaBwdDsBf16Sm90:
                 warpgroup.wait_group(0)
         else:
             warpgroup.wait_group(0)
-        pipe_b.consumer_release(b_state)
-        b_state.advance()
+        if cutlass.const_expr(not dk_late):
+            pipe_b.consumer_release(b_state)
+            b_state.advance()
 
         mdQ, mSem, doc, sdQ_words, dq_plan = dq_out
         tidx, _, _ = cute.arch.thread_idx()
@@ -1037,6 +1074,10 @@ class FlamiaBwdDsBf16Sm90:
             self._store_dq_tile(sdQ_words, dq_plan, acc_dq, tScQ, softmax_scale)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=288)
+            if cutlass.const_expr(dk_late):
+                warpgroup.wait_group(0)
+                pipe_b.consumer_release(b_state)
+                b_state.advance()
             if cutlass.const_expr(self.prefetch):
                 # the dQ tile's registers are free: issue the next tile's S^T, dP^T. Always: an MMA
                 # issued under a runtime `if` and waited in the next iteration spilled 272 bytes at
@@ -1078,7 +1119,7 @@ class FlamiaBwdDsBf16Sm90:
 
 
 ARG_KINDS = (
-    ARG_F8, ARG_BF16, ARG_F32,  # q, q's bf16 codes, sq
+    ARG_F8, ARG_BF16, ARG_F32,  # q, q in bf16 (codes times sq), sq
     ARG_F8, ARG_F32,  # k, sk
     ARG_F8, ARG_F32,  # v, sv
     ARG_F8, ARG_F32, ARG_F8, ARG_F32,  # per-token k, sk, v, sv
@@ -1115,21 +1156,21 @@ def kernel_artifacts(config: BwdDsBf16Config, arch: str = "sm_90a"):
 def flamia_bwd_dsbf16_sm90(
     dout, out, lse, q_td, sq, k_td, sk, v_td, sv, k_tok_td, sk_tok, v_tok_td, sv_tok,
     cu_seqlens, max_seqlen: int, softmax_scale: float, config: BwdDsBf16Config,
-    poison_outputs: bool = False, do_quantized=None, delta=None, dv_ref=None, q_codes_bf16=None,
+    poison_outputs: bool = False, do_quantized=None, delta=None, dv_ref=None, q_bf16=None,
 ):
     """Causal FP8 attention backward of recipe fp8_tokenblock_dsbf16 on the current stream; returns
     (dq, dk, dv) bf16.
 
     dout, out: (T, H, D) bf16; lse (H, T) fp32 (the forward's). q_td (T, H, D) e4m3 and sq (H, T);
     k_td, sk; v_td (T, Hk, D), sv: the forward's saved operands (quant.quantize layouts; no
-    transposed copies are needed: the kernel converts Q's and K's e4m3 codes to bf16 in shared
+    transposed copies are needed: the kernel converts K's (and Q's) e4m3 values to bf16 in shared
     memory). *_tok*: the per-token K/V copies of the diagonal tiles when
     config.diagonal_copy (else ignored). do_quantized (QuantizedTHD with data_dt in P-fragment
     order) and delta (H, T) may be passed precomputed; else the preprocess computes them; so may
     dv_ref, the dv_fold_reference (perf/bench_fwd_breakdown.py times the kernel alone); when dO is
-    quantized here, the same launch computes dv_ref (no torch launches). q_codes_bf16 (T, H, D) bf16:
-    q_td's codes as bf16 for config.q_bf16_source "tma" (made here by codes_sm90 when not given;
-    exact: bf16 holds every e4m3 value).
+    quantized here, the same launch computes dv_ref (no torch launches). q_bf16 (T, H, D): q_td's
+    codes times sq in bf16 for config.q_bf16_source "tma" (made here by codes_sm90 when not given;
+    exact: the scales are powers of two).
     """
     from .attention_bwd_sm90 import backward_grid_blocks, backward_outputs, preprocess_bwd
 
@@ -1154,13 +1195,13 @@ def flamia_bwd_dsbf16_sm90(
             dv_ref = dv_ref if dv_ref is not None else ref_
     f8 = torch.float8_e4m3fn
     if config.q_bf16_source == "tma":
-        if q_codes_bf16 is None:
+        if q_bf16 is None:
             from .codes_sm90 import e4m3_codes_to_bf16
 
-            q_codes_bf16 = e4m3_codes_to_bf16(q_td)
-        check_kernel_tensors((("q_codes_bf16", q_codes_bf16, (T, H, D), torch.bfloat16),), dev)
+            q_bf16 = e4m3_codes_to_bf16(q_td, sq)
+        check_kernel_tensors((("q_bf16", q_bf16, (T, H, D), torch.bfloat16),), dev)
     else:
-        q_codes_bf16 = q_td  # not read: any valid pointer
+        q_bf16 = q_td  # not read: any valid pointer
     check_kernel_tensors((
         ("q_td", q_td, (T, H, D), f8), ("k_td", k_td, (T, Hk, D), f8), ("v_td", v_td, (T, Hk, D), f8),
         ("k_tok_td", k_tok_td, (T, Hk, D), f8), ("v_tok_td", v_tok_td, (T, Hk, D), f8),
@@ -1179,7 +1220,7 @@ def flamia_bwd_dsbf16_sm90(
     if T > 0 and num_docs > 0 and max_n_blocks > 0:
         if dv_ref is None:
             dv_ref = dv_fold_reference(do_quantized.scale, cu, config.qhead_per_kvhead)
-        ptrs = (q_td, q_codes_bf16, sq, k_td, sk, v_td, sv, k_tok_td, sk_tok, v_tok_td, sv_tok,
+        ptrs = (q_td, q_bf16, sq, k_td, sk, v_td, sv, k_tok_td, sk_tok, v_tok_td, sv_tok,
                 do_quantized.data_td, do_quantized.data_dt, do_quantized.scale, lse, delta, dv_ref, cu, dq_acc, dk, dv)
         # deterministic dQ: one turn counter per (query head, document, 64-query tile)
         sem = (torch.zeros(H * num_docs * 2 * max_n_blocks, dtype=torch.int32, device=dev)

@@ -1,11 +1,11 @@
-"""e4m3 codes to bf16 on Hopper (sm_90a), in the CuTe DSL.
+"""e4m3 values to bf16 on Hopper (sm_90a), in the CuTe DSL.
 
-The bf16-dS backward's dK operand is Q's e4m3 codes in bf16 (exact: bf16 holds every e4m3 value;
-the scales stay out, folded into dS). With `BwdDsBf16Config.q_bf16_source="tma"` the kernel loads
-them from a bf16 copy instead of converting each query tile in shared memory once per key block
-(kernel -4..-8%, run s8b). This makes that copy in one pass at memory speed: 16 bytes of codes in,
-32 bytes out per thread. torch's `.to(torch.bfloat16)` does the same at ~1 TB/s (0.10 ms for 16k
-tokens x 16 heads x 128, run s8b), which cost short-document workloads more than the kernel saved.
+The bf16-dS backward's dK operand is Q in bf16: its e4m3 codes times its per-token power-of-two
+scale (exact: bf16 holds every e4m3 value, and its products with powers of two in range). With
+`BwdDsBf16Config.q_bf16_source="tma"` the kernel loads them from this bf16 copy instead of
+converting each query tile in shared memory once per key block (kernel -5..-8%, run s8c). This
+makes the copy in one pass at memory speed: 16 bytes of codes in, 32 bytes out per thread (30 us
+for 16k tokens x 16 heads x 128, run s8c; torch's `.to(torch.bfloat16)` took 100 us).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from cutlass import Int32, Uint32
 
 from .compile_cache import compile_entry, launch_on_device
-from .sm90_device import ARG_BF16, ARG_F8, SHARED_SOURCE_FILES, e4m3x2_to_bf16x2
+from .sm90_device import ARG_BF16, ARG_F8, ARG_F32, SHARED_SOURCE_FILES, e4m3x2_to_bf16x2
 
 SOURCE_FILES = (Path(__file__).resolve(), *SHARED_SOURCE_FILES)
 CHUNK = 16  # bytes of codes per thread (one 128-bit load, two 128-bit stores)
@@ -28,13 +28,17 @@ CHUNK = 16  # bytes of codes per thread (one 128-bit load, two 128-bit stores)
 
 @dataclass(frozen=True)
 class CodesConfig:
-    """Compile-time shape of the conversion: threads per CTA (the element count is dynamic)."""
+    """Compile-time shape of the conversion: threads per CTA (the element count is dynamic), and
+    whether each (token, head) row of a THD tensor is multiplied by its scale[head, token]."""
 
     threads: int = 256
+    row_scale: bool = False
 
     def __post_init__(self):
         if self.threads not in (128, 256, 512, 1024):
             raise ValueError(f"CodesConfig.threads: must be 128, 256, 512 or 1024 (got {self.threads!r})")
+        if not isinstance(self.row_scale, bool):
+            raise ValueError(f"CodesConfig.row_scale: must be a bool (got {self.row_scale!r})")
 
 
 def smem_bytes(config: CodesConfig) -> int:
@@ -47,17 +51,23 @@ class E4m3CodesToBf16Sm90:
         self.cfg = config
 
     @cute.jit
-    def __call__(self, src_ptr: cute.Pointer, dst_ptr: cute.Pointer, n_chunks: Int32, stream: cuda.CUstream):
+    def __call__(self, src_ptr: cute.Pointer, scale_ptr: cute.Pointer, dst_ptr: cute.Pointer, n_chunks: Int32,
+                 chunks_per_row: Int32, heads: Int32, tokens: Int32, stream: cuda.CUstream):
+        """n_chunks 16-byte chunks; with row_scale, rows of chunks_per_row chunks, (token, head) row
+        r = token * heads + head scaled by scale[head * tokens + token] ((H, T) fp32)."""
         words = CHUNK // 4
+        scale = cute.make_tensor(scale_ptr, cute.make_layout(heads * tokens))
         src = cute.make_tensor(cute.recast_ptr(src_ptr, dtype=Uint32), cute.make_layout((words, n_chunks),
                                                                                          stride=(1, words)))
         dst = cute.make_tensor(cute.recast_ptr(dst_ptr, dtype=Uint32), cute.make_layout((2 * words, n_chunks),
                                                                                          stride=(1, 2 * words)))
         t = self.cfg.threads
-        self.kernel(src, dst, n_chunks).launch(grid=[(n_chunks + t - 1) // t, 1, 1], block=[t, 1, 1], stream=stream)
+        self.kernel(src, scale, dst, n_chunks, chunks_per_row, heads, tokens).launch(
+            grid=[(n_chunks + t - 1) // t, 1, 1], block=[t, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, src: cute.Tensor, dst: cute.Tensor, n_chunks: Int32):
+    def kernel(self, src: cute.Tensor, scale: cute.Tensor, dst: cute.Tensor, n_chunks: Int32, chunks_per_row: Int32,
+               heads: Int32, tokens: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         i = bidx * self.cfg.threads + tidx
@@ -66,13 +76,18 @@ class E4m3CodesToBf16Sm90:
             codes = cute.make_rmem_tensor(cute.make_layout(words), Uint32)
             cute.autovec_copy(src[None, i], codes)
             out = cute.make_rmem_tensor(cute.make_layout(2 * words), Uint32)
+            s = None
+            if cutlass.const_expr(self.cfg.row_scale):
+                row = i // chunks_per_row
+                token = row // heads
+                s = scale[(row - token * heads) * tokens + token]
             for w in cutlass.range_constexpr(words):
-                out[2 * w] = e4m3x2_to_bf16x2(codes[w], False)
-                out[2 * w + 1] = e4m3x2_to_bf16x2(codes[w], True)
+                out[2 * w] = e4m3x2_to_bf16x2(codes[w], False, s)
+                out[2 * w + 1] = e4m3x2_to_bf16x2(codes[w], True, s)
             cute.autovec_copy(out, dst[None, i])
 
 
-ARG_KINDS = (ARG_F8, ARG_BF16, ("i32",), ("stream",))
+ARG_KINDS = (ARG_F8, ARG_F32, ARG_BF16, ("i32",), ("i32",), ("i32",), ("i32",), ("stream",))
 
 
 def compile_codes_sm90(config: CodesConfig, arch: str = "sm_90a", extra_options: str = "", tvm_ffi: bool = False):
@@ -86,10 +101,13 @@ def kernel_artifacts(config: CodesConfig, arch: str = "sm_90a"):
     return compile_artifacts(compile_codes_sm90, config, arch)
 
 
-def e4m3_codes_to_bf16(codes: torch.Tensor, config: CodesConfig | None = None) -> torch.Tensor:
+def e4m3_codes_to_bf16(codes: torch.Tensor, scale: torch.Tensor | None = None,
+                       config: CodesConfig | None = None) -> torch.Tensor:
     """bf16 copy of an e4m3 tensor's values (same shape), on its device's current stream: one launch.
     `codes` must be a contiguous float8_e4m3fn CUDA tensor, 16-byte aligned, of a multiple of 16
-    elements (every THD operand at head dim 64 or 128 is)."""
+    elements (every THD operand at head dim 64 or 128 is). scale: (H, T) fp32 for THD codes
+    (T, H, D) with D a multiple of 16: each (token, head) row times its scale (exact when the scales
+    are powers of two, as the recipes' are: quant.formats.pow2_scale_from_amax)."""
     from .compile_cache import compile_launcher, target_arch
 
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.float8_e4m3fn:
@@ -98,10 +116,22 @@ def e4m3_codes_to_bf16(codes: torch.Tensor, config: CodesConfig | None = None) -
         raise ValueError("codes must be a contiguous, 16-byte aligned CUDA tensor")
     if codes.numel() % CHUNK:
         raise ValueError(f"codes must hold a multiple of {CHUNK} elements, got {codes.numel()}")
+    tokens = heads = per_row = 1
+    if scale is not None:
+        if codes.dim() != 3 or codes.shape[2] % CHUNK:
+            raise ValueError(f"codes must be (T, H, D) with D a multiple of {CHUNK} to take a scale, got "
+                             f"{tuple(codes.shape)}")
+        tokens, heads, per_row = codes.shape[0], codes.shape[1], codes.shape[2] // CHUNK
+        from .validation import check_kernel_tensors
+
+        check_kernel_tensors((("scale", scale, (heads, tokens), torch.float32),), codes.device)
     out = torch.empty(codes.shape, dtype=torch.bfloat16, device=codes.device)
     if codes.numel():
-        cfg = config or CodesConfig()
+        cfg = config or CodesConfig(row_scale=scale is not None)
+        if cfg.row_scale != (scale is not None):
+            raise ValueError(f"config.row_scale={cfg.row_scale} but scale is {'given' if scale is not None else 'None'}")
         launch = compile_launcher(SOURCE_FILES, cfg, target_arch(),
                                   lambda c, a, t: compile_codes_sm90(c, a, tvm_ffi=t), ARG_KINDS, None)
-        launch_on_device(launch, codes.device, codes.data_ptr(), out.data_ptr(), codes.numel() // CHUNK)
+        launch_on_device(launch, codes.device, codes.data_ptr(), scale.data_ptr() if scale is not None else 0,
+                         out.data_ptr(), codes.numel() // CHUNK, per_row, heads, tokens)
     return out

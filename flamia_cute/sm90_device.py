@@ -49,16 +49,20 @@ def cvt_e4m3x4(a, b, c, d):
                "=r,f,f,f,f", [Float32(a), Float32(b), Float32(c), Float32(d)])
 
 
-def e4m3x2_to_bf16x2(word, high: bool):
+def e4m3x2_to_bf16x2(word, high: bool, scale=None):
     """Two e4m3 bytes of a u32 (bytes 0, 1, or 2, 3 when `high`) -> two bf16 packed in a u32, the
-    lower byte in the low half. Exact: every e4m3 value is an f16 normal or zero, and a bf16."""
+    lower byte in the low half, times `scale` (fp32) when given. Exact: every e4m3 value is an f16
+    normal or zero, and a bf16; so is its product with a power-of-two scale in bf16's range."""
     half = "hi" if high else "lo"
+    scaled = "" if scale is None else "mul.f32 fa, fa, $2;\nmul.f32 fb, fb, $2;\n"
     return ptx("{\n.reg .b16 lo, hi, a, b;\n.reg .b32 h;\n.reg .f32 fa, fb;\n"
                "mov.b32 {lo, hi}, $1;\n"
                f"cvt.rn.f16x2.e4m3x2 h, {half};\n"
                "mov.b32 {a, b}, h;\n"
                "cvt.f32.f16 fa, a;\ncvt.f32.f16 fb, b;\n"
-               "cvt.rn.bf16x2.f32 $0, fb, fa;\n}", "=r,r", [Uint32(word)])
+               f"{scaled}"
+               "cvt.rn.bf16x2.f32 $0, fb, fa;\n}", "=r,r" if scale is None else "=r,r,f",
+               [Uint32(word)] + ([] if scale is None else [Float32(scale)]))
 
 
 def swizzle_bits(layout) -> tuple:

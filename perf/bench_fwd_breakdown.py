@@ -135,8 +135,8 @@ def measure(name, lengths):
     return row
 
 
-# BREAKDOWN_ONLY=ds: only the bf16-dS backward kernel's build variants (the default, the dQ stores
-# unswapped, Q's bf16 codes converted in the kernel) and the Q code copy (torch, codes_sm90)
+# BREAKDOWN_ONLY=ds: only the bf16-dS backward kernel's build variants (the default, dK's GEMM under
+# the dQ store, Q in bf16 converted in the kernel) and the bf16 Q copy (torch codes only, codes_sm90)
 ONLY_DS = os.environ.get("BREAKDOWN_ONLY") == "ds"
 
 
@@ -153,16 +153,16 @@ def backward_inputs(case, qq, kq, kt, vq, vt):
 
 def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
     dout, out, lse, delta, doq, dv_ref = backward_inputs(case, qq, kq, kt, vq, vt)
-    q_codes = e4m3_codes_to_bf16(qq.data_td)  # what the host wrapper makes for q_bf16_source="tma"
+    q_bf16 = e4m3_codes_to_bf16(qq.data_td, qq.scale)  # what the host wrapper makes for q_bf16_source="tma"
     ref = None
     for label, cfg in (("default", BwdDsBf16Config(128, diagonal_copy=True)),
-                       ("no dQ store swap", BwdDsBf16Config(128, diagonal_copy=True, dq_store_swap=False)),
+                       ("dK under the dQ store", BwdDsBf16Config(128, diagonal_copy=True, dk_under_dq_store=True)),
                        ("Q bf16 converted", BwdDsBf16Config(128, diagonal_copy=True, q_bf16_source="convert"))):
 
         def fn(cfg=cfg):
             return flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
                                                      case.scale, config=cfg, do_quantized=doq, delta=delta,
-                                                     dv_ref=dv_ref, q_codes_bf16=q_codes)
+                                                     dv_ref=dv_ref, q_bf16=q_bf16)
         row[f"dsbf16 bwd kernel, {label}"] = graph_ms(fn)
         # each variant's gradients against the default's (the tests check each against the emulator)
         grads = [g.float() for g in fn()]
@@ -172,8 +172,9 @@ def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
             for name, g, r in zip(("dq", "dk", "dv"), grads, ref, strict=True):
                 row[f"rel diff {name}, {label}"] = float((g - r).norm() / r.norm())
     row["Q codes to bf16 (torch)"] = graph_ms(lambda: qq.data_td.to(torch.bfloat16))
-    row["Q codes to bf16 (codes_sm90)"] = graph_ms(lambda: e4m3_codes_to_bf16(qq.data_td))
-    assert torch.equal(e4m3_codes_to_bf16(qq.data_td), qq.data_td.to(torch.bfloat16))
+    row["Q times sq to bf16 (codes_sm90)"] = graph_ms(lambda: e4m3_codes_to_bf16(qq.data_td, qq.scale))
+    want = (qq.data_td.float() * qq.scale.t().unsqueeze(-1)).to(torch.bfloat16)
+    assert torch.equal(e4m3_codes_to_bf16(qq.data_td, qq.scale), want)
     return row
 
 

@@ -59,7 +59,8 @@ RECIPES = {
 @pytest.mark.parametrize("field, value", [("head_dim", 96), ("qhead_per_kvhead", 0), ("q_stages", 4),
                                           ("vec_stages", 0), ("diagonal_copy", 1), ("deterministic", "yes"),
                                           ("prefetch_sdp", 1), ("dq_tma_reduce", 1), ("exp_under_dp", 1),
-                                          ("raster", "rows"), ("dq_store_swap", 1), ("q_bf16_source", "gmem")])
+                                          ("raster", "rows"), ("dq_store_swap", 1), ("q_bf16_source", "gmem"),
+                                          ("dk_under_dq_store", 1)])
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"BwdDsBf16Config.{field}"):
         BwdDsBf16Config(**{"head_dim": 128, field: value})
@@ -67,6 +68,9 @@ def test_config_rejects(field, value):
         BwdDsBf16Config(head_dim=128, deterministic=True, dq_tma_reduce=True)
     with pytest.raises(ValueError, match="BwdDsBf16Config.exp_under_dp"):  # ptxas would serialize the wgmmas
         BwdDsBf16Config(head_dim=128, prefetch_sdp=True, exp_under_dp=True)
+    for bad in (dict(dq_tma_reduce=False), dict(head_dim=64), dict(deterministic=True)):  # d64: the prefetch
+        with pytest.raises(ValueError, match="BwdDsBf16Config.dk_under_dq_store"):
+            BwdDsBf16Config(**{"head_dim": 128, "dk_under_dq_store": True, **bad})
 
 
 @needs_dsl
@@ -349,7 +353,7 @@ def test_dv_fold_reference_is_the_emulators():
 
 
 # config fields of the kernel's build variants that the compile tests cover besides the default
-VARIANTS = {"": {}, "q-convert": dict(q_bf16_source="convert")}
+VARIANTS = {"": {}, "q-convert": dict(q_bf16_source="convert"), "dk-late": dict(dk_under_dq_store=True)}
 
 
 @pytest.fixture(scope="module")
@@ -369,7 +373,8 @@ def artifacts():
 
 @needs_dsl
 @pytest.mark.parametrize("head_dim, diagonal_copy, variant", [(64, False, ""), (128, False, ""), (128, True, ""),
-                                                                (128, True, "q-convert"), (64, False, "q-convert")])
+                                                                (128, True, "q-convert"), (64, False, "q-convert"),
+                                                                (128, True, "dk-late")])
 def test_compiles_with_fp8_and_bf16_wgmma(artifacts, head_dim, diagonal_copy, variant):
     art = artifacts(head_dim, diagonal_copy, variant=variant)
     ops = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+\.f32\.\w+\.\w+)", art.ptx))
@@ -387,7 +392,9 @@ def test_compiles_with_fp8_and_bf16_wgmma(artifacts, head_dim, diagonal_copy, va
     assert "cp.async.bulk.tensor" in art.ptx
     # Q's bf16 codes: by TMA (the default: one more tensor load per tile in each phase's loop, in
     # boxes of 64 codes, the 128-byte swizzle's width) or converted in the kernel
-    if variant:
+    if variant == "dk-late":  # dQ's group waited for alone (wait_group 1) in both tile steps
+        assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", art.ptx)) >= 2
+    if variant == "q-convert":
         loads = lambda ptx: len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared", ptx))  # noqa: E731
         assert loads(art.ptx) + 2 * head_dim // 64 == loads(artifacts(head_dim, diagonal_copy).ptx)
     assert "cvt.rn.satfinite.e4m3x2.f32" in art.ptx and "cvt.rn.bf16x2.f32" in art.ptx
@@ -558,6 +565,16 @@ def test_gpu_q_bf16_converted_matches_emulator(D, H, Hk, raster):
     """q_bf16_source="convert" (the default before session 8): dK's B operand converted from the e4m3
     Q tile in the kernel instead of loaded as a bf16 copy of the codes: the emulator's gradients."""
     _check_config(D, H, Hk, 9, q_bf16_source="convert", raster=raster)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("D, H, Hk, raster", [(128, 4, 2, None), (128, 2, 2, "heads")])
+def test_gpu_dk_under_dq_store_matches_emulator(D, H, Hk, raster):
+    """dk_under_dq_store: dQ's GEMM first and waited for alone, its tile stored while dK computes:
+    the emulator's gradients."""
+    _check_config(D, H, Hk, 11, dk_under_dq_store=True, raster=raster)
 
 
 @pytest.mark.gpu

@@ -58,3 +58,24 @@ def test_gpu_every_code_converts_exactly(shape):
     assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
     with pytest.raises(ValueError, match="multiple of 16"):
         e4m3_codes_to_bf16(codes.reshape(-1)[: n - 8] if n > 16 else codes.reshape(-1)[:8])
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("T, H, D", [(1, 1, 16), (37, 3, 64), (1000, 4, 128), (4096, 16, 128)])
+def test_gpu_row_scaled_values_are_exact(T, H, D):
+    """With a (H, T) power-of-two scale: each (token, head) row times its scale, exactly the fp32
+    product rounded to bf16 (which it represents exactly), NaN codes aside."""
+    g = torch.Generator(device="cuda").manual_seed(T * H + D)
+    codes = torch.randint(0, 256, (T, H, D), dtype=torch.uint8, device="cuda", generator=g).view(torch.float8_e4m3fn)
+    scale = torch.exp2(torch.randint(-40, 20, (H, T), device="cuda", generator=g).float())
+    got = e4m3_codes_to_bf16(codes, scale)
+    exact = codes.float() * scale.t().unsqueeze(-1)
+    want = exact.to(torch.bfloat16)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert torch.equal(want[~nan].float(), exact[~nan])  # exact: no rounding happened
+    with pytest.raises(ValueError, match="scale must be"):
+        e4m3_codes_to_bf16(codes, scale.t().contiguous() if H != T else scale[:, :-1])
