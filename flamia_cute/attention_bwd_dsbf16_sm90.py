@@ -160,8 +160,9 @@ class BwdDsBf16Config:
     # it fits in shared memory (not with 3 query stages at d128: 16 KB more per stage)
     q_bf16_source: str | None = None
     # dQ's GEMM issued before dK's, in its own commit group: the warpgroups wait for dQ alone, and
-    # store the dQ tile while dK computes (FA4's order). Needs dq_tma_reduce, no prefetch_sdp.
-    dk_under_dq_store: bool = False
+    # store the dQ tile while dK computes (FA4's order): kernel -2..-4% (run s8d). Needs
+    # dq_tma_reduce, no prefetch_sdp. None: on where allowed (d128 by default)
+    dk_under_dq_store: bool | None = None
 
     def __post_init__(self):
         def bad(name, msg):
@@ -171,10 +172,10 @@ class BwdDsBf16Config:
             bad("head_dim", "must be 64 or 128")
         if not isinstance(self.qhead_per_kvhead, int) or self.qhead_per_kvhead < 1:
             bad("qhead_per_kvhead", "must be an int >= 1")
-        for name in ("diagonal_copy", "deterministic", "dq_store_swap", "dk_under_dq_store"):
+        for name in ("diagonal_copy", "deterministic", "dq_store_swap"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
-        for name in ("prefetch_sdp", "dq_tma_reduce", "exp_under_dp"):
+        for name in ("prefetch_sdp", "dq_tma_reduce", "exp_under_dp", "dk_under_dq_store"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 bad(name, "must be None (auto) or a bool")
         if self.q_bf16_source not in (None, "convert", "tma"):
@@ -205,6 +206,8 @@ class BwdDsBf16Config:
                 object.__setattr__(self, "dq_tma_reduce", False)
         if self.dq_tma_reduce and self.deterministic:
             bad("dq_tma_reduce", "the deterministic dQ order is kept by the atomics path only")
+        if self.dk_under_dq_store is None:
+            object.__setattr__(self, "dk_under_dq_store", bool(self.dq_tma_reduce and not self.prefetch_sdp))
         if self.dk_under_dq_store and (not self.dq_tma_reduce or self.prefetch_sdp):
             bad("dk_under_dq_store", "needs dq_tma_reduce and no prefetch_sdp")
         if smem_bytes(self) > SMEM_LIMIT:

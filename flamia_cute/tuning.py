@@ -140,13 +140,13 @@ def bwd_space(head_dim: int, group: int, diagonal_copy: bool):
 def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool):
     """Every bf16-dS backward config (recipe fp8_tokenblock_dsbf16) by effective fields: query and
     vector stages, the dQ path, the S^T/dP^T prefetch (each with its automatic exp_under_dp), and the
-    default with one S^T/dP^T wait, with the heads CTA order and with Q's bf16 codes the other way;
-    the pruned ones with the reason."""
+    default with one S^T/dP^T wait, with the heads CTA order, with Q's bf16 codes the other way and
+    with dK and dQ waited for together; the pruned ones with the reason."""
     from .attention_bwd_dsbf16_sm90 import BwdDsBf16Config
 
     def effective(cfg):  # the config resolves its automatic fields
         return (cfg.q_stages, cfg.vec_stages, cfg.dq_tma_reduce, cfg.prefetch_sdp, cfg.exp_under_dp, cfg.raster,
-                cfg.q_bf16_source)
+                cfg.q_bf16_source, cfg.dk_under_dq_store)
 
     default = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
     keep, pruned, seen = [(default, "default")], [], {effective(default)}
@@ -177,6 +177,8 @@ def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool):
     # Q's bf16 codes the other way (the timed call includes the copy's launch when it is "tma")
     other = "convert" if default.q_bf16_source == "tma" else "tma"
     keep.append((dataclasses.replace(default, q_bf16_source=other), "variant"))
+    if default.dk_under_dq_store:  # dK and dQ waited for together
+        keep.append((dataclasses.replace(default, dk_under_dq_store=False), "variant"))
     return keep, pruned
 
 
@@ -201,7 +203,7 @@ def config_fields(kernel: str, cfg) -> dict:
     names = {"fwd": ("kv_stages", "pingpong", "intra_wg_overlap", "pin_softmax"),
              "bwd": ("q_stages", "qt_stages", "vec_stages", "raster"),
              "bwd_dsbf16": ("q_stages", "vec_stages", "dq_tma_reduce", "prefetch_sdp", "exp_under_dp", "raster",
-                            "q_bf16_source")}
+                            "q_bf16_source", "dk_under_dq_store")}
     return {n: getattr(cfg, n) for n in names[kernel]}
 
 
@@ -212,8 +214,8 @@ def config_from_fields(kernel: str, default, fields: dict):
         hgs = fields.pop("heads_per_cta")
         parts = tuple(dataclasses.replace(p, heads_per_cta=h) for p, h in zip(default.parts, hgs, strict=True))
         return dataclasses.replace(default, parts=parts, **fields)
-    if kernel == "bwd_dsbf16":  # records from before q_bf16_source: its automatic choice for their stages
-        fields = {"q_bf16_source": None, **fields}
+    if kernel == "bwd_dsbf16":  # records from before session 8's fields: their automatic choices
+        fields = {"q_bf16_source": None, "dk_under_dq_store": None, **fields}
     return dataclasses.replace(default, **fields)
 
 

@@ -68,6 +68,8 @@ def test_config_rejects(field, value):
         BwdDsBf16Config(head_dim=128, deterministic=True, dq_tma_reduce=True)
     with pytest.raises(ValueError, match="BwdDsBf16Config.exp_under_dp"):  # ptxas would serialize the wgmmas
         BwdDsBf16Config(head_dim=128, prefetch_sdp=True, exp_under_dp=True)
+    assert BwdDsBf16Config(head_dim=128).dk_under_dq_store and not BwdDsBf16Config(head_dim=64).dk_under_dq_store
+    assert not BwdDsBf16Config(head_dim=128, deterministic=True).dk_under_dq_store
     for bad in (dict(dq_tma_reduce=False), dict(head_dim=64), dict(deterministic=True)):  # d64: the prefetch
         with pytest.raises(ValueError, match="BwdDsBf16Config.dk_under_dq_store"):
             BwdDsBf16Config(**{"head_dim": 128, "dk_under_dq_store": True, **bad})
@@ -353,7 +355,7 @@ def test_dv_fold_reference_is_the_emulators():
 
 
 # config fields of the kernel's build variants that the compile tests cover besides the default
-VARIANTS = {"": {}, "q-convert": dict(q_bf16_source="convert"), "dk-late": dict(dk_under_dq_store=True)}
+VARIANTS = {"": {}, "q-convert": dict(q_bf16_source="convert"), "dk-with-dq": dict(dk_under_dq_store=False)}
 
 
 @pytest.fixture(scope="module")
@@ -374,7 +376,7 @@ def artifacts():
 @needs_dsl
 @pytest.mark.parametrize("head_dim, diagonal_copy, variant", [(64, False, ""), (128, False, ""), (128, True, ""),
                                                                 (128, True, "q-convert"), (64, False, "q-convert"),
-                                                                (128, True, "dk-late")])
+                                                                (128, True, "dk-with-dq")])
 def test_compiles_with_fp8_and_bf16_wgmma(artifacts, head_dim, diagonal_copy, variant):
     art = artifacts(head_dim, diagonal_copy, variant=variant)
     ops = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+\.f32\.\w+\.\w+)", art.ptx))
@@ -392,8 +394,11 @@ def test_compiles_with_fp8_and_bf16_wgmma(artifacts, head_dim, diagonal_copy, va
     assert "cp.async.bulk.tensor" in art.ptx
     # Q's bf16 codes: by TMA (the default: one more tensor load per tile in each phase's loop, in
     # boxes of 64 codes, the 128-byte swizzle's width) or converted in the kernel
-    if variant == "dk-late":  # dQ's group waited for alone (wait_group 1) in both tile steps
-        assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", art.ptx)) >= 2
+    # d128 by default: dQ's group waited for alone (wait_group 1) in both tile steps, its tile stored
+    # while dK computes; dk_under_dq_store=False waits for both
+    if head_dim == 128 and variant == "":
+        late = lambda ptx: len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx))  # noqa: E731
+        assert late(art.ptx) == late(artifacts(head_dim, diagonal_copy, variant="dk-with-dq").ptx) + 2
     if variant == "q-convert":
         loads = lambda ptx: len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared", ptx))  # noqa: E731
         assert loads(art.ptx) + 2 * head_dim // 64 == loads(artifacts(head_dim, diagonal_copy).ptx)
@@ -571,10 +576,10 @@ def test_gpu_q_bf16_converted_matches_emulator(D, H, Hk, raster):
 @needs_dsl
 @_needs_sm90()
 @pytest.mark.parametrize("D, H, Hk, raster", [(128, 4, 2, None), (128, 2, 2, "heads")])
-def test_gpu_dk_under_dq_store_matches_emulator(D, H, Hk, raster):
-    """dk_under_dq_store: dQ's GEMM first and waited for alone, its tile stored while dK computes:
-    the emulator's gradients."""
-    _check_config(D, H, Hk, 11, dk_under_dq_store=True, raster=raster)
+def test_gpu_dk_with_dq_matches_emulator(D, H, Hk, raster):
+    """dk_under_dq_store=False (the d128 default before run s8d): dK and dQ in one group, waited for
+    together, then the dQ store: the emulator's gradients."""
+    _check_config(D, H, Hk, 11, dk_under_dq_store=False, raster=raster)
 
 
 @pytest.mark.gpu

@@ -132,7 +132,8 @@ def _defaults():
 TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "pin_softmax": False},
          "bwd": {"q_stages": 1, "qt_stages": 1, "vec_stages": 3, "raster": "blocks"},
          "bwd_dsbf16": {"q_stages": 1, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": True,
-                        "exp_under_dp": False, "raster": "heads", "q_bf16_source": "convert"},
+                        "exp_under_dp": False, "raster": "heads", "q_bf16_source": "convert",
+                        "dk_under_dq_store": False},
          "quant": {"raster": "chunks", "min_ctas_per_sm": 0, "heads_per_cta": [2, 2, 2]}}
 
 
@@ -310,19 +311,21 @@ def test_bwd_dsbf16_space(head_dim):
     keep, pruned = tuning.bwd_dsbf16_space(head_dim, 2, True)
     default = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=2, diagonal_copy=True)
     assert keep[0] == (default, "default")
-    eff = [(c.q_stages, c.vec_stages, c.dq_tma_reduce, c.prefetch_sdp, c.exp_under_dp, c.raster, c.q_bf16_source)
-           for c, _ in keep]
+    eff = [(c.q_stages, c.vec_stages, c.dq_tma_reduce, c.prefetch_sdp, c.exp_under_dp, c.raster, c.q_bf16_source,
+            c.dk_under_dq_store) for c, _ in keep]
     assert len(set(eff)) == len(eff) and all(smem_bytes(c) <= SMEM_LIMIT for c, _ in keep)
     assert {e[2] for e in eff} == {True, False} and {e[0] for e in eff} == {1, 2, 3}
-    assert not any(p and split for *_, p, split, _, _ in eff)
+    assert not any(p and split for *_, p, split, _, _, _ in eff)
     assert [c for c, _ in keep if c.q_bf16_source != default.q_bf16_source and c.q_stages == default.q_stages] \
         == [dataclasses.replace(default, q_bf16_source="convert")]
     assert [c for c, _ in keep if c.raster == "heads"] == [dataclasses.replace(default, raster="heads")]
     for c, _ in keep:
         assert tuning.config_from_fields("bwd_dsbf16", default, tuning.config_fields("bwd_dsbf16", c)) == c
     if head_dim == 128:
-        assert (2, 2, True, False, False, "blocks", "tma") in eff and (2, 2, True, False, True, "blocks", "tma") in eff
-        assert not any(p for _, _, _, p, _, _, _ in eff)
+        assert (2, 2, True, False, False, "blocks", "tma", True) in eff
+        assert (2, 2, True, False, True, "blocks", "tma", True) in eff
+        assert (2, 2, True, False, True, "blocks", "tma", False) in eff
+        assert not any(p for _, _, _, p, *_ in eff)
         assert any("spills" in why for _, why in pruned) and any("shared memory" in why for _, why in pruned)
 
 
