@@ -136,7 +136,7 @@ def measure(name, lengths):
 
 
 # BREAKDOWN_ONLY=ds: only the bf16-dS backward kernel's build variants (the default, dK's GEMM waited
-# for with dQ's, Q in bf16 converted in the kernel) and the bf16 Q copy (torch codes only, codes_sm90)
+# for with dQ's, Q in bf16 converted in the kernel, the S^T/dP^T prefetch) and the bf16 Q copy (torch codes only, codes_sm90)
 ONLY_DS = os.environ.get("BREAKDOWN_ONLY") == "ds"
 
 
@@ -157,7 +157,10 @@ def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
     ref = None
     for label, cfg in (("default", BwdDsBf16Config(128, diagonal_copy=True)),
                        ("dK with dQ", BwdDsBf16Config(128, diagonal_copy=True, dk_under_dq_store=False)),
-                       ("Q bf16 converted", BwdDsBf16Config(128, diagonal_copy=True, q_bf16_source="convert"))):
+                       ("Q bf16 converted", BwdDsBf16Config(128, diagonal_copy=True, q_bf16_source="convert")),
+                       # the S^T/dP^T prefetch at d128: no spills since s8d's scale folding (1-4% slower, s7c)
+                       ("prefetch", BwdDsBf16Config(128, diagonal_copy=True, prefetch_sdp=True,
+                                                    dk_under_dq_store=False))):
 
         def fn(cfg=cfg):
             return flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
