@@ -157,10 +157,10 @@ def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool):
                     fields = {"q_stages": q_stages, "vec_stages": vec_stages, "dq_tma_reduce": dq_tma_reduce,
                               "prefetch_sdp": prefetch_sdp}
                     if prefetch_sdp and head_dim == 128:
-                        # S^T, dP^T in flight beside dV, dK and the dQ tile: 224 + ~30 > 240 registers
-                        # with the atomics path; 8 bytes with the TMA path in the blocks CTA order (and
-                        # 1.4-4% slower in the heads order, run s7c)
-                        pruned.append((fields, "spills at d128 (the prefetch)"))
+                        # S^T, dP^T in flight beside dV, dK and the dQ tile: no spills since the scales
+                        # went into the B operands (session 8), but slower at d128: 1.4-4% (run s7c),
+                        # 3-10% against dK under the dQ store (run s8e); spills with the atomics path
+                        pruned.append((fields, "slower at d128 (the prefetch; runs s7c, s8e)"))
                         continue
                     try:
                         cfg = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group,
