@@ -163,6 +163,9 @@ class BwdDsBf16Config:
     # store the dQ tile while dK computes (FA4's order): kernel -2..-4% (run s8d). Needs
     # dq_tma_reduce, no prefetch_sdp. None: on where allowed (d128 by default)
     dk_under_dq_store: bool | None = None
+    # columns of S^T whose per-query vectors (the P loop's two) are loaded before the wait for S^T,
+    # not after it: the loop's first FFMA waited on them for 5% of all stall samples (ncu s8f)
+    preload_vectors: int = 0
 
     def __post_init__(self):
         def bad(name, msg):
@@ -182,6 +185,8 @@ class BwdDsBf16Config:
             bad("q_bf16_source", "must be None (auto), 'convert' or 'tma'")
         if self.raster not in (None, "heads", "blocks"):
             bad("raster", "must be None (auto), 'heads' or 'blocks'")
+        if not isinstance(self.preload_vectors, int) or not 0 <= self.preload_vectors <= QUERY_TILE // 4:
+            bad("preload_vectors", f"must be an int in 0..{QUERY_TILE // 4} (a thread's S^T columns)")
         if self.q_stages not in (1, 2, 3):
             bad("q_stages", "must be 1, 2 or 3")
         if self.vec_stages not in (1, 2, 3):
@@ -978,12 +983,18 @@ class FlamiaBwdDsBf16Sm90:
         dbuf = i % 2
         pipe_v.consumer_wait(v_state)
         vs = v_state.index
+        # the first columns' vectors loaded while S^T is still on the tensor cores (preload_vectors)
+        walk = _column_walk(n_s)
+        early = {c: (sVec[tScS[c][1], 0, vs], sVec[tScS[c][1], 1, vs]) for c, _ in walk[:self.cfg.preload_vectors]}
         warpgroup.wait_group(self.sdp_groups - 1)
         qoff = (m - 2 * n_blk) * tq  # diagonal tiles: query index in the key block = qoff + column
-        for c, rows in _column_walk(n_s):
+        for c, rows in walk:
             col = tScS[c][1]
-            ca = sVec[col, 0, vs]
-            cb = sVec[col, 1, vs]
+            if cutlass.const_expr(c in early):
+                ca, cb = early[c]
+            else:
+                ca = sVec[col, 0, vs]
+                cb = sVec[col, 1, vs]
             for a, v1 in rows:
                 p = cute.math.exp2(acc_s[a] * rsc[v1] * ca - cb, fastmath=True)
                 if cutlass.const_expr(diag):

@@ -138,6 +138,9 @@ def measure(name, lengths):
 # BREAKDOWN_ONLY=ds: only the bf16-dS backward kernel's build variants (the default, dK's GEMM waited
 # for with dQ's, Q in bf16 converted in the kernel, the S^T/dP^T prefetch) and the bf16 Q copy (torch codes only, codes_sm90)
 ONLY_DS = os.environ.get("BREAKDOWN_ONLY") == "ds"
+# comma lists restricting the ds rows' variants and the workloads (short device runs)
+DS_VARIANTS = [v for v in os.environ.get("BREAKDOWN_DS_VARIANTS", "").split(",") if v]
+WORKLOADS = [w for w in os.environ.get("BREAKDOWN_WORKLOADS", "").split(",") if w]
 
 
 def backward_inputs(case, qq, kq, kt, vq, vt):
@@ -160,7 +163,10 @@ def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
                        ("Q bf16 converted", BwdDsBf16Config(128, diagonal_copy=True, q_bf16_source="convert")),
                        # the S^T/dP^T prefetch at d128: no spills since s8d's scale folding (1-4% slower, s7c)
                        ("prefetch", BwdDsBf16Config(128, diagonal_copy=True, prefetch_sdp=True,
-                                                    dk_under_dq_store=False))):
+                                                    dk_under_dq_store=False)),
+                       ("preload 8 vectors", BwdDsBf16Config(128, diagonal_copy=True, preload_vectors=8))):
+        if DS_VARIANTS and label not in DS_VARIANTS:
+            continue
 
         def fn(cfg=cfg):
             return flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
@@ -184,7 +190,7 @@ def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
 def main():
     wl = json.loads(DEFAULT_WORKLOADS.read_text())["workloads"]
     rows = []
-    for name in ("1x16k", "16x1k", "4x4k", "longtail32k", "1x64k") + (("mixed16k",) if ONLY_DS else ()):
+    for name in WORKLOADS or ("1x16k", "16x1k", "4x4k", "longtail32k", "1x64k") + (("mixed16k",) if ONLY_DS else ()):
         row = measure(name, wl[name])
         rows.append(row)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)

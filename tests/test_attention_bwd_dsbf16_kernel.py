@@ -60,7 +60,7 @@ RECIPES = {
                                           ("vec_stages", 0), ("diagonal_copy", 1), ("deterministic", "yes"),
                                           ("prefetch_sdp", 1), ("dq_tma_reduce", 1), ("exp_under_dp", 1),
                                           ("raster", "rows"), ("dq_store_swap", 1), ("q_bf16_source", "gmem"),
-                                          ("dk_under_dq_store", 1)])
+                                          ("dk_under_dq_store", 1), ("preload_vectors", 17)])
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"BwdDsBf16Config.{field}"):
         BwdDsBf16Config(**{"head_dim": 128, field: value})
@@ -580,6 +580,16 @@ def test_gpu_dk_with_dq_matches_emulator(D, H, Hk, raster):
     """dk_under_dq_store=False (the d128 default before run s8d): dK and dQ in one group, waited for
     together, then the dQ store: the emulator's gradients."""
     _check_config(D, H, Hk, 11, dk_under_dq_store=False, raster=raster)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("D, H, Hk", [(128, 4, 2), (64, 2, 2)])
+def test_gpu_preload_vectors_matches_emulator(D, H, Hk):
+    """preload_vectors: the first 8 columns' vectors loaded before the wait for S^T: the emulator's
+    gradients."""
+    _check_config(D, H, Hk, 12, preload_vectors=8)
 
 
 @pytest.mark.gpu
