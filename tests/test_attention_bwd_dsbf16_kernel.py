@@ -403,7 +403,11 @@ def test_compiles_with_fp8_and_bf16_wgmma(artifacts, head_dim, diagonal_copy, va
         loads = lambda ptx: len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared", ptx))  # noqa: E731
         assert loads(art.ptx) + 2 * head_dim // 64 == loads(artifacts(head_dim, diagonal_copy).ptx)
     assert "cvt.rn.satfinite.e4m3x2.f32" in art.ptx and "cvt.rn.bf16x2.f32" in art.ptx
-    assert "cvt.rn.f16x2.e4m3x2" in art.ptx, "Q and K codes converted to bf16 in the kernel"
+    assert "cvt.rn.f16x2.e4m3x2" in art.ptx, "K's (and Q's) codes converted to bf16 in the kernel"
+    # every in-kernel e4m3 -> bf16 conversion multiplies by its row's scale: the scales live in the
+    # bf16 B operands, dS is converted unscaled (session 8)
+    conversions = len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", art.ptx))
+    assert conversions == len(re.findall(r"mul\.f32\s+fa, fa,", art.ptx)) == len(re.findall(r"mul\.f32\s+fb, fb,", art.ptx))
     # dQ: one TMA reduce-add per tile by the dQ warp, no atomics (dq_tma_reduce's default), in boxes
     # of 32 floats (the 128-byte swizzle of the shared dQ tile)
     assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", art.ptx)) == head_dim // 32
