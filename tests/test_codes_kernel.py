@@ -27,6 +27,11 @@ def test_compiles_to_wide_accesses_and_hardware_conversions():
     if art.sass is not None:
         assert re.findall(r"\bLDG\.E\.128\b", art.sass) and len(re.findall(r"\bSTG\.E\.128\b", art.sass)) == 2
         assert not re.search(r"\b(STL|LDL)\b", art.sass)
+    assert not re.search(r"mul\.f32\s+f[ab], f[ab],", art.ptx)
+    # with row_scale: each of the 16 values times its row's scale (one scalar load per thread)
+    scaled = kernel_artifacts(CodesConfig(row_scale=True), "sm_90a")
+    assert len(re.findall(r"mul\.f32\s+fa, fa,", scaled.ptx)) == len(re.findall(r"mul\.f32\s+fb, fb,", scaled.ptx)) == 8
+    assert len(re.findall(r"ld\.global\.v4\.b32", scaled.ptx)) == 1 and len(re.findall(r"st\.global\.v4", scaled.ptx)) == 2
 
 
 @needs_dsl
