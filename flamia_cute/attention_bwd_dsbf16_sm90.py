@@ -1176,7 +1176,8 @@ def flamia_bwd_dsbf16_sm90(
     (dq, dk, dv) bf16.
 
     dout, out: (T, H, D) bf16; lse (H, T) fp32 (the forward's). q_td (T, H, D) e4m3 and sq (H, T);
-    k_td, sk; v_td (T, Hk, D), sv: the forward's saved operands (quant.quantize layouts; no
+    k_td, sk; v_td (T, Hk, D), sv: the forward's saved operands (quant.quantize layouts, whose scales
+    are powers of two: the kernel multiplies Q's and K's codes by them in bf16, exactly only then; no
     transposed copies are needed: the kernel converts K's (and Q's) e4m3 values to bf16 in shared
     memory). *_tok*: the per-token K/V copies of the diagonal tiles when
     config.diagonal_copy (else ignored). do_quantized (QuantizedTHD with data_dt in P-fragment
