@@ -327,6 +327,10 @@ class FlamiaBwdDsBf16Sm90:
         self.dq_tma = config.dq_tma_reduce
         self.sdp_groups = 2 if config.exp_under_dp else 1  # commit groups of one issue_sdp
         self.qb_tma = config.q_bf16_source == "tma"
+        # the e4m3 -> bf16 conversion walks (_conversion_plans): 4-code words per row, and rows per
+        # step of the 256 consumer threads
+        self.walk_wpr = self.D // 4
+        self.walk_rpw = 256 // self.walk_wpr
 
     def _make_mmas(self):
         K_MAJOR, MN_MAJOR = OperandMajorMode.K, OperandMajorMode.MN
@@ -833,8 +837,7 @@ class FlamiaBwdDsBf16Sm90:
         Thread t converts the 4 codes (row, d .. d + 3) with d = 4 (t % wpr), rows t // wpr + j rpw
         (wpr: words per row, rpw = 256 / wpr rows per step); Q tile rows are queries, K rows keys
         (two 64-key slabs in sK)."""
-        wpr = self.D // 4
-        rpw = 256 // wpr
+        wpr, rpw = self.walk_wpr, self.walk_rpw
 
         def rc(t, j):
             return t // wpr + j * rpw, 4 * (t % wpr)
@@ -880,7 +883,7 @@ class FlamiaBwdDsBf16Sm90:
         """(row, d) of this consumer thread's first word in the conversion walks (_conversion_plans);
         recomputed per call (a few integer operations) rather than held in registers."""
         tidx, _, _ = cute.arch.thread_idx()
-        wpr = self.D // 4
+        wpr = self.walk_wpr
         return (tidx - 128) // wpr, 4 * ((tidx - 128) % wpr)
 
     @cute.jit
@@ -901,9 +904,8 @@ class FlamiaBwdDsBf16Sm90:
         key, d = self._walk_start()
         src = smem_word_index(sK_layout, (key % self.wm, d, key // self.wm), 1)
         dst = smem_word_index(sKb_layout, (d, key, 0), 2)
-        rpw = 256 // (self.D // 4)
         self._convert_walk(sK_words, sKb_words, src, dst, plan["k_src"], plan["k_dst"],
-                           lambda j: sKs[key + j * rpw])
+                           lambda j: sKs[key + j * self.walk_rpw])
 
     @cute.jit
     def convert_q(self, bufs, stage, dbuf, sVec, vs):
@@ -915,9 +917,8 @@ class FlamiaBwdDsBf16Sm90:
         q, d = self._walk_start()
         src = smem_word_index(sQ_layout, (q, d, 0), 1) + stage * plan["q_stage"]
         dst = smem_word_index(sQb_layout, (d, q, 0), 2) + dbuf * plan["q_buf"]
-        rpw = 256 // (self.D // 4)
         self._convert_walk(sQ_words, sQb_words, src, dst, plan["q_src"], plan["q_dst"],
-                           lambda j: sVec[q + j * rpw, 4, vs])
+                           lambda j: sVec[q + j * self.walk_rpw, 4, vs])
 
     @cute.jit
     def _convert_walk(self, src_words, dst_words, src, dst, src_walk, dst_walk, row_scale):
@@ -1012,7 +1013,7 @@ class FlamiaBwdDsBf16Sm90:
         a_state.advance()
 
         # ---- dS^T = P^T (dP^T sv sdo - D) into acc_dp, the dV fold of P^T into acc_s
-        for c, rows in _column_walk(n_s):
+        for c, rows in walk:
             col = tScS[c][1]
             cd = sVec[col, 2, vs]
             cw = sVec[col, 3, vs]

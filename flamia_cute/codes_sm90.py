@@ -21,6 +21,7 @@ from cutlass import Int32, Uint32
 
 from .compile_cache import compile_entry, launch_on_device
 from .sm90_device import ARG_BF16, ARG_F8, ARG_F32, SHARED_SOURCE_FILES, e4m3x2_to_bf16x2
+from .validation import check_kernel_tensors
 
 SOURCE_FILES = (Path(__file__).resolve(), *SHARED_SOURCE_FILES)
 CHUNK = 16  # bytes of codes per thread (one 128-bit load, two 128-bit stores)
@@ -122,8 +123,6 @@ def e4m3_codes_to_bf16(codes: torch.Tensor, scale: torch.Tensor | None = None,
             raise ValueError(f"codes must be (T, H, D) with D a multiple of {CHUNK} to take a scale, got "
                              f"{tuple(codes.shape)}")
         tokens, heads, per_row = codes.shape[0], codes.shape[1], codes.shape[2] // CHUNK
-        from .validation import check_kernel_tensors
-
         check_kernel_tensors((("scale", scale, (heads, tokens), torch.float32),), codes.device)
     out = torch.empty(codes.shape, dtype=torch.bfloat16, device=codes.device)
     if codes.numel():
