@@ -64,6 +64,8 @@ def measure(name, lengths):
     row = {"workload": name}
     if ONLY_DS:
         return measure_ds_orders(case, qq, kq, kt, vq, vt, row)
+    if ONLY_FWD:
+        return measure_fwd_variants(case, qq, kq, kt, vq, vt, row, flops)
     for label, cfg in (("kernel s2 pp", FwdConfig(128, diagonal_copy=True)),
                        ("kernel s3 pp", FwdConfig(128, diagonal_copy=True, kv_stages=3)),
                        ("kernel s2 nopp", FwdConfig(128, diagonal_copy=True, pingpong=False)),
@@ -137,7 +139,10 @@ def measure(name, lengths):
 
 # BREAKDOWN_ONLY=ds: only the bf16-dS backward kernel's build variants (the default, dK's GEMM waited
 # for with dQ's, Q in bf16 converted in the kernel, the S^T/dP^T prefetch) and the bf16 Q copy (torch codes only, codes_sm90)
-ONLY_DS = os.environ.get("BREAKDOWN_ONLY") == "ds"
+ONLY = os.environ.get("BREAKDOWN_ONLY", "")
+ONLY_DS = ONLY == "ds"
+# BREAKDOWN_ONLY=fwd: only the forward kernel's build variants (FWD_VARIANTS below)
+ONLY_FWD = ONLY == "fwd"
 # comma lists restricting the ds rows' variants and the workloads (short device runs)
 DS_VARIANTS = [v for v in os.environ.get("BREAKDOWN_DS_VARIANTS", "").split(",") if v]
 WORKLOADS = [w for w in os.environ.get("BREAKDOWN_WORKLOADS", "").split(",") if w]
@@ -152,6 +157,35 @@ def backward_inputs(case, qq, kq, kt, vq, vt):
     dout = case.sets[0][3]
     delta, doq, dv_ref = preprocess_bwd(dout, out, case.cu, dv_ref_group=1)
     return dout, out, lse, delta, doq, dv_ref
+
+
+FWD_VARIANTS = {
+    "default": FwdConfig(128, diagonal_copy=True),
+    "no pingpong": FwdConfig(128, diagonal_copy=True, pingpong=False),
+    "serial (no intra-wg overlap)": FwdConfig(128, diagonal_copy=True, intra_wg_overlap=False),
+    "3 kv stages": FwdConfig(128, diagonal_copy=True, kv_stages=3),
+}
+
+
+def measure_fwd_variants(case, qq, kq, kt, vq, vt, row, flops):
+    """The forward kernel alone per build variant (BREAKDOWN_DS_VARIANTS restricts them too), each
+    variant's O against the default's."""
+    ref = None
+    for label, cfg in FWD_VARIANTS.items():
+        if DS_VARIANTS and label not in DS_VARIANTS:
+            continue
+
+        def fn(cfg=cfg):
+            return flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
+                                   kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale, cfg)
+        row[f"fwd kernel, {label}"] = ms = graph_ms(fn)
+        row[f"TFLOP/s, {label}"] = flops / (ms * 1e9)
+        out = fn()[0].float()
+        if ref is None:
+            ref = out
+        else:
+            row[f"rel diff O, {label}"] = float((out - ref).norm() / ref.norm())
+    return row
 
 
 def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
@@ -190,12 +224,12 @@ def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
 def main():
     wl = json.loads(DEFAULT_WORKLOADS.read_text())["workloads"]
     rows = []
-    for name in WORKLOADS or ("1x16k", "16x1k", "4x4k", "longtail32k", "1x64k") + (("mixed16k",) if ONLY_DS else ()):
+    for name in WORKLOADS or ("1x16k", "16x1k", "4x4k", "longtail32k", "1x64k") + (("mixed16k",) if (ONLY_DS or ONLY_FWD) else ()):
         row = measure(name, wl[name])
         rows.append(row)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "fwd_breakdown.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], f"fwd_breakdown{'_' + ONLY if ONLY else ''}.json"), "w") as f:
             json.dump(rows, f, indent=1)
 
 

@@ -101,7 +101,16 @@ for stage in "$@"; do
         ncu -i "$OUT/ds_$wl.ncu-rep" --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/ncu_ds_${wl}_sass.csv.gz"
         rm -f "$OUT/ds_$wl.ncu-rep"
       done ;;
+    ncu-fwd)  # where the forward kernel's time goes (stall samples per SASS address)
+      for wl in ${NCU_WORKLOADS:-1x16k}; do
+        run ncu_fwd_$wl 240 ncu -k regex:'FlamiaFwd' --launch-skip 1 --launch-count 1 --set full --import-source no \
+          -o "$OUT/fwd_$wl" -f python3 perf/profile_kernels.py fwd "$wl"
+        ncu -i "$OUT/fwd_$wl.ncu-rep" --page details > "$OUT/ncu_fwd_${wl}_details.txt" 2>&1
+        ncu -i "$OUT/fwd_$wl.ncu-rep" --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/ncu_fwd_${wl}_sass.csv.gz"
+        rm -f "$OUT/fwd_$wl.ncu-rep"
+      done ;;
     ds-orders) run ds_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=ds python3 perf/bench_fwd_breakdown.py ;;
+    fwd-orders) run fwd_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=fwd python3 perf/bench_fwd_breakdown.py ;;
     fwd-breakdown) run fwd_breakdown ${BREAKDOWN_SECONDS:-420} env OUT="$OUT" python3 perf/bench_fwd_breakdown.py ;;
     *) echo "unknown stage $stage" ;;
   esac

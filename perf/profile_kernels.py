@@ -3,6 +3,7 @@
     python perf/profile_kernels.py bwd 1x4k        # the backward kernel alone (dO preprocessed)
     python perf/profile_kernels.py bwd_dsbf16 16x1k   # the bf16-dS backward kernel alone (the default)
     python perf/profile_kernels.py quant longtail32k  # the fused Q/K/V quantization launch
+    python perf/profile_kernels.py fwd 1x16k          # the forward kernel alone (operands quantized once)
 """
 
 import json
@@ -32,11 +33,13 @@ def main():
         for _ in range(3):
             quantize_operands(q, k, v, case.cu, 128, case.max_len)
     else:
-        out, lse = flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
-                                   kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale,
-                                   FwdConfig(128, diagonal_copy=True))
+        fwd_runs = 4 if what == "fwd" else 1
+        for _ in range(fwd_runs):
+            out, lse = flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
+                                       kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale,
+                                       FwdConfig(128, diagonal_copy=True))
         delta, doq, dv_ref = preprocess_bwd(dout, out, case.cu, dv_ref_group=1)
-        for _ in range(3):
+        for _ in range(3 if what.startswith("bwd") else 0):
             if what == "bwd_dsbf16":
                 flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
                                                   case.scale, do_quantized=doq, delta=delta, dv_ref=dv_ref)
