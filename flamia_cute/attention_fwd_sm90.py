@@ -64,7 +64,9 @@ from .sm90_device import (
     document_dt_start,
     f32_bits,
     pack_a_fragment_e4m3,
-    quad_max,
+    fmax_chains,
+    pow2_reciprocal,
+    quad_max2,
     quad_sum,
     quad_transpose4,
     st_global_v4,
@@ -127,6 +129,10 @@ class FwdConfig:
     # H200 (run s7a, same run): True is 0.8% faster on 1x16k, 1.2% on 4x4k, 0.3-0.8% on 1x64k and
     # longtail32k, +0.3% on 16x1k (noise): less than the predicted half of the 7%.
     drop_branch: bool = True
+    # Each row's max over its 32 values as this many interleaved FMNMX chains (sm90_device.fmax_chains).
+    # 1 is the serial chain of sessions 1-8: ncu s9a put a third of the off-diagonal tile's stall
+    # samples on that chain and the row statistics after it.
+    max_chains: int = 4
 
     def __post_init__(self):
         def bad(name, msg):
@@ -136,6 +142,8 @@ class FwdConfig:
             bad("head_dim", "must be 64 or 128 (256 would need more than 240 registers per thread)")
         if self.qhead_per_kvhead < 1:
             bad("qhead_per_kvhead", "must be >= 1")
+        if self.max_chains not in (1, 2, 4, 8):
+            bad("max_chains", "must be 1, 2, 4 or 8")
         if self.tile_n != 128:
             bad("tile_n", "must be 128: the recipe's key tile defines the P scale fold")
         if self.tile_m != 128:
@@ -625,14 +633,14 @@ class FlamiaFwdSm90:
         # once and are dead right after (no 32 x 2 scale registers kept between passes; that
         # matters while a P V accumulator is in flight). Max is exact, so its order is free;
         # each row's sum keeps the column order v2, v0.
-        tmax = [-Float32.inf, -Float32.inf]
-        wmax = [Float32(0.0), Float32(0.0)]
+        row_s = [[], []]  # the values each row's max runs over
+        row_w = [[], []]
         for v2 in cutlass.range_constexpr(n_acc_s // 4):
             for v0 in cutlass.range_constexpr(2):
                 col = tScS[v0 + 4 * v2][1]
                 if cutlass.const_expr(uniform):
                     for v1 in cutlass.range_constexpr(2):
-                        tmax[v1] = cute.arch.fmax(tmax[v1], acc_s[v0 + 2 * v1 + 4 * v2])
+                        row_s[v1].append(acc_s[v0 + 2 * v1 + 4 * v2])
                 else:
                     sk = sScale[col, s_state.index]
                     sw = sScale[tn + col, s_state.index]
@@ -648,19 +656,26 @@ class FlamiaFwdSm90:
                                 s = -Float32.inf
                                 w = Float32(0.0)
                         acc_s[a] = s
-                        tmax[v1] = cute.arch.fmax(tmax[v1], s)
-                        wmax[v1] = cute.arch.fmax(wmax[v1], w)
+                        row_s[v1].append(s)
+                        row_w[v1].append(w)
+        chains = self.cfg.max_chains
+        tmax = [fmax_chains(row_s[v1], chains) for v1 in range(2)]
+        tmax = list(quad_max2(tmax[0], tmax[1]))
+        if cutlass.const_expr(not uniform):
+            # w >= 0, so the max over the row's w equals fmax(0, ...) of the serial form
+            wmax = [fmax_chains(row_w[v1], chains) for v1 in range(2)]
+            wmax = list(quad_max2(wmax[0], wmax[1]))  # 0: no visible key (dropped below)
         rsv = [rs[0], rs[1]]
         m_safe = [Float32(0.0), Float32(0.0)]
         inv = [Float32(0.0), Float32(0.0)]
         alphas = [Float32(0.0), Float32(0.0)]
         for v1 in cutlass.range_constexpr(2):
-            tm = quad_max(tmax[v1])
+            tm = tmax[v1]
             r = w_t
             if cutlass.const_expr(uniform):
                 rsv[v1] = rs[v1] * sk_t
             else:
-                r = quad_max(wmax[v1])  # 0: no visible key (dropped below)
+                r = wmax[v1]
             # rsv > 0, so max(s) * rsv == max(s * rsv) exactly
             m_new = cute.arch.fmax(m_run[v1], tm * rsv[v1])
             ms = m_new
@@ -674,8 +689,10 @@ class FlamiaFwdSm90:
             inv_r = Float32(0.0)  # stays 0 for a dropped row: P V += 0 (uniform tiles: convert_p)
             r_new = -rr  # the sign marks a dropped row and costs no register (|r| is a free modifier)
             if r >= cute.arch.fmax(rr * Float32(FOLD_DROP), Float32(FOLD_REF_MIN)):
-                inv_r = Float32(P_SCALE) / r  # exact: r is a power of two
-                c = alpha * (rr / r)
+                # r is a power of two in [FOLD_REF_MIN, 2^120]: 1/r exact and normal, no division
+                inv_1 = pow2_reciprocal(r)
+                inv_r = Float32(P_SCALE) * inv_1
+                c = alpha * (rr * inv_1)
                 r_new = r
             inv[v1] = inv_r
             r_run[v1] = r_new

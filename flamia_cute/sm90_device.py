@@ -190,6 +190,35 @@ def quad_max(x):
     return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
 
 
+def quad_max2(x, y):
+    """quad_max of two rows at once: the four shuffles issue back to back, so their latencies overlap
+    (the two rows' reductions done one after the other wait twice)."""
+    xs, ys = cute.arch.shuffle_sync_bfly(x, offset=1), cute.arch.shuffle_sync_bfly(y, offset=1)
+    x, y = cute.arch.fmax(x, xs), cute.arch.fmax(y, ys)
+    xs, ys = cute.arch.shuffle_sync_bfly(x, offset=2), cute.arch.shuffle_sync_bfly(y, offset=2)
+    return cute.arch.fmax(x, xs), cute.arch.fmax(y, ys)
+
+
+def fmax_chains(values, chains: int = 4, combine=None):
+    """max of a list as `chains` interleaved chains (value i goes to chain i % chains), then a tree
+    over the chains. One chain of n dependent FMNMX (~5 cycles each) stalled the forward's softmax
+    (ncu s9a: a third of its tile time); 4 chains per row and two rows keep the pipe full with 8
+    live partial maxima (a full tree would need 16 per row next to the accumulators in flight).
+    Max is exact: the order changes nothing. combine(a, b) replaces cute.arch.fmax (tests run it on
+    plain Python numbers)."""
+    combine = combine or cute.arch.fmax
+    vals = list(values)
+    part = vals[:chains]
+    for i, v in enumerate(vals[chains:]):
+        part[i % chains] = combine(part[i % chains], v)
+    while len(part) > 1:
+        nxt = [combine(part[i], part[i + 1]) for i in range(0, len(part) - 1, 2)]
+        if len(part) % 2:
+            nxt.append(part[-1])
+        part = nxt
+    return part[0]
+
+
 def quad_sum(x):
     x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
     return x + cute.arch.shuffle_sync_bfly(x, offset=2)
@@ -227,6 +256,16 @@ def pow2_scale_bits(amax_bits):
 
 def f32_bits(x):
     return Int32(arith.bitcast(Int32.mlir_type, Float32(x).ir_value()))
+
+
+POW2_RECIPROCAL_BITS = 0x7F000000  # (254 << 23): 2^(e-127) -> 2^(127-e) is this minus the bits
+
+
+def pow2_reciprocal(x):
+    """1/x, exactly, for x a power of two whose reciprocal is normal (2^-126 <= x <= 2^126): the
+    exponent field negated by one integer subtract. An IEEE division (x / r in fp32) costs a
+    reciprocal, five FFMAs, a check and a branch to a slow path in SASS."""
+    return as_f32(Int32(POW2_RECIPROCAL_BITS) - f32_bits(x))
 
 
 # Pointer kinds of the kernels' runtime entries (compile_cache.compile_launcher's arg_kinds)

@@ -161,6 +161,11 @@ def backward_inputs(case, qq, kq, kt, vq, vt):
 
 FWD_VARIANTS = {
     "default": FwdConfig(128, diagonal_copy=True),
+    "pinned softmax": FwdConfig(128, diagonal_copy=True, pin_softmax=True),
+    "serial max": FwdConfig(128, diagonal_copy=True, max_chains=1),
+    "serial max, pinned": FwdConfig(128, diagonal_copy=True, max_chains=1, pin_softmax=True),
+    "8 chains, pinned": FwdConfig(128, diagonal_copy=True, max_chains=8, pin_softmax=True),
+    "no pingpong, pinned": FwdConfig(128, diagonal_copy=True, pingpong=False, pin_softmax=True),
     "no pingpong": FwdConfig(128, diagonal_copy=True, pingpong=False),
     "serial (no intra-wg overlap)": FwdConfig(128, diagonal_copy=True, intra_wg_overlap=False),
     "3 kv stages": FwdConfig(128, diagonal_copy=True, kv_stages=3),

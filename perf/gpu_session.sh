@@ -22,7 +22,7 @@ for stage in "$@"; do
            python3 -c "import torch, cutlass; print(torch.__version__, cutlass.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/env.txt" ;;
     quant-tests) run quant_tests 460 python3 -m pytest -q -x -m gpu tests/test_quantize_kernel.py ;;
     quant-bench) run quant_bench 240 env OUT="$OUT" python3 perf/bench_quantize.py ;;
-    fwd-tests) run fwd_tests 300 python3 -m pytest -q -x -m gpu tests/test_attention_fwd_kernel.py ;;
+    fwd-tests) run fwd_tests 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py ${FWD_TESTS_K:+-k "$FWD_TESTS_K"} ;;
     gpu-tests) run gpu_tests 450 python3 -m pytest -q -m gpu -p no:cacheprovider ;;
     bench-smoke) run bench_smoke 240 python3 -m flamia_cute.cli bench --only 1x16k,16x1k --modes fwd,fwdbwd \
                    --reps 10 --out "$OUT" ;;

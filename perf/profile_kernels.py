@@ -4,9 +4,11 @@
     python perf/profile_kernels.py bwd_dsbf16 16x1k   # the bf16-dS backward kernel alone (the default)
     python perf/profile_kernels.py quant longtail32k  # the fused Q/K/V quantization launch
     python perf/profile_kernels.py fwd 1x16k          # the forward kernel alone (operands quantized once)
+FWD_CONFIG='{"pin_softmax": true}' overrides FwdConfig fields of the forward launches.
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -16,6 +18,9 @@ from flamia_cute.attention_bwd_sm90 import flamia_bwd_sm90_from_saved, preproces
 from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case
 from flamia_cute.cute_backend import quantize_operands
+
+
+FWD_OVERRIDES = json.loads(os.environ.get("FWD_CONFIG", "{}"))
 
 
 def main():
@@ -37,7 +42,7 @@ def main():
         for _ in range(fwd_runs):
             out, lse = flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
                                        kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale,
-                                       FwdConfig(128, diagonal_copy=True))
+                                       FwdConfig(128, diagonal_copy=True, **FWD_OVERRIDES))
         delta, doq, dv_ref = preprocess_bwd(dout, out, case.cu, dv_ref_group=1)
         for _ in range(3 if what.startswith("bwd") else 0):
             if what == "bwd_dsbf16":

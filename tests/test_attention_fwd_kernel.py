@@ -93,6 +93,8 @@ VARIANTS = {
     "pinned_softmax": {"intra_wg_overlap": True, "pin_softmax": True},
     "selects_always": {"drop_branch": False},
     "selects_always_serial": {"drop_branch": False, "intra_wg_overlap": False},
+    "serial_max": {"max_chains": 1},  # the softmax's row max as one FMNMX chain (sessions 1-8)
+    "max_chains8_pinned": {"max_chains": 8, "pin_softmax": True},
 }
 
 
@@ -106,7 +108,7 @@ VARIANTS = {
     "field, value",
     [("head_dim", 96), ("head_dim", 256), ("tile_n", 64), ("tile_m", 64), ("kv_stages", 1),
      ("num_consumer_warpgroups", 1), ("qhead_per_kvhead", 0), ("intra_wg_overlap", 1), ("pingpong", None),
-     ("pin_softmax", 1), ("drop_branch", "yes")],
+     ("pin_softmax", 1), ("drop_branch", "yes"), ("max_chains", 3)],
 )
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"FwdConfig.{field}"):
@@ -475,6 +477,48 @@ def test_error_checks_catch_index_bugs(bug):
 
 
 @needs_dsl
+@pytest.mark.parametrize("n, chains", [(32, 1), (32, 2), (32, 4), (32, 8), (5, 4), (3, 8), (1, 4)])
+def test_fmax_chains_is_the_max(n, chains):
+    """The softmax's row max by interleaved chains is the max (each value once), for any length."""
+    import random
+
+    from flamia_cute.sm90_device import fmax_chains
+
+    rng = random.Random(n * 10 + chains)
+    for _ in range(50):
+        vals = [rng.uniform(-100, 100) for _ in range(n)]
+        used = []
+
+        def combine(a, b, used=used):
+            used.append((a, b))
+            return max(a, b)
+
+        assert fmax_chains(vals, chains, combine) == max(vals)
+        assert len(used) == n - 1  # n - 1 comparisons: every value enters once
+    # a killed value shows: the max planted at each position is found
+    for pos in range(n):
+        vals = [0.0] * n
+        vals[pos] = 1.0
+        assert fmax_chains(vals, chains, max) == 1.0
+
+
+def test_pow2_reciprocal_bits_exact():
+    """pow2_reciprocal's integer form: bits(2^-k) == 0x7F000000 - bits(2^k) for every k whose both
+    sides are normal, and the forward's fold references (FOLD_REF_MIN .. 2^120) lie in that range."""
+    import struct
+
+    from flamia_cute.recipes import FOLD_REF_MIN
+    from flamia_cute.sm90_device import POW2_RECIPROCAL_BITS
+
+    def bits(x):
+        return struct.unpack("<i", struct.pack("<f", x))[0]
+
+    for k in range(-126, 127):
+        assert bits(2.0**-k) == POW2_RECIPROCAL_BITS - bits(2.0**k), k
+    assert 2.0**-126 <= FOLD_REF_MIN
+    assert bits(2.0**-3) != POW2_RECIPROCAL_BITS - bits(3.0)  # not a power of two: no such identity
+
+
 def test_quad_transpose4_on_lane_model():
     """The epilogue's quad transpose (the kernel's own code) run on a 32-lane model."""
     lane = torch.arange(32)
