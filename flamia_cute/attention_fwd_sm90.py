@@ -64,6 +64,7 @@ from .sm90_device import (
     document_dt_start,
     f32_bits,
     pack_a_fragment_e4m3,
+    exp2_poly,
     fmax_chains,
     pow2_reciprocal,
     quad_max2,
@@ -133,6 +134,11 @@ class FwdConfig:
     # 1 is the serial chain of sessions 1-8: ncu s9a put a third of the off-diagonal tile's stall
     # samples on that chain and the row statistics after it.
     max_chains: int = 4
+    # Block-scaled off-diagonal tiles: exp2 of one in this many column groups (4 of a thread's 64
+    # values per group of 16) by a degree-3 polynomial on the FMA pipe (sm90_device.exp2_poly)
+    # instead of MUFU.EX2; 0: all on MUFU. ncu s9b: the two consumer warps of a scheduler shared its
+    # MUFU through a third of the tile time. P differs from MUFU's by <= 8.3e-5 relative there.
+    exp2_poly_every: int = 0
 
     def __post_init__(self):
         def bad(name, msg):
@@ -142,6 +148,8 @@ class FwdConfig:
             bad("head_dim", "must be 64 or 128 (256 would need more than 240 registers per thread)")
         if self.qhead_per_kvhead < 1:
             bad("qhead_per_kvhead", "must be >= 1")
+        if not isinstance(self.exp2_poly_every, int) or not 0 <= self.exp2_poly_every <= 16:
+            bad("exp2_poly_every", "must be an int in 0..16 (0: every exp2 on MUFU)")
         if self.max_chains not in (1, 2, 4, 8):
             bad("max_chains", "must be 1, 2, 4 or 8")
         if self.tile_n != 128:
@@ -700,6 +708,7 @@ class FlamiaFwdSm90:
             alphas[v1] = alpha
             m_run[v1] = m_new
         psum = [Float32(0.0), Float32(0.0)]
+        poly_every = self.cfg.exp2_poly_every
         # uniform tiles: P * 256 = exp2(x + 8) saves a multiply per element (P_SCALE = 2^8)
         m_off = [m_safe[0], m_safe[1]]
         if cutlass.const_expr(uniform):
@@ -710,9 +719,15 @@ class FlamiaFwdSm90:
                 sw = w_t
                 if cutlass.const_expr(not uniform):
                     sw = sScale[tn + col, s_state.index]
+                # a fixed subset of the columns takes exp2 off the MUFU pipe (exp2_poly_every)
+                on_fma = uniform and poly_every > 0 and v2 % poly_every == poly_every - 1
                 for v1 in cutlass.range_constexpr(2):
                     a = v0 + 2 * v1 + 4 * v2
-                    p = cute.math.exp2(acc_s[a] * rsv[v1] - m_off[v1], fastmath=True)
+                    x = acc_s[a] * rsv[v1] - m_off[v1]
+                    if cutlass.const_expr(on_fma):
+                        p = exp2_poly(x)
+                    else:
+                        p = cute.math.exp2(x, fastmath=True)
                     psum[v1] = psum[v1] + p
                     if cutlass.const_expr(uniform):
                         acc_s[a] = p

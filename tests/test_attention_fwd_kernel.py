@@ -95,6 +95,8 @@ VARIANTS = {
     "selects_always_serial": {"drop_branch": False, "intra_wg_overlap": False},
     "serial_max": {"max_chains": 1},  # the softmax's row max as one FMNMX chain (sessions 1-8)
     "max_chains8_pinned": {"max_chains": 8, "pin_softmax": True},
+    "exp2_poly3": {"exp2_poly_every": 3},  # a third of the off-diagonal exp2s on the FMA pipe
+    "exp2_poly1": {"exp2_poly_every": 1},  # all of them: the polynomial everywhere it runs
 }
 
 
@@ -108,7 +110,8 @@ VARIANTS = {
     "field, value",
     [("head_dim", 96), ("head_dim", 256), ("tile_n", 64), ("tile_m", 64), ("kv_stages", 1),
      ("num_consumer_warpgroups", 1), ("qhead_per_kvhead", 0), ("intra_wg_overlap", 1), ("pingpong", None),
-     ("pin_softmax", 1), ("drop_branch", "yes"), ("max_chains", 3)],
+     ("pin_softmax", 1), ("drop_branch", "yes"), ("max_chains", 3), ("exp2_poly_every", -1),
+     ("exp2_poly_every", 17), ("exp2_poly_every", 1.5)],
 )
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"FwdConfig.{field}"):
@@ -500,6 +503,31 @@ def test_fmax_chains_is_the_max(n, chains):
         vals = [0.0] * n
         vals[pos] = 1.0
         assert fmax_chains(vals, chains, max) == 1.0
+
+
+def _exp2_poly_model(x):
+    """sm90_device.exp2_poly on 0-d torch float32 tensors (fp32 rounding at every step, as the kernel)."""
+    from flamia_cute.sm90_device import exp2_poly
+
+    def from_bits(b):
+        return torch.tensor(int(b) & 0xFFFFFFFF, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+    return exp2_poly(torch.tensor(x, dtype=torch.float32), fmax=lambda a, b: torch.clamp_min(a, b),
+                     bits=lambda v: int(v.view(torch.int32)), from_bits=from_bits)
+
+
+def test_exp2_poly_relative_error():
+    """The FMA-pipe exp2: within 8.4e-5 of 2^x over the softmax's range (P * 256 = 2^x, x <= 8),
+    including the integers and the half-integers where the rounding switches; tiny below -126."""
+    xs = torch.cat([torch.linspace(-125.0, 8.0, 4001), torch.arange(-125, 9.0), torch.arange(-125, 8.0) + 0.5,
+                    torch.tensor([-0.49999997, 0.49999997, -1e-30])]).tolist()
+    worst = max(abs(float(_exp2_poly_model(x)) / 2.0 ** float(x) - 1) for x in xs)
+    assert worst < 8.4e-5, worst
+    assert worst > 1e-6  # it is the polynomial, not an exact exp2 (the model ran)
+    for x in (-126.0, -127.5, -1000.0, -3e38):
+        assert 0 <= float(_exp2_poly_model(x)) <= 2.0**-125  # clamped: never negative or huge
+    # the exponent must be the rounded integer: a model that truncates instead fails at x = -0.75
+    assert abs(float(_exp2_poly_model(-0.75)) / 2**-0.75 - 1) < 8.4e-5
 
 
 def test_pow2_reciprocal_bits_exact():
