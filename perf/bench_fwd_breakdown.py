@@ -161,15 +161,12 @@ def backward_inputs(case, qq, kq, kt, vq, vt):
 
 FWD_VARIANTS = {
     "default": FwdConfig(128, diagonal_copy=True),
-    "exp2 poly 1/8": FwdConfig(128, diagonal_copy=True, exp2_poly_every=8),
+    "pingpong": FwdConfig(128, diagonal_copy=True, pingpong=True),
     "exp2 poly 1/4": FwdConfig(128, diagonal_copy=True, exp2_poly_every=4),
-    "exp2 poly 1/3": FwdConfig(128, diagonal_copy=True, exp2_poly_every=3),
-    "exp2 poly 1/2": FwdConfig(128, diagonal_copy=True, exp2_poly_every=2),
-    "exp2 poly all": FwdConfig(128, diagonal_copy=True, exp2_poly_every=1),
-    "exp2 poly 1/3, no pingpong": FwdConfig(128, diagonal_copy=True, exp2_poly_every=3, pingpong=False),
-    "no pingpong": FwdConfig(128, diagonal_copy=True, pingpong=False),
+    "exp2 poly 1/8": FwdConfig(128, diagonal_copy=True, exp2_poly_every=8),
     "pinned softmax": FwdConfig(128, diagonal_copy=True, pin_softmax=True),
     "serial max": FwdConfig(128, diagonal_copy=True, max_chains=1),
+    "3 kv stages": FwdConfig(128, diagonal_copy=True, kv_stages=3),
 }
 
 

@@ -37,6 +37,7 @@ try:
         flamia_fwd_sm90,
         kernel_artifacts,
         overlap_default,
+        pingpong_default,
     )
     from flamia_cute.sm90_device import a_fragment_sources, quad_transpose4
 
@@ -86,6 +87,7 @@ def _configs():
 VARIANTS = {
     "default": {},
     "no_pingpong": {"pingpong": False},
+    "pingpong": {"pingpong": True},  # the block-scaled D=128 default is off (pingpong_default)
     "overlap": {"intra_wg_overlap": True},
     "serial": {"intra_wg_overlap": False},
     "overlap_no_pingpong": {"intra_wg_overlap": True, "pingpong": False},
@@ -109,7 +111,7 @@ VARIANTS = {
 @pytest.mark.parametrize(
     "field, value",
     [("head_dim", 96), ("head_dim", 256), ("tile_n", 64), ("tile_m", 64), ("kv_stages", 1),
-     ("num_consumer_warpgroups", 1), ("qhead_per_kvhead", 0), ("intra_wg_overlap", 1), ("pingpong", None),
+     ("num_consumer_warpgroups", 1), ("qhead_per_kvhead", 0), ("intra_wg_overlap", 1), ("pingpong", 1),
      ("pin_softmax", 1), ("drop_branch", "yes"), ("max_chains", 3), ("exp2_poly_every", -1),
      ("exp2_poly_every", 17), ("exp2_poly_every", 1.5)],
 )
@@ -124,9 +126,13 @@ def test_config_overlap_default_resolves():
         for dc in (False, True):
             cfg = FwdConfig(head_dim=d, diagonal_copy=dc)
             assert cfg.intra_wg_overlap is overlap_default(d, dc)
+            assert cfg.pingpong is pingpong_default(d, dc)
+            assert cfg == FwdConfig(head_dim=d, diagonal_copy=dc, pingpong=pingpong_default(d, dc))
             # resolved at construction: equal configs, one cache key
             assert cfg == FwdConfig(head_dim=d, diagonal_copy=dc, intra_wg_overlap=overlap_default(d, dc))
     assert FwdConfig(head_dim=128, diagonal_copy=True).intra_wg_overlap  # block-scaled: overlapped
+    assert not FwdConfig(head_dim=128, diagonal_copy=True).pingpong  # measured faster without (s9a-s9c)
+    assert FwdConfig(head_dim=64, diagonal_copy=True).pingpong
 
 
 def test_dt_start_scan_model():
