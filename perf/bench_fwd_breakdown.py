@@ -161,11 +161,11 @@ def backward_inputs(case, qq, kq, kt, vq, vt):
 
 FWD_VARIANTS = {
     "default": FwdConfig(128, diagonal_copy=True),
+    "O update after the wait": FwdConfig(128, diagonal_copy=True, defer_o_update=False),
     "pingpong": FwdConfig(128, diagonal_copy=True, pingpong=True),
     "exp2 poly 1/4": FwdConfig(128, diagonal_copy=True, exp2_poly_every=4),
     "exp2 poly 1/8": FwdConfig(128, diagonal_copy=True, exp2_poly_every=8),
     "pinned softmax": FwdConfig(128, diagonal_copy=True, pin_softmax=True),
-    "serial max": FwdConfig(128, diagonal_copy=True, max_chains=1),
     "3 kv stages": FwdConfig(128, diagonal_copy=True, kv_stages=3),
 }
 
