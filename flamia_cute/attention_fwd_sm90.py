@@ -148,11 +148,6 @@ class FwdConfig:
     # instead of MUFU.EX2; 0: all on MUFU. ncu s9b: the two consumer warps of a scheduler shared its
     # MUFU through a third of the tile time. P differs from MUFU's by <= 8.3e-5 relative there.
     exp2_poly_every: int = 0
-    # Overlap schedule: the O update of each landed P V (64 FFMAs per thread) issued after the next
-    # S, under its GEMM, instead of between that P V's wait and the next issue. The ablation run
-    # s9d timed a build without the update 16% faster (1x16k): it sat on the issue's critical path.
-    # (The serial schedule ignores it.)
-    defer_o_update: bool = True
 
     def __post_init__(self):
         def bad(name, msg):
@@ -188,8 +183,6 @@ class FwdConfig:
             bad("pin_softmax", "must be a bool")
         if not isinstance(self.drop_branch, bool):
             bad("drop_branch", "must be a bool")
-        if not isinstance(self.defer_o_update, bool):
-            bad("defer_o_update", "must be a bool")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,7 +205,6 @@ class FlamiaFwdSm90:
         self.pingpong = config.pingpong
         self.overlap = config.intra_wg_overlap
         self.pin = config.pin_softmax
-        self.defer_o = config.defer_o_update
 
     @cute.jit
     def __call__(
@@ -553,26 +545,13 @@ class FlamiaFwdSm90:
             k_state, s_state = self.s_softmax_p(
                 True, m_block, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len, wg,
             )
-            if cutlass.const_expr(self.defer_o):
-                # the O update of the P V landed last step waits for the next S issue: a zero tile
-                # times 1 before the first (O stays exactly 0)
-                c_hold = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-                c_hold.fill(1.0)
-                acc_t.fill(0.0)
-                for i in cutlass.range(1, n_tiles, unroll=1):
-                    k_state, v_state, s_state, qk_mma, pv_mma = self.overlap_step_deferred(
-                        m_block - i, frags, rowst, c_hold, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v,
-                        pipe_s, k_state, v_state, s_state, doc_len, wg,
-                    )
-                self.accumulate_o(frags, c_hold)
-            else:
-                for i in cutlass.range(1, n_tiles, unroll=1):
-                    # the MMA atoms carry their ACCUMULATE field as staged state: rebinding them here
-                    # makes them loop-carried, so the epilogue's GEMM may use them after the loop
-                    k_state, v_state, s_state, qk_mma, pv_mma = self.overlap_step(
-                        m_block - i, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s,
-                        k_state, v_state, s_state, doc_len, wg,
-                    )
+            for i in cutlass.range(1, n_tiles, unroll=1):
+                # the MMA atoms carry their ACCUMULATE field as staged state: rebinding them here
+                # makes them loop-carried, so the epilogue's GEMM may use them after the loop
+                k_state, v_state, s_state, qk_mma, pv_mma = self.overlap_step(
+                    m_block - i, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s,
+                    k_state, v_state, s_state, doc_len, wg,
+                )
             v_state = self.overlap_epilogue(frags, rowst, pv_mma, pipe_v, v_state, wg)
         else:
             k_state, v_state, s_state = self.tile_step(
@@ -898,46 +877,6 @@ class FlamiaFwdSm90:
         v_state.advance()
         # the serial schedule's operation for the previous tile: O = O * c_prev + O_tile
         self.accumulate_o(frags, c_prev)
-        self.convert_p(frags, r_run, self.diag_copy)
-        return k_state, v_state, s_state, qk_mma, pv_mma
-
-    @cute.jit
-    def overlap_step_deferred(
-        self, n, frags, rowst, c_hold, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s,
-        k_state, v_state, s_state, doc_len, wg,
-    ):
-        """Overlap schedule with the O update under S (defer_o_update): issue S_n; then
-        O = O * c + O_tile for the P V that landed in the previous step (its 64 FFMAs run while the
-        tensor cores compute S_n instead of between that P V's wait and this issue); issue
-        P_prev V_prev into the tile accumulator it just freed; softmax of S_n; wait for P V; P_n.
-        Same operations on the same values as overlap_step, one step later: the same numbers."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
-        rs, m_run, l_run, r_run, c_pend = rowst
-        pipe_k.consumer_wait(k_state)
-        self.wait_turn(wg)
-        warpgroup.fence()
-        self.gemm_qk(qk_mma, frags, k_state, wg)
-        warpgroup.commit_group()
-        self.accumulate_o(frags, c_hold)
-        for v1 in cutlass.range_constexpr(2):
-            c_hold[v1] = c_pend[v1]  # the factor of the P V issued below, applied next step
-        pipe_v.consumer_wait(v_state)
-        warpgroup.fence()  # acc_t's reads above complete before the GEMM below overwrites it
-        self.gemm_pv(pv_mma, frags, v_state)
-        warpgroup.commit_group()
-        self.pass_turn(wg)
-        pipe_s.consumer_wait(s_state)
-        warpgroup.wait_group(1)  # S_n is done (groups retire in order); P V may still run
-        pipe_k.consumer_release(k_state)
-        k_state.advance()
-        self.softmax(False, n, frags, rowst, sScale, s_state, doc_len, wg)
-        if cutlass.const_expr(self.pin):
-            sPin[cute.arch.thread_idx()[0] % 256] = rowst[2][0] + rowst[2][1]
-        pipe_s.consumer_release(s_state)
-        s_state.advance()
-        warpgroup.wait_group(0)  # P V done: tOrP may be overwritten
-        pipe_v.consumer_release(v_state)
-        v_state.advance()
         self.convert_p(frags, r_run, self.diag_copy)
         return k_state, v_state, s_state, qk_mma, pv_mma
 

@@ -161,7 +161,6 @@ def backward_inputs(case, qq, kq, kt, vq, vt):
 
 FWD_VARIANTS = {
     "default": FwdConfig(128, diagonal_copy=True),
-    "O update after the wait": FwdConfig(128, diagonal_copy=True, defer_o_update=False),
     "pingpong": FwdConfig(128, diagonal_copy=True, pingpong=True),
     "exp2 poly 1/4": FwdConfig(128, diagonal_copy=True, exp2_poly_every=4),
     "exp2 poly 1/8": FwdConfig(128, diagonal_copy=True, exp2_poly_every=8),

@@ -97,8 +97,6 @@ VARIANTS = {
     "selects_always_serial": {"drop_branch": False, "intra_wg_overlap": False},
     "serial_max": {"max_chains": 1},  # the softmax's row max as one FMNMX chain (sessions 1-8)
     "max_chains8_pinned": {"max_chains": 8, "pin_softmax": True},
-    "o_update_after_wait": {"defer_o_update": False},  # sessions 1-8's overlap step
-    "defer_o_pingpong": {"defer_o_update": True, "pingpong": True},
     "exp2_poly3": {"exp2_poly_every": 3},  # a third of the off-diagonal exp2s on the FMA pipe
     "exp2_poly1": {"exp2_poly_every": 1},  # all of them: the polynomial everywhere it runs
 }
@@ -114,7 +112,7 @@ VARIANTS = {
     "field, value",
     [("head_dim", 96), ("head_dim", 256), ("tile_n", 64), ("tile_m", 64), ("kv_stages", 1),
      ("num_consumer_warpgroups", 1), ("qhead_per_kvhead", 0), ("intra_wg_overlap", 1), ("pingpong", 1),
-     ("pin_softmax", 1), ("drop_branch", "yes"), ("max_chains", 3), ("defer_o_update", 1), ("exp2_poly_every", -1),
+     ("pin_softmax", 1), ("drop_branch", "yes"), ("max_chains", 3), ("exp2_poly_every", -1),
      ("exp2_poly_every", 17), ("exp2_poly_every", 1.5)],
 )
 def test_config_rejects(field, value):
@@ -192,16 +190,15 @@ def test_compiles_with_fp8_wgmma_and_tma(artifacts, head_dim, diagonal_copy, pin
 @pytest.mark.parametrize("head_dim, diagonal_copy", _configs())
 def test_overlap_variants_compile(artifacts, head_dim, diagonal_copy):
     """Both schedules build for every shape; the default one has no spills (overlap_default)."""
-    for overlap, defer in ((True, False), (True, True), (False, True)):
-        art = artifacts(head_dim, diagonal_copy, pingpong=True, intra_wg_overlap=overlap, defer_o_update=defer)
+    for overlap in (True, False):
+        art = artifacts(head_dim, diagonal_copy, pingpong=True, intra_wg_overlap=overlap)
         spill_free = overlap == overlap_default(head_dim, diagonal_copy) or not overlap
         _check_artifacts(art, head_dim, spill_free=spill_free)
         if art.sass is not None:
             # the overlap issues S and P V back to back: one fewer WARPGROUP.ARRIVE (wgmma.fence)
-            # per loop iteration than the serial schedule's two; the deferred O update fences
-            # between them again (its FFMAs read the tile accumulator P V overwrites)
+            # per loop iteration than the serial schedule's two
             arrives = len(re.findall(r"WARPGROUP\.ARRIVE", art.sass))
-            assert arrives == (3 if overlap and not defer else 4), (overlap, defer, arrives)
+            assert arrives == (3 if overlap else 4), arrives
 
 
 @needs_dsl
