@@ -111,6 +111,7 @@ for stage in "$@"; do
       done ;;
     ds-orders) run ds_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=ds python3 perf/bench_fwd_breakdown.py ;;
     fwd-ablations) run fwd_ablations 300 env FLAMIA_CUTE_DISK_CACHE=0 python3 perf/experiments/fwd_ablations.py ${ABLATION_WORKLOADS:-} ;;
+    bwd-ablations) run bwd_ablations 300 env FLAMIA_CUTE_DISK_CACHE=0 python3 perf/experiments/bwd_ablations.py ${ABLATION_WORKLOADS:-} ;;
     fwd-orders) run fwd_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=fwd python3 perf/bench_fwd_breakdown.py ;;
     fwd-breakdown) run fwd_breakdown ${BREAKDOWN_SECONDS:-420} env OUT="$OUT" python3 perf/bench_fwd_breakdown.py ;;
     *) echo "unknown stage $stage" ;;

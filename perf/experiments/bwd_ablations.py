@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Where the bf16-dS backward kernel's tile time goes: time builds with one part of a tile step removed
+(outputs are WRONG; timing only, on the GPU), like fwd_ablations.py for the forward. Each ablation
+patches the traced code before its own compile (disk cache off, memory cache cleared).
+
+    FLAMIA_CUTE_DISK_CACHE=0 python perf/experiments/bwd_ablations.py [workload ...]
+
+Ablations (each against the full kernel in the same run):
+  no exp           P^T's exp2 -> one FMUL (no MUFU.EX2)
+  no P pack        P^T's dV fold not packed to e4m3 (the dV GEMM reads stale registers)
+  no dS            bf16(dS) -> a constant word: the dS math (dead then) and its conversion go;
+                   dK's A fragment and the shared dS tile get the constant
+  no dQ store      the dQ tile's stores to shared memory skipped (barriers and reduce-add stay)
+  all              the four together: GEMMs, pipelines, barriers, loads of the vectors
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Uint32
+
+import flamia_cute.attention_bwd_dsbf16_sm90 as bwd
+from flamia_cute.attention_bwd_sm90 import preprocess_bwd
+from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
+from flamia_cute.bench import DEFAULT_WORKLOADS, Case
+from flamia_cute.codes_sm90 import e4m3_codes_to_bf16
+from flamia_cute.compile_cache import clear_memory_cache
+from flamia_cute.cute_backend import quantize_operands
+from flamia_cute.schedules import causal_flops
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_fwd_breakdown import graph_ms  # noqa: E402
+
+REAL = {"exp2": cute.math.exp2, "pack": bwd.pack_a_fragment_e4m3, "cvt": bwd.cvt_bf16x2,
+        "store": bwd.FlamiaBwdDsBf16Sm90._store_dq_tile}
+
+
+def patch(no_exp=False, no_pack=False, no_ds=False, no_store=False):
+    cute.math.exp2 = (lambda x, fastmath=True: x * Float32(0.5)) if no_exp else REAL["exp2"]
+    bwd.pack_a_fragment_e4m3 = (lambda acc, out32: None) if no_pack else REAL["pack"]
+    bwd.cvt_bf16x2 = (lambda lo, hi: Uint32(0x3F803F80)) if no_ds else REAL["cvt"]
+    bwd.FlamiaBwdDsBf16Sm90._store_dq_tile = ((lambda self, *a: None) if no_store else REAL["store"])
+    clear_memory_cache()
+
+
+ABLATIONS = {
+    "full": {},
+    "no exp": {"no_exp": True},
+    "no P pack": {"no_pack": True},
+    "no dS": {"no_ds": True},
+    "no dQ store": {"no_store": True},
+    "all": {"no_exp": True, "no_pack": True, "no_ds": True, "no_store": True},
+}
+
+
+def main():
+    wl = json.loads(DEFAULT_WORKLOADS.read_text())["workloads"]
+    names = sys.argv[1:] or ["1x16k", "4x4k", "16x1k"]
+    for name in names:
+        case = Case(name, wl[name], 16, 16, 128, "cuda").build()
+        q, k, v, dout = case.sets[0]
+        qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, case.cu, 128, case.max_len)
+        out, lse = flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
+                                   kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale,
+                                   FwdConfig(128, diagonal_copy=True))
+        delta, doq, dv_ref = preprocess_bwd(dout, out, case.cu, dv_ref_group=1)
+        q_bf16 = e4m3_codes_to_bf16(qq.data_td, qq.scale)
+        flops = causal_flops(case.lengths, 16, 128, backward=True)
+        cfg = bwd.BwdDsBf16Config(128, diagonal_copy=True)
+        row = {"workload": name}
+        for label, flags in ABLATIONS.items():
+            patch(**flags)
+
+            def run():
+                bwd.flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
+                                                      case.scale, config=cfg, do_quantized=doq, delta=delta,
+                                                      dv_ref=dv_ref, q_bf16=q_bf16)
+            row[label] = ms = graph_ms(run)
+            row[f"TFLOP/s {label}"] = flops / (ms * 1e9)
+        patch()
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
