@@ -146,7 +146,9 @@ class FwdConfig:
     # Block-scaled off-diagonal tiles: exp2 of one in this many column groups (4 of a thread's 64
     # values per group of 16) by a degree-3 polynomial on the FMA pipe (sm90_device.exp2_poly)
     # instead of MUFU.EX2; 0: all on MUFU. ncu s9b: the two consumer warps of a scheduler shared its
-    # MUFU through a third of the tile time. P differs from MUFU's by <= 8.3e-5 relative there.
+    # MUFU through a third of the tile time. P differs from MUFU's by <= 8.3e-5 relative there (the
+    # backward recomputes P with MUFU: the two passes' P then differ by that much on those columns).
+    # Measured (s9c, s9e, s9g): 1 in 8 -0.6% geomean (+1.4% on 1x64k), 1 in 4 and more slower.
     exp2_poly_every: int = 0
 
     def __post_init__(self):
