@@ -16,6 +16,16 @@ if ! python3 -c "import flamia_cute.quant" 2>/dev/null; then
 fi
 run() { local name=$1 limit=$2; shift 2; echo "=== $name" | tee -a "$OUT/session.log"
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -40; echo "=== $name rc=${PIPESTATUS[0]}" | tee -a "$OUT/session.log"; }
+# ncu --set full of one kernel per workload: TAG (file names), REGEX (kernel name), WHAT (profile_kernels.py's
+# first argument), WORKLOAD...; the details page and the per-SASS-address stall samples come back
+ncu_kernel() { local tag=$1 regex=$2 what=$3; shift 3
+  for wl in "$@"; do
+    run ncu_${tag}_$wl 240 ncu -k regex:"$regex" --launch-skip 1 --launch-count 1 --set full --import-source no \
+      -o "$OUT/${tag}_$wl" -f python3 perf/profile_kernels.py "$what" "$wl"
+    ncu -i "$OUT/${tag}_$wl.ncu-rep" --page details > "$OUT/ncu_${tag}_${wl}_details.txt" 2>&1
+    ncu -i "$OUT/${tag}_$wl.ncu-rep" --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/ncu_${tag}_${wl}_sass.csv.gz"
+    rm -f "$OUT/${tag}_$wl.ncu-rep"
+  done; }
 for stage in "$@"; do
   case $stage in
     setup) nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used --format=csv | tee "$OUT/env.txt"
@@ -94,21 +104,9 @@ for stage in "$@"; do
         --section MemoryWorkloadAnalysis --metrics dram__bytes_read.sum,dram__bytes_write.sum \
         python3 perf/profile_kernels.py quant longtail32k ;;
     ncu-ds)  # where the bf16-dS backward kernel's time goes: one long and one short-document workload
-      for wl in ${NCU_WORKLOADS:-1x16k 16x1k}; do
-        run ncu_ds_$wl 240 ncu -k regex:'BwdDsBf16' --launch-skip 1 --launch-count 1 --set full --import-source no \
-          -o "$OUT/ds_$wl" -f python3 perf/profile_kernels.py bwd_dsbf16 "$wl"
-        ncu -i "$OUT/ds_$wl.ncu-rep" --page details > "$OUT/ncu_ds_${wl}_details.txt" 2>&1
-        ncu -i "$OUT/ds_$wl.ncu-rep" --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/ncu_ds_${wl}_sass.csv.gz"
-        rm -f "$OUT/ds_$wl.ncu-rep"
-      done ;;
+      ncu_kernel ds BwdDsBf16 bwd_dsbf16 ${NCU_WORKLOADS:-1x16k 16x1k} ;;
     ncu-fwd)  # where the forward kernel's time goes (stall samples per SASS address)
-      for wl in ${NCU_WORKLOADS:-1x16k}; do
-        run ncu_fwd_$wl 240 ncu -k regex:'FlamiaFwd' --launch-skip 1 --launch-count 1 --set full --import-source no \
-          -o "$OUT/fwd_$wl" -f python3 perf/profile_kernels.py fwd "$wl"
-        ncu -i "$OUT/fwd_$wl.ncu-rep" --page details > "$OUT/ncu_fwd_${wl}_details.txt" 2>&1
-        ncu -i "$OUT/fwd_$wl.ncu-rep" --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/ncu_fwd_${wl}_sass.csv.gz"
-        rm -f "$OUT/fwd_$wl.ncu-rep"
-      done ;;
+      ncu_kernel fwd FlamiaFwd fwd ${NCU_WORKLOADS:-1x16k} ;;
     ds-orders) run ds_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=ds python3 perf/bench_fwd_breakdown.py ;;
     fwd-ablations) run fwd_ablations 300 env FLAMIA_CUTE_DISK_CACHE=0 python3 perf/experiments/fwd_ablations.py ${ABLATION_WORKLOADS:-} ;;
     bwd-ablations) run bwd_ablations 300 env FLAMIA_CUTE_DISK_CACHE=0 python3 perf/experiments/bwd_ablations.py ${ABLATION_WORKLOADS:-} ;;
