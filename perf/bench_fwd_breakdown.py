@@ -200,7 +200,10 @@ def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
                        # the S^T/dP^T prefetch at d128: no spills since s8d's scale folding (1-4% slower, s7c)
                        ("prefetch", BwdDsBf16Config(128, diagonal_copy=True, prefetch_sdp=True,
                                                     dk_under_dq_store=False)),
-                       ("preload 8 vectors", BwdDsBf16Config(128, diagonal_copy=True, preload_vectors=8))):
+                       ("preload 8 vectors", BwdDsBf16Config(128, diagonal_copy=True, preload_vectors=8)),
+                       # dQ by the consumers' red.global.add.v2 from registers: no shared-memory tile
+                       # (the dQ stores were 22% of the 1x16k kernel in run s9g's ablation)
+                       ("dQ atomics", BwdDsBf16Config(128, diagonal_copy=True, dq_tma_reduce=False))):
         if DS_VARIANTS and label not in DS_VARIANTS:
             continue
 
