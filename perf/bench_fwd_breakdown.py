@@ -143,8 +143,9 @@ ONLY = os.environ.get("BREAKDOWN_ONLY", "")
 ONLY_DS = ONLY == "ds"
 # BREAKDOWN_ONLY=fwd: only the forward kernel's build variants (FWD_VARIANTS below)
 ONLY_FWD = ONLY == "fwd"
-# comma lists restricting the ds rows' variants and the workloads (short device runs)
-DS_VARIANTS = [v for v in os.environ.get("BREAKDOWN_DS_VARIANTS", "").split(",") if v]
+# comma lists restricting the variants (of either mode; the variable's name is older than the fwd
+# mode) and the workloads (short device runs)
+VARIANT_FILTER = [v for v in os.environ.get("BREAKDOWN_DS_VARIANTS", "").split(",") if v]
 WORKLOADS = [w for w in os.environ.get("BREAKDOWN_WORKLOADS", "").split(",") if w]
 
 
@@ -169,56 +170,53 @@ FWD_VARIANTS = {
 }
 
 
-def measure_fwd_variants(case, qq, kq, kt, vq, vt, row, flops):
-    """The forward kernel alone per build variant (BREAKDOWN_DS_VARIANTS restricts them too), each
-    variant's O against the default's."""
+def time_variants(row, prefix, variants, run, names, flops=None):
+    """Each (label, config) of `variants` (VARIANT_FILTER restricts them) timed alone into
+    row[f"{prefix}, {label}"] (and TFLOP/s when flops is given), and its outputs (run(cfg)'s first
+    len(names) tensors) against the first variant's: row[f"rel diff {name}, {label}"]. The tests
+    check each build against the emulator; this says how far the timed ones moved."""
     ref = None
-    for label, cfg in FWD_VARIANTS.items():
-        if DS_VARIANTS and label not in DS_VARIANTS:
+    for label, cfg in variants:
+        if VARIANT_FILTER and label not in VARIANT_FILTER:
             continue
-
-        def fn(cfg=cfg):
-            return flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
-                                   kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale, cfg)
-        row[f"fwd kernel, {label}"] = ms = graph_ms(fn)
-        row[f"TFLOP/s, {label}"] = flops / (ms * 1e9)
-        out = fn()[0].float()
+        row[f"{prefix}, {label}"] = ms = graph_ms(lambda cfg=cfg: run(cfg))
+        if flops is not None:
+            row[f"TFLOP/s, {label}"] = flops / (ms * 1e9)
+        outs = [t.float() for t in run(cfg)[:len(names)]]
         if ref is None:
-            ref = out
+            ref = outs
         else:
-            row[f"rel diff O, {label}"] = float((out - ref).norm() / ref.norm())
+            for name, o, r in zip(names, outs, ref, strict=True):
+                row[f"rel diff {name}, {label}"] = float((o - r).norm() / r.norm())
+
+
+def measure_fwd_variants(case, qq, kq, kt, vq, vt, row, flops):
+    """The forward kernel alone per build variant (FWD_VARIANTS), O against the default's."""
+    def run(cfg):
+        return flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
+                               kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale, cfg)
+    time_variants(row, "fwd kernel", FWD_VARIANTS.items(), run, ("O",), flops)
     return row
 
 
 def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
     dout, out, lse, delta, doq, dv_ref = backward_inputs(case, qq, kq, kt, vq, vt)
     q_bf16 = e4m3_codes_to_bf16(qq.data_td, qq.scale)  # what the host wrapper makes for q_bf16_source="tma"
-    ref = None
-    for label, cfg in (("default", BwdDsBf16Config(128, diagonal_copy=True)),
-                       ("dK with dQ", BwdDsBf16Config(128, diagonal_copy=True, dk_under_dq_store=False)),
-                       ("Q bf16 converted", BwdDsBf16Config(128, diagonal_copy=True, q_bf16_source="convert")),
-                       # the S^T/dP^T prefetch at d128: no spills since s8d's scale folding (1-4% slower, s7c)
-                       ("prefetch", BwdDsBf16Config(128, diagonal_copy=True, prefetch_sdp=True,
-                                                    dk_under_dq_store=False)),
-                       ("preload 8 vectors", BwdDsBf16Config(128, diagonal_copy=True, preload_vectors=8)),
-                       # dQ by the consumers' red.global.add.v2 from registers: no shared-memory tile
-                       # (the dQ stores were 22% of the 1x16k kernel in run s9g's ablation)
-                       ("dQ atomics", BwdDsBf16Config(128, diagonal_copy=True, dq_tma_reduce=False))):
-        if DS_VARIANTS and label not in DS_VARIANTS:
-            continue
+    variants = (("default", BwdDsBf16Config(128, diagonal_copy=True)),
+                ("dK with dQ", BwdDsBf16Config(128, diagonal_copy=True, dk_under_dq_store=False)),
+                ("Q bf16 converted", BwdDsBf16Config(128, diagonal_copy=True, q_bf16_source="convert")),
+                # the S^T/dP^T prefetch at d128: no spills since s8d's scale folding (1-4% slower, s7c)
+                ("prefetch", BwdDsBf16Config(128, diagonal_copy=True, prefetch_sdp=True, dk_under_dq_store=False)),
+                ("preload 8 vectors", BwdDsBf16Config(128, diagonal_copy=True, preload_vectors=8)),
+                # dQ by the consumers' red.global.add.v2 from registers: no shared-memory tile
+                # (the dQ stores were 22% of the 1x16k kernel in run s9g's ablation)
+                ("dQ atomics", BwdDsBf16Config(128, diagonal_copy=True, dq_tma_reduce=False)))
 
-        def fn(cfg=cfg):
-            return flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
-                                                     case.scale, config=cfg, do_quantized=doq, delta=delta,
-                                                     dv_ref=dv_ref, q_bf16=q_bf16)
-        row[f"dsbf16 bwd kernel, {label}"] = graph_ms(fn)
-        # each variant's gradients against the default's (the tests check each against the emulator)
-        grads = [g.float() for g in fn()]
-        if ref is None:
-            ref = grads
-        else:
-            for name, g, r in zip(("dq", "dk", "dv"), grads, ref, strict=True):
-                row[f"rel diff {name}, {label}"] = float((g - r).norm() / r.norm())
+    def run(cfg):
+        return flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
+                                                 case.scale, config=cfg, do_quantized=doq, delta=delta,
+                                                 dv_ref=dv_ref, q_bf16=q_bf16)
+    time_variants(row, "dsbf16 bwd kernel", variants, run, ("dq", "dk", "dv"))
     row["Q codes to bf16 (torch)"] = graph_ms(lambda: qq.data_td.to(torch.bfloat16))
     row["Q times sq to bf16 (codes_sm90)"] = graph_ms(lambda: e4m3_codes_to_bf16(qq.data_td, qq.scale))
     want = (qq.data_td.float() * qq.scale.t().unsqueeze(-1)).to(torch.bfloat16)
