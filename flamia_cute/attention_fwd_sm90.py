@@ -38,7 +38,7 @@ Self-attention only (cu_seqlens_q == cu_seqlens_k): the runtime entry takes one 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import cuda.bindings.driver as cuda
@@ -51,9 +51,10 @@ from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from . import recipes as _recipes
-from .compile_cache import compile_entry, launch_on_device
+from .compile_cache import compile_entry, launch_on_device, sm_count
 from .quant import transposed_tokens
 from .recipes import FOLD_DROP, FOLD_REF_MIN
+from .schedules.varlen_chunks import max_chunks
 from .sm90_device import (
     ARG_BF16,
     ARG_F8,
@@ -61,7 +62,9 @@ from .sm90_device import (
     ARG_I32,
     SHARED_SOURCE_FILES,
     cvt_bf16x2,
+    doc_chunk_cumsum,
     document_dt_start,
+    locate_tile,
     f32_bits,
     pack_a_fragment_e4m3,
     exp2_poly,
@@ -83,13 +86,20 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 P_SCALE = 256.0  # the recipe's fixed power-of-two P scale: P * 256 <= 256 < 448
 P_SCALE_LOG2 = math.log2(P_SCALE)  # exact: P_SCALE is a power of two
+# Persistent schedule: tile hand-off ring depth, the most documents whose chunk table fits in shared
+# memory (4 KB; more documents fall back to the one-CTA-per-tile launch), the table scan's barrier
+# (1 and 2 are the ping-pong's)
+SCHED_STAGES = 2
+PERSISTENT_MAX_DOCS = 1024
+SCAN_BARRIER = 3
 
 
 def smem_bytes(cfg) -> int:
     """Shared memory of one CTA (upper bound): Q tile, K and V stages, their scale vectors, the
     pin_softmax stores, barriers and alignment."""
-    tile = cfg.tile_m * cfg.head_dim
-    return tile + 2 * cfg.kv_stages * cfg.tile_n * cfg.head_dim + 2 * cfg.tile_n * 4 * cfg.kv_stages + 2048
+    tile = cfg.tile_m * cfg.head_dim * (2 if cfg.persistent else 1)
+    table = 4 * (PERSISTENT_MAX_DOCS + 1) + 64 if cfg.persistent else 0
+    return tile + 2 * cfg.kv_stages * cfg.tile_n * cfg.head_dim + 2 * cfg.tile_n * 4 * cfg.kv_stages + table + 2048
 
 
 def overlap_default(head_dim: int, diagonal_copy: bool) -> bool:
@@ -150,6 +160,11 @@ class FwdConfig:
     # backward recomputes P with MUFU: the two passes' P then differ by that much on those columns).
     # Measured (s9c, s9e, s9g): 1 in 8 -0.6% geomean (+1.4% on 1x64k), 1 in 4 and more slower.
     exp2_poly_every: int = 0
+    # One CTA per SM taking (document, head, query block) tiles from a global counter (schedules'
+    # order: documents, heads, blocks longest first), the next tile's Q, K, V loading while the
+    # current one finishes; two Q stages. False: one CTA per tile (the hardware schedules them).
+    # Documents beyond PERSISTENT_MAX_DOCS fall back to one CTA per tile.
+    persistent: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -185,11 +200,38 @@ class FwdConfig:
             bad("pin_softmax", "must be a bool")
         if not isinstance(self.drop_branch, bool):
             bad("drop_branch", "must be a bool")
+        if not isinstance(self.persistent, bool):
+            bad("persistent", "must be a bool")
 
 
 # ----------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------
+
+
+@cute.jit
+def publish_tile(pipe_t, sSched, t_state, m_block, head, doc):
+    """Persistent TMA warp: hand the next tile (m_block -1: no more) to the scale warp and consumers.
+    Every lane stores the same words and arrives (its own stores are then released)."""
+    pipe_t.producer_acquire(t_state)
+    sSched[0, t_state.index] = m_block
+    sSched[1, t_state.index] = head
+    sSched[2, t_state.index] = doc
+    pipe_t.producer_commit(t_state)
+    t_state.advance()
+    return t_state
+
+
+@cute.jit
+def read_tile(pipe_t, sSched, t_state):
+    """The scale warp's and consumers' side of publish_tile: (m_block, head, doc, next state)."""
+    pipe_t.consumer_wait(t_state)
+    m_block = sSched[0, t_state.index]
+    head = sSched[1, t_state.index]
+    doc = sSched[2, t_state.index]
+    pipe_t.consumer_release(t_state)
+    t_state.advance()
+    return m_block, head, doc, t_state
 
 
 class FlamiaFwdSm90:
@@ -207,6 +249,8 @@ class FlamiaFwdSm90:
         self.pingpong = config.pingpong
         self.overlap = config.intra_wg_overlap
         self.pin = config.pin_softmax
+        self.persistent = config.persistent
+        self.q_stages = 2 if config.persistent else 1
 
     @cute.jit
     def __call__(
@@ -224,11 +268,12 @@ class FlamiaFwdSm90:
         cu_ptr: cute.Pointer,
         o_ptr: cute.Pointer,
         lse_ptr: cute.Pointer,
+        sched_ptr: cute.Pointer,
         T: Int32,
         T_dt: Int32,
         num_kv_heads: Int32,
         num_docs: Int32,
-        max_m_blocks: Int32,
+        grid_x: Int32,
         scale_log2: Float32,
         stream: cuda.CUstream,
     ):
@@ -257,6 +302,7 @@ class FlamiaFwdSm90:
         mSKt = cute.make_tensor(skt_ptr, skl)
         mSVt = cute.make_tensor(svt_ptr, skl)
         mCu = cute.make_tensor(cu_ptr, cute.make_layout(num_docs + 1))
+        mSched = cute.make_tensor(sched_ptr, cute.make_layout(1))  # persistent: the tile counter
 
         K_MAJOR = OperandMajorMode.K
         qk_mma = sm90_utils.make_trivial_tiled_mma(
@@ -268,7 +314,7 @@ class FlamiaFwdSm90:
         )
         row_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
         # Q: two 64-row "stages", one per consumer warpgroup
-        sQ_layout = sm90_utils.make_smem_layout_a(row_major, (wm, tn, D), Float8E4M3FN, 2)
+        sQ_layout = sm90_utils.make_smem_layout_a(row_major, (wm, tn, D), Float8E4M3FN, 2 * self.q_stages)
         sK_layout = sm90_utils.make_smem_layout_b(row_major, (wm, tn, D), Float8E4M3FN, self.stages)
         sV_layout = sm90_utils.make_smem_layout_b(row_major, (wm, D, tn), Float8E4M3FN, self.stages)
 
@@ -284,10 +330,14 @@ class FlamiaFwdSm90:
         self.kv_bytes = tn * D
 
         stages = self.stages
+        q_stages = self.q_stages
+        persistent = self.persistent
+        # the persistent schedule's ring and document tables, last (a few unused words otherwise)
+        n_cum = PERSISTENT_MAX_DOCS + 1 if persistent else 4
 
         @cute.struct
         class SharedStorage:
-            q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            q_mbar: cute.struct.MemRange[cutlass.Int64, 2 * q_stages]
             k_mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             v_mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             s_mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
@@ -296,16 +346,23 @@ class FlamiaFwdSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sV_layout)], 1024]
+            t_mbar: cute.struct.MemRange[cutlass.Int64, 2 * SCHED_STAGES]
+            sSched: cute.struct.Align[cute.struct.MemRange[Int32, 4 * SCHED_STAGES], 16]
+            sWarp: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]
+            sCum: cute.struct.Align[cute.struct.MemRange[Int32, n_cum], 16]
+            sDt: cute.struct.Align[cute.struct.MemRange[Int32, n_cum], 16]
 
         self.shared_storage = SharedStorage
 
         self.kernel(
             qk_mma, pv_mma,
             tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
-            mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu,
+            mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched,
             sQ_layout, sK_layout, sV_layout, scale_log2,
         ).launch(
-            grid=[max_m_blocks, H, num_docs],  # query block fastest: see kernel()
+            # one CTA per (query block, head, document), query block fastest (see kernel()), or
+            # grid_x persistent CTAs
+            grid=[grid_x, 1, 1] if persistent else [grid_x, H, num_docs],
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -334,6 +391,7 @@ class FlamiaFwdSm90:
         mSKt: cute.Tensor,
         mSVt: cute.Tensor,
         mCu: cute.Tensor,
+        mSched: cute.Tensor,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -346,57 +404,133 @@ class FlamiaFwdSm90:
         # grid) was measured 20-31% slower on the H200 (1x64k 24.2 -> 31.7 ms): 16 heads' K/V
         # in flight at once no longer fit in L2 (perf/NOTES.md, session 3).
         bidx, head, doc = cute.arch.block_idx()
-        nblk_x, _, _ = cute.arch.grid_dim()
-        m_block = nblk_x - 1 - bidx
-        doc_start = mCu[doc]
-        doc_len = mCu[doc + 1] - doc_start
+        roles = (
+            qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
+            mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, scale_log2,
+        )
+        if cutlass.const_expr(self.persistent):
+            # tiles come from the scheduler (run_cta's producer warp): no tile of its own
+            self.run_cta(roles, Int32(0), Int32(0), Int32(0), Int32(0), Int32(0))
+        else:
+            nblk_x, _, _ = cute.arch.grid_dim()
+            m_block = nblk_x - 1 - bidx
+            doc_start = mCu[doc]
+            doc_len = mCu[doc + 1] - doc_start
+            # Whole CTA leaves before any barrier when the block lies past the document end
+            if m_block * tn < doc_len:
+                self.run_cta(roles, head, doc, doc_start, doc_len, m_block)
+
+    @cute.jit
+    def run_cta(self, roles, head, doc, doc_start, doc_len, m_block):
+        """Shared memory, pipelines and the warp roles of one CTA: the tile (head, doc, m_block), or
+        when persistent the scheduler's tiles."""
+        (qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
+         mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, scale_log2) = roles
+        tn = self.tile_n
+        tidx, _, _ = cute.arch.thread_idx()
         kv_head = head // self.group
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sScale = storage.sScale.get_tensor(cute.make_layout((2 * tn, self.stages)))
+        sPin = storage.sPin.get_tensor(cute.make_layout(256))
 
-        # Whole CTA leaves before any barrier when the block lies past the document end
-        if m_block * tn < doc_len:
-            n_tiles = m_block + 1  # key tiles 0..m_block; tiles past the diagonal are skipped
-            smem = cutlass.memory.SmemAllocator()
-            storage = smem.allocate(self.shared_storage)
-            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-            sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-            sScale = storage.sScale.get_tensor(cute.make_layout((2 * tn, self.stages)))
-            sPin = storage.sPin.get_tensor(cute.make_layout(256))
-
-            pipe_q = tma_pipeline(1, self.q_bytes, storage.q_mbar.data_ptr())
-            pipe_k = tma_pipeline(self.stages, self.kv_bytes, storage.k_mbar.data_ptr())
-            pipe_v = tma_pipeline(self.stages, self.kv_bytes, storage.v_mbar.data_ptr())
-            pipe_s = warp_pipeline(self.stages, storage.s_mbar.data_ptr())
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
-
-            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            wg_idx = cute.arch.make_warp_uniform(tidx // 128)
-
+        pipe_q = tma_pipeline(self.q_stages, self.q_bytes, storage.q_mbar.data_ptr())
+        pipe_k = tma_pipeline(self.stages, self.kv_bytes, storage.k_mbar.data_ptr())
+        pipe_v = tma_pipeline(self.stages, self.kv_bytes, storage.v_mbar.data_ptr())
+        pipe_s = warp_pipeline(self.stages, storage.s_mbar.data_ptr())
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        pipe_t = None
+        sSched = None
+        sCum = None
+        sDt = None
+        if cutlass.const_expr(self.persistent):
+            # tile hand-off from the TMA warp to the scale warp and the consumers (32 + 256 threads)
+            pipe_t = warp_pipeline(SCHED_STAGES, storage.t_mbar.data_ptr(), consumers=288)
+            sSched = storage.sSched.get_tensor(cute.make_layout((4, SCHED_STAGES)))
+            sCum = storage.sCum.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
+            sDt = storage.sDt.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
             if wg_idx == 0:
-                cute.arch.setmaxregister_decrease(self.regs_producer)
-                if warp_idx == 0:
-                    self.load_tma(
-                        tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
-                        sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-                        head, kv_head, doc_start, mCu, doc, m_block, n_tiles,
+                # each document's first chunk (locate_tile) and V^T column, by the producer warpgroup
+                sWarp = storage.sWarp.get_tensor(cute.make_layout((4, 2), stride=(2, 1)))
+                doc_chunk_cumsum(mCu, cute.size(mCu) - 1, sCum, sDt, sWarp, tidx, 128, SCAN_BARRIER, tn)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.regs_producer)
+            if warp_idx == 0:
+                tma_args = (tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, sQ, sK, sV, pipe_q, pipe_k, pipe_v)
+                if cutlass.const_expr(self.persistent):
+                    self.produce_tiles(tma_args, mCu, mSched, mO.shape[2], pipe_t, sSched, sCum, sDt)
+                else:
+                    states = (
+                        pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages),
+                        pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
+                        pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
                     )
-                if warp_idx == 1:
-                    self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, kv_head, doc_start, doc_len, m_block, n_tiles)
-            else:
-                cute.arch.setmaxregister_increase(self.regs_consumer)
-                self.consume(
-                    qk_mma, pv_mma, sQ, sK, sV, sScale, sPin, pipe_q, pipe_k, pipe_v, pipe_s,
-                    mO, mLSE, mSQ, scale_log2, head, doc_start, doc_len, m_block, n_tiles, wg_idx - 1,
-                )
+                    self.load_tma(*tma_args, states, head, kv_head, doc_start, mCu, doc, None, m_block)
+            if warp_idx == 1:
+                s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                if cutlass.const_expr(self.persistent):
+                    t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
+                    m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
+                    while m_block >= 0:
+                        doc_start = mCu[doc]
+                        s_state = self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, head // self.group,
+                                                   doc_start, mCu[doc + 1] - doc_start, m_block)
+                        m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
+                else:
+                    self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len, m_block)
+        else:
+            cute.arch.setmaxregister_increase(self.regs_consumer)
+            self.consume(
+                qk_mma, pv_mma, sQ, sK, sV, sScale, sPin, pipe_q, pipe_k, pipe_v, pipe_s,
+                mO, mLSE, mSQ, mCu, scale_log2, head, doc_start, doc_len, m_block, wg_idx - 1, pipe_t, sSched,
+            )
+
+    @cute.jit
+    def produce_tiles(self, tma_args, mCu, mSched, heads, pipe_t, sSched, sCum, sDt):
+        """Persistent TMA warp: take tiles (the first by CTA index, then from the global counter
+        mSched[0], which the host zeroes per call), publish each to the scale warp and consumers,
+        issue its loads; an end mark (block -1) when the counter passes the last tile."""
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        lane = cute.arch.lane_idx()
+        num_docs = cute.size(mCu) - 1
+        total = heads * sCum[num_docs]
+        states = (
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages),
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
+        )
+        t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
+        t = Int32(bidx)
+        while t < total:
+            doc, head, m_block = locate_tile(t, sCum, num_docs, heads)
+            t_state = publish_tile(pipe_t, sSched, t_state, m_block, head, doc)
+            states = self.load_tma(*tma_args, states, head, head // self.group, mCu[doc], mCu, doc, sDt[doc], m_block)
+            nxt = Int32(0)
+            if lane == 0:
+                nxt = cute.arch.atomic_add(mSched.iterator, Int32(1))
+            t = grid + cute.arch.shuffle_sync(nxt, 0)
+        publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0))
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def load_tma(
         self, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
-        sQ, sK, sV, pipe_q, pipe_k, pipe_v, head, kv_head, doc_start, mCu, doc, m_block, n_tiles,
+        sQ, sK, sV, pipe_q, pipe_k, pipe_v, states, head, kv_head, doc_start, mCu, doc, dt_start, m_block,
     ):
+        """Warp 0: TMA loads of query block m_block's Q and its key tiles, diagonal first. dt_start:
+        the document's first V^T column, or None to sum it from cu_seqlens here. Returns the (q, k,
+        v) pipeline states."""
         D, tn, wm = self.D, self.tile_n, self.wg_m
+        q_state, k_state, v_state = states
+        n_tiles = m_block + 1
         one = cute.make_layout(1)
         # document-local tiles: shift the token coordinate by the document start. Q and K are
         # token-major (the token is the outer, strided TMA coordinate: any start is fine); V^T's
@@ -415,13 +549,13 @@ class FlamiaFwdSm90:
             g = cute.local_tile(cute.domain_offset((0, dt_start), t[None, None, kv_head]), (D, tn), (0, None))
             return cute.nvgpu.cpasync.tma_partition(atom, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(g, 0, 2))
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_q.producer_acquire(q_state)
         for w in cutlass.range_constexpr(2):
-            cute.copy(tma_q, tQg[None, 2 * m_block + w], tQs[None, w], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-
-        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            slot = w
+            if cutlass.const_expr(self.persistent):
+                slot = w + 2 * q_state.index
+            cute.copy(tma_q, tQg[None, 2 * m_block + w], tQs[None, slot], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        q_state.advance()
         # diagonal K tile first: from the per-token copy when the recipe has block scales
         tKs, tKg = k_part(tma_k, tK)
         pipe_k.producer_acquire(k_state)
@@ -432,8 +566,9 @@ class FlamiaFwdSm90:
             cute.copy(tma_k, tKg[None, m_block], tKs[None, k_state.index], tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
         k_state.advance()
 
-        # The document's first V^T column, while the Q and K loads fly
-        dt_start = document_dt_start(mCu, doc)
+        if cutlass.const_expr(dt_start is None):
+            # The document's first V^T column, while the Q and K loads fly (persistent: from the table)
+            dt_start = document_dt_start(mCu, doc)
 
         tVs, tVg = v_part(tma_v, tV, dt_start)
         pipe_v.producer_acquire(v_state)
@@ -451,14 +586,16 @@ class FlamiaFwdSm90:
             pipe_v.producer_acquire(v_state)
             cute.copy(tma_v, tVg[None, n], tVs[None, v_state.index], tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
             v_state.advance()
+        return q_state, k_state, v_state
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def load_scales(self, mSK, mSV, mSKt, mSVt, sScale, pipe_s, kv_head, doc_start, doc_len, m_block, n_tiles):
-        """Warp 1: the K and V scales of each key tile into shared memory (0 past the document end)."""
+    def load_scales(self, mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len, m_block):
+        """Warp 1: the K and V scales of each key tile of query block m_block into shared memory (0
+        past the document end). Returns the pipeline state."""
         tn = self.tile_n
         lane = cute.arch.lane_idx()
-        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        n_tiles = m_block + 1
         for i in cutlass.range(n_tiles, unroll=1):
             n = m_block - i
             pipe_s.producer_acquire(s_state)
@@ -482,30 +619,31 @@ class FlamiaFwdSm90:
                 sScale[tn + col, s_state.index] = sv
             pipe_s.producer_commit(s_state)  # every lane arrives: releases its own stores
             s_state.advance()
+        return s_state
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def consume(
         self, qk_mma, pv_mma, sQ, sK, sV, sScale, sPin, pipe_q, pipe_k, pipe_v, pipe_s,
-        mO, mLSE, mSQ, scale_log2, head, doc_start, doc_len, m_block, n_tiles, wg,
+        mO, mLSE, mSQ, mCu, scale_log2, head, doc_start, doc_len, m_block, wg, pipe_t, sSched,
     ):
-        D, tn, wm = self.D, self.tile_n, self.wg_m
+        """The consumer warpgroups: one tile (head, doc, m_block), or when persistent every tile
+        the producer warp publishes in sSched until its end mark (the arguments are then unused)."""
+        tn, wm = self.tile_n, self.wg_m
         tidx, _, _ = cute.arch.thread_idx()
         ctid = tidx % 128
-        lane = cute.arch.lane_idx()
-        quad = lane % 4
         qk_thr = qk_mma.get_slice(ctid)
         pv_thr = pv_mma.get_slice(ctid)
-        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))  # (MMA, 1, D/32, 2)
+        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))  # (MMA, 1, D/32, 2 * q_stages)
         tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))  # (MMA, 1, D/32, stages)
         tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))  # (MMA, 1, 4, stages)
         acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((wm, tn)))  # ((2,2,16),1,1)
-        acc_t = pv_thr.make_fragment_C(pv_thr.partition_shape_C((wm, D)))  # this tile's P V
-        acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((wm, D)))  # running output
+        acc_t = pv_thr.make_fragment_C(pv_thr.partition_shape_C((wm, self.D)))  # this tile's P V
+        acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((wm, self.D)))  # running output
         tOrP = pv_thr.make_fragment_A(pv_thr.partition_shape_A((wm, tn)))  # ((4,2,2),1,4) e4m3
         tOrP32 = cute.recast_tensor(tOrP, Uint32)
         tScS = qk_thr.partition_C(cute.make_identity_tensor((wm, tn)))
-        n_acc_o = cute.size(acc_o)
+        frags = (tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS)
 
         # Rows of this thread: value index a = v0 + 2*v1 + 4*v2 (v1 picks the row g or g+8)
         row_in_blk = cute.make_rmem_tensor(cute.make_layout(2), Int32)
@@ -515,6 +653,47 @@ class FlamiaFwdSm90:
         # V-scale fold reference of the last kept tile; negative while the current tile is dropped
         r_run = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         c_pend = cute.make_rmem_tensor(cute.make_layout(2), Float32)  # overlap: deferred O rescale
+        rowst = (rs, m_run, l_run, r_run, c_pend)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        states = (q_state, k_state, v_state, s_state)
+        pipes = (pipe_q, pipe_k, pipe_v, pipe_s)
+        if cutlass.const_expr(not self.persistent):
+            self.consume_tile(
+                frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO, mLSE, mSQ, scale_log2,
+                head, doc_start, doc_len, m_block, wg,
+            )
+        else:
+            t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
+            m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
+            while m_block >= 0:
+                doc_start = mCu[doc]
+                # the MMA atoms are not loop-carried here: every GEMM sets its ACCUMULATE field first
+                states, _, _ = self.consume_tile(
+                    frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO, mLSE, mSQ,
+                    scale_log2, head, doc_start, mCu[doc + 1] - doc_start, m_block, wg,
+                )
+                m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
+
+    @cute.jit
+    def consume_tile(
+        self, frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO, mLSE, mSQ, scale_log2,
+        head, doc_start, doc_len, m_block, wg,
+    ):
+        """Query block m_block of one (document, head): the key tiles from the diagonal down, then the
+        epilogue. Returns the pipeline states and MMA atoms (loop-carried when persistent)."""
+        D, tn, wm = self.D, self.tile_n, self.wg_m
+        lane = cute.arch.lane_idx()
+        quad = lane % 4
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
+        rs, m_run, l_run, r_run, c_pend = rowst
+        pipe_q, pipe_k, pipe_v, pipe_s = pipes
+        q_state, k_state, v_state, s_state = states
+        n_tiles = m_block + 1  # key tiles 0..m_block; tiles past the diagonal are skipped
+        n_acc_o = cute.size(acc_o)
         for v1 in cutlass.range_constexpr(2):
             row = m_block * tn + wg * wm + tScS[2 * v1][0]
             row_in_blk[v1] = row
@@ -527,44 +706,47 @@ class FlamiaFwdSm90:
             r_run[v1] = Float32(0.0)  # no kept tile yet (see softmax: the fold reference)
         acc_o.fill(0.0)
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         pipe_q.consumer_wait(q_state)
+        q_slot = wg
+        if cutlass.const_expr(self.persistent):
+            q_slot = wg + 2 * q_state.index
 
         if cutlass.const_expr(self.pingpong):
             # warpgroup 0 issues first: warpgroup 1 pre-arrives on warpgroup 0's barrier
             if wg == 1:
                 cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
 
-        frags = (tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS)
-        rowst = (rs, m_run, l_run, r_run, c_pend)
         if cutlass.const_expr(self.overlap):
             # Intra-warpgroup overlap (FA3): S of tile n+1 and P V of tile n are issued together,
             # then the softmax of tile n+1 runs while the tensor cores work on both.
             # the diagonal tile: S, softmax, P (its P V is issued with the next tile's S)
             k_state, s_state = self.s_softmax_p(
-                True, m_block, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len, wg,
+                True, m_block, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len, wg, q_slot,
             )
             for i in cutlass.range(1, n_tiles, unroll=1):
                 # the MMA atoms carry their ACCUMULATE field as staged state: rebinding them here
                 # makes them loop-carried, so the epilogue's GEMM may use them after the loop
                 k_state, v_state, s_state, qk_mma, pv_mma = self.overlap_step(
                     m_block - i, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s,
-                    k_state, v_state, s_state, doc_len, wg,
+                    k_state, v_state, s_state, doc_len, wg, q_slot,
                 )
+            if cutlass.const_expr(self.persistent):
+                pipe_q.consumer_release(q_state)  # every S GEMM of the tile is done: the next Q may land
+                q_state.advance()
             v_state = self.overlap_epilogue(frags, rowst, pv_mma, pipe_v, v_state, wg)
         else:
             k_state, v_state, s_state = self.tile_step(
                 True, m_block, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
-                k_state, v_state, s_state, doc_len, wg,
+                k_state, v_state, s_state, doc_len, wg, q_slot,
             )
             for i in cutlass.range(1, n_tiles, unroll=1):
                 k_state, v_state, s_state = self.tile_step(
                     False, m_block - i, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
-                    k_state, v_state, s_state, doc_len, wg,
+                    k_state, v_state, s_state, doc_len, wg, q_slot,
                 )
+            if cutlass.const_expr(self.persistent):
+                pipe_q.consumer_release(q_state)
+                q_state.advance()
 
         if cutlass.const_expr(self.pingpong):
             # consume warpgroup 1's last arrive (it arrives once more than warpgroup 0 waits)
@@ -607,17 +789,18 @@ class FlamiaFwdSm90:
                 ow = quad_transpose4(w, odd_lane, hi_lane, shfl_xor, sel)
                 if row < doc_len:
                     st_global_v4(row_addr + 64 * G, ow)
-
+        return (q_state, k_state, v_state, s_state), qk_mma, pv_mma
     # ------------------------------------------------------------------------------------------
     # Tile phases. Both schedules run the same phases on the same data; only the order of
     # independent work differs, so P, the row statistics and O are the same numbers.
     @cute.jit
-    def gemm_qk(self, qk_mma, frags, k_state, wg):
-        """Issue S = Q K^T for the K tile in stage k_state (async; the caller commits)."""
+    def gemm_qk(self, qk_mma, frags, k_state, q_slot):
+        """Issue S = Q K^T for the K tile in stage k_state (async; the caller commits). q_slot: this
+        warpgroup's 64 Q rows in sQ (the warpgroup index, plus 2 per Q stage when persistent)."""
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         for k in cutlass.range_constexpr(self.D // 32):
             qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(qk_mma, acc_s, tSrQ[None, None, k, wg], tSrK[None, None, k, k_state.index], acc_s)
+            cute.gemm(qk_mma, acc_s, tSrQ[None, None, k, q_slot], tSrK[None, None, k, k_state.index], acc_s)
 
     @cute.jit
     def gemm_pv(self, pv_mma, frags, v_state):
@@ -780,11 +963,11 @@ class FlamiaFwdSm90:
     @cute.jit
     def tile_step(
         self, diag: cutlass.Constexpr, n, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
-        k_state, v_state, s_state, doc_len, wg,
+        k_state, v_state, s_state, doc_len, wg, q_slot,
     ):
         """One key tile n, serially: S, softmax, P, P V. diag: the diagonal tile (first)."""
         k_state, s_state = self.s_softmax_p(diag, n, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state,
-                                            doc_len, wg)
+                                            doc_len, wg, q_slot)
 
         # ---- O_tile = P V in a fresh accumulator, promoted into the fp32 running output
         pipe_v.consumer_wait(v_state)
@@ -823,14 +1006,14 @@ class FlamiaFwdSm90:
     @cute.jit
     def s_softmax_p(
         self, diag: cutlass.Constexpr, n, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len,
-        wg,
+        wg, q_slot,
     ):
         """S = Q K^T for key tile n, its online softmax (log2 domain) and P cast to the A registers
         with the V scale folded in; the factor c for O goes to c_pend (applied when P V lands)."""
         pipe_k.consumer_wait(k_state)
         self.wait_turn(wg)
         warpgroup.fence()
-        self.gemm_qk(qk_mma, frags, k_state, wg)
+        self.gemm_qk(qk_mma, frags, k_state, q_slot)
         warpgroup.commit_group()
         self.pass_turn(wg)  # the other warpgroup may issue its GEMMs while this one does the softmax
         pipe_s.consumer_wait(s_state)
@@ -846,7 +1029,7 @@ class FlamiaFwdSm90:
     @cute.jit
     def overlap_step(
         self, n, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s,
-        k_state, v_state, s_state, doc_len, wg,
+        k_state, v_state, s_state, doc_len, wg, q_slot,
     ):
         """Overlap schedule, off-diagonal tile n: issue S_n and P_prev V_prev, softmax of S_n
         while P V runs, then O = O * c_prev + O_tile(prev) and P_n."""
@@ -856,7 +1039,7 @@ class FlamiaFwdSm90:
         pipe_v.consumer_wait(v_state)
         self.wait_turn(wg)
         warpgroup.fence()
-        self.gemm_qk(qk_mma, frags, k_state, wg)
+        self.gemm_qk(qk_mma, frags, k_state, q_slot)
         warpgroup.commit_group()
         self.gemm_pv(pv_mma, frags, v_state)
         warpgroup.commit_group()
@@ -908,8 +1091,8 @@ _F8, _F32, _I32, _BF16 = ARG_F8, ARG_F32, ARG_I32, ARG_BF16
 # The runtime entry's parameters (FlamiaFwdSm90.__call__) for compile_cache.compile_launcher
 ARG_KINDS = (
     _F8, _F32, _F8, _F32, _F8, _F32, _F8, _F32, _F8, _F32,  # q, sq, k, sk, v, sv, k_tok, sk_tok, v_tok, sv_tok
-    _I32, _BF16, _F32,  # cu_seqlens, out, lse
-    ("i32",), ("i32",), ("i32",), ("i32",), ("i32",), ("f32",),  # T, T_dt, Hk, num_docs, max_m_blocks, scale
+    _I32, _BF16, _F32, _I32,  # cu_seqlens, out, lse, tile counter (persistent; else any int32 pointer)
+    ("i32",), ("i32",), ("i32",), ("i32",), ("i32",), ("f32",),  # T, T_dt, Hk, num_docs, grid_x, scale
     ("stream",),
 )
 
@@ -975,6 +1158,9 @@ def flamia_fwd_sm90(
     """
     T, H, D = q_td.shape
     Hk = k_td.shape[1]
+    num_docs = cu_seqlens.numel() - 1
+    if config.persistent and num_docs > PERSISTENT_MAX_DOCS:
+        config = replace(config, persistent=False)  # the chunk table would not fit in shared memory
     if D != config.head_dim or H != Hk * config.qhead_per_kvhead:
         raise ValueError(f"shapes (H={H}, Hk={Hk}, D={D}) do not match {config}")
     if not config.diagonal_copy or k_tok_td is None:
@@ -990,7 +1176,6 @@ def flamia_fwd_sm90(
                    ("sk_tok", sk_tok, (Hk, T), torch.float32), ("sv_tok", sv_tok, (Hk, T), torch.float32)]
     dev = q_td.device
     check_kernel_tensors(checks, dev)
-    num_docs = cu_seqlens.numel() - 1
     if T_dt != transposed_tokens(T, num_docs):
         raise ValueError(f"v_dt's token dim must be transposed_tokens(T, num_docs) = "
                          f"{transposed_tokens(T, num_docs)}, got {T_dt}")
@@ -1013,10 +1198,18 @@ def flamia_fwd_sm90(
     if H > 65535 or num_docs > 65535:
         raise ValueError(f"grid too large: {H} query heads of q or {num_docs} documents of cu_seqlens "
                          "(at most 65535 each)")
+    if config.persistent:
+        # the tile counter starts at 0 every call (one per call: no state shared between streams)
+        counter = torch.zeros(1, dtype=torch.int32, device=dev)
+        sched_ptr = counter.data_ptr()
+        grid_x = min(sm_count(dev), H * min(max_chunks(T, num_docs), num_docs * max_m_blocks))
+    else:
+        sched_ptr = cu.data_ptr()  # unused
+        grid_x = max_m_blocks
     launch_on_device(
         get_launcher(config), dev,
         q_td.data_ptr(), sq.data_ptr(), k_td.data_ptr(), sk.data_ptr(), v_dt.data_ptr(), sv.data_ptr(),
         k_tok_td.data_ptr(), sk_tok.data_ptr(), v_tok_dt.data_ptr(), sv_tok.data_ptr(), cu.data_ptr(),
-        out.data_ptr(), lse.data_ptr(), T, T_dt, Hk, num_docs, max_m_blocks, float(softmax_scale * LOG2E),
+        out.data_ptr(), lse.data_ptr(), sched_ptr, T, T_dt, Hk, num_docs, grid_x, float(softmax_scale * LOG2E),
     )
     return out, lse

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import os
@@ -343,6 +344,20 @@ def compile_entry(op: Any, arg_kinds: tuple, arch: str, extra_options: str = "",
     if tvm_ffi:
         options += " --enable-tvm-ffi"
     return cute.compile(op, *fake_args(arg_kinds), options=options)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached): the persistent kernels' CTA count."""
+    import torch
+
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def launch_on_device(launch: Callable[..., Any], device, *args) -> None:

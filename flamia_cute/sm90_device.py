@@ -311,12 +311,13 @@ def tma_pipeline(stages: int, tx_bytes: int, barrier_ptr):
     )
 
 
-def warp_pipeline(stages: int, barrier_ptr):
-    """Shared-memory ring filled by one producer warp's stores, read by the 256 consumer threads."""
+def warp_pipeline(stages: int, barrier_ptr, consumers: int = 256):
+    """Shared-memory ring filled by one producer warp's stores, read by `consumers` threads (the
+    two consumer warpgroups by default)."""
     return pipeline.PipelineAsync.create(
         num_stages=stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 256),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
         barrier_storage=barrier_ptr, defer_sync=True,
     )
 
@@ -336,3 +337,77 @@ def document_dt_start(mCu: cute.Tensor, doc):
     for sh in cutlass.range_constexpr(5):
         dt_start = dt_start + cute.arch.shuffle_sync_bfly(dt_start, offset=16 >> sh)
     return dt_start
+
+
+@cute.jit
+def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Tensor, sWarp: cute.Tensor, tid,
+                     threads: cutlass.Constexpr, barrier_id: cutlass.Constexpr, tile: cutlass.Constexpr):
+    """Per-document tables in shared memory, for d in 0..num_docs: sCum[d] = sum over documents
+    b < d of ceil(len_b / tile) (chunks), sDt[d] = document d's first data_dt column (the same sum
+    of lengths rounded up to DT_DOC_ALIGN: quant.dt_cu_seqlens).
+
+    Run by `threads` threads (tid in 0..threads-1, whole warps) that meet at named barrier
+    `barrier_id`; the caller syncs before anyone reads the tables. Thread t owns documents
+    [t*k, t*k + k): a serial sum, a warp scan (shfl.up), the warp totals through sWarp (2 per warp).
+    """
+    align = _quant_layout.DT_DOC_ALIGN
+    lane = tid % 32
+    warp = tid // 32
+    k = (num_docs + threads - 1) // threads
+    d0 = tid * k
+    my_c = Int32(0)
+    my_p = Int32(0)
+    for i in cutlass.range(k, unroll=1):
+        b = d0 + i
+        if b < num_docs:
+            n = mCu[b + 1] - mCu[b]
+            my_c = my_c + (n + (tile - 1)) // tile
+            my_p = my_p + ((n + (align - 1)) & -align)
+    inc_c = my_c
+    inc_p = my_p
+    for sh in cutlass.range_constexpr(5):
+        up_c = cute.arch.shuffle_sync_up(inc_c, offset=1 << sh)
+        up_p = cute.arch.shuffle_sync_up(inc_p, offset=1 << sh)
+        inc_c = inc_c + select(lane >= (1 << sh), up_c, Int32(0))
+        inc_p = inc_p + select(lane >= (1 << sh), up_p, Int32(0))
+    if lane == 31:
+        sWarp[warp, 0] = inc_c
+        sWarp[warp, 1] = inc_p
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+    run_c = inc_c - my_c
+    run_p = inc_p - my_p
+    for w in cutlass.range_constexpr(threads // 32):
+        run_c = run_c + select(warp > w, sWarp[w, 0], Int32(0))
+        run_p = run_p + select(warp > w, sWarp[w, 1], Int32(0))
+    if tid == 0:
+        sCum[0] = Int32(0)
+        sDt[0] = Int32(0)
+    for i in cutlass.range(k, unroll=1):
+        b = d0 + i
+        if b < num_docs:
+            n = mCu[b + 1] - mCu[b]
+            run_c = run_c + (n + (tile - 1)) // tile
+            run_p = run_p + ((n + (align - 1)) & -align)
+            sCum[b + 1] = run_c
+            sDt[b + 1] = run_p
+
+
+@cute.jit
+def locate_tile(t, sCum: cute.Tensor, num_docs, heads):
+    """Tile t of the persistent order -> (document, head, block): documents in order, the heads of a
+    document next (a GQA group's query heads together, so its K/V stay in L2), then the document's
+    query blocks from the last (longest causal row) to the first. sCum: doc_chunk_cumsum's table.
+    The document is the last d with heads * sCum[d] <= t (empty documents are passed over)."""
+    lo = Int32(0)
+    hi = Int32(num_docs)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if heads * sCum[mid] <= t:
+            lo = mid
+        else:
+            hi = mid
+    nblk = sCum[lo + 1] - sCum[lo]
+    local = t - heads * sCum[lo]
+    head = local // nblk
+    block = nblk - 1 - (local - head * nblk)
+    return lo, head, block

@@ -66,3 +66,39 @@ def causal_flops(lengths, heads: int, head_dim: int, backward: bool = False) -> 
     """Total causal attention FLOPs of a document mix (the FLOP floor's numerator)."""
     pairs = sum(n * (n + 1) // 2 for n in lengths)
     return pairs * heads * head_dim * (10 if backward else 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# The persistent forward's tile order (flamia_cute.attention_fwd_sm90, FwdConfig.persistent), in Python
+# ----------------------------------------------------------------------------------------------
+
+
+def chunk_table(lengths, tile: int = 128) -> list[int]:
+    """cum[d] = chunks of documents before d (len num_docs + 1): sm90_device.doc_chunk_cumsum's table."""
+    cum = [0]
+    for n in lengths:
+        cum.append(cum[-1] + (n + tile - 1) // tile)
+    return cum
+
+
+def persistent_order(lengths, heads: int, tile: int = 128) -> list[tuple[int, int, int]]:
+    """(document, head, query block) of every tile in the order the persistent CTAs take them:
+    documents in order, then heads, then the document's blocks from the last (the longest causal
+    row) to the first."""
+    return [(d, h, b) for d, n in enumerate(lengths) for h in range(heads)
+            for b in reversed(range((n + tile - 1) // tile))]
+
+
+def locate_tile_model(t: int, cum: list[int], heads: int) -> tuple[int, int, int]:
+    """Tile t -> (document, head, block) by the binary search of sm90_device.locate_tile."""
+    lo, hi = 0, len(cum) - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if heads * cum[mid] <= t:
+            lo = mid
+        else:
+            hi = mid
+    nblk = cum[lo + 1] - cum[lo]
+    local = t - heads * cum[lo]
+    head = local // nblk
+    return lo, head, nblk - 1 - (local - head * nblk)

@@ -33,6 +33,7 @@ try:
     import cutlass  # noqa: F401
 
     from flamia_cute.attention_fwd_sm90 import (
+        PERSISTENT_MAX_DOCS,
         FwdConfig,
         flamia_fwd_sm90,
         kernel_artifacts,
@@ -97,6 +98,9 @@ VARIANTS = {
     "selects_always_serial": {"drop_branch": False, "intra_wg_overlap": False},
     "serial_max": {"max_chains": 1},  # the softmax's row max as one FMNMX chain (sessions 1-8)
     "max_chains8_pinned": {"max_chains": 8, "pin_softmax": True},
+    "persistent": {"persistent": True},
+    "persistent_serial": {"persistent": True, "intra_wg_overlap": False},
+    "persistent_pingpong": {"persistent": True, "pingpong": True},
     "exp2_poly3": {"exp2_poly_every": 3},  # a third of the off-diagonal exp2s on the FMA pipe
     "exp2_poly1": {"exp2_poly_every": 1},  # all of them: the polynomial everywhere it runs
 }
@@ -157,6 +161,35 @@ def test_dt_start_scan_model():
             assert lanes == [ref[doc]] * 32, (nd, doc)
 
 
+def test_persistent_tile_order_model():
+    """The persistent forward's chunk table (one thread scan over 128 threads, each owning a run of
+    documents) and its binary search cover every (document, head, block) once, in schedules' order."""
+    import random
+
+    from flamia_cute.schedules.varlen_tiles import chunk_table, locate_tile_model, persistent_order
+
+    rng = random.Random(5)
+    for nd in (1, 2, 3, 127, 128, 129, 300, 1024):
+        lengths = [rng.choice([0, 1, 127, 128, 129, 1000, rng.randint(0, 3000)]) for _ in range(nd)]
+        for heads in (1, 3, 16):
+            # doc_chunk_cumsum as 128 threads: thread t sums documents [t*k, t*k + k), exclusive scan
+            k = (nd + 127) // 128
+            sums = [sum((n + 127) // 128 for n in lengths[t * k:(t + 1) * k]) for t in range(128)]
+            cum, run, dt, run_p = [0], 0, [0], 0
+            for t in range(128):
+                for n in lengths[t * k:(t + 1) * k]:
+                    run += (n + 127) // 128
+                    run_p += (n + DT_DOC_ALIGN - 1) & -DT_DOC_ALIGN
+                    cum.append(run)
+                    dt.append(run_p)
+                assert run == sum(sums[:t + 1])
+            assert cum == chunk_table(lengths)
+            assert dt == dt_cu_seqlens(cu_seqlens_from_lengths(lengths)).tolist()
+            order = persistent_order(lengths, heads)
+            assert len(order) == heads * cum[-1] == len(set(order))
+            assert [locate_tile_model(t, cum, heads) for t in range(len(order))] == order
+
+
 # ----------------------------------------------------------------------------------------------
 # CPU: sm_90a compile, PTX and SASS evidence
 # ----------------------------------------------------------------------------------------------
@@ -199,6 +232,20 @@ def test_overlap_variants_compile(artifacts, head_dim, diagonal_copy):
             # per loop iteration than the serial schedule's two
             arrives = len(re.findall(r"WARPGROUP\.ARRIVE", art.sass))
             assert arrives == (3 if overlap else 4), arrives
+
+
+@needs_dsl
+@pytest.mark.parametrize("head_dim, diagonal_copy", _configs())
+def test_persistent_variant_compiles(artifacts, head_dim, diagonal_copy):
+    """The persistent build: the same fp8 wgmma and epilogue, no spills, tiles from a global atomic
+    counter, an mbarrier hand-off ring; the one-tile build has neither."""
+    for overlap in (True, False):
+        if overlap and not overlap_default(head_dim, diagonal_copy):
+            continue  # the per-token recipe's overlapped schedule spills in either build
+        art = artifacts(head_dim, diagonal_copy, persistent=True, intra_wg_overlap=overlap)
+        _check_artifacts(art, head_dim)
+        assert len(re.findall(r"atom\.global\.add\.u32|atom\.add\.u32|atom\.global\.add\.s32", art.ptx)) == 1
+    assert not re.search(r"\batom\.(global\.)?add\.[us]32", artifacts(head_dim, diagonal_copy).ptx)
 
 
 @needs_dsl
@@ -612,7 +659,7 @@ def test_gpu_matches_emulator(recipe, head_dim, H, Hk, variant):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("variant", ["default", "overlap", "serial"])
+@pytest.mark.parametrize("variant", ["default", "overlap", "serial", "persistent"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("lengths", [[8, 300], [4, 300], [1, 127], [300, 300], [16, 300], [3, 5, 7, 200, 129]])
 def test_gpu_unaligned_document_starts(recipe, lengths, variant):
@@ -638,11 +685,22 @@ def test_gpu_zero_v_tiles(recipe, variant):
 
 @pytest.mark.gpu
 @needs_dsl
+@pytest.mark.parametrize("variant", ["default", "persistent"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_gpu_many_documents(recipe):
-    """More than 32 documents before some CTAs' own: the TMA warp's start-column scan loops."""
-    lengths = [(37 * i) % 301 for i in range(75)]  # zero-length and unaligned documents included
-    _check_gpu(lengths, recipe, 64, 2, 1, seed=6)
+def test_gpu_many_documents(recipe, variant):
+    """More than 32 documents before some CTAs' own: the TMA warp's start-column scan loops (and
+    the persistent chunk table's threads own several documents each)."""
+    lengths = [(37 * i) % 301 for i in range(300)]  # zero-length and unaligned documents included
+    _check_gpu(lengths, recipe, 64, 2, 1, seed=6, variant=variant)
+
+
+@pytest.mark.gpu
+@needs_dsl
+def test_gpu_persistent_beyond_the_document_table():
+    """More documents than the persistent chunk table holds: the launch falls back to one CTA per
+    tile (same numbers as the emulator)."""
+    lengths = [(13 * i) % 40 for i in range(PERSISTENT_MAX_DOCS + 7)]
+    _check_gpu(lengths, "fp8_tokenblock", 64, 2, 1, seed=8, variant="persistent")
 
 
 @pytest.mark.gpu
@@ -659,7 +717,7 @@ def test_gpu_single_long_document(variant, recipe):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("variant", ["default", "overlap", "serial"])
+@pytest.mark.parametrize("variant", ["default", "overlap", "serial", "persistent", "persistent_serial"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_gpu_leakage(recipe, variant):
     q, k, v, _, cu, scale = make_inputs([300, 700, 129, 1], heads_q=4, heads_kv=2, head_dim=128, seed=7)
@@ -677,7 +735,7 @@ def test_gpu_leakage(recipe, variant):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("variant", ["default", "overlap"])
+@pytest.mark.parametrize("variant", ["default", "overlap", "persistent"])
 def test_gpu_empty_and_tiny_batches(variant):
     for lengths in ([0, 1], [1], [0, 0, 5]):
         q, k, v, _, cu, scale = make_inputs(lengths, heads_q=2, heads_kv=2, head_dim=64, seed=2, device="cuda")
