@@ -10,6 +10,7 @@ document length, both known on the host without a sync).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -70,20 +71,22 @@ def fwd_space(head_dim: int, group: int, diagonal_copy: bool):
     keep, pruned = [], []
     base = FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
     keep.append((base, "default"))
-    for stages in (2, 3, 4):
-        for pingpong in (True, False):
-            for overlap in (True, False):
-                # pin_softmax only changes the overlapped schedule; elsewhere it stays the default's
-                for pin in (True, False) if overlap else (base.pin_softmax,):
-                    cfg = FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy,
-                                    kv_stages=stages, pingpong=pingpong, intra_wg_overlap=overlap, pin_softmax=pin)
-                    if cfg == base:
-                        continue
-                    smem = smem_bytes(cfg)
-                    if overlap and not diagonal_copy:
-                        pruned.append((cfg, "spills: the per-token recipe's overlapped schedule needs > 240 registers"))
-                    else:
-                        (keep if smem <= SMEM_LIMIT_SM90 else pruned).append((cfg, f"smem {smem} B"))
+    for stages, pingpong, overlap, persistent in itertools.product((2, 3, 4), (True, False), (True, False),
+                                                                  (True, False)):
+        if not persistent and stages != 2:
+            continue  # one CTA per tile: measured slower everywhere (run s10a); its base shapes only
+        # pin_softmax only changes the overlapped schedule; elsewhere it stays the default's
+        for pin in (True, False) if overlap else (base.pin_softmax,):
+            cfg = FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy,
+                            kv_stages=stages, pingpong=pingpong, intra_wg_overlap=overlap, pin_softmax=pin,
+                            persistent=persistent)
+            if cfg == base:
+                continue
+            smem = smem_bytes(cfg)
+            if overlap and not diagonal_copy:
+                pruned.append((cfg, "spills: the per-token recipe's overlapped schedule needs > 240 registers"))
+            else:
+                (keep if smem <= SMEM_LIMIT_SM90 else pruned).append((cfg, f"smem {smem} B"))
     return keep, pruned
 
 
@@ -200,7 +203,7 @@ def config_fields(kernel: str, cfg) -> dict:
     if kernel == "quant":
         return {"raster": cfg.raster, "min_ctas_per_sm": cfg.min_ctas_per_sm,
                 "heads_per_cta": [p.heads_per_cta for p in cfg.parts]}
-    names = {"fwd": ("kv_stages", "pingpong", "intra_wg_overlap", "pin_softmax"),
+    names = {"fwd": ("kv_stages", "pingpong", "intra_wg_overlap", "pin_softmax", "persistent"),
              "bwd": ("q_stages", "qt_stages", "vec_stages", "raster"),
              "bwd_dsbf16": ("q_stages", "vec_stages", "dq_tma_reduce", "prefetch_sdp", "exp_under_dp", "raster",
                             "q_bf16_source", "dk_under_dq_store")}
@@ -214,6 +217,7 @@ def config_from_fields(kernel: str, default, fields: dict):
         hgs = fields.pop("heads_per_cta")
         parts = tuple(dataclasses.replace(p, heads_per_cta=h) for p, h in zip(default.parts, hgs, strict=True))
         return dataclasses.replace(default, parts=parts, **fields)
+    # fwd records from before session 10 lack "persistent": they take the (faster) default
     if kernel == "bwd_dsbf16":  # records from before session 8's fields: their automatic choices
         fields = {"q_bf16_source": None, "dk_under_dq_store": None, **fields}
     return dataclasses.replace(default, **fields)

@@ -167,8 +167,7 @@ FWD_VARIANTS = {
     "exp2 poly 1/8": FwdConfig(128, diagonal_copy=True, exp2_poly_every=8),
     "pinned softmax": FwdConfig(128, diagonal_copy=True, pin_softmax=True),
     "3 kv stages": FwdConfig(128, diagonal_copy=True, kv_stages=3),
-    "persistent": FwdConfig(128, diagonal_copy=True, persistent=True),
-    "persistent 3 kv stages": FwdConfig(128, diagonal_copy=True, persistent=True, kv_stages=3),
+    "per-tile launch": FwdConfig(128, diagonal_copy=True, persistent=False),  # sessions 1-9's default
 }
 
 

@@ -98,9 +98,9 @@ VARIANTS = {
     "selects_always_serial": {"drop_branch": False, "intra_wg_overlap": False},
     "serial_max": {"max_chains": 1},  # the softmax's row max as one FMNMX chain (sessions 1-8)
     "max_chains8_pinned": {"max_chains": 8, "pin_softmax": True},
-    "persistent": {"persistent": True},
-    "persistent_serial": {"persistent": True, "intra_wg_overlap": False},
-    "persistent_pingpong": {"persistent": True, "pingpong": True},
+    "per_tile": {"persistent": False},  # one CTA per tile (sessions 1-9)
+    "per_tile_serial": {"persistent": False, "intra_wg_overlap": False},
+    "per_tile_pingpong": {"persistent": False, "pingpong": True},
     "exp2_poly3": {"exp2_poly_every": 3},  # a third of the off-diagonal exp2s on the FMA pipe
     "exp2_poly1": {"exp2_poly_every": 1},  # all of them: the polynomial everywhere it runs
 }
@@ -237,15 +237,17 @@ def test_overlap_variants_compile(artifacts, head_dim, diagonal_copy):
 @needs_dsl
 @pytest.mark.parametrize("head_dim, diagonal_copy", _configs())
 def test_persistent_variant_compiles(artifacts, head_dim, diagonal_copy):
-    """The persistent build: the same fp8 wgmma and epilogue, no spills, tiles from a global atomic
-    counter, an mbarrier hand-off ring; the one-tile build has neither."""
+    """The persistent build (the default): the same fp8 wgmma and epilogue, no spills, tiles from one
+    global atomic counter; the one-CTA-per-tile build the same without the counter."""
     for overlap in (True, False):
         if overlap and not overlap_default(head_dim, diagonal_copy):
             continue  # the per-token recipe's overlapped schedule spills in either build
-        art = artifacts(head_dim, diagonal_copy, persistent=True, intra_wg_overlap=overlap)
+        art = artifacts(head_dim, diagonal_copy, intra_wg_overlap=overlap)
         _check_artifacts(art, head_dim)
-        assert len(re.findall(r"atom\.global\.add\.u32|atom\.add\.u32|atom\.global\.add\.s32", art.ptx)) == 1
-    assert not re.search(r"\batom\.(global\.)?add\.[us]32", artifacts(head_dim, diagonal_copy).ptx)
+        assert len(re.findall(r"\batom\.global\.add\.u32", art.ptx)) == 1
+        per_tile = artifacts(head_dim, diagonal_copy, persistent=False, intra_wg_overlap=overlap)
+        _check_artifacts(per_tile, head_dim)
+        assert not re.search(r"\batom\.(global\.)?add\.[us]32", per_tile.ptx)
 
 
 @needs_dsl
@@ -659,7 +661,7 @@ def test_gpu_matches_emulator(recipe, head_dim, H, Hk, variant):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("variant", ["default", "overlap", "serial", "persistent"])
+@pytest.mark.parametrize("variant", ["default", "overlap", "serial", "per_tile"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("lengths", [[8, 300], [4, 300], [1, 127], [300, 300], [16, 300], [3, 5, 7, 200, 129]])
 def test_gpu_unaligned_document_starts(recipe, lengths, variant):
@@ -685,7 +687,7 @@ def test_gpu_zero_v_tiles(recipe, variant):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("variant", ["default", "persistent"])
+@pytest.mark.parametrize("variant", ["default", "per_tile"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_gpu_many_documents(recipe, variant):
     """More than 32 documents before some CTAs' own: the TMA warp's start-column scan loops (and
@@ -697,10 +699,10 @@ def test_gpu_many_documents(recipe, variant):
 @pytest.mark.gpu
 @needs_dsl
 def test_gpu_persistent_beyond_the_document_table():
-    """More documents than the persistent chunk table holds: the launch falls back to one CTA per
-    tile (same numbers as the emulator)."""
+    """More documents than the persistent chunk table holds: the default (persistent) launch falls
+    back to one CTA per tile (same numbers as the emulator)."""
     lengths = [(13 * i) % 40 for i in range(PERSISTENT_MAX_DOCS + 7)]
-    _check_gpu(lengths, "fp8_tokenblock", 64, 2, 1, seed=8, variant="persistent")
+    _check_gpu(lengths, "fp8_tokenblock", 64, 2, 1, seed=8)
 
 
 @pytest.mark.gpu
@@ -717,7 +719,7 @@ def test_gpu_single_long_document(variant, recipe):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("variant", ["default", "overlap", "serial", "persistent", "persistent_serial"])
+@pytest.mark.parametrize("variant", ["default", "overlap", "serial", "per_tile", "per_tile_serial"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_gpu_leakage(recipe, variant):
     q, k, v, _, cu, scale = make_inputs([300, 700, 129, 1], heads_q=4, heads_kv=2, head_dim=128, seed=7)
@@ -735,7 +737,7 @@ def test_gpu_leakage(recipe, variant):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("variant", ["default", "overlap", "persistent"])
+@pytest.mark.parametrize("variant", ["default", "overlap", "per_tile"])
 def test_gpu_empty_and_tiny_batches(variant):
     for lengths in ([0, 1], [1], [0, 0, 5]):
         q, k, v, _, cu, scale = make_inputs(lengths, heads_q=2, heads_kv=2, head_dim=64, seed=2, device="cuda")

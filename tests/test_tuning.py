@@ -62,8 +62,8 @@ def test_fwd_space_times_each_effective_config_once(diagonal_copy):
     from flamia_cute.tuning import fwd_space
 
     keep, _ = fwd_space(128, 1, diagonal_copy)
-    effective = [(c.kv_stages, c.pingpong, c.intra_wg_overlap, c.pin_softmax if c.intra_wg_overlap else None)
-                 for c, _ in keep]
+    effective = [(c.kv_stages, c.pingpong, c.intra_wg_overlap, c.pin_softmax if c.intra_wg_overlap else None,
+                  c.persistent) for c, _ in keep]
     assert len(effective) == len(set(effective))
 
 
@@ -129,7 +129,7 @@ def _defaults():
             "bwd_dsbf16": BwdDsBf16Config(head_dim=128, diagonal_copy=True), "quant": qkv_config(128, 16, 16, 128)}
 
 
-TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "pin_softmax": False},
+TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "pin_softmax": False, "persistent": False},
          "bwd": {"q_stages": 1, "qt_stages": 1, "vec_stages": 3, "raster": "blocks"},
          "bwd_dsbf16": {"q_stages": 1, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": True,
                         "exp_under_dp": False, "raster": "heads", "q_bf16_source": "convert",
@@ -158,6 +158,13 @@ def test_lookup_returns_the_tuned_config_for_its_class_only(tmp_path, monkeypatc
     assert tuning._tuned_config(other, other_default, 1024, 4096, 4) is other_default
     monkeypatch.setenv("FLAMIA_CUTE_NO_TUNING", "1")
     assert lookup(default, 1024, 4096, 4) is default
+
+
+def test_fwd_record_without_persistent_keeps_the_default():
+    """Records tuned before the persistent forward existed lack its field: the default (persistent) applies."""
+    default = _defaults()["fwd"]
+    old = {k: v for k, v in TUNED["fwd"].items() if k != "persistent"}
+    assert tuning.config_from_fields("fwd", default, old).persistent is default.persistent is True
 
 
 def test_lookup_ignores_an_unusable_entry(tmp_path, monkeypatch):
