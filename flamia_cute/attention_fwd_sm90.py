@@ -65,6 +65,7 @@ from .sm90_device import (
     ARG_F32,
     ARG_I32,
     SHARED_SOURCE_FILES,
+    claim_next_tile,
     cvt_bf16x2,
     doc_chunk_cumsum,
     document_dt_start,
@@ -76,7 +77,9 @@ from .sm90_device import (
     pow2_reciprocal,
     quad_max2,
     quad_sum,
+    publish_tile,
     quad_transpose4,
+    read_tile,
     st_global_v4,
     tma_pipeline,
     warp_pipeline,
@@ -213,31 +216,6 @@ class FwdConfig:
 # ----------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------
-
-
-@cute.jit
-def publish_tile(pipe_t, sSched, t_state, m_block, head, doc):
-    """Persistent TMA warp: hand the next tile (m_block -1: no more) to the scale warp and consumers.
-    Every lane stores the same words and arrives (its own stores are then released)."""
-    pipe_t.producer_acquire(t_state)
-    sSched[0, t_state.index] = m_block
-    sSched[1, t_state.index] = head
-    sSched[2, t_state.index] = doc
-    pipe_t.producer_commit(t_state)
-    t_state.advance()
-    return t_state
-
-
-@cute.jit
-def read_tile(pipe_t, sSched, t_state):
-    """The scale warp's and consumers' side of publish_tile: (m_block, head, doc, next state)."""
-    pipe_t.consumer_wait(t_state)
-    m_block = sSched[0, t_state.index]
-    head = sSched[1, t_state.index]
-    doc = sSched[2, t_state.index]
-    pipe_t.consumer_release(t_state)
-    t_state.advance()
-    return m_block, head, doc, t_state
 
 
 class FlamiaFwdSm90:
@@ -504,8 +482,6 @@ class FlamiaFwdSm90:
         mSched[0], which the host zeroes per call), publish each to the scale warp and consumers,
         issue its loads; an end mark (block -1) when the counter passes the last tile."""
         bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        lane = cute.arch.lane_idx()
         num_docs = cute.size(mCu) - 1
         total = heads * sCum[num_docs]
         states = (
@@ -519,10 +495,7 @@ class FlamiaFwdSm90:
             doc, head, m_block = locate_tile(t, sCum, num_docs, heads)
             t_state = publish_tile(pipe_t, sSched, t_state, m_block, head, doc)
             states = self.load_tma(*tma_args, states, head, head // self.group, mCu[doc], mCu, doc, sDt[doc], m_block)
-            nxt = Int32(0)
-            if lane == 0:
-                nxt = cute.arch.atomic_add(mSched.iterator, Int32(1))
-            t = grid + cute.arch.shuffle_sync(nxt, 0)
+            t = claim_next_tile(mSched)
         publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0))
 
     # ------------------------------------------------------------------------------------------

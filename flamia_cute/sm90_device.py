@@ -411,3 +411,40 @@ def locate_tile(t, sCum: cute.Tensor, num_docs, heads):
     head = local // nblk
     block = nblk - 1 - (local - head * nblk)
     return lo, head, block
+
+
+@cute.jit
+def publish_tile(pipe_t, sSched, t_state, m_block, head, doc):
+    """Persistent kernels' TMA warp: hand the next tile (m_block -1: no more) to the other roles.
+    Every lane stores the same words and arrives (its own stores are then released)."""
+    pipe_t.producer_acquire(t_state)
+    sSched[0, t_state.index] = m_block
+    sSched[1, t_state.index] = head
+    sSched[2, t_state.index] = doc
+    pipe_t.producer_commit(t_state)
+    t_state.advance()
+    return t_state
+
+
+@cute.jit
+def read_tile(pipe_t, sSched, t_state):
+    """The other roles' side of publish_tile: (block, head, doc, next state)."""
+    pipe_t.consumer_wait(t_state)
+    m_block = sSched[0, t_state.index]
+    head = sSched[1, t_state.index]
+    doc = sSched[2, t_state.index]
+    pipe_t.consumer_release(t_state)
+    t_state.advance()
+    return m_block, head, doc, t_state
+
+
+@cute.jit
+def claim_next_tile(mCounter: cute.Tensor):
+    """Persistent kernels' TMA warp (all 32 lanes): the next tile index, grid size + the counter's
+    old value (lane 0 adds 1 to mCounter[0], which the host zeroes per launch; the first tile of a
+    CTA is its block index)."""
+    grid, _, _ = cute.arch.grid_dim()
+    got = Int32(0)
+    if cute.arch.lane_idx() == 0:
+        got = cute.arch.atomic_add(mCounter.iterator, Int32(1))
+    return grid + cute.arch.shuffle_sync(got, 0)
