@@ -751,18 +751,11 @@ class FlamiaBwdDsBf16Sm90:
         pipe_kv, pipe_a, pipe_b = pipes
         kv_state, a_state, b_state = states
         # phase 0: the diagonal tiles of every head (per-token K/V when diag_copy)
-        first = 0
-        if cutlass.const_expr(self.persistent):
-            # the item's first query tile before its K/V: the K/V stage frees only when the previous
-            # item ends, a query stage earlier (safe: the previous item's loads are all issued)
-            a_state, b_state = self._load_q(tmas, bufs, pipe_a, pipe_b, a_state, b_state, kv_head * self.group,
-                                            2 * n_blk, doc_start, dt_start)
-            first = 1
         if cutlass.const_expr(self.diag_copy):
             kv_state = self._load_kv(tmas[4:8], bufs, pipe_kv, kv_state, kv_head, doc_start, n_blk)
         else:
             kv_state = self._load_kv(tmas[0:4], bufs, pipe_kv, kv_state, kv_head, doc_start, n_blk)
-        for i in cutlass.range(first, self.group * n_diag, unroll=1):
+        for i in cutlass.range(self.group * n_diag, unroll=1):
             a_state, b_state = self._load_q(tmas, bufs, pipe_a, pipe_b, a_state, b_state,
                                             kv_head * self.group + i // n_diag, 2 * n_blk + i % n_diag,
                                             doc_start, dt_start)
@@ -883,8 +876,6 @@ class FlamiaBwdDsBf16Sm90:
 
         krow = cute.make_rmem_tensor(cute.make_layout(2), Int32)  # key index in the 128-key block
         dsk = cute.make_rmem_tensor(cute.make_layout(4), Int32)  # ds_key_parts of the two key rows
-        if cutlass.const_expr(not self.persistent):
-            self.set_key_rows(krow, dsk, tScS, wg)
         frags = (tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQb, tQrdS, tQrKb, acc_s, acc_dp, acc_dv, acc_dk, acc_dq,
                  tVrP, tVrP32, tKrdS, tKrdS32, tScS, tScQ, dsk)
         states = (
@@ -908,13 +899,6 @@ class FlamiaBwdDsBf16Sm90:
                 n_blk, kv_head, doc, t_state = read_tile(pipe_t, sSched, t_state)
 
     @cute.jit
-    def set_key_rows(self, krow, dsk, tScS, wg):
-        """This thread's two key rows in the 128-key block and their ds_key_parts."""
-        for v1 in cutlass.range_constexpr(2):
-            krow[v1] = wg * self.wm + tScS[2 * v1][0]
-            dsk[v1], dsk[2 + v1] = ds_key_parts(krow[v1], cute.arch.lane_idx() % 4)
-
-    @cute.jit
     def consume_item(self, frags, krow, rsc, sVec, bufs, pipes, states, scales, mRef, mCu, dq_base, mdK, mdV,
                      kv_head, doc, n_blk, softmax_scale, wg):
         """One work item: phase 0 (diagonal tiles), phase 1 (off-diagonal), the dK/dV epilogue.
@@ -931,8 +915,10 @@ class FlamiaBwdDsBf16Sm90:
         doc_start = mCu[doc]
         doc_len = mCu[doc + 1] - doc_start
         n_blk, n_diag, per = self.item_sched(doc_len, n_blk)
-        if cutlass.const_expr(self.persistent):
-            self.set_key_rows(krow, dsk, tScS, wg)  # per item: carried across the item loop, they spilled
+        # set per item (not carried across the persistent loop: that spilled them)
+        for v1 in cutlass.range_constexpr(2):
+            krow[v1] = wg * self.wm + tScS[2 * v1][0]
+            dsk[v1], dsk[2 + v1] = ds_key_parts(krow[v1], cute.arch.lane_idx() % 4)
         acc_dv.fill(0.0)
         acc_dk.fill(0.0)
         # the dV fold: P^T * sdo * (256 / r), one r per (KV head, document) (a power of two)
