@@ -55,7 +55,7 @@ tile) exactly as the e4m3-dS kernel does per 128-query tile.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import cuda.bindings.driver as cuda
@@ -79,25 +79,19 @@ from .attention_bwd_sm90 import (
     store_key_rows_bf16,
     store_query_vectors,
 )
-from .compile_cache import compile_entry, launch_on_device, sm_count
+from .compile_cache import compile_entry, launch_on_device
 from .quant import transposed_tokens
 from .recipes import FOLD_REF_MIN
-from .schedules.varlen_chunks import max_chunks
 from .sm90_device import (
     ARG_BF16,
     ARG_F8,
     ARG_F32,
     ARG_I32,
     SHARED_SOURCE_FILES,
-    claim_next_tile,
     cvt_bf16x2,
-    doc_chunk_cumsum,
     document_dt_start,
     e4m3x2_to_bf16x2,
-    locate_tile,
     pack_a_fragment_e4m3,
-    publish_tile,
-    read_tile,
     select,
     smem_word_index,
     tma_pipeline,
@@ -121,12 +115,6 @@ KEY_BLOCK = 128
 QUERY_TILE = 64
 # named barriers (1: dS and Q bf16 stored, 2: the phase change, 3: deterministic dQ turns)
 DQ_FULL, DQ_EMPTY = 4, 5  # dq_tma_reduce: consumers (256 threads) and the dQ warp (32)
-# persistent: the producer warpgroup's document-table scan (1-5 are taken), the hand-off ring's
-# depth, and the most documents the tables hold in shared memory (4 KB, what fits next to d128's
-# buffers)
-SCAN_BARRIER = 6
-SCHED_STAGES = 2
-PERSISTENT_MAX_DOCS = 512
 # bf16 dS [q, key] for dQ's A operand (queries contiguous), two buffers; stored by hand (ds_word_index)
 DS_LAYOUT = "S<3,4,3> o 0 o ((64,1),(8,16),(1,2)):((1,0),(64,512),(0,8192))"
 
@@ -178,11 +166,6 @@ class BwdDsBf16Config:
     # columns of S^T whose per-query vectors (the P loop's two) are loaded before the wait for S^T,
     # not after it: the loop's first FFMA waited on them for 5% of all stall samples (ncu s8f)
     preload_vectors: int = 0
-    # One CTA per SM taking (document, KV head, key block) work items from a global counter
-    # (documents in order, heads, key blocks longest first), the next item's first Q/dO tiles
-    # loading while the current one finishes. More than PERSISTENT_MAX_DOCS documents fall back to
-    # one CTA per item. Not with `deterministic` (its dQ turn counters assume the launch order).
-    persistent: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -232,10 +215,6 @@ class BwdDsBf16Config:
             object.__setattr__(self, "dk_under_dq_store", bool(self.dq_tma_reduce and not self.prefetch_sdp))
         if self.dk_under_dq_store and (not self.dq_tma_reduce or self.prefetch_sdp):
             bad("dk_under_dq_store", "needs dq_tma_reduce and no prefetch_sdp")
-        if not isinstance(self.persistent, bool):
-            bad("persistent", "must be a bool")
-        if self.persistent and self.deterministic:
-            bad("persistent", "the deterministic dQ order needs one CTA per work item")
         if smem_bytes(self) > SMEM_LIMIT:
             bad("q_stages", f"shared memory {smem_bytes(self)} bytes exceeds {SMEM_LIMIT}")
 
@@ -250,9 +229,7 @@ def smem_bytes(cfg: BwdDsBf16Config) -> int:
     vec = N_VEC * tq * 4 * cfg.vec_stages + KEY_BLOCK * 4  # + the phase's key scales
     bars = 8 * 2 * (1 + 2 * cfg.q_stages + cfg.vec_stages)
     dq = tq * D * 4 + 1024 if cfg.dq_tma_reduce else 0  # the fp32 dQ tile
-    # the persistent hand-off ring and per-document tables (a few words otherwise)
-    sched = 2 * 4 * (PERSISTENT_MAX_DOCS + 1) + 128 if cfg.persistent else 96
-    return kv + per_stage * cfg.q_stages + ds + vec + bars + dq + sched + 9 * 1024
+    return kv + per_stage * cfg.q_stages + ds + vec + bars + dq + 9 * 1024
 
 
 def tile_schedule(i, n, group, n_diag, per):
@@ -354,7 +331,6 @@ class FlamiaBwdDsBf16Sm90:
         # step of the 256 consumer threads
         self.walk_wpr = self.D // 4
         self.walk_rpw = 256 // self.walk_wpr
-        self.persistent = config.persistent
 
     def _make_mmas(self):
         K_MAJOR, MN_MAJOR = OperandMajorMode.K, OperandMajorMode.MN
@@ -450,8 +426,6 @@ class FlamiaBwdDsBf16Sm90:
         mSem = None
         if cutlass.const_expr(self.deterministic):
             mSem = cute.make_tensor(sem_ptr, cute.make_layout(H * num_docs * 2 * max_n_blocks))
-        if cutlass.const_expr(self.persistent):
-            mSem = cute.make_tensor(sem_ptr, cute.make_layout(1))  # the work-item counter
         mdK = cute.make_tensor(dk_ptr, ktd)
         mdV = cute.make_tensor(dv_ptr, ktd)
 
@@ -489,7 +463,6 @@ class FlamiaBwdDsBf16Sm90:
         self.b_bytes = tq * D + (2 * tq * D if self.qb_tma else 0)
 
         st, sv = self.stages, self.sv
-        n_tab = PERSISTENT_MAX_DOCS + 1 if self.persistent else 4
 
         @cute.struct
         class SharedStorage:
@@ -508,13 +481,6 @@ class FlamiaBwdDsBf16Sm90:
             sQb: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["Qb"])], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["dS"])], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout) if self.dq_tma else 4], 1024]
-            # persistent: the work-item hand-off ring and the per-document tables (last: the one-item
-            # build's offsets stay as they were)
-            t_mbar: cute.struct.MemRange[cutlass.Int64, 2 * SCHED_STAGES]
-            sSched: cute.struct.Align[cute.struct.MemRange[Int32, 4 * SCHED_STAGES], 16]
-            sWarp: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]
-            sCum: cute.struct.Align[cute.struct.MemRange[Int32, n_tab], 16]
-            sDt: cute.struct.Align[cute.struct.MemRange[Int32, n_tab], 16]
 
         self.shared_storage = SharedStorage
         tmas = (tma_k, tK, tma_v, tV, tma_ktok, tKtok, tma_vtok, tVtok, tma_q, tQ, tma_do, tdO, tma_dot, tdOt, tma_dq,
@@ -523,9 +489,7 @@ class FlamiaBwdDsBf16Sm90:
             mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV, mSem,
             L["K"], L["Q"], L["dOt"], L["Qb"], L["Kb"], L["dS"], softmax_scale,
         ).launch(
-            # persistent: max_n_blocks carries the CTA count
-            grid=[max_n_blocks, 1, 1] if self.persistent else backward_grid(self.cfg.raster, num_kv_heads, num_docs,
-                                                                            max_n_blocks),
+            grid=backward_grid(self.cfg.raster, num_kv_heads, num_docs, max_n_blocks),
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -558,141 +522,69 @@ class FlamiaBwdDsBf16Sm90:
         sdS_layout: cute.ComposedLayout,
         softmax_scale: Float32,
     ):
-        args = (mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV, mSem,
-                sK_layout, sQ_layout, sdOt_layout, sQb_layout, sKb_layout, sdS_layout, softmax_scale)
-        if cutlass.const_expr(self.persistent):
-            # work items come from the scheduler (run_cta's TMA warp): none of its own
-            self.run_cta(args, Int32(0), Int32(0), Int32(0))
-        else:
-            kv_head, doc, n_blk = backward_work_item(self.cfg.raster, cute.arch.block_idx())
-            if n_blk * self.kb < mCu[doc + 1] - mCu[doc]:
-                self.run_cta(args, kv_head, doc, n_blk)
-
-    @cute.jit
-    def item_sched(self, doc_len, n_blk):
-        """(key block, diagonal query tiles, off-diagonal tiles per head) of a work item."""
-        n_q = (doc_len + self.tq - 1) // self.tq  # 64-query tiles of the document
-        n_diag = cutlass.min(n_q - 2 * n_blk, 2)
-        per = n_q - 2 * n_blk - 2  # off-diagonal tiles per head (may be <= 0)
-        return n_blk, n_diag, per
-
-    @cute.jit
-    def run_cta(self, args, kv_head, doc, n_blk):
-        """Shared memory, pipelines and the warp roles of one CTA: the work item (kv_head, doc, n_blk),
-        or when persistent the scheduler's items."""
-        (mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV, mSem,
-         sK_layout, sQ_layout, sdOt_layout, sQb_layout, sKb_layout, sdS_layout, softmax_scale) = args
         tidx, _, _ = cute.arch.thread_idx()
+        kv_head, doc, n_blk = backward_work_item(self.cfg.raster, cute.arch.block_idx())
         doc_start = mCu[doc]
         doc_len = mCu[doc + 1] - doc_start
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
 
-        def buf(mem, layout):
-            return mem.get_tensor(layout.outer, swizzle=layout.inner)
+        if n_blk * self.kb < doc_len:
+            n_q = (doc_len + self.tq - 1) // self.tq  # 64-query tiles of the document
+            n_diag = cutlass.min(n_q - 2 * n_blk, 2)
+            per = n_q - 2 * n_blk - 2  # off-diagonal tiles per head (may be <= 0)
+            smem = cutlass.memory.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
 
-        bufs = (
-            buf(storage.sK, sK_layout), buf(storage.sV, sK_layout), buf(storage.sKb, sKb_layout),
-            buf(storage.sQ, sQ_layout), buf(storage.sdO, sQ_layout), buf(storage.sdOt, sdOt_layout),
-            buf(storage.sQb, sQb_layout), buf(storage.sdS, sdS_layout),
-            storage.sdS.get_tensor(cute.make_layout(cute.cosize(sdS_layout) // 2), dtype=Uint32),  # by hand
-            # 32-bit word views for the in-kernel e4m3 -> bf16 conversions of Q and K
-            storage.sQ.get_tensor(cute.make_layout(cute.cosize(sQ_layout) // 4), dtype=Uint32),
-            storage.sK.get_tensor(cute.make_layout(cute.cosize(sK_layout) // 4), dtype=Uint32),
-            storage.sQb.get_tensor(cute.make_layout(cute.cosize(sQb_layout) // 2), dtype=Uint32),
-            storage.sKb.get_tensor(cute.make_layout(cute.cosize(sKb_layout) // 2), dtype=Uint32),
-            self._conversion_plans(sQ_layout, sK_layout, sQb_layout, sKb_layout),
-            (sQ_layout, sK_layout, sQb_layout, sKb_layout),
-            storage.sKs.get_tensor(cute.make_layout(self.kb)),  # the phase's key scales (convert_k)
-        )
-        sVec = storage.sVec.get_tensor(cute.make_layout((self.tq, N_VEC, self.sv)))
-        sdQ, sdQ_words, dq_plan = None, None, None
-        if cutlass.const_expr(self.dq_tma):
-            sdQ = buf(storage.sdQ, tmas[16])  # the TMA's view
-            sdQ_words = storage.sdQ.get_tensor(cute.make_layout(cute.cosize(tmas[16])))  # stored by hand
-            dq_plan = self._dq_store_plan(tmas[16])  # trace time, once per build
-        pipe_kv = tma_pipeline(1, self.kv_bytes, storage.kv_mbar.data_ptr())
-        pipe_a = tma_pipeline(self.stages, self.a_bytes, storage.a_mbar.data_ptr())
-        pipe_b = tma_pipeline(self.stages, self.b_bytes, storage.b_mbar.data_ptr())
-        pipe_v = warp_pipeline(self.sv, storage.v_mbar.data_ptr())
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
-        pipe_t, sSched, sCum, sDt = None, None, None, None
-        if cutlass.const_expr(self.persistent):
-            # work-item hand-off from the TMA warp to the vector warp, the dQ warp and the consumers
-            pipe_t = warp_pipeline(SCHED_STAGES, storage.t_mbar.data_ptr(),
-                                   consumers=256 + 32 + (32 if self.dq_tma else 0))
-            sSched = storage.sSched.get_tensor(cute.make_layout((4, SCHED_STAGES)))
-            sCum = storage.sCum.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
-            sDt = storage.sDt.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
-            if wg_idx == 0:
-                # each document's first key block (locate_tile) and dO^T column, by the producer warpgroup
-                sWarp = storage.sWarp.get_tensor(cute.make_layout((4, 2), stride=(2, 1)))
-                doc_chunk_cumsum(mCu, cute.size(mCu) - 1, sCum, sDt, sWarp, tidx, 128, SCAN_BARRIER, self.kb)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+            def buf(mem, layout):
+                return mem.get_tensor(layout.outer, swizzle=layout.inner)
 
-        sched = self.item_sched(doc_len, n_blk)
-        if wg_idx == 0:
-            cute.arch.setmaxregister_decrease(self.regs_producer)
-            if warp_idx == 0:
-                states = (
-                    pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
-                    pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
-                    pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
-                )
-                pipes = (pipe_kv, pipe_a, pipe_b)
-                if cutlass.const_expr(self.persistent):
-                    bidx, _, _ = cute.arch.block_idx()
-                    num_docs = cute.size(mCu) - 1
-                    hk = mdK.shape[2]
-                    total = hk * sCum[num_docs]
-                    t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
-                    t = Int32(bidx)
-                    while t < total:
-                        it_doc, it_head, blk = locate_tile(t, sCum, num_docs, hk)
-                        it_blk = sCum[it_doc + 1] - sCum[it_doc] - 1 - blk  # key block 0 (longest) first
-                        t_state = publish_tile(pipe_t, sSched, t_state, it_blk, it_head, it_doc)
-                        it_start = mCu[it_doc]
-                        states = self.load_tma(tmas, bufs, pipes, states, it_head, it_start, sDt[it_doc],
-                                               self.item_sched(mCu[it_doc + 1] - it_start, it_blk))
-                        t = claim_next_tile(mSem)
-                    publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0))
-                else:
-                    self.load_tma(tmas, bufs, pipes, states, kv_head, doc_start, document_dt_start(mCu, doc), sched)
-            if warp_idx == 1:
-                v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sv)
-                if cutlass.const_expr(self.persistent):
-                    t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-                    n_blk, kv_head, doc, t_state = read_tile(pipe_t, sSched, t_state)
-                    while n_blk >= 0:
-                        doc_start = mCu[doc]
-                        doc_len = mCu[doc + 1] - doc_start
-                        v_state = self.load_vectors(mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, v_state, kv_head, doc_start,
-                                                    doc_len, self.item_sched(doc_len, n_blk), softmax_scale)
-                        n_blk, kv_head, doc, t_state = read_tile(pipe_t, sSched, t_state)
-                else:
-                    self.load_vectors(mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, v_state, kv_head, doc_start, doc_len,
-                                      sched, softmax_scale)
-            if cutlass.const_expr(self.dq_tma):
-                if warp_idx == 2:
-                    if cutlass.const_expr(self.persistent):
-                        t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-                        n_blk, kv_head, doc, t_state = read_tile(pipe_t, sSched, t_state)
-                        while n_blk >= 0:
-                            doc_start = mCu[doc]
-                            self.reduce_dq(tmas[14], tmas[15], sdQ, kv_head, doc_start,
-                                           self.item_sched(mCu[doc + 1] - doc_start, n_blk))
-                            n_blk, kv_head, doc, t_state = read_tile(pipe_t, sSched, t_state)
-                    else:
-                        self.reduce_dq(tmas[14], tmas[15], sdQ, kv_head, doc_start, sched)
-        else:
-            cute.arch.setmaxregister_increase(self.regs_consumer)
-            self.consume(
-                mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok, mRef, mCu,
-                (mdQ, mSem, sdQ_words, dq_plan), mdK, mdV, kv_head, doc, n_blk, softmax_scale, wg_idx - 1,
-                pipe_t, sSched,
+            bufs = (
+                buf(storage.sK, sK_layout), buf(storage.sV, sK_layout), buf(storage.sKb, sKb_layout),
+                buf(storage.sQ, sQ_layout), buf(storage.sdO, sQ_layout), buf(storage.sdOt, sdOt_layout),
+                buf(storage.sQb, sQb_layout), buf(storage.sdS, sdS_layout),
+                storage.sdS.get_tensor(cute.make_layout(cute.cosize(sdS_layout) // 2), dtype=Uint32),  # by hand
+                # 32-bit word views for the in-kernel e4m3 -> bf16 conversions of Q and K
+                storage.sQ.get_tensor(cute.make_layout(cute.cosize(sQ_layout) // 4), dtype=Uint32),
+                storage.sK.get_tensor(cute.make_layout(cute.cosize(sK_layout) // 4), dtype=Uint32),
+                storage.sQb.get_tensor(cute.make_layout(cute.cosize(sQb_layout) // 2), dtype=Uint32),
+                storage.sKb.get_tensor(cute.make_layout(cute.cosize(sKb_layout) // 2), dtype=Uint32),
+                self._conversion_plans(sQ_layout, sK_layout, sQb_layout, sKb_layout),
+                (sQ_layout, sK_layout, sQb_layout, sKb_layout),
+                storage.sKs.get_tensor(cute.make_layout(self.kb)),  # the phase's key scales (convert_k)
             )
+            sVec = storage.sVec.get_tensor(cute.make_layout((self.tq, N_VEC, self.sv)))
+            sdQ, sdQ_words, dq_plan = None, None, None
+            if cutlass.const_expr(self.dq_tma):
+                sdQ = buf(storage.sdQ, tmas[16])  # the TMA's view
+                sdQ_words = storage.sdQ.get_tensor(cute.make_layout(cute.cosize(tmas[16])))  # stored by hand
+                dq_plan = self._dq_store_plan(tmas[16])  # trace time, once per build
+            pipe_kv = tma_pipeline(1, self.kv_bytes, storage.kv_mbar.data_ptr())
+            pipe_a = tma_pipeline(self.stages, self.a_bytes, storage.a_mbar.data_ptr())
+            pipe_b = tma_pipeline(self.stages, self.b_bytes, storage.b_mbar.data_ptr())
+            pipe_v = warp_pipeline(self.sv, storage.v_mbar.data_ptr())
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+            sched = (n_blk, n_diag, per)
+            if wg_idx == 0:
+                cute.arch.setmaxregister_decrease(self.regs_producer)
+                if warp_idx == 0:
+                    dt_start = document_dt_start(mCu, doc)
+                    self.load_tma(tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, doc_start, dt_start, sched)
+                if warp_idx == 1:
+                    self.load_vectors(mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, kv_head, doc_start, doc_len, sched,
+                                      softmax_scale)
+                if cutlass.const_expr(self.dq_tma):
+                    if warp_idx == 2:
+                        self.reduce_dq(tmas[14], tmas[15], sdQ, kv_head, doc_start, sched)
+            else:
+                cute.arch.setmaxregister_increase(self.regs_consumer)
+                self.consume(
+                    mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok,
+                    mRef[kv_head, doc], (mdQ, mSem, doc, sdQ_words, dq_plan), mdK, mdV, kv_head,
+                    doc_start, doc_len, sched, softmax_scale, wg_idx - 1,
+                )
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -744,12 +636,11 @@ class FlamiaBwdDsBf16Sm90:
         return a_state, b_state
 
     @cute.jit
-    def load_tma(self, tmas, bufs, pipes, states, kv_head, doc_start, dt_start, sched):
-        """Warp 0: one work item's K/V (per phase) and Q, dO, dO^T (and Q bf16) tiles. Returns the
-        (kv, a, b) pipeline states."""
+    def load_tma(self, tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, doc_start, dt_start, sched):
         n_blk, n_diag, per = sched
-        pipe_kv, pipe_a, pipe_b = pipes
-        kv_state, a_state, b_state = states
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        a_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        b_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         # phase 0: the diagonal tiles of every head (per-token K/V when diag_copy)
         if cutlass.const_expr(self.diag_copy):
             kv_state = self._load_kv(tmas[4:8], bufs, pipe_kv, kv_state, kv_head, doc_start, n_blk)
@@ -767,7 +658,6 @@ class FlamiaBwdDsBf16Sm90:
                 a_state, b_state = self._load_q(tmas, bufs, pipe_a, pipe_b, a_state, b_state,
                                                 kv_head * self.group + j // per, 2 * n_blk + 2 + j % per,
                                                 doc_start, dt_start)
-        return kv_state, a_state, b_state
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -815,12 +705,12 @@ class FlamiaBwdDsBf16Sm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def load_vectors(self, mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, v_state, kv_head, doc_start, doc_len, sched,
+    def load_vectors(self, mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, kv_head, doc_start, doc_len, sched,
                      softmax_scale):
-        """Warp 1: per query tile, the five per-query vectors (store_query_vectors). Returns the
-        pipeline state."""
+        """Warp 1: per query tile, the five per-query vectors (store_query_vectors)."""
         n_blk, n_diag, per = sched
         lane = cute.arch.lane_idx()
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sv)
         scale_log2 = softmax_scale * Float32(LOG2E)
         total = self._tile_count(n_diag, per)
         for i in cutlass.range(total, unroll=1):
@@ -834,16 +724,14 @@ class FlamiaBwdDsBf16Sm90:
                                     scale_log2)
             pipe_v.producer_commit(v_state)
             v_state.advance()
-        return v_state
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def consume(
-        self, mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok, mRef, mCu, dq_base, mdK,
-        mdV, kv_head, doc, n_blk, softmax_scale, wg, pipe_t, sSched,
+        self, mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok, dv_ref, dq_out, mdK,
+        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg,
     ):
-        """The consumer warpgroups: the work item (kv_head, doc, n_blk), or when persistent every item
-        the TMA warp publishes until its end mark. Fragments and accumulators are allocated once."""
+        n_blk, n_diag, per = sched
         D, wm, tq, kb = self.D, self.wm, self.tq, self.kb
         sK, sV, sKb, sQ, sdO, sdOt, sQb, sdS = bufs[:8]
         sKs = bufs[15]
@@ -876,54 +764,22 @@ class FlamiaBwdDsBf16Sm90:
 
         krow = cute.make_rmem_tensor(cute.make_layout(2), Int32)  # key index in the 128-key block
         dsk = cute.make_rmem_tensor(cute.make_layout(4), Int32)  # ds_key_parts of the two key rows
-        frags = (tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQb, tQrdS, tQrKb, acc_s, acc_dp, acc_dv, acc_dk, acc_dq,
-                 tVrP, tVrP32, tKrdS, tKrdS32, tScS, tScQ, dsk)
-        states = (
-            pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
-            pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages),
-            pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages),
-            pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sv),
-        )
-        rsc = cute.make_rmem_tensor(cute.make_layout(4), Float32)  # sk(row 0), sk(row 1), sv(row 0), sv(row 1)
-        pipes = (pipe_kv, pipe_a, pipe_b, pipe_v)
-        scales = (mSK, mSV, mSKtok, mSVtok)
-        if cutlass.const_expr(not self.persistent):
-            self.consume_item(frags, krow, rsc, sVec, bufs, pipes, states, scales, mRef, mCu, dq_base, mdK, mdV,
-                              kv_head, doc, n_blk, softmax_scale, wg)
-        else:
-            t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-            n_blk, kv_head, doc, t_state = read_tile(pipe_t, sSched, t_state)
-            while n_blk >= 0:
-                states = self.consume_item(frags, krow, rsc, sVec, bufs, pipes, states, scales, mRef, mCu, dq_base,
-                                           mdK, mdV, kv_head, doc, n_blk, softmax_scale, wg)
-                n_blk, kv_head, doc, t_state = read_tile(pipe_t, sSched, t_state)
-
-    @cute.jit
-    def consume_item(self, frags, krow, rsc, sVec, bufs, pipes, states, scales, mRef, mCu, dq_base, mdK, mdV,
-                     kv_head, doc, n_blk, softmax_scale, wg):
-        """One work item: phase 0 (diagonal tiles), phase 1 (off-diagonal), the dK/dV epilogue.
-        Returns the (kv, a, b, vector) pipeline states."""
-        D, kb = self.D, self.kb
-        (tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQb, tQrdS, tQrKb, acc_s, acc_dp, acc_dv, acc_dk, acc_dq,
-         tVrP, tVrP32, tKrdS, tKrdS32, tScS, tScQ, dsk) = frags
-        sKs = bufs[15]
-        pipe_kv, pipe_a, pipe_b, pipe_v = pipes
-        kv_state, a_state, b_state, v_state = states
-        mSK, mSV, mSKtok, mSVtok = scales
-        mdQ, mSem, sdQ_words, dq_plan = dq_base
-        dq_out = (mdQ, mSem, doc, sdQ_words, dq_plan)
-        doc_start = mCu[doc]
-        doc_len = mCu[doc + 1] - doc_start
-        n_blk, n_diag, per = self.item_sched(doc_len, n_blk)
-        # set per item (not carried across the persistent loop: that spilled them)
         for v1 in cutlass.range_constexpr(2):
-            krow[v1] = wg * self.wm + tScS[2 * v1][0]
+            krow[v1] = wg * wm + tScS[2 * v1][0]
             dsk[v1], dsk[2 + v1] = ds_key_parts(krow[v1], cute.arch.lane_idx() % 4)
         acc_dv.fill(0.0)
         acc_dk.fill(0.0)
         # the dV fold: P^T * sdo * (256 / r), one r per (KV head, document) (a power of two)
-        r = cute.arch.fmax(mRef[kv_head, doc], Float32(FOLD_REF_MIN))
+        r = cute.arch.fmax(dv_ref, Float32(FOLD_REF_MIN))
         cf = Float32(P_SCALE) / r
+
+        frags = (tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQb, tQrdS, tQrKb, acc_s, acc_dp, acc_dv, acc_dk, acc_dq,
+                 tVrP, tVrP32, tKrdS, tKrdS32, tScS, tScQ, dsk)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        a_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        b_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sv)
+        rsc = cute.make_rmem_tensor(cute.make_layout(4), Float32)  # sk(row 0), sk(row 1), sv(row 0), sv(row 1)
         lim = doc_len - n_blk * kb  # keys >= lim lie past the document end
         load_row_scales(rsc, krow, mSKtok if self.diag_copy else mSK, mSVtok if self.diag_copy else mSV, kv_head,
                         doc_start, doc_len, n_blk * kb)
@@ -968,23 +824,12 @@ class FlamiaBwdDsBf16Sm90:
 
         if cutlass.const_expr(self.prefetch and self.dq_tma):
             warpgroup.wait_group(0)  # the dummy after phase 1's last tile
-        if cutlass.const_expr(self.persistent):
-            # the K/V stage still held (phase 1's, or the only one without per-token copies): free for
-            # the next item once every S^T and dP^T of this one is done
-            if cutlass.const_expr(self.diag_copy):
-                if per > 0:
-                    pipe_kv.consumer_release(kv_state)
-                    kv_state.advance()
-            else:
-                pipe_kv.consumer_release(kv_state)
-                kv_state.advance()
         # ---- epilogue: dV * r / 256 and dK * softmax_scale to bf16
         rfac = r / Float32(P_SCALE)
         store_key_rows_bf16(mdV, lambda i0: (acc_dv[i0] * rfac, acc_dv[i0 + 1] * rfac), krow, n_blk * kb,
                             doc_start, doc_len, kv_head, D, cute.size(acc_dv))
         store_key_rows_bf16(mdK, lambda i0: (acc_dk[i0] * softmax_scale, acc_dk[i0 + 1] * softmax_scale), krow,
                             n_blk * kb, doc_start, doc_len, kv_head, D, cute.size(acc_dk))
-        return kv_state, a_state, b_state, v_state
 
     # ------------------------------------------------------------------------------------------
     def _conversion_plans(self, sQ_layout, sK_layout, sQb_layout, sKb_layout):
@@ -1356,8 +1201,6 @@ def flamia_bwd_dsbf16_sm90(
     dev = q_td.device
     cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
     num_docs = cu.numel() - 1
-    if config.persistent and num_docs > PERSISTENT_MAX_DOCS:
-        config = replace(config, persistent=False)  # the document tables would not fit in shared memory
     T_dt = transposed_tokens(T, num_docs)
     if do_quantized is None or delta is None:
         # the dV fold references come from the same launch when it also quantizes dO
@@ -1395,14 +1238,9 @@ def flamia_bwd_dsbf16_sm90(
             dv_ref = dv_fold_reference(do_quantized.scale, cu, config.qhead_per_kvhead)
         ptrs = (q_td, q_bf16, sq, k_td, sk, v_td, sv, k_tok_td, sk_tok, v_tok_td, sv_tok,
                 do_quantized.data_td, do_quantized.data_dt, do_quantized.scale, lse, delta, dv_ref, cu, dq_acc, dk, dv)
-        # deterministic dQ: one turn counter per (query head, document, 64-query tile); persistent: the
-        # work-item counter (zero per call: nothing shared between streams), max_n_blocks the CTA count
-        sem = None
-        if config.deterministic:
-            sem = torch.zeros(H * num_docs * 2 * max_n_blocks, dtype=torch.int32, device=dev)
-        elif config.persistent:
-            sem = torch.zeros(1, dtype=torch.int32, device=dev)
-            max_n_blocks = min(sm_count(dev), Hk * min(max_chunks(T, num_docs, KEY_BLOCK), num_docs * max_n_blocks))
+        # deterministic dQ: one turn counter per (query head, document, 64-query tile)
+        sem = (torch.zeros(H * num_docs * 2 * max_n_blocks, dtype=torch.int32, device=dev)
+               if config.deterministic else None)
         launch_on_device(get_launcher(config), dev, *(t.data_ptr() for t in ptrs),
                          sem.data_ptr() if sem is not None else 0,
                          T, T_dt, Hk, num_docs, max_n_blocks, float(softmax_scale))

@@ -210,9 +210,8 @@ def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
                 ("prefetch", BwdDsBf16Config(128, diagonal_copy=True, prefetch_sdp=True, dk_under_dq_store=False)),
                 ("preload 8 vectors", BwdDsBf16Config(128, diagonal_copy=True, preload_vectors=8)),
                 # dQ by the consumers' red.global.add.v2 from registers: no shared-memory tile
-                # (the dQ stores were 22% of the 1x16k kernel in run s9g's ablation; +28..+49%, s10a)
-                ("dQ atomics", BwdDsBf16Config(128, diagonal_copy=True, dq_tma_reduce=False)),
-                ("persistent", BwdDsBf16Config(128, diagonal_copy=True, persistent=True)))
+                # (the dQ stores were 22% of the 1x16k kernel in run s9g's ablation)
+                ("dQ atomics", BwdDsBf16Config(128, diagonal_copy=True, dq_tma_reduce=False)))
 
     def run(cfg):
         return flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,

@@ -60,14 +60,12 @@ RECIPES = {
                                           ("vec_stages", 0), ("diagonal_copy", 1), ("deterministic", "yes"),
                                           ("prefetch_sdp", 1), ("dq_tma_reduce", 1), ("exp_under_dp", 1),
                                           ("raster", "rows"), ("dq_store_swap", 1), ("q_bf16_source", "gmem"),
-                                          ("dk_under_dq_store", 1), ("preload_vectors", 17), ("persistent", 1)])
+                                          ("dk_under_dq_store", 1), ("preload_vectors", 17)])
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"BwdDsBf16Config.{field}"):
         BwdDsBf16Config(**{"head_dim": 128, field: value})
     with pytest.raises(ValueError, match="BwdDsBf16Config.dq_tma_reduce"):
         BwdDsBf16Config(head_dim=128, deterministic=True, dq_tma_reduce=True)
-    with pytest.raises(ValueError, match="BwdDsBf16Config.persistent"):  # the dQ turns assume the launch order
-        BwdDsBf16Config(head_dim=128, deterministic=True, persistent=True)
     with pytest.raises(ValueError, match="BwdDsBf16Config.exp_under_dp"):  # ptxas would serialize the wgmmas
         BwdDsBf16Config(head_dim=128, prefetch_sdp=True, exp_under_dp=True)
     assert BwdDsBf16Config(head_dim=128).dk_under_dq_store and not BwdDsBf16Config(head_dim=64).dk_under_dq_store
@@ -357,8 +355,7 @@ def test_dv_fold_reference_is_the_emulators():
 
 
 # config fields of the kernel's build variants that the compile tests cover besides the default
-VARIANTS = {"": {}, "q-convert": dict(q_bf16_source="convert"), "dk-with-dq": dict(dk_under_dq_store=False),
-            "persistent": dict(persistent=True)}
+VARIANTS = {"": {}, "q-convert": dict(q_bf16_source="convert"), "dk-with-dq": dict(dk_under_dq_store=False)}
 
 
 @pytest.fixture(scope="module")
@@ -379,8 +376,7 @@ def artifacts():
 @needs_dsl
 @pytest.mark.parametrize("head_dim, diagonal_copy, variant", [(64, False, ""), (128, False, ""), (128, True, ""),
                                                                 (128, True, "q-convert"), (64, False, "q-convert"),
-                                                                (128, True, "dk-with-dq"), (128, True, "persistent"),
-                                                                (128, False, "persistent")])
+                                                                (128, True, "dk-with-dq")])
 def test_compiles_with_fp8_and_bf16_wgmma(artifacts, head_dim, diagonal_copy, variant):
     art = artifacts(head_dim, diagonal_copy, variant=variant)
     ops = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+\.f32\.\w+\.\w+)", art.ptx))
@@ -416,8 +412,6 @@ def test_compiles_with_fp8_and_bf16_wgmma(artifacts, head_dim, diagonal_copy, va
     # of 32 floats (the 128-byte swizzle of the shared dQ tile)
     assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", art.ptx)) == head_dim // 32
     assert "red.global" not in art.ptx
-    # persistent: work items from one global counter (the one-item build has no atomics at all)
-    assert len(re.findall(r"\batom\.global\.add\.u32", art.ptx)) == (variant == "persistent")
     assert "setmaxnreg.inc" in art.ptx and "setmaxnreg.dec" in art.ptx
     assert not re.search(r"\b(ld|st)\.local\b", art.ptx)
     assert art.frame_bytes in (None, 0)
@@ -555,37 +549,6 @@ def _check_config(D, H, Hk, seed, **fields):
 @pytest.mark.gpu
 @needs_dsl
 @_needs_sm90()
-@pytest.mark.parametrize("recipe", list(RECIPES))
-@pytest.mark.parametrize("D, H, Hk", [(128, 2, 2), (64, 4, 2), (128, 4, 1)])
-def test_gpu_persistent_matches_emulator(recipe, D, H, Hk):
-    """persistent: CTAs take (document, KV head, key block) items from a counter; the same gradients as
-    the emulator on a mix with empty, tiny, unaligned and long documents, GQA."""
-    st = _setup(LENGTHS + [3000], H, Hk, D, RECIPES[recipe], seed=13, device="cuda")
-    cfg = BwdDsBf16Config(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=st["kt"] is not None, persistent=True)
-    res = _run(st, config=cfg)
-    torch.cuda.synchronize()
-    err = _grad_errors(res, st["emu"], st["cu"].cpu())
-    assert not _violations(err), err
-
-
-@pytest.mark.gpu
-@needs_dsl
-@_needs_sm90()
-@pytest.mark.parametrize("n_docs", [300, 530])
-def test_gpu_persistent_many_documents(n_docs):
-    """Hundreds of documents (empty ones included): the tables' threads own several documents each;
-    beyond PERSISTENT_MAX_DOCS (512) the launch falls back to one CTA per item."""
-    lengths = [(37 * i) % 301 for i in range(n_docs)]
-    st = _setup(lengths, 2, 1, 64, RECIPES["fp8_tokenblock_dsbf16"], seed=14, device="cuda")
-    res = _run(st, config=BwdDsBf16Config(head_dim=64, qhead_per_kvhead=2, diagonal_copy=True, persistent=True))
-    torch.cuda.synchronize()
-    err = _grad_errors(res, st["emu"], st["cu"].cpu())
-    assert not _violations(err), err
-
-
-@pytest.mark.gpu
-@needs_dsl
-@_needs_sm90()
 @pytest.mark.parametrize("raster", ["heads", "blocks"])
 def test_gpu_cta_orders_match_emulator(raster):
     """Both CTA orders (BwdDsBf16Config.raster) on a mix with a long document, GQA 2: the same
@@ -636,8 +599,7 @@ def test_gpu_preload_vectors_matches_emulator(D, H, Hk):
 @pytest.mark.gpu
 @needs_dsl
 @_needs_sm90()
-@pytest.mark.parametrize("fields", [{}, {"q_bf16_source": "convert"}, {"persistent": True}],
-                         ids=["default", "q-convert", "persistent"])
+@pytest.mark.parametrize("fields", [{}, {"q_bf16_source": "convert"}], ids=["default", "q-convert"])
 def test_gpu_leakage(fields, monkeypatch):
     """Quantize + forward kernel + this backward: nothing after a cut (or in another document)
     reaches dQ, dK, dV before it, within the fp32 atomics' run-to-run spread (the default build,
