@@ -92,6 +92,7 @@ for stage in "$@"; do
                 --modes fwd,bwd,fwdbwd --impls flamia,fa4,cudnn --reps 15 --out "$OUT/ds_api" ;;
     quant-tests-x) run quant_tests 90 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_quantize_kernel.py ;;
     fwd-tests-all) run fwd_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py ;;
+    timeline) run kernel_timeline 200 python3 perf/kernel_timeline.py ${TIMELINE_WORKLOADS:-} ;;
     profile) run profile_api 200 python3 perf/profile_api.py 16x1k fwd stages
              run profile_api_bwd 200 python3 perf/profile_api.py 16x1k bwd stages ;;
     ncu)  # where the backward kernel's time goes, and the quantization kernel's DRAM traffic
