@@ -646,6 +646,11 @@ class FlamiaFwdSm90:
                 head, doc_start, doc_len, m_block, wg,
             )
         else:
+            # the ping-pong turns run on across tiles: started and ended once. Per tile they raced: a
+            # warpgroup's last arrive of one tile and its pre-arrive for the next completed a named
+            # barrier's generation before the other warpgroup's closing wait (which then hung)
+            if cutlass.const_expr(self.pingpong):
+                self.pingpong_start(wg)
             t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
             m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
             while m_block >= 0:
@@ -656,6 +661,8 @@ class FlamiaFwdSm90:
                     scale_log2, head, doc_start, mCu[doc + 1] - doc_start, m_block, wg,
                 )
                 m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
+            if cutlass.const_expr(self.pingpong):
+                self.pingpong_end(wg)
 
     @cute.jit
     def consume_tile(
@@ -690,10 +697,8 @@ class FlamiaFwdSm90:
         if cutlass.const_expr(self.persistent):
             q_slot = wg + 2 * q_state.index
 
-        if cutlass.const_expr(self.pingpong):
-            # warpgroup 0 issues first: warpgroup 1 pre-arrives on warpgroup 0's barrier
-            if wg == 1:
-                cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
+        if cutlass.const_expr(self.pingpong and not self.persistent):
+            self.pingpong_start(wg)
 
         if cutlass.const_expr(self.overlap):
             # Intra-warpgroup overlap (FA3): S of tile n+1 and P V of tile n are issued together,
@@ -727,10 +732,8 @@ class FlamiaFwdSm90:
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
 
-        if cutlass.const_expr(self.pingpong):
-            # consume warpgroup 1's last arrive (it arrives once more than warpgroup 0 waits)
-            if wg == 0:
-                cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        if cutlass.const_expr(self.pingpong and not self.persistent):
+            self.pingpong_end(wg)
 
         # ---- epilogue: O = acc * (r/256) / l (bf16), LSE = ln2 * (m + log2 l)
         o_base = mO.iterator.toint()
@@ -958,6 +961,18 @@ class FlamiaFwdSm90:
         v_state.advance()
         self.accumulate_o(frags, rowst[4])
         return k_state, v_state, s_state
+
+    @cute.jit
+    def pingpong_start(self, wg):
+        """Warpgroup 0 issues first: warpgroup 1 pre-arrives on warpgroup 0's barrier."""
+        if wg == 1:
+            cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
+
+    @cute.jit
+    def pingpong_end(self, wg):
+        """Consume warpgroup 1's last arrive (it arrives once more than warpgroup 0 waits)."""
+        if wg == 0:
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
     @cute.jit
     def wait_turn(self, wg):

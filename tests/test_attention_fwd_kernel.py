@@ -698,6 +698,18 @@ def test_gpu_many_documents(recipe, variant):
 
 @pytest.mark.gpu
 @needs_dsl
+@pytest.mark.parametrize("head_dim, variant", [(64, "default"), (128, "pingpong"), (128, "default")])
+def test_gpu_persistent_many_tiles_per_cta(head_dim, variant):
+    """Hundreds of tiles per persistent CTA, with the ping-pong turns on (d64's default, and forced at
+    d128): the turns run on across tile boundaries; restarted per tile they raced and could hang
+    (a warpgroup's last arrive and its next pre-arrive completed the other's barrier generation)."""
+    lengths = [256] * 96 + [1000] * 8 + [5, 129]
+    for seed in (21, 22, 23):
+        _check_gpu(lengths, "fp8_tokenblock", head_dim, 16, 8, seed=seed, variant=variant)
+
+
+@pytest.mark.gpu
+@needs_dsl
 def test_gpu_persistent_beyond_the_document_table():
     """More documents than the persistent chunk table holds: the default (persistent) launch falls
     back to one CTA per tile (same numbers as the emulator)."""
