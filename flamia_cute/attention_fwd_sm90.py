@@ -174,6 +174,10 @@ class FwdConfig:
     # kernel alone, O bit-identical): -10% on 1x16k, -5% on 1x64k, -14..-19% on the short-document
     # workloads (16x1k 0.178 -> 0.145 ms).
     persistent: bool = True
+    # How persistent CTAs take tiles: "counter" (the next tile from a global atomic counter when a CTA
+    # is free: dynamic, the default) or "stride" (CTA c takes tiles c, c + grid, ...: no atomics, no
+    # counter to zero, but the order's per-document cost pattern then lands unevenly on the CTAs).
+    tile_claim: str = "counter"
 
     def __post_init__(self):
         def bad(name, msg):
@@ -211,6 +215,8 @@ class FwdConfig:
             bad("drop_branch", "must be a bool")
         if not isinstance(self.persistent, bool):
             bad("persistent", "must be a bool")
+        if self.tile_claim not in ("counter", "stride"):
+            bad("tile_claim", "must be 'counter' or 'stride'")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -495,7 +501,10 @@ class FlamiaFwdSm90:
             doc, head, m_block = locate_tile(t, sCum, num_docs, heads)
             t_state = publish_tile(pipe_t, sSched, t_state, m_block, head, doc)
             states = self.load_tma(*tma_args, states, head, head // self.group, mCu[doc], mCu, doc, sDt[doc], m_block)
-            t = claim_next_tile(mSched)
+            if cutlass.const_expr(self.cfg.tile_claim == "stride"):
+                t = t + cute.arch.grid_dim()[0]
+            else:
+                t = claim_next_tile(mSched)
         publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0))
 
     # ------------------------------------------------------------------------------------------
@@ -1192,14 +1201,14 @@ def flamia_fwd_sm90(
     if H > 65535 or num_docs > 65535:
         raise ValueError(f"grid too large: {H} query heads of q or {num_docs} documents of cu_seqlens "
                          "(at most 65535 each)")
+    sched_ptr = cu.data_ptr()  # unused unless the tiles are claimed from a counter
+    grid_x = max_m_blocks
     if config.persistent:
-        # the tile counter starts at 0 every call (one per call: no state shared between streams)
-        counter = torch.zeros(1, dtype=torch.int32, device=dev)
-        sched_ptr = counter.data_ptr()
         grid_x = min(sm_count(dev), H * min(max_chunks(T, num_docs), num_docs * max_m_blocks))
-    else:
-        sched_ptr = cu.data_ptr()  # unused
-        grid_x = max_m_blocks
+        if config.tile_claim == "counter":
+            # the tile counter starts at 0 every call (one per call: no state shared between streams)
+            counter = torch.zeros(1, dtype=torch.int32, device=dev)
+            sched_ptr = counter.data_ptr()
     launch_on_device(
         get_launcher(config), dev,
         q_td.data_ptr(), sq.data_ptr(), k_td.data_ptr(), sk.data_ptr(), v_dt.data_ptr(), sv.data_ptr(),

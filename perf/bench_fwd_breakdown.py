@@ -168,6 +168,8 @@ FWD_VARIANTS = {
     "pinned softmax": FwdConfig(128, diagonal_copy=True, pin_softmax=True),
     "3 kv stages": FwdConfig(128, diagonal_copy=True, kv_stages=3),
     "per-tile launch": FwdConfig(128, diagonal_copy=True, persistent=False),  # sessions 1-9's default
+    # persistent CTAs taking tiles c, c + grid, ... instead of from the atomic counter (issue 7: measure both)
+    "stride": FwdConfig(128, diagonal_copy=True, tile_claim="stride"),
 }
 
 

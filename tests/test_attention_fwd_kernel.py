@@ -101,6 +101,7 @@ VARIANTS = {
     "per_tile": {"persistent": False},  # one CTA per tile (sessions 1-9)
     "per_tile_serial": {"persistent": False, "intra_wg_overlap": False},
     "per_tile_pingpong": {"persistent": False, "pingpong": True},
+    "stride": {"tile_claim": "stride"},  # persistent CTAs take tiles c, c + grid, ... (no counter)
     "exp2_poly3": {"exp2_poly_every": 3},  # a third of the off-diagonal exp2s on the FMA pipe
     "exp2_poly1": {"exp2_poly_every": 1},  # all of them: the polynomial everywhere it runs
 }
@@ -117,7 +118,7 @@ VARIANTS = {
     [("head_dim", 96), ("head_dim", 256), ("tile_n", 64), ("tile_m", 64), ("kv_stages", 1),
      ("num_consumer_warpgroups", 1), ("qhead_per_kvhead", 0), ("intra_wg_overlap", 1), ("pingpong", 1),
      ("pin_softmax", 1), ("drop_branch", "yes"), ("max_chains", 3), ("exp2_poly_every", -1),
-     ("exp2_poly_every", 17), ("exp2_poly_every", 1.5)],
+     ("exp2_poly_every", 17), ("exp2_poly_every", 1.5), ("persistent", 1), ("tile_claim", "atomic")],
 )
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"FwdConfig.{field}"):
@@ -238,7 +239,7 @@ def test_overlap_variants_compile(artifacts, head_dim, diagonal_copy):
 @pytest.mark.parametrize("head_dim, diagonal_copy", _configs())
 def test_persistent_variant_compiles(artifacts, head_dim, diagonal_copy):
     """The persistent build (the default): the same fp8 wgmma and epilogue, no spills, tiles from one
-    global atomic counter; the one-CTA-per-tile build the same without the counter."""
+    global atomic counter; the one-CTA-per-tile and the static-stride builds the same without it."""
     for overlap in (True, False):
         if overlap and not overlap_default(head_dim, diagonal_copy):
             continue  # the per-token recipe's overlapped schedule spills in either build
@@ -248,6 +249,9 @@ def test_persistent_variant_compiles(artifacts, head_dim, diagonal_copy):
         per_tile = artifacts(head_dim, diagonal_copy, persistent=False, intra_wg_overlap=overlap)
         _check_artifacts(per_tile, head_dim)
         assert not re.search(r"\batom\.(global\.)?add\.[us]32", per_tile.ptx)
+        stride = artifacts(head_dim, diagonal_copy, tile_claim="stride", intra_wg_overlap=overlap)
+        _check_artifacts(stride, head_dim)
+        assert not re.search(r"\batom\.(global\.)?add\.[us]32", stride.ptx)
 
 
 @needs_dsl
@@ -698,7 +702,7 @@ def test_gpu_many_documents(recipe, variant):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("head_dim, variant", [(64, "default"), (128, "pingpong"), (128, "default")])
+@pytest.mark.parametrize("head_dim, variant", [(64, "default"), (128, "pingpong"), (128, "default"), (64, "stride")])
 def test_gpu_persistent_many_tiles_per_cta(head_dim, variant):
     """Hundreds of tiles per persistent CTA, with the ping-pong turns on (d64's default, and forced at
     d128): the turns run on across tile boundaries; restarted per tile they raced and could hang
