@@ -77,6 +77,7 @@ from .sm90_device import (
     pow2_scale_bits,
     prmt,
     select,
+    warp_scan_up2,
 )
 
 TILE_TOKENS = 128
@@ -417,13 +418,7 @@ class FusedQuantizeSm90:
                 ln = mCu[b + 1] - mCu[b]
                 my_c = my_c + ((ln + TILE_TOKENS - 1) >> 7)
                 my_p = my_p + ((ln + DT_DOC_ALIGN - 1) & -DT_DOC_ALIGN)
-        inc_c = my_c
-        inc_p = my_p
-        for sh in cutlass.range_constexpr(5):
-            up_c = cute.arch.shuffle_sync_up(inc_c, offset=1 << sh)
-            up_p = cute.arch.shuffle_sync_up(inc_p, offset=1 << sh)
-            inc_c = inc_c + select(lane >= (1 << sh), up_c, Int32(0))
-            inc_p = inc_p + select(lane >= (1 << sh), up_p, Int32(0))
+        inc_c, inc_p = warp_scan_up2(my_c, my_p, lane)
         if lane == 31:
             sScan[warp, 0] = inc_c
             sScan[warp, 1] = inc_p

@@ -350,7 +350,6 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
     `barrier_id`; the caller syncs before anyone reads the tables. Thread t owns documents
     [t*k, t*k + k): a serial sum, a warp scan (shfl.up), the warp totals through sWarp (2 per warp).
     """
-    align = _quant_layout.DT_DOC_ALIGN
     lane = tid % 32
     warp = tid // 32
     k = (num_docs + threads - 1) // threads
@@ -360,16 +359,10 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
     for i in cutlass.range(k, unroll=1):
         b = d0 + i
         if b < num_docs:
-            n = mCu[b + 1] - mCu[b]
-            my_c = my_c + (n + (tile - 1)) // tile
-            my_p = my_p + ((n + (align - 1)) & -align)
-    inc_c = my_c
-    inc_p = my_p
-    for sh in cutlass.range_constexpr(5):
-        up_c = cute.arch.shuffle_sync_up(inc_c, offset=1 << sh)
-        up_p = cute.arch.shuffle_sync_up(inc_p, offset=1 << sh)
-        inc_c = inc_c + select(lane >= (1 << sh), up_c, Int32(0))
-        inc_p = inc_p + select(lane >= (1 << sh), up_p, Int32(0))
+            c, p = _doc_chunks_and_columns(mCu, b, tile)
+            my_c = my_c + c
+            my_p = my_p + p
+    inc_c, inc_p = warp_scan_up2(my_c, my_p, lane)
     if lane == 31:
         sWarp[warp, 0] = inc_c
         sWarp[warp, 1] = inc_p
@@ -385,11 +378,28 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
     for i in cutlass.range(k, unroll=1):
         b = d0 + i
         if b < num_docs:
-            n = mCu[b + 1] - mCu[b]
-            run_c = run_c + (n + (tile - 1)) // tile
-            run_p = run_p + ((n + (align - 1)) & -align)
+            c, p = _doc_chunks_and_columns(mCu, b, tile)
+            run_c = run_c + c
+            run_p = run_p + p
             sCum[b + 1] = run_c
             sDt[b + 1] = run_p
+
+
+def _doc_chunks_and_columns(mCu: cute.Tensor, b, tile: int):
+    """Document b's chunks of `tile` tokens and its data_dt columns (length rounded up to DT_DOC_ALIGN)."""
+    align = _quant_layout.DT_DOC_ALIGN
+    n = mCu[b + 1] - mCu[b]
+    return (n + (tile - 1)) // tile, (n + (align - 1)) & -align
+
+
+def warp_scan_up2(a, b, lane):
+    """Inclusive prefix sums over a warp's lanes of two Int32 values at once (shfl.up, 5 steps)."""
+    for sh in range(5):  # unrolled as it is traced
+        up_a = cute.arch.shuffle_sync_up(a, offset=1 << sh)
+        up_b = cute.arch.shuffle_sync_up(b, offset=1 << sh)
+        a = a + select(lane >= (1 << sh), up_a, Int32(0))
+        b = b + select(lane >= (1 << sh), up_b, Int32(0))
+    return a, b
 
 
 @cute.jit
