@@ -688,17 +688,7 @@ class FlamiaFwdSm90:
         pipe_q, pipe_k, pipe_v, pipe_s = pipes
         q_state, k_state, v_state, s_state = states
         n_tiles = m_block + 1  # key tiles 0..m_block; tiles past the diagonal are skipped
-        n_acc_o = cute.size(acc_o)
-        for v1 in cutlass.range_constexpr(2):
-            row = m_block * tn + wg * wm + tScS[2 * v1][0]
-            row_in_blk[v1] = row
-            sq = Float32(1.0)  # rows past the end: any finite positive scale (never stored)
-            if row < doc_len:
-                sq = mSQ[doc_start + row, head]
-            rs[v1] = sq * scale_log2
-            m_run[v1] = -Float32.inf
-            l_run[v1] = Float32(0.0)
-            r_run[v1] = Float32(0.0)  # no kept tile yet (see softmax: the fold reference)
+        self.init_rows(frags, rowst, row_in_blk, mSQ, scale_log2, head, doc_start, doc_len, m_block, wg)
         acc_o.fill(0.0)
 
         pipe_q.consumer_wait(q_state)
@@ -745,8 +735,52 @@ class FlamiaFwdSm90:
             self.pingpong_end(wg)
 
         # ---- epilogue: O = acc * (r/256) / l (bf16), LSE = ln2 * (m + log2 l)
-        o_base = mO.iterator.toint()
-        o_row_stride = mO.stride[0]  # H * D elements
+        for v1 in cutlass.range_constexpr(2):
+            f = self.row_final(v1, rowst, row_in_blk, mLSE, head, doc_start, doc_len)
+            self.store_o_row(v1, f, acc_o, row_in_blk[v1], mO, head, doc_start, doc_len)
+        return (q_state, k_state, v_state, s_state), qk_mma, pv_mma
+
+    @cute.jit
+    def init_rows(self, frags, rowst, row_in_blk, mSQ, scale_log2, head, doc_start, doc_len, m_block, wg):
+        """The row statistics of query block m_block before its first key tile."""
+        tn, wm = self.tile_n, self.wg_m
+        tScS = frags[8]
+        rs, m_run, l_run, r_run, c_pend = rowst
+        for v1 in cutlass.range_constexpr(2):
+            row = m_block * tn + wg * wm + tScS[2 * v1][0]
+            row_in_blk[v1] = row
+            sq = Float32(1.0)  # rows past the end: any finite positive scale (never stored)
+            if row < doc_len:
+                sq = mSQ[doc_start + row, head]
+            rs[v1] = sq * scale_log2
+            m_run[v1] = -Float32.inf
+            l_run[v1] = Float32(0.0)
+            r_run[v1] = Float32(0.0)  # no kept tile yet (see softmax: the fold reference)
+
+    @cute.jit
+    def row_final(self, v1, rowst, row_in_blk, mLSE, head, doc_start, doc_len):
+        """Row v1's LSE = ln2 * (m + log2 l), stored; returns O's factor r / 256 / l (0 for an empty row)."""
+        rs, m_run, l_run, r_run, c_pend = rowst
+        l_tot = quad_sum(l_run[v1])
+        f = Float32(0.0)
+        lse = -Float32.inf
+        if l_tot > Float32(0.0):
+            f = (abs(r_run[v1]) / Float32(P_SCALE)) / l_tot
+            lse = (m_run[v1] + cute.math.log2(l_tot, fastmath=False)) * Float32(LN2)
+        row = row_in_blk[v1]
+        if row < doc_len:
+            if cute.arch.lane_idx() % 4 == 0:
+                mLSE[doc_start + row, head] = lse
+        return f
+
+    @cute.jit
+    def store_o_row(self, v1, f, acc_o, row, mO, head, doc_start, doc_len):
+        """Row v1 of O = acc_o * f in bf16. Lane t of a quad holds columns 8j + 2t, +1 (one bf16x2 word
+        per j). Four consecutive j are transposed across the quad so lane t owns the 16 contiguous
+        bytes at column 32G + 8t: one st.global.v4 instead of eight 2-byte stores. Every lane
+        shuffles; only the store is predicated (the row is quad-uniform)."""
+        D = self.D
+        quad = cute.arch.lane_idx() % 4
         odd_lane = quad % 2 == 1
         hi_lane = quad >= 2
 
@@ -756,31 +790,16 @@ class FlamiaFwdSm90:
         def sel(c, a, b):
             return Uint32(cutlass.select_(c, a, b))
 
-        for v1 in cutlass.range_constexpr(2):
-            l_tot = quad_sum(l_run[v1])
-            f = Float32(0.0)
-            lse = -Float32.inf
-            if l_tot > Float32(0.0):
-                f = (abs(r_run[v1]) / Float32(P_SCALE)) / l_tot
-                lse = (m_run[v1] + cute.math.log2(l_tot, fastmath=False)) * Float32(LN2)
-            row = row_in_blk[v1]
+        o_row_stride = mO.stride[0]  # H * D elements
+        row_addr = mO.iterator.toint() + (Int64(doc_start + row) * Int64(o_row_stride) + Int64(head * D + 8 * quad)) * 2
+        for G in cutlass.range_constexpr(cute.size(acc_o) // 16):
+            w = [
+                cvt_bf16x2(acc_o[2 * v1 + 4 * (4 * G + jj)] * f, acc_o[1 + 2 * v1 + 4 * (4 * G + jj)] * f)
+                for jj in range(4)
+            ]
+            ow = quad_transpose4(w, odd_lane, hi_lane, shfl_xor, sel)
             if row < doc_len:
-                if quad == 0:
-                    mLSE[doc_start + row, head] = lse
-            # O row: lane t of a quad holds columns 8j + 2t, +1 (one bf16x2 word per j). Four
-            # consecutive j are transposed across the quad so lane t owns the 16 contiguous
-            # bytes at column 32G + 8t: one st.global.v4 instead of eight 2-byte stores. Every
-            # lane shuffles; only the store is predicated (the row is quad-uniform).
-            row_addr = o_base + (Int64(doc_start + row) * Int64(o_row_stride) + Int64(head * D + 8 * quad)) * 2
-            for G in cutlass.range_constexpr(n_acc_o // 16):
-                w = [
-                    cvt_bf16x2(acc_o[2 * v1 + 4 * (4 * G + jj)] * f, acc_o[1 + 2 * v1 + 4 * (4 * G + jj)] * f)
-                    for jj in range(4)
-                ]
-                ow = quad_transpose4(w, odd_lane, hi_lane, shfl_xor, sel)
-                if row < doc_len:
-                    st_global_v4(row_addr + 64 * G, ow)
-        return (q_state, k_state, v_state, s_state), qk_mma, pv_mma
+                st_global_v4(row_addr + 64 * G, ow)
     # ------------------------------------------------------------------------------------------
     # Tile phases. Both schedules run the same phases on the same data; only the order of
     # independent work differs, so P, the row statistics and O are the same numbers.
