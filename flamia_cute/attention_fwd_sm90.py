@@ -178,6 +178,11 @@ class FwdConfig:
     # is free: dynamic, the default) or "stride" (CTA c takes tiles c, c + grid, ...: no atomics, no
     # counter to zero, but the order's per-document cost pattern then lands unevenly on the CTAs).
     tile_claim: str = "counter"
+    # Persistent, overlapped schedule: the next tile's diagonal S is issued with this tile's last P V
+    # and its softmax runs while that P V computes; this tile's O is stored after (the intra-warpgroup
+    # overlap carried across tile boundaries, so a tile's start no longer waits for the previous
+    # tile's last P V, and vice versa). Same operations on the same data: O and LSE unchanged.
+    overlap_tiles: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -217,6 +222,10 @@ class FwdConfig:
             bad("persistent", "must be a bool")
         if self.tile_claim not in ("counter", "stride"):
             bad("tile_claim", "must be 'counter' or 'stride'")
+        if not isinstance(self.overlap_tiles, bool):
+            bad("overlap_tiles", "must be a bool")
+        if self.overlap_tiles and not (self.persistent and self.intra_wg_overlap):
+            bad("overlap_tiles", "needs persistent=True and the intra-warpgroup overlap")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -654,6 +663,13 @@ class FlamiaFwdSm90:
                 frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO, mLSE, mSQ, scale_log2,
                 head, doc_start, doc_len, m_block, wg,
             )
+        elif cutlass.const_expr(self.cfg.overlap_tiles):
+            if cutlass.const_expr(self.pingpong):
+                self.pingpong_start(wg)
+            self.consume_overlapped_tiles(frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO,
+                                          mLSE, mSQ, mCu, scale_log2, wg, pipe_t, sSched)
+            if cutlass.const_expr(self.pingpong):
+                self.pingpong_end(wg)
         else:
             # the ping-pong turns run on across tiles: started and ended once. Per tile they raced: a
             # warpgroup's last arrive of one tile and its pre-arrive for the next completed a named
@@ -739,6 +755,105 @@ class FlamiaFwdSm90:
             f = self.row_final(v1, rowst, row_in_blk, mLSE, head, doc_start, doc_len)
             self.store_o_row(v1, f, acc_o, row_in_blk[v1], mO, head, doc_start, doc_len)
         return (q_state, k_state, v_state, s_state), qk_mma, pv_mma
+
+    @cute.jit
+    def consume_overlapped_tiles(
+        self, frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO, mLSE, mSQ, mCu, scale_log2,
+        wg, pipe_t, sSched,
+    ):
+        """Persistent consumers with overlap_tiles: the tiles as one stream of key-tile steps. Between
+        query blocks, boundary_step issues the next block's diagonal S with this block's last P V;
+        this block's O is stored once that P V has been added. The first block starts with the
+        serial diagonal step (every GEMM and its atom update stay inside this one `if`: a staged
+        atom update may not escape the region it was made in)."""
+        acc_o = frags[5]
+        rs, m_run, l_run, r_run, c_pend = rowst
+        pipe_q, pipe_k, pipe_v, pipe_s = pipes
+        q_state, k_state, v_state, s_state = states
+        t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
+        m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
+        if m_block >= 0:
+            doc_start = mCu[doc]
+            doc_len = mCu[doc + 1] - doc_start
+            self.init_rows(frags, rowst, row_in_blk, mSQ, scale_log2, head, doc_start, doc_len, m_block, wg)
+            acc_o.fill(0.0)
+            pipe_q.consumer_wait(q_state)
+            k_state, s_state = self.s_softmax_p(
+                True, m_block, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len, wg,
+                wg + 2 * q_state.index,
+            )
+            while m_block >= 0:
+                q_slot = wg + 2 * q_state.index
+                for i in cutlass.range(1, m_block + 1, unroll=1):
+                    k_state, v_state, s_state, qk_mma, pv_mma = self.overlap_step(
+                        m_block - i, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s,
+                        k_state, v_state, s_state, doc_len, wg, q_slot,
+                    )
+                pipe_q.consumer_release(q_state)  # every S GEMM of this block is done
+                q_state.advance()
+                # this block's row results (final once its last softmax ran); the pending P V's factor
+                f0 = self.row_final(0, rowst, row_in_blk, mLSE, head, doc_start, doc_len)
+                f1 = self.row_final(1, rowst, row_in_blk, mLSE, head, doc_start, doc_len)
+                rows = (row_in_blk[0], row_in_blk[1])
+                c_prev = (c_pend[0], c_pend[1])
+                n_block, n_head, n_doc, t_state = read_tile(pipe_t, sSched, t_state)
+                n_start = Int32(0)
+                n_len = Int32(0)
+                if n_block >= 0:
+                    n_start = mCu[n_doc]
+                    n_len = mCu[n_doc + 1] - n_start
+                    self.init_rows(frags, rowst, row_in_blk, mSQ, scale_log2, n_head, n_start, n_len, n_block, wg)
+                    pipe_q.consumer_wait(q_state)
+                    # the atoms rebound in both branches: their staged updates leave the `if` as its results
+                    k_state, v_state, s_state, qk_mma, pv_mma = self.boundary_step(
+                        n_block, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s, k_state, v_state,
+                        s_state, n_len, wg, wg + 2 * q_state.index, c_prev,
+                    )
+                    self.store_o_row(0, f0, acc_o, rows[0], mO, head, doc_start, doc_len)
+                    self.store_o_row(1, f1, acc_o, rows[1], mO, head, doc_start, doc_len)
+                    acc_o.fill(0.0)
+                    self.convert_p(frags, r_run, False)  # the next block's diagonal P
+                else:
+                    v_state = self.overlap_epilogue(frags, rowst, pv_mma, pipe_v, v_state, wg)
+                    pv_mma = pv_mma
+                    self.store_o_row(0, f0, acc_o, rows[0], mO, head, doc_start, doc_len)
+                    self.store_o_row(1, f1, acc_o, rows[1], mO, head, doc_start, doc_len)
+                m_block = n_block
+                head = n_head
+                doc = n_doc
+                doc_start = n_start
+                doc_len = n_len
+
+    @cute.jit
+    def boundary_step(
+        self, n_block, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s, k_state, v_state, s_state,
+        n_len, wg, q_slot, c_prev,
+    ):
+        """overlap_tiles: issue the next block's diagonal S (its Q in q_slot) and this block's last
+        P V, run the diagonal softmax (masked; the next block's fresh row statistics) while both
+        compute, then add that P V to O with this block's pending factor c_prev. The caller stores
+        O and converts the next block's P."""
+        pipe_k.consumer_wait(k_state)
+        pipe_v.consumer_wait(v_state)
+        self.wait_turn(wg)
+        warpgroup.fence()
+        self.gemm_qk(qk_mma, frags, k_state, q_slot)
+        warpgroup.commit_group()
+        self.gemm_pv(pv_mma, frags, v_state)
+        warpgroup.commit_group()
+        self.pass_turn(wg)
+        pipe_s.consumer_wait(s_state)
+        warpgroup.wait_group(1)  # S is done (groups retire in order); P V may still run
+        pipe_k.consumer_release(k_state)
+        k_state.advance()
+        self.softmax(True, n_block, frags, rowst, sScale, s_state, n_len, wg)
+        pipe_s.consumer_release(s_state)
+        s_state.advance()
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(v_state)
+        v_state.advance()
+        self.accumulate_o(frags, c_prev)
+        return k_state, v_state, s_state, qk_mma, pv_mma
 
     @cute.jit
     def init_rows(self, frags, rowst, row_in_blk, mSQ, scale_log2, head, doc_start, doc_len, m_block, wg):

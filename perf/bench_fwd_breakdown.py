@@ -170,6 +170,8 @@ FWD_VARIANTS = {
     "per-tile launch": FwdConfig(128, diagonal_copy=True, persistent=False),  # sessions 1-9's default
     # persistent CTAs taking tiles c, c + grid, ... instead of from the atomic counter (issue 7: measure both)
     "stride": FwdConfig(128, diagonal_copy=True, tile_claim="stride"),
+    # the next tile's diagonal S with this tile's last P V (the overlap carried across tiles)
+    "overlap tiles": FwdConfig(128, diagonal_copy=True, overlap_tiles=True),
 }
 
 

@@ -102,6 +102,9 @@ VARIANTS = {
     "per_tile_serial": {"persistent": False, "intra_wg_overlap": False},
     "per_tile_pingpong": {"persistent": False, "pingpong": True},
     "stride": {"tile_claim": "stride"},  # persistent CTAs take tiles c, c + grid, ... (no counter)
+    # the next tile's diagonal S issued with this tile's last P V (persistent, overlapped schedule)
+    "overlap_tiles": {"overlap_tiles": True, "intra_wg_overlap": True},
+    "overlap_tiles_pingpong": {"overlap_tiles": True, "intra_wg_overlap": True, "pingpong": True},
     "exp2_poly3": {"exp2_poly_every": 3},  # a third of the off-diagonal exp2s on the FMA pipe
     "exp2_poly1": {"exp2_poly_every": 1},  # all of them: the polynomial everywhere it runs
 }
@@ -252,6 +255,30 @@ def test_persistent_variant_compiles(artifacts, head_dim, diagonal_copy):
         stride = artifacts(head_dim, diagonal_copy, tile_claim="stride", intra_wg_overlap=overlap)
         _check_artifacts(stride, head_dim)
         assert not re.search(r"\batom\.(global\.)?add\.[us]32", stride.ptx)
+
+
+@needs_dsl
+@pytest.mark.parametrize("head_dim, diagonal_copy", _configs())
+def test_overlap_tiles_variant_compiles(artifacts, head_dim, diagonal_copy):
+    """overlap_tiles: one more S and P V issue site (the step between tiles) beside the diagonal step,
+    the overlapped step and the last P V; fp8 wgmma, TMA, the 16-byte O stores. At d128 ptxas spills
+    ~200 bytes around the step between tiles (once per tile, not in the key-tile loop); d64 none."""
+    art = artifacts(head_dim, diagonal_copy, overlap_tiles=True, intra_wg_overlap=True)
+    ptx = art.ptx
+    s_sites = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx))
+    n_wgmma = len(re.findall(r"wgmma\.mma_async", ptx))
+    # S: diagonal, overlapped and between-tile steps (D/32 k-steps each); P V: three sites of 4
+    assert n_wgmma == 3 * (head_dim // 32) + 3 * 4, n_wgmma
+    assert s_sites >= 3 * (head_dim // 32)
+    assert "cp.async.bulk.tensor" in ptx and len(re.findall(r"\batom\.global\.add\.u32", ptx)) == 1
+    if art.sass is not None:
+        assert len(re.findall(r"\bQGMMA\b", art.sass)) == n_wgmma
+        # both O stores sites (between tiles and after the last tile) are 16-byte stores
+        assert len(re.findall(r"\bSTG\.E\.128\b", art.sass)) == 2 * 2 * head_dim // 32
+    if head_dim == 64 and art.frame_bytes is not None:
+        assert art.frame_bytes == 0
+    with pytest.raises(ValueError, match="FwdConfig.overlap_tiles"):
+        FwdConfig(head_dim=head_dim, diagonal_copy=diagonal_copy, overlap_tiles=True, persistent=False)
 
 
 @needs_dsl
@@ -702,7 +729,9 @@ def test_gpu_many_documents(recipe, variant):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("head_dim, variant", [(64, "default"), (128, "pingpong"), (128, "default"), (64, "stride")])
+@pytest.mark.parametrize("head_dim, variant", [(64, "default"), (128, "pingpong"), (128, "default"), (64, "stride"),
+                                               (64, "overlap_tiles"), (128, "overlap_tiles"),
+                                               (128, "overlap_tiles_pingpong")])
 def test_gpu_persistent_many_tiles_per_cta(head_dim, variant):
     """Hundreds of tiles per persistent CTA, with the ping-pong turns on (d64's default, and forced at
     d128): the turns run on across tile boundaries; restarted per tile they raced and could hang
@@ -735,7 +764,7 @@ def test_gpu_single_long_document(variant, recipe):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("variant", ["default", "overlap", "serial", "per_tile", "per_tile_serial"])
+@pytest.mark.parametrize("variant", ["default", "overlap", "serial", "per_tile", "per_tile_serial", "overlap_tiles"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_gpu_leakage(recipe, variant):
     q, k, v, _, cu, scale = make_inputs([300, 700, 129, 1], heads_q=4, heads_kv=2, head_dim=128, seed=7)
