@@ -833,19 +833,8 @@ class FlamiaFwdSm90:
         P V, run the diagonal softmax (masked; the next block's fresh row statistics) while both
         compute, then add that P V to O with this block's pending factor c_prev. The caller stores
         O and converts the next block's P."""
-        pipe_k.consumer_wait(k_state)
-        pipe_v.consumer_wait(v_state)
-        self.wait_turn(wg)
-        warpgroup.fence()
-        self.gemm_qk(qk_mma, frags, k_state, q_slot)
-        warpgroup.commit_group()
-        self.gemm_pv(pv_mma, frags, v_state)
-        warpgroup.commit_group()
-        self.pass_turn(wg)
-        pipe_s.consumer_wait(s_state)
-        warpgroup.wait_group(1)  # S is done (groups retire in order); P V may still run
-        pipe_k.consumer_release(k_state)
-        k_state.advance()
+        k_state = self.issue_s_with_pv(qk_mma, pv_mma, frags, pipe_k, pipe_v, pipe_s, k_state, v_state, s_state, wg,
+                                       q_slot)
         self.softmax(True, n_block, frags, rowst, sScale, s_state, n_len, wg)
         pipe_s.consumer_release(s_state)
         s_state.advance()
@@ -1172,19 +1161,8 @@ class FlamiaFwdSm90:
         while P V runs, then O = O * c_prev + O_tile(prev) and P_n."""
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         rs, m_run, l_run, r_run, c_pend = rowst
-        pipe_k.consumer_wait(k_state)
-        pipe_v.consumer_wait(v_state)
-        self.wait_turn(wg)
-        warpgroup.fence()
-        self.gemm_qk(qk_mma, frags, k_state, q_slot)
-        warpgroup.commit_group()
-        self.gemm_pv(pv_mma, frags, v_state)
-        warpgroup.commit_group()
-        self.pass_turn(wg)
-        pipe_s.consumer_wait(s_state)
-        warpgroup.wait_group(1)  # S_n is done (groups retire in order); P V may still run
-        pipe_k.consumer_release(k_state)
-        k_state.advance()
+        k_state = self.issue_s_with_pv(qk_mma, pv_mma, frags, pipe_k, pipe_v, pipe_s, k_state, v_state, s_state, wg,
+                                       q_slot)
         c_prev = [c_pend[0], c_pend[1]]  # the factor of the tile whose P V is in flight
         # reads and writes acc_s only (and the row statistics): P V reads tOrP, writes acc_t
         self.softmax(False, n, frags, rowst, sScale, s_state, doc_len, wg)
@@ -1201,6 +1179,26 @@ class FlamiaFwdSm90:
         self.accumulate_o(frags, c_prev)
         self.convert_p(frags, r_run, self.diag_copy)
         return k_state, v_state, s_state, qk_mma, pv_mma
+
+    @cute.jit
+    def issue_s_with_pv(self, qk_mma, pv_mma, frags, pipe_k, pipe_v, pipe_s, k_state, v_state, s_state, wg, q_slot):
+        """Overlap schedule: issue S for the K tile in k_state and P V of the previous tile (its P in
+        the A registers) back to back, wait for S alone (groups retire in order; P V may still run)
+        and for the tile's scales. Returns the advanced K state."""
+        pipe_k.consumer_wait(k_state)
+        pipe_v.consumer_wait(v_state)
+        self.wait_turn(wg)
+        warpgroup.fence()
+        self.gemm_qk(qk_mma, frags, k_state, q_slot)
+        warpgroup.commit_group()
+        self.gemm_pv(pv_mma, frags, v_state)
+        warpgroup.commit_group()
+        self.pass_turn(wg)
+        pipe_s.consumer_wait(s_state)
+        warpgroup.wait_group(1)
+        pipe_k.consumer_release(k_state)
+        k_state.advance()
+        return k_state
 
     @cute.jit
     def overlap_epilogue(self, frags, rowst, pv_mma, pipe_v, v_state, wg):
