@@ -762,7 +762,7 @@ class FlamiaFwdSm90:
         wg, pipe_t, sSched,
     ):
         """Persistent consumers with overlap_tiles: the tiles as one stream of key-tile steps. Between
-        query blocks, boundary_step issues the next block's diagonal S with this block's last P V;
+        query blocks, overlap_step(next_diag=True) issues the next block's diagonal S with this block's last P V;
         this block's O is stored once that P V has been added. The first block starts with the
         serial diagonal step (every GEMM and its atom update stay inside this one `if`: a staged
         atom update may not escape the region it was made in)."""
@@ -805,9 +805,9 @@ class FlamiaFwdSm90:
                     self.init_rows(frags, rowst, row_in_blk, mSQ, scale_log2, n_head, n_start, n_len, n_block, wg)
                     pipe_q.consumer_wait(q_state)
                     # the atoms rebound in both branches: their staged updates leave the `if` as its results
-                    k_state, v_state, s_state, qk_mma, pv_mma = self.boundary_step(
-                        n_block, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s, k_state, v_state,
-                        s_state, n_len, wg, wg + 2 * q_state.index, c_prev,
+                    k_state, v_state, s_state, qk_mma, pv_mma = self.overlap_step(
+                        n_block, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s, k_state,
+                        v_state, s_state, n_len, wg, wg + 2 * q_state.index, next_diag=True, c_prev=c_prev,
                     )
                     self.store_o_row(0, f0, acc_o, rows[0], mO, head, doc_start, doc_len)
                     self.store_o_row(1, f1, acc_o, rows[1], mO, head, doc_start, doc_len)
@@ -823,26 +823,6 @@ class FlamiaFwdSm90:
                 doc = n_doc
                 doc_start = n_start
                 doc_len = n_len
-
-    @cute.jit
-    def boundary_step(
-        self, n_block, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s, k_state, v_state, s_state,
-        n_len, wg, q_slot, c_prev,
-    ):
-        """overlap_tiles: issue the next block's diagonal S (its Q in q_slot) and this block's last
-        P V, run the diagonal softmax (masked; the next block's fresh row statistics) while both
-        compute, then add that P V to O with this block's pending factor c_prev. The caller stores
-        O and converts the next block's P."""
-        k_state = self.issue_s_with_pv(qk_mma, pv_mma, frags, pipe_k, pipe_v, pipe_s, k_state, v_state, s_state, wg,
-                                       q_slot)
-        self.softmax(True, n_block, frags, rowst, sScale, s_state, n_len, wg)
-        pipe_s.consumer_release(s_state)
-        s_state.advance()
-        warpgroup.wait_group(0)
-        pipe_v.consumer_release(v_state)
-        v_state.advance()
-        self.accumulate_o(frags, c_prev)
-        return k_state, v_state, s_state, qk_mma, pv_mma
 
     @cute.jit
     def init_rows(self, frags, rowst, row_in_blk, mSQ, scale_log2, head, doc_start, doc_len, m_block, wg):
@@ -1155,18 +1135,23 @@ class FlamiaFwdSm90:
     @cute.jit
     def overlap_step(
         self, n, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s,
-        k_state, v_state, s_state, doc_len, wg, q_slot,
+        k_state, v_state, s_state, doc_len, wg, q_slot, next_diag: cutlass.Constexpr = False, c_prev=None,
     ):
         """Overlap schedule, off-diagonal tile n: issue S_n and P_prev V_prev, softmax of S_n
-        while P V runs, then O = O * c_prev + O_tile(prev) and P_n."""
+        while P V runs, then O = O * c_prev + O_tile(prev) and P_n.
+
+        next_diag (overlap_tiles, between query blocks): n is the next block's diagonal tile (masked
+        softmax; its fresh row statistics already in rowst, doc_len its document's), c_prev this
+        block's pending factor; P stays in acc_s until the caller has stored this block's O."""
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         rs, m_run, l_run, r_run, c_pend = rowst
         k_state = self.issue_s_with_pv(qk_mma, pv_mma, frags, pipe_k, pipe_v, pipe_s, k_state, v_state, s_state, wg,
                                        q_slot)
-        c_prev = [c_pend[0], c_pend[1]]  # the factor of the tile whose P V is in flight
+        if cutlass.const_expr(not next_diag):
+            c_prev = [c_pend[0], c_pend[1]]  # the factor of the tile whose P V is in flight
         # reads and writes acc_s only (and the row statistics): P V reads tOrP, writes acc_t
-        self.softmax(False, n, frags, rowst, sScale, s_state, doc_len, wg)
-        if cutlass.const_expr(self.pin):
+        self.softmax(next_diag, n, frags, rowst, sScale, s_state, doc_len, wg)
+        if cutlass.const_expr(self.pin and not next_diag):
             # the row sums depend on every exp2 of the tile: storing them here keeps the exp2 work
             # ahead of the wait below (ptxas does not move shared-memory stores across it)
             sPin[cute.arch.thread_idx()[0] % 256] = rowst[2][0] + rowst[2][1]
@@ -1177,7 +1162,8 @@ class FlamiaFwdSm90:
         v_state.advance()
         # the serial schedule's operation for the previous tile: O = O * c_prev + O_tile
         self.accumulate_o(frags, c_prev)
-        self.convert_p(frags, r_run, self.diag_copy)
+        if cutlass.const_expr(not next_diag):
+            self.convert_p(frags, r_run, self.diag_copy)
         return k_state, v_state, s_state, qk_mma, pv_mma
 
     @cute.jit
