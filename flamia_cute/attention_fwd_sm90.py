@@ -69,15 +69,15 @@ from .sm90_device import (
     cvt_bf16x2,
     doc_chunk_cumsum,
     document_dt_start,
-    locate_tile,
-    f32_bits,
-    pack_a_fragment_e4m3,
     exp2_poly,
+    f32_bits,
     fmax_chains,
+    locate_tile,
+    pack_a_fragment_e4m3,
     pow2_reciprocal,
+    publish_tile,
     quad_max2,
     quad_sum,
-    publish_tile,
     quad_transpose4,
     read_tile,
     st_global_v4,
@@ -696,9 +696,6 @@ class FlamiaFwdSm90:
     ):
         """Query block m_block of one (document, head): the key tiles from the diagonal down, then the
         epilogue. Returns the pipeline states and MMA atoms (loop-carried when persistent)."""
-        D, tn, wm = self.D, self.tile_n, self.wg_m
-        lane = cute.arch.lane_idx()
-        quad = lane % 4
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         rs, m_run, l_run, r_run, c_pend = rowst
         pipe_q, pipe_k, pipe_v, pipe_s = pipes

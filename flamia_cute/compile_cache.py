@@ -346,7 +346,7 @@ def compile_entry(op: Any, arg_kinds: tuple, arch: str, extra_options: str = "",
     return cute.compile(op, *fake_args(arg_kinds), options=options)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     import torch
 

@@ -232,7 +232,8 @@ def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
 def main():
     wl = json.loads(DEFAULT_WORKLOADS.read_text())["workloads"]
     rows = []
-    for name in WORKLOADS or ("1x16k", "16x1k", "4x4k", "longtail32k", "1x64k") + (("mixed16k",) if (ONLY_DS or ONLY_FWD) else ()):
+    default = ("1x16k", "16x1k", "4x4k", "longtail32k", "1x64k") + (("mixed16k",) if (ONLY_DS or ONLY_FWD) else ())
+    for name in WORKLOADS or default:
         row = measure(name, wl[name])
         rows.append(row)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)

@@ -16,7 +16,6 @@ from torch.profiler import ProfilerActivity, profile
 from flamia_cute import flamia_attn_varlen_func
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case
 
-
 WORKLOADS = json.loads(DEFAULT_WORKLOADS.read_text())["workloads"]
 
 

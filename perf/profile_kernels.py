@@ -19,7 +19,6 @@ from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case
 from flamia_cute.cute_backend import quantize_operands
 
-
 FWD_OVERRIDES = json.loads(os.environ.get("FWD_CONFIG", "{}"))
 
 

@@ -26,7 +26,7 @@ def main() -> None:
     workloads = json.loads(DEFAULT_WORKLOADS.read_text())["workloads"]
     print(f"{'workload':12s} {'given':>8s} {'stride':>8s} {'docs-LPT':>9s} {'heavy-first':>12s}   (makespan over ideal)")
     for name, lengths in workloads.items():
-        def costs(doc_order, split=False):
+        def costs(doc_order, split=False, lengths=lengths):
             groups = [(d, h) for d in doc_order for h in range(HEADS)]
             seq = [[b + 1 for b in reversed(range(blocks(lengths[d])))] for d, _ in groups]
             if split:
