@@ -105,7 +105,7 @@ def smem_bytes(cfg) -> int:
     """Shared memory of one CTA (upper bound): Q tile, K and V stages, their scale vectors, the
     pin_softmax stores, barriers and alignment."""
     tile = cfg.tile_m * cfg.head_dim * (2 if cfg.persistent else 1)
-    table = 4 * (PERSISTENT_MAX_DOCS + 1) + 64 if cfg.persistent else 0
+    table = (3 if cfg.tile_order == "heavy_first" else 2) * 4 * (PERSISTENT_MAX_DOCS + 1) + 128 if cfg.persistent else 0
     return tile + 2 * cfg.kv_stages * cfg.tile_n * cfg.head_dim + 2 * cfg.tile_n * 4 * cfg.kv_stages + table + 2048
 
 
@@ -183,6 +183,10 @@ class FwdConfig:
     # overlap carried across tile boundaries, so a tile's start no longer waits for the previous
     # tile's last P V, and vice versa). Same operations on the same data: O and LSE unchanged.
     overlap_tiles: bool = False
+    # Persistent tile order: "documents" (documents, heads, blocks longest first) or "heavy_first"
+    # (the same over every (document, head)'s heavier half of blocks first, then the lighter halves:
+    # the last tiles claimed are short; each group's K/V is read twice; perf/schedule_model.py).
+    tile_order: str = "documents"
 
     def __post_init__(self):
         def bad(name, msg):
@@ -222,6 +226,8 @@ class FwdConfig:
             bad("persistent", "must be a bool")
         if self.tile_claim not in ("counter", "stride"):
             bad("tile_claim", "must be 'counter' or 'stride'")
+        if self.tile_order not in ("documents", "heavy_first"):
+            bad("tile_order", "must be 'documents' or 'heavy_first'")
         if not isinstance(self.overlap_tiles, bool):
             bad("overlap_tiles", "must be a bool")
         if self.overlap_tiles and not (self.persistent and self.intra_wg_overlap):
@@ -333,6 +339,8 @@ class FlamiaFwdSm90:
         persistent = self.persistent
         # the persistent schedule's ring and document tables, last (a few unused words otherwise)
         n_cum = PERSISTENT_MAX_DOCS + 1 if persistent else 4
+        n_heavy = n_cum if self.cfg.tile_order == "heavy_first" else 4
+        n_warp = 12 if self.cfg.tile_order == "heavy_first" else 8  # the scan's warp totals
 
         @cute.struct
         class SharedStorage:
@@ -347,9 +355,10 @@ class FlamiaFwdSm90:
             sV: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sV_layout)], 1024]
             t_mbar: cute.struct.MemRange[cutlass.Int64, 2 * SCHED_STAGES]
             sSched: cute.struct.Align[cute.struct.MemRange[Int32, 4 * SCHED_STAGES], 16]
-            sWarp: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]
+            sWarp: cute.struct.Align[cute.struct.MemRange[Int32, n_warp], 16]
             sCum: cute.struct.Align[cute.struct.MemRange[Int32, n_cum], 16]
             sDt: cute.struct.Align[cute.struct.MemRange[Int32, n_cum], 16]
+            sHeavy: cute.struct.Align[cute.struct.MemRange[Int32, n_heavy], 16]
 
         self.shared_storage = SharedStorage
 
@@ -446,16 +455,22 @@ class FlamiaFwdSm90:
         sSched = None
         sCum = None
         sDt = None
+        sHeavy = None
         if cutlass.const_expr(self.persistent):
             # tile hand-off from the TMA warp to the scale warp and the consumers (32 + 256 threads)
             pipe_t = warp_pipeline(SCHED_STAGES, storage.t_mbar.data_ptr(), consumers=288)
             sSched = storage.sSched.get_tensor(cute.make_layout((4, SCHED_STAGES)))
             sCum = storage.sCum.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
             sDt = storage.sDt.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
+            if cutlass.const_expr(self.cfg.tile_order == "heavy_first"):
+                sHeavy = storage.sHeavy.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
             if wg_idx == 0:
                 # each document's first chunk (locate_tile) and V^T column, by the producer warpgroup
-                sWarp = storage.sWarp.get_tensor(cute.make_layout((4, 2), stride=(2, 1)))
-                doc_chunk_cumsum(mCu, cute.size(mCu) - 1, sCum, sDt, sWarp, tidx, 128, SCAN_BARRIER, tn)
+                if cutlass.const_expr(sHeavy is None):
+                    sWarp = storage.sWarp.get_tensor(cute.make_layout((4, 2), stride=(2, 1)))
+                else:
+                    sWarp = storage.sWarp.get_tensor(cute.make_layout((4, 3), stride=(3, 1)))
+                doc_chunk_cumsum(mCu, cute.size(mCu) - 1, sCum, sDt, sWarp, tidx, 128, SCAN_BARRIER, tn, sHeavy)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -464,7 +479,7 @@ class FlamiaFwdSm90:
             if warp_idx == 0:
                 tma_args = (tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, sQ, sK, sV, pipe_q, pipe_k, pipe_v)
                 if cutlass.const_expr(self.persistent):
-                    self.produce_tiles(tma_args, mCu, mSched, mO.shape[2], pipe_t, sSched, sCum, sDt)
+                    self.produce_tiles(tma_args, mCu, mSched, mO.shape[2], pipe_t, sSched, sCum, sDt, sHeavy)
                 else:
                     states = (
                         pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages),
@@ -492,7 +507,7 @@ class FlamiaFwdSm90:
             )
 
     @cute.jit
-    def produce_tiles(self, tma_args, mCu, mSched, heads, pipe_t, sSched, sCum, sDt):
+    def produce_tiles(self, tma_args, mCu, mSched, heads, pipe_t, sSched, sCum, sDt, sHeavy):
         """Persistent TMA warp: take tiles (the first by CTA index, then from the global counter
         mSched[0], which the host zeroes per call), publish each to the scale warp and consumers,
         issue its loads; an end mark (block -1) when the counter passes the last tile."""
@@ -507,7 +522,7 @@ class FlamiaFwdSm90:
         t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
         t = Int32(bidx)
         while t < total:
-            doc, head, m_block = locate_tile(t, sCum, num_docs, heads)
+            doc, head, m_block = locate_tile(t, sCum, num_docs, heads, sHeavy)
             t_state = publish_tile(pipe_t, sSched, t_state, m_block, head, doc)
             states = self.load_tma(*tma_args, states, head, head // self.group, mCu[doc], mCu, doc, sDt[doc], m_block)
             if cutlass.const_expr(self.cfg.tile_claim == "stride"):

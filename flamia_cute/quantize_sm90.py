@@ -77,7 +77,7 @@ from .sm90_device import (
     pow2_scale_bits,
     prmt,
     select,
-    warp_scan_up2,
+    warp_scan_up,
 )
 
 TILE_TOKENS = 128
@@ -418,7 +418,7 @@ class FusedQuantizeSm90:
                 ln = mCu[b + 1] - mCu[b]
                 my_c = my_c + ((ln + TILE_TOKENS - 1) >> 7)
                 my_p = my_p + ((ln + DT_DOC_ALIGN - 1) & -DT_DOC_ALIGN)
-        inc_c, inc_p = warp_scan_up2(my_c, my_p, lane)
+        inc_c, inc_p = warp_scan_up(lane, my_c, my_p)
         if lane == 31:
             sScan[warp, 0] = inc_c
             sScan[warp, 1] = inc_p

@@ -341,40 +341,59 @@ def document_dt_start(mCu: cute.Tensor, doc):
 
 @cute.jit
 def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Tensor, sWarp: cute.Tensor, tid,
-                     threads: cutlass.Constexpr, barrier_id: cutlass.Constexpr, tile: cutlass.Constexpr):
+                     threads: cutlass.Constexpr, barrier_id: cutlass.Constexpr, tile: cutlass.Constexpr,
+                     sHeavy=None):
     """Per-document tables in shared memory, for d in 0..num_docs: sCum[d] = sum over documents
     b < d of ceil(len_b / tile) (chunks), sDt[d] = document d's first data_dt column (the same sum
-    of lengths rounded up to DT_DOC_ALIGN: quant.dt_cu_seqlens).
+    of lengths rounded up to DT_DOC_ALIGN: quant.dt_cu_seqlens), and when sHeavy is given
+    sHeavy[d] = the same sum of ceil(chunks_b / 2) (the heavy halves of locate_tile's heavy_first).
 
     Run by `threads` threads (tid in 0..threads-1, whole warps) that meet at named barrier
     `barrier_id`; the caller syncs before anyone reads the tables. Thread t owns documents
-    [t*k, t*k + k): a serial sum, a warp scan (shfl.up), the warp totals through sWarp (2 per warp).
+    [t*k, t*k + k): a serial sum, a warp scan (shfl.up), the warp totals through sWarp (a row of
+    2, or 3 with sHeavy, per warp).
     """
+    heavy = cutlass.const_expr(sHeavy is not None)
     lane = tid % 32
     warp = tid // 32
     k = (num_docs + threads - 1) // threads
     d0 = tid * k
     my_c = Int32(0)
     my_p = Int32(0)
+    my_h = Int32(0)
     for i in cutlass.range(k, unroll=1):
         b = d0 + i
         if b < num_docs:
             c, p = _doc_chunks_and_columns(mCu, b, tile)
             my_c = my_c + c
             my_p = my_p + p
-    inc_c, inc_p = warp_scan_up2(my_c, my_p, lane)
+            if cutlass.const_expr(heavy):
+                my_h = my_h + (c + 1) // 2
+    if cutlass.const_expr(heavy):
+        inc_c, inc_p, inc_h = warp_scan_up(lane, my_c, my_p, my_h)
+    else:
+        inc_c, inc_p = warp_scan_up(lane, my_c, my_p)
     if lane == 31:
         sWarp[warp, 0] = inc_c
         sWarp[warp, 1] = inc_p
+        if cutlass.const_expr(heavy):
+            sWarp[warp, 2] = inc_h
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
     run_c = inc_c - my_c
     run_p = inc_p - my_p
+    run_h = Int32(0)
+    if cutlass.const_expr(heavy):
+        run_h = inc_h - my_h
     for w in cutlass.range_constexpr(threads // 32):
         run_c = run_c + select(warp > w, sWarp[w, 0], Int32(0))
         run_p = run_p + select(warp > w, sWarp[w, 1], Int32(0))
+        if cutlass.const_expr(heavy):
+            run_h = run_h + select(warp > w, sWarp[w, 2], Int32(0))
     if tid == 0:
         sCum[0] = Int32(0)
         sDt[0] = Int32(0)
+        if cutlass.const_expr(heavy):
+            sHeavy[0] = Int32(0)
     for i in cutlass.range(k, unroll=1):
         b = d0 + i
         if b < num_docs:
@@ -383,6 +402,9 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
             run_p = run_p + p
             sCum[b + 1] = run_c
             sDt[b + 1] = run_p
+            if cutlass.const_expr(heavy):
+                run_h = run_h + (c + 1) // 2
+                sHeavy[b + 1] = run_h
 
 
 def _doc_chunks_and_columns(mCu: cute.Tensor, b, tile: int):
@@ -392,35 +414,63 @@ def _doc_chunks_and_columns(mCu: cute.Tensor, b, tile: int):
     return (n + (tile - 1)) // tile, (n + (align - 1)) & -align
 
 
-def warp_scan_up2(a, b, lane):
-    """Inclusive prefix sums over a warp's lanes of two Int32 values at once (shfl.up, 5 steps)."""
+def warp_scan_up(lane, *values):
+    """Inclusive prefix sums over a warp's lanes of Int32 values at once (shfl.up, 5 steps)."""
+    values = list(values)
     for sh in range(5):  # unrolled as it is traced
-        up_a = cute.arch.shuffle_sync_up(a, offset=1 << sh)
-        up_b = cute.arch.shuffle_sync_up(b, offset=1 << sh)
-        a = a + select(lane >= (1 << sh), up_a, Int32(0))
-        b = b + select(lane >= (1 << sh), up_b, Int32(0))
-    return a, b
+        ups = [cute.arch.shuffle_sync_up(v, offset=1 << sh) for v in values]
+        values = [v + select(lane >= (1 << sh), up, Int32(0)) for v, up in zip(values, ups, strict=True)]
+    return tuple(values)
 
 
 @cute.jit
-def locate_tile(t, sCum: cute.Tensor, num_docs, heads):
-    """Tile t of the persistent order -> (document, head, block): documents in order, the heads of a
-    document next (a GQA group's query heads together, so its K/V stay in L2), then the document's
-    query blocks from the last (longest causal row) to the first. sCum: doc_chunk_cumsum's table.
-    The document is the last d with heads * sCum[d] <= t (empty documents are passed over)."""
+def _last_doc_at_or_before(t, cum_at, num_docs, heads):
+    """The last document d with heads * cum_at(d) <= t (binary search; empty documents, whose ranges
+    are empty, are passed over)."""
     lo = Int32(0)
     hi = Int32(num_docs)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if heads * sCum[mid] <= t:
+        if heads * cum_at(mid) <= t:
             lo = mid
         else:
             hi = mid
-    nblk = sCum[lo + 1] - sCum[lo]
-    local = t - heads * sCum[lo]
-    head = local // nblk
-    block = nblk - 1 - (local - head * nblk)
-    return lo, head, block
+    return lo
+
+
+@cute.jit
+def locate_tile(t, sCum: cute.Tensor, num_docs, heads, sHeavy=None):
+    """Tile t of the persistent order -> (document, head, block): documents in order, the heads of a
+    document next (a GQA group's query heads together, so its K/V stay in L2), then the document's
+    query blocks from the last (longest causal row) to the first. sCum: doc_chunk_cumsum's table.
+
+    sHeavy (heavy_first): the same order over every document's heavier half of blocks (the last
+    ceil(n/2)) first, then over the lighter halves, so the tiles claimed last are short ones."""
+    if cutlass.const_expr(sHeavy is None):
+        doc = _last_doc_at_or_before(t, lambda i: sCum[i], num_docs, heads)
+        nblk = sCum[doc + 1] - sCum[doc]
+        local = t - heads * sCum[doc]
+        head = local // nblk
+        block = nblk - 1 - (local - head * nblk)
+    else:
+        heavy_tiles = heads * sHeavy[num_docs]
+        doc = Int32(0)
+        head = Int32(0)
+        block = Int32(0)
+        if t < heavy_tiles:
+            doc = _last_doc_at_or_before(t, lambda i: sHeavy[i], num_docs, heads)
+            n_h = sHeavy[doc + 1] - sHeavy[doc]
+            local = t - heads * sHeavy[doc]
+            head = local // n_h
+            block = sCum[doc + 1] - sCum[doc] - 1 - (local - head * n_h)
+        else:
+            tl = t - heavy_tiles
+            doc = _last_doc_at_or_before(tl, lambda i: sCum[i] - sHeavy[i], num_docs, heads)
+            n_l = sCum[doc + 1] - sHeavy[doc + 1] - (sCum[doc] - sHeavy[doc])
+            local = tl - heads * (sCum[doc] - sHeavy[doc])
+            head = local // n_l
+            block = n_l - 1 - (local - head * n_l)
+    return doc, head, block
 
 
 @cute.jit

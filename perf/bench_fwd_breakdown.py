@@ -172,6 +172,8 @@ FWD_VARIANTS = {
     "stride": FwdConfig(128, diagonal_copy=True, tile_claim="stride"),
     # the next tile's diagonal S with this tile's last P V (the overlap carried across tiles)
     "overlap tiles": FwdConfig(128, diagonal_copy=True, overlap_tiles=True),
+    # every (document, head)'s heavier half of blocks first (perf/schedule_model.py: -3..-4% on 16x1k, 4x4k)
+    "heavy first": FwdConfig(128, diagonal_copy=True, tile_order="heavy_first"),
 }
 
 

@@ -73,32 +73,62 @@ def causal_flops(lengths, heads: int, head_dim: int, backward: bool = False) -> 
 # ----------------------------------------------------------------------------------------------
 
 
-def chunk_table(lengths, tile: int = 128) -> list[int]:
-    """cum[d] = chunks of documents before d (len num_docs + 1): sm90_device.doc_chunk_cumsum's table."""
+def chunk_table(lengths, tile: int = 128, heavy: bool = False) -> list[int]:
+    """cum[d] = chunks of documents before d (len num_docs + 1): sm90_device.doc_chunk_cumsum's table;
+    heavy: the same sum of each document's heavier half, ceil(chunks / 2) (its sHeavy table)."""
     cum = [0]
     for n in lengths:
-        cum.append(cum[-1] + (n + tile - 1) // tile)
+        c = (n + tile - 1) // tile
+        cum.append(cum[-1] + ((c + 1) // 2 if heavy else c))
     return cum
 
 
-def persistent_order(lengths, heads: int, tile: int = 128) -> list[tuple[int, int, int]]:
+def persistent_order(lengths, heads: int, tile: int = 128, order: str = "documents") -> list[tuple[int, int, int]]:
     """(document, head, query block) of every tile in the order the persistent CTAs take them:
     documents in order, then heads, then the document's blocks from the last (the longest causal
-    row) to the first."""
-    return [(d, h, b) for d, n in enumerate(lengths) for h in range(heads)
-            for b in reversed(range((n + tile - 1) // tile))]
+    row) to the first. order="heavy_first": that order over every (document, head)'s heavier half
+    of blocks (the last ceil(n/2)), then over the lighter halves."""
+    if order not in ("documents", "heavy_first"):
+        raise ValueError(f"order must be 'documents' or 'heavy_first', got {order!r}")
+    blocks = [list(reversed(range((n + tile - 1) // tile))) for n in lengths]
+    if order == "documents":
+        return [(d, h, b) for d, bs in enumerate(blocks) for h in range(heads) for b in bs]
+    half = [(len(bs) + 1) // 2 for bs in blocks]
+    return ([(d, h, b) for d, bs in enumerate(blocks) for h in range(heads) for b in bs[:half[d]]]
+            + [(d, h, b) for d, bs in enumerate(blocks) for h in range(heads) for b in bs[half[d]:]])
 
 
-def locate_tile_model(t: int, cum: list[int], heads: int) -> tuple[int, int, int]:
-    """Tile t -> (document, head, block) by the binary search of sm90_device.locate_tile."""
-    lo, hi = 0, len(cum) - 1
+def _last_doc_at_or_before(t: int, cum_at, num_docs: int, heads: int) -> int:
+    lo, hi = 0, num_docs
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if heads * cum[mid] <= t:
+        if heads * cum_at(mid) <= t:
             lo = mid
         else:
             hi = mid
-    nblk = cum[lo + 1] - cum[lo]
-    local = t - heads * cum[lo]
-    head = local // nblk
-    return lo, head, nblk - 1 - (local - head * nblk)
+    return lo
+
+
+def locate_tile_model(t: int, cum: list[int], heads: int, heavy: list[int] | None = None) -> tuple[int, int, int]:
+    """Tile t -> (document, head, block) by the binary searches of sm90_device.locate_tile (heavy:
+    chunk_table(..., heavy=True) for the heavy_first order)."""
+    nd = len(cum) - 1
+    if heavy is None:
+        d = _last_doc_at_or_before(t, lambda i: cum[i], nd, heads)
+        nblk = cum[d + 1] - cum[d]
+        local = t - heads * cum[d]
+        head = local // nblk
+        return d, head, nblk - 1 - (local - head * nblk)
+    if t < heads * heavy[nd]:
+        d = _last_doc_at_or_before(t, lambda i: heavy[i], nd, heads)
+        n_h = heavy[d + 1] - heavy[d]
+        local = t - heads * heavy[d]
+        head = local // n_h
+        return d, head, cum[d + 1] - cum[d] - 1 - (local - head * n_h)
+    tl = t - heads * heavy[nd]
+    light = [c - h for c, h in zip(cum, heavy, strict=True)]
+    d = _last_doc_at_or_before(tl, lambda i: light[i], nd, heads)
+    n_l = light[d + 1] - light[d]
+    local = tl - heads * light[d]
+    head = local // n_l
+    return d, head, n_l - 1 - (local - head * n_l)

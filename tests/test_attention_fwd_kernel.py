@@ -105,6 +105,7 @@ VARIANTS = {
     # the next tile's diagonal S issued with this tile's last P V (persistent, overlapped schedule)
     "overlap_tiles": {"overlap_tiles": True, "intra_wg_overlap": True},
     "overlap_tiles_pingpong": {"overlap_tiles": True, "intra_wg_overlap": True, "pingpong": True},
+    "heavy_first": {"tile_order": "heavy_first"},  # heavier halves of every (document, head) first
     "exp2_poly3": {"exp2_poly_every": 3},  # a third of the off-diagonal exp2s on the FMA pipe
     "exp2_poly1": {"exp2_poly_every": 1},  # all of them: the polynomial everywhere it runs
 }
@@ -121,7 +122,8 @@ VARIANTS = {
     [("head_dim", 96), ("head_dim", 256), ("tile_n", 64), ("tile_m", 64), ("kv_stages", 1),
      ("num_consumer_warpgroups", 1), ("qhead_per_kvhead", 0), ("intra_wg_overlap", 1), ("pingpong", 1),
      ("pin_softmax", 1), ("drop_branch", "yes"), ("max_chains", 3), ("exp2_poly_every", -1),
-     ("exp2_poly_every", 17), ("exp2_poly_every", 1.5), ("persistent", 1), ("tile_claim", "atomic")],
+     ("exp2_poly_every", 17), ("exp2_poly_every", 1.5), ("persistent", 1), ("tile_claim", "atomic"),
+     ("tile_order", "lpt"), ("overlap_tiles", 1)],
 )
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"FwdConfig.{field}"):
@@ -192,6 +194,14 @@ def test_persistent_tile_order_model():
             order = persistent_order(lengths, heads)
             assert len(order) == heads * cum[-1] == len(set(order))
             assert [locate_tile_model(t, cum, heads) for t in range(len(order))] == order
+            # heavy_first: the same tiles; every (document, head)'s heavier half before any lighter one
+            heavy = chunk_table(lengths, heavy=True)
+            hf = persistent_order(lengths, heads, order="heavy_first")
+            assert sorted(hf) == sorted(order)
+            assert [locate_tile_model(t, cum, heads, heavy) for t in range(len(hf))] == hf
+            n_heavy = heads * heavy[-1]
+            assert all(b >= (cum[d + 1] - cum[d]) // 2 for d, _, b in hf[:n_heavy])
+            assert all(b < (cum[d + 1] - cum[d]) // 2 for d, _, b in hf[n_heavy:])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,6 +265,11 @@ def test_persistent_variant_compiles(artifacts, head_dim, diagonal_copy):
         stride = artifacts(head_dim, diagonal_copy, tile_claim="stride", intra_wg_overlap=overlap)
         _check_artifacts(stride, head_dim)
         assert not re.search(r"\batom\.(global\.)?add\.[us]32", stride.ptx)
+        heavy = artifacts(head_dim, diagonal_copy, tile_order="heavy_first", intra_wg_overlap=overlap)
+        _check_artifacts(heavy, head_dim)
+        assert len(re.findall(r"\batom\.global\.add\.u32", heavy.ptx)) == 1
+        # the tile lookup searches two tables (heavier halves, then lighter ones): more branches
+        assert heavy.ptx.count("bra") > art.ptx.count("bra")
 
 
 @needs_dsl
@@ -731,7 +746,7 @@ def test_gpu_many_documents(recipe, variant):
 @needs_dsl
 @pytest.mark.parametrize("head_dim, variant", [(64, "default"), (128, "pingpong"), (128, "default"), (64, "stride"),
                                                (64, "overlap_tiles"), (128, "overlap_tiles"),
-                                               (128, "overlap_tiles_pingpong")])
+                                               (128, "overlap_tiles_pingpong"), (64, "heavy_first")])
 def test_gpu_persistent_many_tiles_per_cta(head_dim, variant):
     """Hundreds of tiles per persistent CTA, with the ping-pong turns on (d64's default, and forced at
     d128): the turns run on across tile boundaries; restarted per tile they raced and could hang
