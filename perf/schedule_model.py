@@ -2,46 +2,44 @@
 
     python perf/schedule_model.py
 
-Cost of a tile = its key tiles (query block b of a document costs b + 1 steps); per-tile overheads,
-L2 reuse and the diagonal tile's extra work are ignored. Orders: the kernel's (documents in order,
-heads, blocks longest first) with the counter ("given") or static striding ("stride"); documents
-longest first ("docs-LPT"); and every group's heavy half of blocks before all light halves
-("heavy-halves-first", which reads each (document, head)'s K/V twice).
+Cost of a tile = its key tiles (query block b costs b + 1 steps); per-tile overheads, L2 reuse and
+the diagonal tile's extra work are ignored. Orders (schedules.varlen_tiles.persistent_order): the
+kernel's default (documents in order, heads, blocks longest first) with the counter or static
+striding (`tile_claim="stride"`); documents longest first (not built); `tile_order="heavy_first"`
+(every (document, head)'s heavier half of blocks before all lighter halves: each group's K/V is
+read twice).
 """
 
 import json
 
 from flamia_cute.bench import DEFAULT_WORKLOADS
 from flamia_cute.schedules.ordering import simulate
+from flamia_cute.schedules.varlen_tiles import persistent_order
 
 CTAS = 132
 HEADS = 16
 
 
-def blocks(n: int) -> int:
-    return (n + 127) // 128
+def makespans(lengths) -> list[float]:
+    """[counter, stride, documents longest first, heavy_first] over the ideal, minus 1."""
+    def costs(lens, order="documents"):
+        return [b + 1 for _, _, b in persistent_order(lens, HEADS, order=order)]
+
+    given = costs(lengths)
+    ideal = sum(given) / CTAS
+    by_len = sorted(lengths, reverse=True)
+    runs = [simulate(given, range(len(given)), CTAS), simulate(given, range(len(given)), CTAS, "static"),
+            simulate(costs(by_len), range(len(given)), CTAS),
+            simulate(costs(lengths, "heavy_first"), range(len(given)), CTAS)]
+    return [m / ideal - 1 for m in runs]
 
 
 def main() -> None:
     workloads = json.loads(DEFAULT_WORKLOADS.read_text())["workloads"]
-    print(f"{'workload':12s} {'given':>8s} {'stride':>8s} {'docs-LPT':>9s} {'heavy-first':>12s}   (makespan over ideal)")
+    print(f"{'workload':12s} {'counter':>8s} {'stride':>8s} {'docs-LPT':>9s} {'heavy_first':>12s}   (makespan over ideal)")
     for name, lengths in workloads.items():
-        def costs(doc_order, split=False, lengths=lengths):
-            groups = [(d, h) for d in doc_order for h in range(HEADS)]
-            seq = [[b + 1 for b in reversed(range(blocks(lengths[d])))] for d, _ in groups]
-            if split:
-                return ([c for s in seq for c in s[: (len(s) + 1) // 2]]
-                        + [c for s in seq for c in s[(len(s) + 1) // 2:]])
-            return [c for s in seq for c in s]
-
-        given = costs(range(len(lengths)))
-        by_len = sorted(range(len(lengths)), key=lambda d: (-lengths[d], d))
-        ideal = sum(given) / CTAS
-        row = [simulate(given, range(len(given)), CTAS), simulate(given, range(len(given)), CTAS, "static"),
-               simulate(costs(by_len), range(len(given)), CTAS),
-               simulate(costs(by_len, split=True), range(len(given)), CTAS)]
-        print(f"{name:12s} " + " ".join(f"{m / ideal - 1:+8.1%}" for m in row[:2])
-              + f" {row[2] / ideal - 1:+9.1%} {row[3] / ideal - 1:+12.1%}")
+        c, s, d, h = makespans(lengths)
+        print(f"{name:12s} {c:+8.1%} {s:+8.1%} {d:+9.1%} {h:+12.1%}")
 
 
 if __name__ == "__main__":
