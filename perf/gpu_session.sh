@@ -93,6 +93,11 @@ for stage in "$@"; do
     quant-tests-x) run quant_tests 90 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_quantize_kernel.py ;;
     fwd-tests-all) run fwd_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py ;;
     timeline) run kernel_timeline 200 python3 perf/kernel_timeline.py ${TIMELINE_WORKLOADS:-} ;;
+    fwd-variants)  # session 10's forward variants built without a GPU run: their tests, then their timings
+      run fwd_variant_tests 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py \
+        -k "stride or overlap_tiles or heavy_first or many_tiles"
+      run fwd_variant_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=fwd \
+        BREAKDOWN_DS_VARIANTS="default,stride,overlap tiles,heavy first" python3 perf/bench_fwd_breakdown.py ;;
     profile) run profile_api 200 python3 perf/profile_api.py 16x1k fwd stages
              run profile_api_bwd 200 python3 perf/profile_api.py 16x1k bwd stages ;;
     ncu)  # where the backward kernel's time goes, and the quantization kernel's DRAM traffic
