@@ -509,8 +509,9 @@ class FlamiaFwdSm90:
     @cute.jit
     def produce_tiles(self, tma_args, mCu, mSched, heads, pipe_t, sSched, sCum, sDt, sHeavy):
         """Persistent TMA warp: take tiles (the first by CTA index, then from the global counter
-        mSched[0], which the host zeroes per call), publish each to the scale warp and consumers,
-        issue its loads; an end mark (block -1) when the counter passes the last tile."""
+        mSched[0], which the host zeroes per call, or every grid-th with tile_claim="stride"),
+        publish each to the scale warp and consumers, issue its loads; an end mark (block -1) past
+        the last tile. The tile order is locate_tile's (sHeavy: heavy_first)."""
         bidx, _, _ = cute.arch.block_idx()
         num_docs = cute.size(mCu) - 1
         total = heads * sCum[num_docs]
