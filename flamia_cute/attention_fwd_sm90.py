@@ -481,12 +481,7 @@ class FlamiaFwdSm90:
                 if cutlass.const_expr(self.persistent):
                     self.produce_tiles(tma_args, mCu, mSched, mO.shape[2], pipe_t, sSched, sCum, sDt, sHeavy)
                 else:
-                    states = (
-                        pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages),
-                        pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
-                        pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
-                    )
-                    self.load_tma(*tma_args, states, head, kv_head, doc_start, mCu, doc, None, m_block)
+                    self.load_tma(*tma_args, self.tma_states(), head, kv_head, doc_start, mCu, doc, None, m_block)
             if warp_idx == 1:
                 s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 if cutlass.const_expr(self.persistent):
@@ -506,6 +501,14 @@ class FlamiaFwdSm90:
                 mO, mLSE, mSQ, mCu, scale_log2, head, doc_start, doc_len, m_block, wg_idx - 1, pipe_t, sSched,
             )
 
+    def tma_states(self):
+        """The TMA warp's fresh producer states of the Q, K and V pipelines."""
+        return (
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages),
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
+        )
+
     @cute.jit
     def produce_tiles(self, tma_args, mCu, mSched, heads, pipe_t, sSched, sCum, sDt, sHeavy):
         """Persistent TMA warp: take tiles (the first by CTA index, then from the global counter
@@ -515,11 +518,7 @@ class FlamiaFwdSm90:
         bidx, _, _ = cute.arch.block_idx()
         num_docs = cute.size(mCu) - 1
         total = heads * sCum[num_docs]
-        states = (
-            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages),
-            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
-            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
-        )
+        states = self.tma_states()
         t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
         t = Int32(bidx)
         while t < total:
@@ -679,29 +678,26 @@ class FlamiaFwdSm90:
                 frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO, mLSE, mSQ, scale_log2,
                 head, doc_start, doc_len, m_block, wg,
             )
-        elif cutlass.const_expr(self.cfg.overlap_tiles):
-            if cutlass.const_expr(self.pingpong):
-                self.pingpong_start(wg)
-            self.consume_overlapped_tiles(frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO,
-                                          mLSE, mSQ, mCu, scale_log2, wg, pipe_t, sSched)
-            if cutlass.const_expr(self.pingpong):
-                self.pingpong_end(wg)
         else:
             # the ping-pong turns run on across tiles: started and ended once. Per tile they raced: a
             # warpgroup's last arrive of one tile and its pre-arrive for the next completed a named
             # barrier's generation before the other warpgroup's closing wait (which then hung)
             if cutlass.const_expr(self.pingpong):
                 self.pingpong_start(wg)
-            t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-            m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
-            while m_block >= 0:
-                doc_start = mCu[doc]
-                # the MMA atoms are not loop-carried here: every GEMM sets its ACCUMULATE field first
-                states, _, _ = self.consume_tile(
-                    frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO, mLSE, mSQ,
-                    scale_log2, head, doc_start, mCu[doc + 1] - doc_start, m_block, wg,
-                )
+            if cutlass.const_expr(self.cfg.overlap_tiles):
+                self.consume_overlapped_tiles(frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states,
+                                              mO, mLSE, mSQ, mCu, scale_log2, wg, pipe_t, sSched)
+            else:
+                t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
                 m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
+                while m_block >= 0:
+                    doc_start = mCu[doc]
+                    # the MMA atoms are not loop-carried here: every GEMM sets its ACCUMULATE field first
+                    states, _, _ = self.consume_tile(
+                        frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO, mLSE, mSQ,
+                        scale_log2, head, doc_start, mCu[doc + 1] - doc_start, m_block, wg,
+                    )
+                    m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
             if cutlass.const_expr(self.pingpong):
                 self.pingpong_end(wg)
 
@@ -822,15 +818,15 @@ class FlamiaFwdSm90:
                         n_block, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s, k_state,
                         v_state, s_state, n_len, wg, wg + 2 * q_state.index, next_diag=True, c_prev=c_prev,
                     )
-                    self.store_o_row(0, f0, acc_o, rows[0], mO, head, doc_start, doc_len)
-                    self.store_o_row(1, f1, acc_o, rows[1], mO, head, doc_start, doc_len)
-                    acc_o.fill(0.0)
-                    self.convert_p(frags, r_run, False)  # the next block's diagonal P
                 else:
                     v_state = self.overlap_epilogue(frags, rowst, pv_mma, pipe_v, v_state, wg)
-                    pv_mma = pv_mma
-                    self.store_o_row(0, f0, acc_o, rows[0], mO, head, doc_start, doc_len)
-                    self.store_o_row(1, f1, acc_o, rows[1], mO, head, doc_start, doc_len)
+                    pv_mma = pv_mma  # rebound here too (overlap_epilogue updated it inside this branch)
+                # this block's last P V is in O
+                self.store_o_row(0, f0, acc_o, rows[0], mO, head, doc_start, doc_len)
+                self.store_o_row(1, f1, acc_o, rows[1], mO, head, doc_start, doc_len)
+                if n_block >= 0:
+                    acc_o.fill(0.0)
+                    self.convert_p(frags, r_run, False)  # the next block's diagonal P
                 m_block = n_block
                 head = n_head
                 doc = n_doc
