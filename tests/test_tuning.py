@@ -63,8 +63,19 @@ def test_fwd_space_times_each_effective_config_once(diagonal_copy):
 
     keep, _ = fwd_space(128, 1, diagonal_copy)
     effective = [(c.kv_stages, c.pingpong, c.intra_wg_overlap, c.pin_softmax if c.intra_wg_overlap else None,
-                  c.persistent) for c, _ in keep]
+                  c.persistent, c.tile_claim, c.tile_order) for c, _ in keep]
     assert len(effective) == len(set(effective))
+
+
+def test_fwd_space_searches_the_tile_claim_and_order_but_not_overlap_tiles():
+    """Stride and heavy_first won on 1x64k only (run s11a): searched per class; overlap_tiles lost everywhere."""
+    from flamia_cute.tuning import fwd_space
+
+    keep, pruned = fwd_space(128, 1, True)
+    kept = [c for c, _ in keep]
+    assert any(c.tile_claim == "stride" for c in kept) and any(c.tile_order == "heavy_first" for c in kept)
+    assert not any(c.overlap_tiles for c in kept)
+    assert any(c.overlap_tiles for c, _ in pruned)
 
 
 def test_tune_rejects_unknown_recipe(capsys):
@@ -129,7 +140,8 @@ def _defaults():
             "bwd_dsbf16": BwdDsBf16Config(head_dim=128, diagonal_copy=True), "quant": qkv_config(128, 16, 16, 128)}
 
 
-TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "pin_softmax": False, "persistent": False},
+TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "pin_softmax": False, "persistent": True,
+                 "tile_claim": "stride", "tile_order": "heavy_first"},
          "bwd": {"q_stages": 1, "qt_stages": 1, "vec_stages": 3, "raster": "blocks"},
          "bwd_dsbf16": {"q_stages": 1, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": True,
                         "exp_under_dp": False, "raster": "heads", "q_bf16_source": "convert",
@@ -163,8 +175,10 @@ def test_lookup_returns_the_tuned_config_for_its_class_only(tmp_path, monkeypatc
 def test_fwd_record_without_persistent_keeps_the_default():
     """Records tuned before the persistent forward existed lack its field: the default (persistent) applies."""
     default = _defaults()["fwd"]
-    old = {k: v for k, v in TUNED["fwd"].items() if k != "persistent"}
-    assert tuning.config_from_fields("fwd", default, old).persistent is default.persistent is True
+    old = {k: v for k, v in TUNED["fwd"].items() if k not in ("persistent", "tile_claim", "tile_order")}
+    cfg = tuning.config_from_fields("fwd", default, old)
+    assert cfg.persistent is default.persistent is True
+    assert (cfg.tile_claim, cfg.tile_order) == (default.tile_claim, default.tile_order) == ("counter", "documents")
 
 
 def test_lookup_ignores_an_unusable_entry(tmp_path, monkeypatch):
