@@ -58,6 +58,8 @@ from . import recipes as _recipes
 from .compile_cache import compile_entry, launch_on_device, sm_count
 from .quant import transposed_tokens
 from .recipes import FOLD_DROP, FOLD_REF_MIN
+from .schedules import varlen_tiles as _varlen_tiles
+from .schedules.varlen_tiles import LPT_MAX_DOCS, TILE_ORDERS
 from .schedules.varlen_chunks import max_chunks
 from .sm90_device import (
     ARG_BF16,
@@ -76,6 +78,7 @@ from .sm90_device import (
     pack_a_fragment_e4m3,
     pow2_reciprocal,
     publish_tile,
+    rank_documents_longest_first,
     quad_max2,
     quad_sum,
     quad_transpose4,
@@ -87,7 +90,8 @@ from .sm90_device import (
 from .validation import check_kernel_tensors
 
 # recipes.py holds FOLD_DROP and FOLD_REF_MIN: a change there must recompile
-SOURCE_FILES = (Path(__file__).resolve(), Path(_recipes.__file__).resolve(), *SHARED_SOURCE_FILES)
+SOURCE_FILES = (Path(__file__).resolve(), Path(_recipes.__file__).resolve(), Path(_varlen_tiles.__file__).resolve(),
+                *SHARED_SOURCE_FILES)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -99,13 +103,16 @@ P_SCALE_LOG2 = math.log2(P_SCALE)  # exact: P_SCALE is a power of two
 SCHED_STAGES = 2
 PERSISTENT_MAX_DOCS = 1024
 SCAN_BARRIER = 3
+if LPT_MAX_DOCS != 128:  # rank_documents_longest_first: one document per producer-warpgroup thread
+    raise ImportError(f"schedules.varlen_tiles.LPT_MAX_DOCS must be 128 (got {LPT_MAX_DOCS})")
 
 
 def smem_bytes(cfg) -> int:
     """Shared memory of one CTA (upper bound): Q tile, K and V stages, their scale vectors, the
     pin_softmax stores, barriers and alignment."""
     tile = cfg.tile_m * cfg.head_dim * (2 if cfg.persistent else 1)
-    table = (3 if cfg.tile_order == "heavy_first" else 2) * 4 * (PERSISTENT_MAX_DOCS + 1) + 128 if cfg.persistent else 0
+    tables = {"documents": 2, "heavy_first": 3, "longest_documents": 4}[cfg.tile_order]
+    table = tables * 4 * (PERSISTENT_MAX_DOCS + 1) + 128 if cfg.persistent else 0
     return tile + 2 * cfg.kv_stages * cfg.tile_n * cfg.head_dim + 2 * cfg.tile_n * 4 * cfg.kv_stages + table + 2048
 
 
@@ -183,9 +190,11 @@ class FwdConfig:
     # overlap carried across tile boundaries, so a tile's start no longer waits for the previous
     # tile's last P V, and vice versa). Same operations on the same data: O and LSE unchanged.
     overlap_tiles: bool = False
-    # Persistent tile order: "documents" (documents, heads, blocks longest first) or "heavy_first"
+    # Persistent tile order: "documents" (documents, heads, blocks longest first), "heavy_first"
     # (the same over every (document, head)'s heavier half of blocks first, then the lighter halves:
-    # the last tiles claimed are short; each group's K/V is read twice; perf/schedule_model.py).
+    # the last tiles claimed are short; each group's K/V is read twice; perf/schedule_model.py) or
+    # "longest_documents" (LPT across documents: by chunk count, most first, ranked in the kernel for
+    # up to LPT_MAX_DOCS documents, the given order beyond; then as "documents").
     tile_order: str = "documents"
 
     def __post_init__(self):
@@ -226,8 +235,8 @@ class FwdConfig:
             bad("persistent", "must be a bool")
         if self.tile_claim not in ("counter", "stride"):
             bad("tile_claim", "must be 'counter' or 'stride'")
-        if self.tile_order not in ("documents", "heavy_first"):
-            bad("tile_order", "must be 'documents' or 'heavy_first'")
+        if self.tile_order not in TILE_ORDERS:
+            bad("tile_order", f"must be one of {TILE_ORDERS}")
         if not isinstance(self.overlap_tiles, bool):
             bad("overlap_tiles", "must be a bool")
         if self.overlap_tiles and not (self.persistent and self.intra_wg_overlap):
@@ -340,6 +349,7 @@ class FlamiaFwdSm90:
         # the persistent schedule's ring and document tables, last (a few unused words otherwise)
         n_cum = PERSISTENT_MAX_DOCS + 1 if persistent else 4
         n_heavy = n_cum if self.cfg.tile_order == "heavy_first" else 4
+        n_lpt = n_cum if self.cfg.tile_order == "longest_documents" else 4
         n_warp = 12 if self.cfg.tile_order == "heavy_first" else 8  # the scan's warp totals
 
         @cute.struct
@@ -359,6 +369,8 @@ class FlamiaFwdSm90:
             sCum: cute.struct.Align[cute.struct.MemRange[Int32, n_cum], 16]
             sDt: cute.struct.Align[cute.struct.MemRange[Int32, n_cum], 16]
             sHeavy: cute.struct.Align[cute.struct.MemRange[Int32, n_heavy], 16]
+            sLpt: cute.struct.Align[cute.struct.MemRange[Int32, n_lpt], 16]
+            sOrder: cute.struct.Align[cute.struct.MemRange[Int32, n_lpt], 16]
 
         self.shared_storage = SharedStorage
 
@@ -456,6 +468,7 @@ class FlamiaFwdSm90:
         sCum = None
         sDt = None
         sHeavy = None
+        lpt_tables = None
         if cutlass.const_expr(self.persistent):
             # tile hand-off from the TMA warp to the scale warp and the consumers (32 + 256 threads)
             pipe_t = warp_pipeline(SCHED_STAGES, storage.t_mbar.data_ptr(), consumers=288)
@@ -464,6 +477,10 @@ class FlamiaFwdSm90:
             sDt = storage.sDt.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
             if cutlass.const_expr(self.cfg.tile_order == "heavy_first"):
                 sHeavy = storage.sHeavy.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
+            if cutlass.const_expr(self.cfg.tile_order == "longest_documents"):
+                # (sOrder, sLpt): the position -> document map and the chunk prefix in that order
+                lpt_tables = (storage.sOrder.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1)),
+                              storage.sLpt.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1)))
             if wg_idx == 0:
                 # each document's first chunk (locate_tile) and V^T column, by the producer warpgroup
                 if cutlass.const_expr(sHeavy is None):
@@ -471,6 +488,9 @@ class FlamiaFwdSm90:
                 else:
                     sWarp = storage.sWarp.get_tensor(cute.make_layout((4, 3), stride=(3, 1)))
                 doc_chunk_cumsum(mCu, cute.size(mCu) - 1, sCum, sDt, sWarp, tidx, 128, SCAN_BARRIER, tn, sHeavy)
+                if cutlass.const_expr(lpt_tables is not None):
+                    cute.arch.barrier(barrier_id=SCAN_BARRIER, number_of_threads=128)  # sCum complete
+                    rank_documents_longest_first(sCum, cute.size(mCu) - 1, *lpt_tables, sWarp, tidx, 128, SCAN_BARRIER)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -479,7 +499,8 @@ class FlamiaFwdSm90:
             if warp_idx == 0:
                 tma_args = (tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, sQ, sK, sV, pipe_q, pipe_k, pipe_v)
                 if cutlass.const_expr(self.persistent):
-                    self.produce_tiles(tma_args, mCu, mSched, mO.shape[2], pipe_t, sSched, sCum, sDt, sHeavy)
+                    self.produce_tiles(tma_args, mCu, mSched, mO.shape[2], pipe_t, sSched, sCum, sDt, sHeavy,
+                                       lpt_tables)
                 else:
                     self.load_tma(*tma_args, self.tma_states(), head, kv_head, doc_start, mCu, doc, None, m_block)
             if warp_idx == 1:
@@ -510,11 +531,12 @@ class FlamiaFwdSm90:
         )
 
     @cute.jit
-    def produce_tiles(self, tma_args, mCu, mSched, heads, pipe_t, sSched, sCum, sDt, sHeavy):
+    def produce_tiles(self, tma_args, mCu, mSched, heads, pipe_t, sSched, sCum, sDt, sHeavy, lpt_tables):
         """Persistent TMA warp: take tiles (the first by CTA index, then from the global counter
         mSched[0], which the host zeroes per call, or every grid-th with tile_claim="stride"),
         publish each to the scale warp and consumers, issue its loads; an end mark (block -1) past
-        the last tile. The tile order is locate_tile's (sHeavy: heavy_first)."""
+        the last tile. The tile order is locate_tile's (sHeavy: heavy_first; lpt_tables = (sOrder,
+        sLpt): longest_documents, locate_tile over the ranked positions)."""
         bidx, _, _ = cute.arch.block_idx()
         num_docs = cute.size(mCu) - 1
         total = heads * sCum[num_docs]
@@ -522,7 +544,11 @@ class FlamiaFwdSm90:
         t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
         t = Int32(bidx)
         while t < total:
-            doc, head, m_block = locate_tile(t, sCum, num_docs, heads, sHeavy)
+            if cutlass.const_expr(lpt_tables is None):
+                doc, head, m_block = locate_tile(t, sCum, num_docs, heads, sHeavy)
+            else:
+                position, head, m_block = locate_tile(t, lpt_tables[1], num_docs, heads)
+                doc = lpt_tables[0][position]
             t_state = publish_tile(pipe_t, sSched, t_state, m_block, head, doc)
             states = self.load_tma(*tma_args, states, head, head // self.group, mCu[doc], mCu, doc, sDt[doc], m_block)
             if cutlass.const_expr(self.cfg.tile_claim == "stride"):

@@ -424,6 +424,53 @@ def warp_scan_up(lane, *values):
 
 
 @cute.jit
+def rank_documents_longest_first(sCum: cute.Tensor, num_docs, sOrder: cute.Tensor, sLpt: cute.Tensor,
+                                 sWarp: cute.Tensor, tid, threads: cutlass.Constexpr, barrier_id: cutlass.Constexpr):
+    """LPT across documents from doc_chunk_cumsum's sCum (the caller syncs the threads between):
+    sOrder[p] = the document at position p of the order by chunk count, most first, ties by index
+    (schedules' lpt_document_order), sLpt[p] = the chunks of positions < p, for p in 0..num_docs.
+    With more than `threads` documents, the given order (sOrder[p] = p, sLpt = sCum).
+
+    Thread t ranks document t: the documents with more chunks, or as many and a smaller index, a
+    pass over sCum (broadcast reads); then a scan over positions as doc_chunk_cumsum's (sWarp: a
+    row per warp, column 0)."""
+    if num_docs > threads:
+        for i in cutlass.range((num_docs + threads) // threads, unroll=1):
+            p = tid + i * threads
+            if p <= num_docs:
+                sLpt[p] = sCum[p]
+                if p < num_docs:
+                    sOrder[p] = p
+    else:
+        lane = tid % 32
+        warp = tid // 32
+        if tid < num_docs:
+            c = sCum[tid + 1] - sCum[tid]
+            rank = Int32(0)
+            for j in cutlass.range(num_docs, unroll=1):
+                cj = sCum[j + 1] - sCum[j]
+                ahead = select(cj > c, Int32(1), select(cj == c, select(j < tid, Int32(1), Int32(0)), Int32(0)))
+                rank = rank + ahead
+            sOrder[rank] = tid
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+        c = Int32(0)
+        if tid < num_docs:
+            d = sOrder[tid]
+            c = sCum[d + 1] - sCum[d]
+        (inc,) = warp_scan_up(lane, c)
+        if lane == 31:
+            sWarp[warp, 0] = inc
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+        run = inc
+        for w in cutlass.range_constexpr(threads // 32):
+            run = run + select(warp > w, sWarp[w, 0], Int32(0))
+        if tid == 0:
+            sLpt[0] = Int32(0)
+        if tid < num_docs:
+            sLpt[tid + 1] = run
+
+
+@cute.jit
 def _last_doc_at_or_before(t, cum_at, num_docs, heads):
     """The last document d with heads * cum_at(d) <= t (binary search; empty documents, whose ranges
     are empty, are passed over)."""

@@ -92,6 +92,7 @@ def fwd_space(head_dim: int, group: int, diagonal_copy: bool):
         # (run s11a), so searched per workload class
         keep.append((dataclasses.replace(base, tile_claim="stride"), "static stride claim"))
         keep.append((dataclasses.replace(base, tile_order="heavy_first"), "heavy halves first"))
+        keep.append((dataclasses.replace(base, tile_order="longest_documents"), "documents longest first"))
         if base.intra_wg_overlap:
             pruned.append((dataclasses.replace(base, overlap_tiles=True),
                            "slower on every workload: +5..+16% (run s11a)"))

@@ -172,8 +172,11 @@ FWD_VARIANTS = {
     "stride": FwdConfig(128, diagonal_copy=True, tile_claim="stride"),
     # the next tile's diagonal S with this tile's last P V (the overlap carried across tiles)
     "overlap tiles": FwdConfig(128, diagonal_copy=True, overlap_tiles=True),
-    # every (document, head)'s heavier half of blocks first (perf/schedule_model.py: -3..-4% on 16x1k, 4x4k)
+    # every (document, head)'s heavier half of blocks first (modelled -3..-4% on 16x1k, 4x4k; measured
+    # +3..+12%, -5% on 1x64k: run s11a)
     "heavy first": FwdConfig(128, diagonal_copy=True, tile_order="heavy_first"),
+    # LPT across documents (perf/schedule_model.py: -4% on longtail32k; the others keep their order)
+    "longest documents": FwdConfig(128, diagonal_copy=True, tile_order="longest_documents"),
 }
 
 

@@ -98,6 +98,14 @@ for stage in "$@"; do
         -k "stride or overlap_tiles or heavy_first or many_tiles"
       run fwd_variant_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=fwd \
         BREAKDOWN_DS_VARIANTS="default,stride,overlap tiles,heavy first" python3 perf/bench_fwd_breakdown.py ;;
+    fwd-lpt)  # session 11: the forward's documents-longest-first order: its tests, its timings, short documents
+      run fwd_lpt_tests 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py \
+        -k "longest_documents"
+      run fwd_lpt_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=fwd \
+        BREAKDOWN_DS_VARIANTS="default,longest documents" python3 perf/bench_fwd_breakdown.py ;;
+    bench-short)  # packs of documents at or below one tile (issue 7's short documents), GPU time, against FA4
+      run bench_short 300 python3 -m flamia_cute.cli bench --workloads perf/workloads_short.json --modes fwd,fwdbwd \
+        --impls flamia,fa4 --reps 15 --gpu-time ;;
     profile) run profile_api 200 python3 perf/profile_api.py 16x1k fwd stages
              run profile_api_bwd 200 python3 perf/profile_api.py 16x1k bwd stages ;;
     ncu)  # where the backward kernel's time goes, and the quantization kernel's DRAM traffic

@@ -5,7 +5,8 @@
 Cost of a tile = its key tiles (query block b costs b + 1 steps); per-tile overheads, L2 reuse and
 the diagonal tile's extra work are ignored. Orders (schedules.varlen_tiles.persistent_order): the
 kernel's default (documents in order, heads, blocks longest first) with the counter or static
-striding (`tile_claim="stride"`); documents longest first (not built); `tile_order="heavy_first"`
+striding (`tile_claim="stride"`); documents longest first (`tile_order="longest_documents"`);
+`tile_order="heavy_first"`
 (every (document, head)'s heavier half of blocks before all lighter halves: each group's K/V is
 read twice).
 """
@@ -27,9 +28,8 @@ def makespans(lengths) -> list[float]:
 
     given = costs(lengths)
     ideal = sum(given) / CTAS
-    by_len = sorted(lengths, reverse=True)
     runs = [simulate(given, range(len(given)), CTAS), simulate(given, range(len(given)), CTAS, "static"),
-            simulate(costs(by_len), range(len(given)), CTAS),
+            simulate(costs(lengths, "longest_documents"), range(len(given)), CTAS),
             simulate(costs(lengths, "heavy_first"), range(len(given)), CTAS)]
     return [m / ideal - 1 for m in runs]
 

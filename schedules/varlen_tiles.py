@@ -83,16 +83,34 @@ def chunk_table(lengths, tile: int = 128, heavy: bool = False) -> list[int]:
     return cum
 
 
+# The most documents the forward ranks longest first (one per producer-warpgroup thread: a rank is
+# a pass over all documents); with more, "longest_documents" keeps the given order.
+LPT_MAX_DOCS = 128
+TILE_ORDERS = ("documents", "heavy_first", "longest_documents")
+
+
+def lpt_document_order(lengths, tile: int = 128) -> list[int]:
+    """Documents by chunk count, most first, ties in index order: document d's position is the
+    number of documents with more chunks, or as many and a smaller index (the kernel's rank). More
+    than LPT_MAX_DOCS documents: the given order."""
+    if len(lengths) > LPT_MAX_DOCS:
+        return list(range(len(lengths)))
+    chunks = [(n + tile - 1) // tile for n in lengths]
+    return sorted(range(len(lengths)), key=lambda d: (-chunks[d], d))
+
+
 def persistent_order(lengths, heads: int, tile: int = 128, order: str = "documents") -> list[tuple[int, int, int]]:
     """(document, head, query block) of every tile in the order the persistent CTAs take them:
     documents in order, then heads, then the document's blocks from the last (the longest causal
     row) to the first. order="heavy_first": that order over every (document, head)'s heavier half
-    of blocks (the last ceil(n/2)), then over the lighter halves."""
-    if order not in ("documents", "heavy_first"):
-        raise ValueError(f"order must be 'documents' or 'heavy_first', got {order!r}")
+    of blocks (the last ceil(n/2)), then over the lighter halves. order="longest_documents": the
+    documents by chunk count, most first (lpt_document_order), then as "documents"."""
+    if order not in TILE_ORDERS:
+        raise ValueError(f"order must be one of {TILE_ORDERS}, got {order!r}")
     blocks = [list(reversed(range((n + tile - 1) // tile))) for n in lengths]
-    if order == "documents":
-        return [(d, h, b) for d, bs in enumerate(blocks) for h in range(heads) for b in bs]
+    if order != "heavy_first":
+        docs = lpt_document_order(lengths, tile) if order == "longest_documents" else range(len(lengths))
+        return [(d, h, b) for d in docs for h in range(heads) for b in blocks[d]]
     half = [(len(bs) + 1) // 2 for bs in blocks]
     return ([(d, h, b) for d, bs in enumerate(blocks) for h in range(heads) for b in bs[:half[d]]]
             + [(d, h, b) for d, bs in enumerate(blocks) for h in range(heads) for b in bs[half[d]:]])

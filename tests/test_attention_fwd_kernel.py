@@ -106,6 +106,7 @@ VARIANTS = {
     "overlap_tiles": {"overlap_tiles": True, "intra_wg_overlap": True},
     "overlap_tiles_pingpong": {"overlap_tiles": True, "intra_wg_overlap": True, "pingpong": True},
     "heavy_first": {"tile_order": "heavy_first"},  # heavier halves of every (document, head) first
+    "longest_documents": {"tile_order": "longest_documents"},  # LPT across documents (ranked in the kernel)
     "exp2_poly3": {"exp2_poly_every": 3},  # a third of the off-diagonal exp2s on the FMA pipe
     "exp2_poly1": {"exp2_poly_every": 1},  # all of them: the polynomial everywhere it runs
 }
@@ -172,7 +173,7 @@ def test_persistent_tile_order_model():
     documents) and its binary search cover every (document, head, block) once, in schedules' order."""
     import random
 
-    from flamia_cute.schedules.varlen_tiles import chunk_table, locate_tile_model, persistent_order
+    from flamia_cute.schedules.varlen_tiles import LPT_MAX_DOCS, chunk_table, locate_tile_model, persistent_order
 
     rng = random.Random(5)
     for nd in (1, 2, 3, 127, 128, 129, 300, 1024):
@@ -202,6 +203,26 @@ def test_persistent_tile_order_model():
             n_heavy = heads * heavy[-1]
             assert all(b >= (cum[d + 1] - cum[d]) // 2 for d, _, b in hf[:n_heavy])
             assert all(b < (cum[d + 1] - cum[d]) // 2 for d, _, b in hf[n_heavy:])
+            # longest_documents: the kernel's rank (thread d counts the documents ahead of d), the
+            # chunk prefix over positions, and locate_tile over it give schedules' LPT order
+            lpt = persistent_order(lengths, heads, order="longest_documents")
+            assert sorted(lpt) == sorted(order)
+            chunks = [cum[d + 1] - cum[d] for d in range(nd)]
+            if nd <= LPT_MAX_DOCS:
+                rank = [sum(chunks[j] > chunks[d] or (chunks[j] == chunks[d] and j < d) for j in range(nd))
+                        for d in range(nd)]
+                by_position = [0] * nd
+                for d in range(nd):
+                    by_position[rank[d]] = d
+            else:  # the given order
+                by_position = list(range(nd))
+            lpt_cum = chunk_table([lengths[d] for d in by_position])
+            located = [locate_tile_model(t, lpt_cum, heads) for t in range(len(lpt))]
+            assert [(by_position[p], h, b) for p, h, b in located] == lpt
+            # LPT across documents: chunk counts never rise along the order; ties keep index order
+            seq = [(chunks[d], d) for d, _, _ in lpt]
+            if nd <= LPT_MAX_DOCS:
+                assert all(a[0] > b[0] or (a[0] == b[0] and a[1] <= b[1]) for a, b in zip(seq, seq[1:]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -270,6 +291,12 @@ def test_persistent_variant_compiles(artifacts, head_dim, diagonal_copy):
         assert len(re.findall(r"\batom\.global\.add\.u32", heavy.ptx)) == 1
         # the tile lookup searches two tables (heavier halves, then lighter ones): more branches
         assert heavy.ptx.count("bra") > art.ptx.count("bra")
+        lpt = artifacts(head_dim, diagonal_copy, tile_order="longest_documents", intra_wg_overlap=overlap)
+        _check_artifacts(lpt, head_dim)
+        assert len(re.findall(r"\batom\.global\.add\.u32", lpt.ptx)) == 1
+        # the rank: two more named-barrier syncs of the producer warpgroup (after the chunk table,
+        # between the rank and the scan) and the scan's own
+        assert len(re.findall(r"\bbar\.sync\s+3\b", lpt.ptx)) == len(re.findall(r"\bbar\.sync\s+3\b", art.ptx)) + 3
 
 
 @needs_dsl
@@ -733,7 +760,7 @@ def test_gpu_zero_v_tiles(recipe, variant):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("variant", ["default", "per_tile"])
+@pytest.mark.parametrize("variant", ["default", "per_tile", "longest_documents"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_gpu_many_documents(recipe, variant):
     """More than 32 documents before some CTAs' own: the TMA warp's start-column scan loops (and
@@ -746,7 +773,8 @@ def test_gpu_many_documents(recipe, variant):
 @needs_dsl
 @pytest.mark.parametrize("head_dim, variant", [(64, "default"), (128, "pingpong"), (128, "default"), (64, "stride"),
                                                (64, "overlap_tiles"), (128, "overlap_tiles"),
-                                               (128, "overlap_tiles_pingpong"), (64, "heavy_first")])
+                                               (128, "overlap_tiles_pingpong"), (64, "heavy_first"),
+                                               (64, "longest_documents")])
 def test_gpu_persistent_many_tiles_per_cta(head_dim, variant):
     """Hundreds of tiles per persistent CTA, with the ping-pong turns on (d64's default, and forced at
     d128): the turns run on across tile boundaries; restarted per tile they raced and could hang
@@ -779,7 +807,8 @@ def test_gpu_single_long_document(variant, recipe):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("variant", ["default", "overlap", "serial", "per_tile", "per_tile_serial", "overlap_tiles"])
+@pytest.mark.parametrize("variant", ["default", "overlap", "serial", "per_tile", "per_tile_serial", "overlap_tiles",
+                                     "longest_documents"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_gpu_leakage(recipe, variant):
     q, k, v, _, cu, scale = make_inputs([300, 700, 129, 1], heads_q=4, heads_kv=2, head_dim=128, seed=7)
