@@ -59,8 +59,8 @@ from .compile_cache import compile_entry, launch_on_device, sm_count
 from .quant import transposed_tokens
 from .recipes import FOLD_DROP, FOLD_REF_MIN
 from .schedules import varlen_tiles as _varlen_tiles
-from .schedules.varlen_tiles import LPT_MAX_DOCS, TILE_ORDERS
 from .schedules.varlen_chunks import max_chunks
+from .schedules.varlen_tiles import LPT_MAX_DOCS, TILE_ORDERS
 from .sm90_device import (
     ARG_BF16,
     ARG_F8,
@@ -78,10 +78,10 @@ from .sm90_device import (
     pack_a_fragment_e4m3,
     pow2_reciprocal,
     publish_tile,
-    rank_documents_longest_first,
     quad_max2,
     quad_sum,
     quad_transpose4,
+    rank_documents_longest_first,
     read_tile,
     st_global_v4,
     tma_pipeline,

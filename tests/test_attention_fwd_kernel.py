@@ -222,7 +222,7 @@ def test_persistent_tile_order_model():
             # LPT across documents: chunk counts never rise along the order; ties keep index order
             seq = [(chunks[d], d) for d, _, _ in lpt]
             if nd <= LPT_MAX_DOCS:
-                assert all(a[0] > b[0] or (a[0] == b[0] and a[1] <= b[1]) for a, b in zip(seq, seq[1:]))
+                assert all(a[0] > b[0] or (a[0] == b[0] and a[1] <= b[1]) for a, b in zip(seq, seq[1:], strict=False))
 
 
 # ----------------------------------------------------------------------------------------------
