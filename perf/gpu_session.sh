@@ -124,7 +124,7 @@ for stage in "$@"; do
     ncu-fwd-short)  # session 11: the forward's per-tile cost on one-step tiles (128x128) and 16x1k, and
       # the same with overlap_tiles (s11a: +16% on 16x1k where -8..-15% was predicted)
       ncu_kernel fwd FlamiaFwd fwd 128x128 16x1k
-      FWD_CONFIG='{"overlap_tiles": true}' ncu_kernel fwdovl FlamiaFwd fwd 16x1k ;;
+      export FWD_CONFIG='{"overlap_tiles": true}'; ncu_kernel fwdovl FlamiaFwd fwd 16x1k; unset FWD_CONFIG ;;
     ds-orders) run ds_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=ds python3 perf/bench_fwd_breakdown.py ;;
     fwd-ablations) run fwd_ablations 300 env FLAMIA_CUTE_DISK_CACHE=0 python3 perf/experiments/fwd_ablations.py ${ABLATION_WORKLOADS:-} ;;
     bwd-ablations) run bwd_ablations 300 env FLAMIA_CUTE_DISK_CACHE=0 python3 perf/experiments/bwd_ablations.py ${ABLATION_WORKLOADS:-} ;;
