@@ -113,7 +113,8 @@ def smem_bytes(cfg) -> int:
     tile = cfg.tile_m * cfg.head_dim * (2 if cfg.persistent else 1)
     tables = {"documents": 2, "heavy_first": 3, "longest_documents": 4}[cfg.tile_order]
     table = tables * 4 * (PERSISTENT_MAX_DOCS + 1) + 128 if cfg.persistent else 0
-    return tile + 2 * cfg.kv_stages * cfg.tile_n * cfg.head_dim + 2 * cfg.tile_n * 4 * cfg.kv_stages + table + 2048
+    scales = (2 * cfg.tile_n + (cfg.tile_m if cfg.stage_tile_inputs else 0)) * 4 * cfg.kv_stages
+    return tile + 2 * cfg.kv_stages * cfg.tile_n * cfg.head_dim + scales + table + 2048
 
 
 def overlap_default(head_dim: int, diagonal_copy: bool) -> bool:
@@ -196,6 +197,12 @@ class FwdConfig:
     # "longest_documents" (LPT across documents: by chunk count, most first, ranked in the kernel for
     # up to LPT_MAX_DOCS documents, the given order beyond; then as "documents").
     tile_order: str = "documents"
+    # A tile's inputs staged by the producers: the TMA warp publishes the document's start and length
+    # with the tile, and the scale warp loads the tile's per-row Q scales into the diagonal step's
+    # scale stage, so the consumers start a tile with no global loads. Off: they load cu_seqlens
+    # and then sQ (two dependent global loads) at every tile's start, which ncu (s11c) found
+    # waiting after the first S GEMM on one-step tiles.
+    stage_tile_inputs: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -239,6 +246,8 @@ class FwdConfig:
             bad("tile_order", f"must be one of {TILE_ORDERS}")
         if not isinstance(self.overlap_tiles, bool):
             bad("overlap_tiles", "must be a bool")
+        if not isinstance(self.stage_tile_inputs, bool):
+            bad("stage_tile_inputs", "must be a bool")
         if self.overlap_tiles and not (self.persistent and self.intra_wg_overlap):
             bad("overlap_tiles", "needs persistent=True and the intra-warpgroup overlap")
 
@@ -350,6 +359,9 @@ class FlamiaFwdSm90:
         n_cum = PERSISTENT_MAX_DOCS + 1 if persistent else 4
         n_heavy = n_cum if self.cfg.tile_order == "heavy_first" else 4
         n_lpt = n_cum if self.cfg.tile_order == "longest_documents" else 4
+        staged = self.cfg.stage_tile_inputs
+        n_scale = 2 * tn + (self.cfg.tile_m if staged else 0)  # K, V scales per key (and Q's per row)
+        n_sched = 6 if staged else 4  # block, head, document (and its start and length)
         n_warp = 12 if self.cfg.tile_order == "heavy_first" else 8  # the scan's warp totals
 
         @cute.struct
@@ -358,13 +370,13 @@ class FlamiaFwdSm90:
             k_mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             v_mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             s_mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sScale: cute.struct.Align[cute.struct.MemRange[Float32, 2 * tn * stages], 16]
+            sScale: cute.struct.Align[cute.struct.MemRange[Float32, n_scale * stages], 16]
             sPin: cute.struct.Align[cute.struct.MemRange[Float32, 256], 16]  # pin_softmax's stores
             sQ: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sV_layout)], 1024]
             t_mbar: cute.struct.MemRange[cutlass.Int64, 2 * SCHED_STAGES]
-            sSched: cute.struct.Align[cute.struct.MemRange[Int32, 4 * SCHED_STAGES], 16]
+            sSched: cute.struct.Align[cute.struct.MemRange[Int32, n_sched * SCHED_STAGES], 16]
             sWarp: cute.struct.Align[cute.struct.MemRange[Int32, n_warp], 16]
             sCum: cute.struct.Align[cute.struct.MemRange[Int32, n_cum], 16]
             sDt: cute.struct.Align[cute.struct.MemRange[Int32, n_cum], 16]
@@ -454,7 +466,8 @@ class FlamiaFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sScale = storage.sScale.get_tensor(cute.make_layout((2 * tn, self.stages)))
+        staged = self.cfg.stage_tile_inputs
+        sScale = storage.sScale.get_tensor(cute.make_layout((2 * tn + (self.cfg.tile_m if staged else 0), self.stages)))
         sPin = storage.sPin.get_tensor(cute.make_layout(256))
 
         pipe_q = tma_pipeline(self.q_stages, self.q_bytes, storage.q_mbar.data_ptr())
@@ -472,7 +485,7 @@ class FlamiaFwdSm90:
         if cutlass.const_expr(self.persistent):
             # tile hand-off from the TMA warp to the scale warp and the consumers (32 + 256 threads)
             pipe_t = warp_pipeline(SCHED_STAGES, storage.t_mbar.data_ptr(), consumers=288)
-            sSched = storage.sSched.get_tensor(cute.make_layout((4, SCHED_STAGES)))
+            sSched = storage.sSched.get_tensor(cute.make_layout((6 if staged else 4, SCHED_STAGES)))
             sCum = storage.sCum.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
             sDt = storage.sDt.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
             if cutlass.const_expr(self.cfg.tile_order == "heavy_first"):
@@ -507,14 +520,22 @@ class FlamiaFwdSm90:
                 s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 if cutlass.const_expr(self.persistent):
                     t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-                    m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
-                    while m_block >= 0:
-                        doc_start = mCu[doc]
-                        s_state = self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, head // self.group,
-                                                   doc_start, mCu[doc + 1] - doc_start, m_block)
+                    if cutlass.const_expr(staged):
+                        m_block, head, doc, doc_start, doc_len, t_state = read_tile(pipe_t, sSched, t_state, True)
+                        while m_block >= 0:
+                            s_state = self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, head // self.group,
+                                                       doc_start, doc_len, m_block, mSQ, head)
+                            m_block, head, doc, doc_start, doc_len, t_state = read_tile(pipe_t, sSched, t_state, True)
+                    else:
                         m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
+                        while m_block >= 0:
+                            doc_start = mCu[doc]
+                            s_state = self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, head // self.group,
+                                                       doc_start, mCu[doc + 1] - doc_start, m_block)
+                            m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
                 else:
-                    self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len, m_block)
+                    self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len, m_block,
+                                     mSQ if staged else None, head)
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.consume(
@@ -549,13 +570,23 @@ class FlamiaFwdSm90:
             else:
                 position, head, m_block = locate_tile(t, lpt_tables[1], num_docs, heads)
                 doc = lpt_tables[0][position]
-            t_state = publish_tile(pipe_t, sSched, t_state, m_block, head, doc)
-            states = self.load_tma(*tma_args, states, head, head // self.group, mCu[doc], mCu, doc, sDt[doc], m_block)
+            if cutlass.const_expr(self.cfg.stage_tile_inputs):
+                doc_start = mCu[doc]
+                t_state = publish_tile(pipe_t, sSched, t_state, m_block, head, doc, (doc_start, mCu[doc + 1] - doc_start))
+                states = self.load_tma(*tma_args, states, head, head // self.group, doc_start, mCu, doc, sDt[doc],
+                                       m_block)
+            else:
+                t_state = publish_tile(pipe_t, sSched, t_state, m_block, head, doc)
+                states = self.load_tma(*tma_args, states, head, head // self.group, mCu[doc], mCu, doc, sDt[doc],
+                                       m_block)
             if cutlass.const_expr(self.cfg.tile_claim == "stride"):
                 t = t + cute.arch.grid_dim()[0]
             else:
                 t = claim_next_tile(mSched)
-        publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0))
+        if cutlass.const_expr(self.cfg.stage_tile_inputs):
+            publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0), (Int32(0), Int32(0)))
+        else:
+            publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0))
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -628,12 +659,17 @@ class FlamiaFwdSm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def load_scales(self, mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len, m_block):
+    def load_scales(self, mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len, m_block,
+                    mSQ=None, head=None):
         """Warp 1: the K and V scales of each key tile of query block m_block into shared memory (0
-        past the document end). Returns the pipeline state."""
+        past the document end); with mSQ (stage_tile_inputs) also the block's per-row Q scales into
+        the diagonal (first) step's stage (1 past the end). Returns the pipeline state."""
         tn = self.tile_n
         lane = cute.arch.lane_idx()
         n_tiles = m_block + 1
+        if cutlass.const_expr(mSQ is not None):
+            return self.load_scales_staged(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len,
+                                           m_block, mSQ, head)
         for i in cutlass.range(n_tiles, unroll=1):
             n = m_block - i
             pipe_s.producer_acquire(s_state)
@@ -655,6 +691,50 @@ class FlamiaFwdSm90:
                         sv = mSV[doc_start + key, kv_head]
                 sScale[col, s_state.index] = sk
                 sScale[tn + col, s_state.index] = sv
+            pipe_s.producer_commit(s_state)  # every lane arrives: releases its own stores
+            s_state.advance()
+        return s_state
+
+    @cute.jit
+    def load_scales_staged(self, mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len, m_block,
+                           mSQ, head):
+        """load_scales with the Q scales, the loads of half a step issued before their stores (two
+        global round trips per step, not one per 32 keys; a whole step's loads at once spill in the
+        producers' 24 registers)."""
+        tn, tm = self.tile_n, self.cfg.tile_m
+        lane = cute.arch.lane_idx()
+        half = tn // 64
+        for i in cutlass.range(m_block + 1, unroll=1):
+            n = m_block - i
+            pipe_s.producer_acquire(s_state)
+            if i == 0:
+                for c in cutlass.range_constexpr(tm // 32):
+                    row = m_block * tn + lane + 32 * c
+                    sq = Float32(1.0)  # rows past the end: any finite positive scale (never stored)
+                    if row < doc_len:
+                        sq = mSQ[doc_start + row, head]
+                    sScale[2 * tn + lane + 32 * c, s_state.index] = sq
+            for h in cutlass.range_constexpr(2):
+                loaded = []
+                for c in cutlass.range_constexpr(h * half, (h + 1) * half):
+                    key = n * tn + lane + 32 * c
+                    sk = Float32(0.0)
+                    sv = Float32(0.0)
+                    if key < doc_len:
+                        if cutlass.const_expr(self.diag_copy):
+                            if i == 0:
+                                sk = mSKt[doc_start + key, kv_head]
+                                sv = mSVt[doc_start + key, kv_head]
+                            else:
+                                sk = mSK[doc_start + key, kv_head]
+                                sv = mSV[doc_start + key, kv_head]
+                        else:
+                            sk = mSK[doc_start + key, kv_head]
+                            sv = mSV[doc_start + key, kv_head]
+                    loaded.append((c, sk, sv))
+                for c, sk, sv in loaded:
+                    sScale[lane + 32 * c, s_state.index] = sk
+                    sScale[tn + lane + 32 * c, s_state.index] = sv
             pipe_s.producer_commit(s_state)  # every lane arrives: releases its own stores
             s_state.advance()
         return s_state
@@ -715,15 +795,24 @@ class FlamiaFwdSm90:
                                               mO, mLSE, mSQ, mCu, scale_log2, wg, pipe_t, sSched)
             else:
                 t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-                m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
-                while m_block >= 0:
-                    doc_start = mCu[doc]
-                    # the MMA atoms are not loop-carried here: every GEMM sets its ACCUMULATE field first
-                    states, _, _ = self.consume_tile(
-                        frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO, mLSE, mSQ,
-                        scale_log2, head, doc_start, mCu[doc + 1] - doc_start, m_block, wg,
-                    )
+                if cutlass.const_expr(self.cfg.stage_tile_inputs):
+                    m_block, head, doc, doc_start, doc_len, t_state = read_tile(pipe_t, sSched, t_state, True)
+                    while m_block >= 0:
+                        states, _, _ = self.consume_tile(
+                            frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO, mLSE, mSQ,
+                            scale_log2, head, doc_start, doc_len, m_block, wg,
+                        )
+                        m_block, head, doc, doc_start, doc_len, t_state = read_tile(pipe_t, sSched, t_state, True)
+                else:
                     m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
+                    while m_block >= 0:
+                        doc_start = mCu[doc]
+                        # the MMA atoms are not loop-carried here: every GEMM sets its ACCUMULATE field first
+                        states, _, _ = self.consume_tile(
+                            frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO, mLSE, mSQ,
+                            scale_log2, head, doc_start, mCu[doc + 1] - doc_start, m_block, wg,
+                        )
+                        m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
             if cutlass.const_expr(self.pingpong):
                 self.pingpong_end(wg)
 
@@ -805,11 +894,18 @@ class FlamiaFwdSm90:
         rs, m_run, l_run, r_run, c_pend = rowst
         pipe_q, pipe_k, pipe_v, pipe_s = pipes
         q_state, k_state, v_state, s_state = states
+        staged = self.cfg.stage_tile_inputs
         t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-        m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
+        doc_start = Int32(0)
+        doc_len = Int32(0)
+        if cutlass.const_expr(staged):
+            m_block, head, doc, doc_start, doc_len, t_state = read_tile(pipe_t, sSched, t_state, True)
+        else:
+            m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
         if m_block >= 0:
-            doc_start = mCu[doc]
-            doc_len = mCu[doc + 1] - doc_start
+            if cutlass.const_expr(not staged):
+                doc_start = mCu[doc]
+                doc_len = mCu[doc + 1] - doc_start
             self.init_rows(frags, rowst, row_in_blk, mSQ, scale_log2, head, doc_start, doc_len, m_block, wg)
             acc_o.fill(0.0)
             pipe_q.consumer_wait(q_state)
@@ -831,12 +927,16 @@ class FlamiaFwdSm90:
                 f1 = self.row_final(1, rowst, row_in_blk, mLSE, head, doc_start, doc_len)
                 rows = (row_in_blk[0], row_in_blk[1])
                 c_prev = (c_pend[0], c_pend[1])
-                n_block, n_head, n_doc, t_state = read_tile(pipe_t, sSched, t_state)
                 n_start = Int32(0)
                 n_len = Int32(0)
+                if cutlass.const_expr(staged):
+                    n_block, n_head, n_doc, n_start, n_len, t_state = read_tile(pipe_t, sSched, t_state, True)
+                else:
+                    n_block, n_head, n_doc, t_state = read_tile(pipe_t, sSched, t_state)
                 if n_block >= 0:
-                    n_start = mCu[n_doc]
-                    n_len = mCu[n_doc + 1] - n_start
+                    if cutlass.const_expr(not staged):
+                        n_start = mCu[n_doc]
+                        n_len = mCu[n_doc + 1] - n_start
                     self.init_rows(frags, rowst, row_in_blk, mSQ, scale_log2, n_head, n_start, n_len, n_block, wg)
                     pipe_q.consumer_wait(q_state)
                     # the atoms rebound in both branches: their staged updates leave the `if` as its results
@@ -868,10 +968,13 @@ class FlamiaFwdSm90:
         for v1 in cutlass.range_constexpr(2):
             row = m_block * tn + wg * wm + tScS[2 * v1][0]
             row_in_blk[v1] = row
-            sq = Float32(1.0)  # rows past the end: any finite positive scale (never stored)
-            if row < doc_len:
-                sq = mSQ[doc_start + row, head]
-            rs[v1] = sq * scale_log2
+            if cutlass.const_expr(self.cfg.stage_tile_inputs):
+                rs[v1] = scale_log2  # times the staged sQ in the diagonal softmax
+            else:
+                sq = Float32(1.0)  # rows past the end: any finite positive scale (never stored)
+                if row < doc_len:
+                    sq = mSQ[doc_start + row, head]
+                rs[v1] = sq * scale_log2
             m_run[v1] = -Float32.inf
             l_run[v1] = Float32(0.0)
             r_run[v1] = Float32(0.0)  # no kept tile yet (see softmax: the fold reference)
@@ -960,6 +1063,9 @@ class FlamiaFwdSm90:
         # Block-scaled off-diagonal tile: it is exactly one 128-key scale block, so the K and V
         # scales are constant over it: sK folds into the row factor and w / r == 1.
         uniform = cutlass.const_expr((not diag) and self.diag_copy)
+        if cutlass.const_expr(diag and self.cfg.stage_tile_inputs):
+            for v1 in cutlass.range_constexpr(2):  # the block's Q scales, staged by the scale warp
+                rs[v1] = rs[v1] * sScale[2 * tn + wg * wm + tScS[2 * v1][0], s_state.index]
         sk_t = sScale[0, s_state.index]
         w_t = sScale[tn, s_state.index]
         # Both rows of the thread in one pass over its columns: each column's scales are loaded

@@ -521,28 +521,34 @@ def locate_tile(t, sCum: cute.Tensor, num_docs, heads, sHeavy=None):
 
 
 @cute.jit
-def publish_tile(pipe_t, sSched, t_state, m_block, head, doc):
-    """Persistent kernels' TMA warp: hand the next tile (m_block -1: no more) to the other roles.
-    Every lane stores the same words and arrives (its own stores are then released)."""
+def publish_tile(pipe_t, sSched, t_state, m_block, head, doc, bounds=None):
+    """Persistent kernels' TMA warp: hand the next tile (m_block -1: no more) to the other roles,
+    with bounds = (document start, length) when given (rows 3 and 4: the readers then load nothing
+    from cu_seqlens). Every lane stores the same words and arrives (its own stores are then released)."""
     pipe_t.producer_acquire(t_state)
     sSched[0, t_state.index] = m_block
     sSched[1, t_state.index] = head
     sSched[2, t_state.index] = doc
+    if cutlass.const_expr(bounds is not None):
+        sSched[3, t_state.index] = bounds[0]
+        sSched[4, t_state.index] = bounds[1]
     pipe_t.producer_commit(t_state)
     t_state.advance()
     return t_state
 
 
 @cute.jit
-def read_tile(pipe_t, sSched, t_state):
-    """The other roles' side of publish_tile: (block, head, doc, next state)."""
+def read_tile(pipe_t, sSched, t_state, bounds: cutlass.Constexpr = False):
+    """The other roles' side of publish_tile: (block, head, doc, next state), or with bounds
+    (block, head, doc, document start, length, next state)."""
     pipe_t.consumer_wait(t_state)
     m_block = sSched[0, t_state.index]
     head = sSched[1, t_state.index]
     doc = sSched[2, t_state.index]
+    extra = (sSched[3, t_state.index], sSched[4, t_state.index]) if cutlass.const_expr(bounds) else ()
     pipe_t.consumer_release(t_state)
     t_state.advance()
-    return m_block, head, doc, t_state
+    return (m_block, head, doc, *extra, t_state)
 
 
 @cute.jit

@@ -177,6 +177,9 @@ FWD_VARIANTS = {
     "heavy first": FwdConfig(128, diagonal_copy=True, tile_order="heavy_first"),
     # LPT across documents (perf/schedule_model.py: -4% on longtail32k; the others keep their order)
     "longest documents": FwdConfig(128, diagonal_copy=True, tile_order="longest_documents"),
+    # the document bounds published with the tile, Q's row scales staged by the scale warp (ncu s11c)
+    "staged inputs": FwdConfig(128, diagonal_copy=True, stage_tile_inputs=True),
+    "staged overlap tiles": FwdConfig(128, diagonal_copy=True, stage_tile_inputs=True, overlap_tiles=True),
 }
 
 

@@ -103,6 +103,11 @@ for stage in "$@"; do
         -k "longest_documents"
       run fwd_lpt_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=fwd \
         BREAKDOWN_DS_VARIANTS="default,longest documents" python3 perf/bench_fwd_breakdown.py ;;
+    fwd-staged)  # session 11: the forward's tile inputs staged by the producers: tests, then timings
+      run fwd_staged_tests 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py \
+        -k "staged"
+      run fwd_staged_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=fwd \
+        BREAKDOWN_DS_VARIANTS="default,staged inputs,staged overlap tiles" python3 perf/bench_fwd_breakdown.py ;;
     bench-short)  # packs of documents at or below one tile (issue 7's short documents), GPU time, against FA4
       run bench_short 300 python3 -m flamia_cute.cli bench --workloads perf/workloads_short.json --modes fwd,fwdbwd \
         --impls flamia,fa4 --reps 15 --gpu-time ;;

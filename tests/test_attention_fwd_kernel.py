@@ -107,6 +107,11 @@ VARIANTS = {
     "overlap_tiles_pingpong": {"overlap_tiles": True, "intra_wg_overlap": True, "pingpong": True},
     "heavy_first": {"tile_order": "heavy_first"},  # heavier halves of every (document, head) first
     "longest_documents": {"tile_order": "longest_documents"},  # LPT across documents (ranked in the kernel)
+    # the document bounds published with the tile and Q's row scales staged by the scale warp
+    "staged_inputs": {"stage_tile_inputs": True},
+    "staged_inputs_serial": {"stage_tile_inputs": True, "intra_wg_overlap": False},
+    "staged_inputs_per_tile": {"stage_tile_inputs": True, "persistent": False},
+    "staged_overlap_tiles": {"stage_tile_inputs": True, "overlap_tiles": True, "intra_wg_overlap": True},
     "exp2_poly3": {"exp2_poly_every": 3},  # a third of the off-diagonal exp2s on the FMA pipe
     "exp2_poly1": {"exp2_poly_every": 1},  # all of them: the polynomial everywhere it runs
 }
@@ -124,7 +129,7 @@ VARIANTS = {
      ("num_consumer_warpgroups", 1), ("qhead_per_kvhead", 0), ("intra_wg_overlap", 1), ("pingpong", 1),
      ("pin_softmax", 1), ("drop_branch", "yes"), ("max_chains", 3), ("exp2_poly_every", -1),
      ("exp2_poly_every", 17), ("exp2_poly_every", 1.5), ("persistent", 1), ("tile_claim", "atomic"),
-     ("tile_order", "lpt"), ("overlap_tiles", 1)],
+     ("tile_order", "lpt"), ("overlap_tiles", 1), ("stage_tile_inputs", 1)],
 )
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"FwdConfig.{field}"):
@@ -297,6 +302,24 @@ def test_persistent_variant_compiles(artifacts, head_dim, diagonal_copy):
         # the rank: two more named-barrier syncs of the producer warpgroup (after the chunk table,
         # between the rank and the scan) and the scan's own
         assert len(re.findall(r"\bbar\.sync\s+3\b", lpt.ptx)) == len(re.findall(r"\bbar\.sync\s+3\b", art.ptx)) + 3
+
+
+@needs_dsl
+@pytest.mark.parametrize("head_dim, diagonal_copy", _configs())
+def test_staged_tile_inputs_variant_compiles(artifacts, head_dim, diagonal_copy):
+    """stage_tile_inputs: spill-free in every schedule (the scale warp's loads in halves fit its 24
+    registers); the consumers read Q's scales from shared memory, so the build has the scale warp's
+    four Q-scale loads where the default has the consumers' two (init_rows); when persistent, the
+    scale warp and the consumers load nothing from cu_seqlens (the TMA warp publishes the bounds)."""
+    for persistent in (True, False):
+        base = artifacts(head_dim, diagonal_copy, persistent=persistent)
+        art = artifacts(head_dim, diagonal_copy, persistent=persistent, stage_tile_inputs=True)
+        _check_artifacts(art, head_dim)
+        n_base = len(re.findall(r"\bld\.global", base.ptx))
+        n_art = len(re.findall(r"\bld\.global", art.ptx))
+        # + 4 Q scales (scale warp) - 2 Q scales (consumers); persistent: - 2 cu_seqlens words in each
+        # of the scale warp and the consumers, + 1 in the TMA warp (the document's end, published)
+        assert n_art == n_base + 2 - (3 if persistent else 0), (persistent, n_base, n_art)
 
 
 @needs_dsl
@@ -760,7 +783,7 @@ def test_gpu_zero_v_tiles(recipe, variant):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("variant", ["default", "per_tile", "longest_documents"])
+@pytest.mark.parametrize("variant", ["default", "per_tile", "longest_documents", "staged_inputs"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_gpu_many_documents(recipe, variant):
     """More than 32 documents before some CTAs' own: the TMA warp's start-column scan loops (and
@@ -774,7 +797,8 @@ def test_gpu_many_documents(recipe, variant):
 @pytest.mark.parametrize("head_dim, variant", [(64, "default"), (128, "pingpong"), (128, "default"), (64, "stride"),
                                                (64, "overlap_tiles"), (128, "overlap_tiles"),
                                                (128, "overlap_tiles_pingpong"), (64, "heavy_first"),
-                                               (64, "longest_documents")])
+                                               (64, "longest_documents"), (64, "staged_inputs"),
+                                               (128, "staged_inputs"), (128, "staged_overlap_tiles")])
 def test_gpu_persistent_many_tiles_per_cta(head_dim, variant):
     """Hundreds of tiles per persistent CTA, with the ping-pong turns on (d64's default, and forced at
     d128): the turns run on across tile boundaries; restarted per tile they raced and could hang
@@ -808,7 +832,7 @@ def test_gpu_single_long_document(variant, recipe):
 @pytest.mark.gpu
 @needs_dsl
 @pytest.mark.parametrize("variant", ["default", "overlap", "serial", "per_tile", "per_tile_serial", "overlap_tiles",
-                                     "longest_documents"])
+                                     "longest_documents", "staged_inputs", "staged_inputs_per_tile"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_gpu_leakage(recipe, variant):
     q, k, v, _, cu, scale = make_inputs([300, 700, 129, 1], heads_q=4, heads_kv=2, head_dim=128, seed=7)
