@@ -147,6 +147,7 @@ ONLY_FWD = ONLY == "fwd"
 # mode) and the workloads (short device runs)
 VARIANT_FILTER = [v for v in os.environ.get("BREAKDOWN_DS_VARIANTS", "").split(",") if v]
 WORKLOADS = [w for w in os.environ.get("BREAKDOWN_WORKLOADS", "").split(",") if w]
+ROUNDS = int(os.environ.get("BREAKDOWN_ROUNDS", "1"))
 
 
 def backward_inputs(case, qq, kq, kt, vq, vt):
@@ -187,20 +188,31 @@ def time_variants(row, prefix, variants, run, names, flops=None):
     """Each (label, config) of `variants` (VARIANT_FILTER restricts them) timed alone into
     row[f"{prefix}, {label}"] (and TFLOP/s when flops is given), and its outputs (run(cfg)'s first
     len(names) tensors) against the first variant's: row[f"rel diff {name}, {label}"]. The tests
-    check each build against the emulator; this says how far the timed ones moved."""
+    check each build against the emulator; this says how far the timed ones moved.
+
+    BREAKDOWN_ROUNDS=r > 1 times the variants r times, the order rotated each round (so no build is
+    always timed first, on the coolest GPU), and keeps the median; the rounds' times go to
+    row[f"{prefix}, {label}, rounds"]."""
+    chosen = [(label, cfg) for label, cfg in variants if not VARIANT_FILTER or label in VARIANT_FILTER]
     ref = None
-    for label, cfg in variants:
-        if VARIANT_FILTER and label not in VARIANT_FILTER:
-            continue
-        row[f"{prefix}, {label}"] = ms = graph_ms(lambda cfg=cfg: run(cfg))
-        if flops is not None:
-            row[f"TFLOP/s, {label}"] = flops / (ms * 1e9)
+    for label, cfg in chosen:
         outs = [t.float() for t in run(cfg)[:len(names)]]
         if ref is None:
             ref = outs
         else:
             for name, o, r in zip(names, outs, ref, strict=True):
                 row[f"rel diff {name}, {label}"] = float((o - r).norm() / r.norm())
+    times = {label: [] for label, _ in chosen}
+    for r in range(ROUNDS):
+        k = r % max(1, len(chosen))
+        for label, cfg in chosen[k:] + chosen[:k]:
+            times[label].append(graph_ms(lambda cfg=cfg: run(cfg)))
+    for label, _ in chosen:
+        row[f"{prefix}, {label}"] = ms = statistics.median(times[label])
+        if ROUNDS > 1:
+            row[f"{prefix}, {label}, rounds"] = [round(t, 4) for t in times[label]]
+        if flops is not None:
+            row[f"TFLOP/s, {label}"] = flops / (ms * 1e9)
 
 
 def measure_fwd_variants(case, qq, kq, kt, vq, vt, row, flops):

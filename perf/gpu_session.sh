@@ -108,6 +108,11 @@ for stage in "$@"; do
         -k "staged"
       run fwd_staged_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=fwd \
         BREAKDOWN_DS_VARIANTS="default,staged inputs,staged overlap tiles" python3 perf/bench_fwd_breakdown.py ;;
+    fwd-rounds)  # session 11: the forward's variants in rotated order, three rounds (medians), to tell the
+      # builds apart from the timing position
+      run fwd_rounds 400 env OUT="$OUT" BREAKDOWN_ONLY=fwd BREAKDOWN_ROUNDS=3 \
+        BREAKDOWN_DS_VARIANTS="${ROUND_VARIANTS:-default,staged inputs,stride,heavy first,longest documents}" \
+        python3 perf/bench_fwd_breakdown.py ;;
     bench-short)  # packs of documents at or below one tile (issue 7's short documents), GPU time, against FA4
       run bench_short 300 python3 -m flamia_cute.cli bench --workloads perf/workloads_short.json --modes fwd,fwdbwd \
         --impls flamia,fa4 --reps 15 --gpu-time ;;
