@@ -199,10 +199,13 @@ class FwdConfig:
     tile_order: str = "documents"
     # A tile's inputs staged by the producers: the TMA warp publishes the document's start and length
     # with the tile, and the scale warp loads the tile's per-row Q scales into the diagonal step's
-    # scale stage, so the consumers start a tile with no global loads. Off: they load cu_seqlens
-    # and then sQ (two dependent global loads) at every tile's start, which ncu (s11c) found
-    # waiting after the first S GEMM on one-step tiles.
-    stage_tile_inputs: bool = False
+    # scale stage (its K/V scale loads in two halves, not four dependent round trips), so the
+    # consumers start a tile with no global loads. False (sessions 1-10): they load cu_seqlens and
+    # then sQ (two dependent global loads) at every tile's start, which ncu (s11c) found waiting
+    # after the first S GEMM on one-step tiles. Measured (s11e, kernel alone, medians of three
+    # rotated rounds, O bit-identical): 16x1k -8.4%, 1x64k -7.7%, longtail32k -4.3%, 4x4k -0.8%,
+    # mixed16k 0%, 1x16k +1% (within its round-to-round spread).
+    stage_tile_inputs: bool = True
 
     def __post_init__(self):
         def bad(name, msg):

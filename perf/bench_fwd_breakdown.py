@@ -181,6 +181,9 @@ FWD_VARIANTS = {
     # the document bounds published with the tile, Q's row scales staged by the scale warp (ncu s11c)
     "staged inputs": FwdConfig(128, diagonal_copy=True, stage_tile_inputs=True),
     "staged overlap tiles": FwdConfig(128, diagonal_copy=True, stage_tile_inputs=True, overlap_tiles=True),
+    "unstaged inputs": FwdConfig(128, diagonal_copy=True, stage_tile_inputs=False),  # sessions 1-10
+    "staged longest documents": FwdConfig(128, diagonal_copy=True, stage_tile_inputs=True,
+                                          tile_order="longest_documents"),
 }
 
 

@@ -107,11 +107,10 @@ VARIANTS = {
     "overlap_tiles_pingpong": {"overlap_tiles": True, "intra_wg_overlap": True, "pingpong": True},
     "heavy_first": {"tile_order": "heavy_first"},  # heavier halves of every (document, head) first
     "longest_documents": {"tile_order": "longest_documents"},  # LPT across documents (ranked in the kernel)
-    # the document bounds published with the tile and Q's row scales staged by the scale warp
-    "staged_inputs": {"stage_tile_inputs": True},
-    "staged_inputs_serial": {"stage_tile_inputs": True, "intra_wg_overlap": False},
-    "staged_inputs_per_tile": {"stage_tile_inputs": True, "persistent": False},
-    "staged_overlap_tiles": {"stage_tile_inputs": True, "overlap_tiles": True, "intra_wg_overlap": True},
+    # the document bounds published with the tile and Q's row scales staged by the scale warp (the
+    # default since session 11); unstaged: sessions 1-10's consumers loading both at a tile's start
+    "unstaged_inputs": {"stage_tile_inputs": False},
+    "unstaged_inputs_per_tile": {"stage_tile_inputs": False, "persistent": False},
     "exp2_poly3": {"exp2_poly_every": 3},  # a third of the off-diagonal exp2s on the FMA pipe
     "exp2_poly1": {"exp2_poly_every": 1},  # all of them: the polynomial everywhere it runs
 }
@@ -312,7 +311,7 @@ def test_staged_tile_inputs_variant_compiles(artifacts, head_dim, diagonal_copy)
     four Q-scale loads where the default has the consumers' two (init_rows); when persistent, the
     scale warp and the consumers load nothing from cu_seqlens (the TMA warp publishes the bounds)."""
     for persistent in (True, False):
-        base = artifacts(head_dim, diagonal_copy, persistent=persistent)
+        base = artifacts(head_dim, diagonal_copy, persistent=persistent, stage_tile_inputs=False)
         art = artifacts(head_dim, diagonal_copy, persistent=persistent, stage_tile_inputs=True)
         _check_artifacts(art, head_dim)
         n_base = len(re.findall(r"\bld\.global", base.ptx))
@@ -783,7 +782,7 @@ def test_gpu_zero_v_tiles(recipe, variant):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("variant", ["default", "per_tile", "longest_documents", "staged_inputs"])
+@pytest.mark.parametrize("variant", ["default", "per_tile", "longest_documents", "unstaged_inputs"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_gpu_many_documents(recipe, variant):
     """More than 32 documents before some CTAs' own: the TMA warp's start-column scan loops (and
@@ -797,8 +796,7 @@ def test_gpu_many_documents(recipe, variant):
 @pytest.mark.parametrize("head_dim, variant", [(64, "default"), (128, "pingpong"), (128, "default"), (64, "stride"),
                                                (64, "overlap_tiles"), (128, "overlap_tiles"),
                                                (128, "overlap_tiles_pingpong"), (64, "heavy_first"),
-                                               (64, "longest_documents"), (64, "staged_inputs"),
-                                               (128, "staged_inputs"), (128, "staged_overlap_tiles")])
+                                               (64, "longest_documents"), (64, "unstaged_inputs")])
 def test_gpu_persistent_many_tiles_per_cta(head_dim, variant):
     """Hundreds of tiles per persistent CTA, with the ping-pong turns on (d64's default, and forced at
     d128): the turns run on across tile boundaries; restarted per tile they raced and could hang
@@ -832,7 +830,7 @@ def test_gpu_single_long_document(variant, recipe):
 @pytest.mark.gpu
 @needs_dsl
 @pytest.mark.parametrize("variant", ["default", "overlap", "serial", "per_tile", "per_tile_serial", "overlap_tiles",
-                                     "longest_documents", "staged_inputs", "staged_inputs_per_tile"])
+                                     "longest_documents", "unstaged_inputs", "unstaged_inputs_per_tile"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_gpu_leakage(recipe, variant):
     q, k, v, _, cu, scale = make_inputs([300, 700, 129, 1], heads_q=4, heads_kv=2, head_dim=128, seed=7)
