@@ -335,13 +335,22 @@ def environment() -> dict:
     return env
 
 
+def bench_order(workloads: list, impls: list) -> list:
+    """(workload, implementation) pairs: workloads in order, the implementations rotated by one more
+    for each workload."""
+    n = max(1, len(impls))
+    return [(w, impl) for i, w in enumerate(workloads) for impl in impls[i % n:] + impls[:i % n]]
+
+
 def run_bench(workloads: dict, head_cfg: dict, impls, modes=MODES, reps=15, device="cuda",
               gpu_time: bool = False) -> list[dict]:
     """gpu_time: time GPU work only (the host enqueues each call behind a GPU sleep), as a training
-    step whose host runs ahead sees it; default: each call from an idle GPU, host time included."""
+    step whose host runs ahead sees it; default: each call from an idle GPU, host time included.
+    The implementations' order rotates by workload, so none is always timed first (on the GPU that
+    just idled through the workload's setup: a build timed first ran up to 9% faster, run s11e)."""
     lead = GPU_TIME_LEAD_CYCLES if gpu_time and device.startswith("cuda") else 0
     rows = []
-    items = [(w, impl) for w in workloads for impl in impls]
+    items = bench_order(list(workloads), list(impls))
     cases = {}
     for w, impl in _progress(items):
         if w not in cases:

@@ -58,3 +58,15 @@ def test_speedups_are_geomeans_over_the_workloads_both_timed():
     assert abs(bwd["geomean"] - 2.0) < 1e-12 and bwd["min"] == 1.0
     assert got.loc[("flamia_x", "cudnn_fp8", "fwd")]["workloads"] == 1
     assert len(speedups(table[["fa4_bf16"]])) == 0  # nothing of ours: no rows
+
+
+def test_bench_order_rotates_which_implementation_runs_first():
+    """No implementation is always timed first on a workload (the first-timed build ran up to 9%
+    faster on a GPU that had idled, run s11e); every pair is timed once."""
+    from flamia_cute.bench import bench_order
+
+    order = bench_order(["a", "b", "c", "d"], ["ours", "fa4", "cudnn"])
+    assert sorted(order) == sorted((w, i) for w in "abcd" for i in ("ours", "fa4", "cudnn"))
+    firsts = [order[3 * k][1] for k in range(4)]
+    assert firsts == ["ours", "fa4", "cudnn", "ours"]
+    assert [w for w, _ in order] == [w for w in "abcd" for _ in range(3)]
