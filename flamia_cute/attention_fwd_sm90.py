@@ -678,25 +678,31 @@ class FlamiaFwdSm90:
             pipe_s.producer_acquire(s_state)
             for c in cutlass.range_constexpr(tn // 32):
                 col = lane + 32 * c
-                key = n * tn + col
-                sk = Float32(0.0)
-                sv = Float32(0.0)
-                if key < doc_len:
-                    if cutlass.const_expr(self.diag_copy):
-                        if i == 0:
-                            sk = mSKt[doc_start + key, kv_head]
-                            sv = mSVt[doc_start + key, kv_head]
-                        else:
-                            sk = mSK[doc_start + key, kv_head]
-                            sv = mSV[doc_start + key, kv_head]
-                    else:
-                        sk = mSK[doc_start + key, kv_head]
-                        sv = mSV[doc_start + key, kv_head]
+                sk, sv = self.key_scales(mSK, mSV, mSKt, mSVt, i, n * tn + col, kv_head, doc_start, doc_len)
                 sScale[col, s_state.index] = sk
                 sScale[tn + col, s_state.index] = sv
             pipe_s.producer_commit(s_state)  # every lane arrives: releases its own stores
             s_state.advance()
         return s_state
+
+    @cute.jit
+    def key_scales(self, mSK, mSV, mSKt, mSVt, i, key, kv_head, doc_start, doc_len):
+        """(K scale, V scale) of one key of step i (0: the diagonal tile, whose block-scaled recipes
+        read the per-token copies' scales); 0 past the document end."""
+        sk = Float32(0.0)
+        sv = Float32(0.0)
+        if key < doc_len:
+            if cutlass.const_expr(self.diag_copy):
+                if i == 0:
+                    sk = mSKt[doc_start + key, kv_head]
+                    sv = mSVt[doc_start + key, kv_head]
+                else:
+                    sk = mSK[doc_start + key, kv_head]
+                    sv = mSV[doc_start + key, kv_head]
+            else:
+                sk = mSK[doc_start + key, kv_head]
+                sv = mSV[doc_start + key, kv_head]
+        return sk, sv
 
     @cute.jit
     def load_scales_staged(self, mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len, m_block,
@@ -720,20 +726,8 @@ class FlamiaFwdSm90:
             for h in cutlass.range_constexpr(2):
                 loaded = []
                 for c in cutlass.range_constexpr(h * half, (h + 1) * half):
-                    key = n * tn + lane + 32 * c
-                    sk = Float32(0.0)
-                    sv = Float32(0.0)
-                    if key < doc_len:
-                        if cutlass.const_expr(self.diag_copy):
-                            if i == 0:
-                                sk = mSKt[doc_start + key, kv_head]
-                                sv = mSVt[doc_start + key, kv_head]
-                            else:
-                                sk = mSK[doc_start + key, kv_head]
-                                sv = mSV[doc_start + key, kv_head]
-                        else:
-                            sk = mSK[doc_start + key, kv_head]
-                            sv = mSV[doc_start + key, kv_head]
+                    sk, sv = self.key_scales(mSK, mSV, mSKt, mSVt, i, n * tn + lane + 32 * c, kv_head, doc_start,
+                                             doc_len)
                     loaded.append((c, sk, sv))
                 for c, sk, sv in loaded:
                     sScale[lane + 32 * c, s_state.index] = sk
