@@ -73,7 +73,9 @@ from .sm90_device import (
     document_dt_start,
     exp2_poly,
     f32_bits,
+    finish_tile_claim,
     fmax_chains,
+    issue_tile_claim,
     locate_tile,
     pack_a_fragment_e4m3,
     pow2_reciprocal,
@@ -206,6 +208,11 @@ class FwdConfig:
     # rotated rounds, O bit-identical): 16x1k -8.4%, 1x64k -7.7%, longtail32k -4.3%, 4x4k -0.8%,
     # mixed16k 0%, 1x16k +1% (within its round-to-round spread).
     stage_tile_inputs: bool = True
+    # With the counter claim: the TMA warp issues its next claim before the current tile's loads and
+    # reads it after them (the atomic's round trip under the loads' barrier waits), so each CTA holds
+    # one tile claimed ahead. Built for session 12's profile (s11h: 54 stall samples on the claim's
+    # result on one-step tiles); not yet run on the GPU.
+    claim_ahead: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -251,6 +258,10 @@ class FwdConfig:
             bad("overlap_tiles", "must be a bool")
         if not isinstance(self.stage_tile_inputs, bool):
             bad("stage_tile_inputs", "must be a bool")
+        if not isinstance(self.claim_ahead, bool):
+            bad("claim_ahead", "must be a bool")
+        if self.claim_ahead and not (self.persistent and self.tile_claim == "counter"):
+            bad("claim_ahead", "needs persistent=True and tile_claim='counter'")
         if self.overlap_tiles and not (self.persistent and self.intra_wg_overlap):
             bad("overlap_tiles", "needs persistent=True and the intra-warpgroup overlap")
 
@@ -567,6 +578,9 @@ class FlamiaFwdSm90:
         states = self.tma_states()
         t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
         t = Int32(bidx)
+        claim_ahead = self.cfg.claim_ahead
+        if cutlass.const_expr(claim_ahead):
+            got = issue_tile_claim(mSched)  # the CTA's second tile, claimed before its first loads
         while t < total:
             if cutlass.const_expr(lpt_tables is None):
                 doc, head, m_block = locate_tile(t, sCum, num_docs, heads, sHeavy)
@@ -584,6 +598,9 @@ class FlamiaFwdSm90:
                                        m_block)
             if cutlass.const_expr(self.cfg.tile_claim == "stride"):
                 t = t + cute.arch.grid_dim()[0]
+            elif cutlass.const_expr(claim_ahead):
+                t = finish_tile_claim(got)  # issued a tile ago: back by now
+                got = issue_tile_claim(mSched)
             else:
                 t = claim_next_tile(mSched)
         if cutlass.const_expr(self.cfg.stage_tile_inputs):

@@ -561,3 +561,20 @@ def claim_next_tile(mCounter: cute.Tensor):
     if cute.arch.lane_idx() == 0:
         got = cute.arch.atomic_add(mCounter.iterator, Int32(1))
     return grid + cute.arch.shuffle_sync(got, 0)
+
+
+@cute.jit
+def issue_tile_claim(mCounter: cute.Tensor):
+    """claim_next_tile's first half: lane 0's atomic, its old value not yet read (the round trip
+    runs under whatever the warp does before finish_tile_claim)."""
+    got = Int32(0)
+    if cute.arch.lane_idx() == 0:
+        got = cute.arch.atomic_add(mCounter.iterator, Int32(1))
+    return got
+
+
+@cute.jit
+def finish_tile_claim(got):
+    """claim_next_tile's second half: the claimed tile index in every lane."""
+    grid, _, _ = cute.arch.grid_dim()
+    return grid + cute.arch.shuffle_sync(got, 0)

@@ -182,6 +182,8 @@ FWD_VARIANTS = {
     "staged inputs": FwdConfig(128, diagonal_copy=True, stage_tile_inputs=True),
     "staged overlap tiles": FwdConfig(128, diagonal_copy=True, stage_tile_inputs=True, overlap_tiles=True),
     "unstaged inputs": FwdConfig(128, diagonal_copy=True, stage_tile_inputs=False),  # sessions 1-10
+    # the next tile claimed before this tile's loads (s11h: the claim's round trip on the TMA warp)
+    "claim ahead": FwdConfig(128, diagonal_copy=True, claim_ahead=True),
     "staged longest documents": FwdConfig(128, diagonal_copy=True, stage_tile_inputs=True,
                                           tile_order="longest_documents"),
 }

@@ -111,6 +111,7 @@ VARIANTS = {
     # default since session 11); unstaged: sessions 1-10's consumers loading both at a tile's start
     "unstaged_inputs": {"stage_tile_inputs": False},
     "unstaged_inputs_per_tile": {"stage_tile_inputs": False, "persistent": False},
+    "claim_ahead": {"claim_ahead": True},  # the next tile claimed before this one's loads (session 12)
     "exp2_poly3": {"exp2_poly_every": 3},  # a third of the off-diagonal exp2s on the FMA pipe
     "exp2_poly1": {"exp2_poly_every": 1},  # all of them: the polynomial everywhere it runs
 }
@@ -128,7 +129,8 @@ VARIANTS = {
      ("num_consumer_warpgroups", 1), ("qhead_per_kvhead", 0), ("intra_wg_overlap", 1), ("pingpong", 1),
      ("pin_softmax", 1), ("drop_branch", "yes"), ("max_chains", 3), ("exp2_poly_every", -1),
      ("exp2_poly_every", 17), ("exp2_poly_every", 1.5), ("persistent", 1), ("tile_claim", "atomic"),
-     ("tile_order", "lpt"), ("overlap_tiles", 1), ("stage_tile_inputs", 1)],
+     ("tile_order", "lpt"), ("overlap_tiles", 1), ("stage_tile_inputs", 1),
+     ("claim_ahead", 1)],
 )
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"FwdConfig.{field}"):
@@ -319,6 +321,29 @@ def test_staged_tile_inputs_variant_compiles(artifacts, head_dim, diagonal_copy)
         # + 4 Q scales (scale warp) - 2 Q scales (consumers); persistent: - 2 cu_seqlens words in each
         # of the scale warp and the consumers, + 1 in the TMA warp (the document's end, published)
         assert n_art == n_base + 2 - (3 if persistent else 0), (persistent, n_base, n_art)
+
+
+@needs_dsl
+def test_claim_ahead_needs_the_persistent_counter():
+    for fields in ({"persistent": False}, {"tile_claim": "stride"}):
+        with pytest.raises(ValueError, match="FwdConfig.claim_ahead"):
+            FwdConfig(head_dim=128, diagonal_copy=True, claim_ahead=True, **fields)
+
+
+@needs_dsl
+@pytest.mark.parametrize("head_dim, diagonal_copy", _configs())
+def test_claim_ahead_variant_compiles(artifacts, head_dim, diagonal_copy):
+    """claim_ahead: two claim sites (the CTA's second tile before the loop, then one per tile), the
+    claimed index read (the lane-0 shuffle) only after the tile's last TMA load is issued."""
+    art = artifacts(head_dim, diagonal_copy, claim_ahead=True)
+    _check_artifacts(art, head_dim)
+    assert len(re.findall(r"\batom\.global\.add\.u32", art.ptx)) == 2
+    if art.sass is not None:
+        lines = art.sass.splitlines()
+        atoms = [i for i, line in enumerate(lines) if "ATOMG" in line]
+        shfl = [i for i, line in enumerate(lines) if "SHFL.IDX" in line and atoms[0] < i < atoms[1]]
+        loads = [i for i, line in enumerate(lines) if "UTMALDG" in line and atoms[0] < i < atoms[1]]
+        assert len(atoms) == 2 and shfl and loads and max(loads) < min(shfl), (atoms, shfl, loads)
 
 
 @needs_dsl
@@ -796,7 +821,8 @@ def test_gpu_many_documents(recipe, variant):
 @pytest.mark.parametrize("head_dim, variant", [(64, "default"), (128, "pingpong"), (128, "default"), (64, "stride"),
                                                (64, "overlap_tiles"), (128, "overlap_tiles"),
                                                (128, "overlap_tiles_pingpong"), (64, "heavy_first"),
-                                               (64, "longest_documents"), (64, "unstaged_inputs")])
+                                               (64, "longest_documents"), (64, "unstaged_inputs"),
+                                               (64, "claim_ahead"), (128, "claim_ahead")])
 def test_gpu_persistent_many_tiles_per_cta(head_dim, variant):
     """Hundreds of tiles per persistent CTA, with the ping-pong turns on (d64's default, and forced at
     d128): the turns run on across tile boundaries; restarted per tile they raced and could hang
