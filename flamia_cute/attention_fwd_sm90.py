@@ -109,10 +109,16 @@ if LPT_MAX_DOCS != 128:  # rank_documents_longest_first: one document per produc
     raise ImportError(f"schedules.varlen_tiles.LPT_MAX_DOCS must be 128 (got {LPT_MAX_DOCS})")
 
 
+def per_tile_fallback(cfg):
+    """The one-CTA-per-tile build of a persistent config (more documents than its tables hold): the
+    persistent-only options off, the Q stages back to their per-tile default."""
+    return replace(cfg, persistent=False, overlap_tiles=False, claim_ahead=False, q_stages=None)
+
+
 def smem_bytes(cfg) -> int:
     """Shared memory of one CTA (upper bound): Q tile, K and V stages, their scale vectors, the
     pin_softmax stores, barriers and alignment."""
-    tile = cfg.tile_m * cfg.head_dim * (2 if cfg.persistent else 1)
+    tile = cfg.tile_m * cfg.head_dim * cfg.q_stages
     tables = {"documents": 2, "heavy_first": 3, "longest_documents": 4}[cfg.tile_order]
     table = tables * 4 * (PERSISTENT_MAX_DOCS + 1) + 128 if cfg.persistent else 0
     scales = (2 * cfg.tile_n + (cfg.tile_m if cfg.stage_tile_inputs else 0)) * 4 * cfg.kv_stages
@@ -213,6 +219,10 @@ class FwdConfig:
     # one tile claimed ahead. Built for session 12's profile (s11h: 54 stall samples on the claim's
     # result on one-step tiles); not yet run on the GPU.
     claim_ahead: bool = False
+    # Q tiles in flight: None picks 2 when persistent (the next tile's Q loads under this one), 1 per
+    # tile. 3 (persistent, +16 KB at d128) lets tile t+2's Q load before tile t's finishes: built for
+    # session 12 (s11h: one-step tiles waited on Q's barrier at their start); not yet run on the GPU.
+    q_stages: int | None = None
 
     def __post_init__(self):
         def bad(name, msg):
@@ -262,6 +272,10 @@ class FwdConfig:
             bad("claim_ahead", "must be a bool")
         if self.claim_ahead and not (self.persistent and self.tile_claim == "counter"):
             bad("claim_ahead", "needs persistent=True and tile_claim='counter'")
+        if self.q_stages is None:
+            object.__setattr__(self, "q_stages", 2 if self.persistent else 1)
+        if self.q_stages not in ((2, 3) if self.persistent else (1,)):
+            bad("q_stages", "must be 2 or 3 when persistent, 1 with one CTA per tile (or None)")
         if self.overlap_tiles and not (self.persistent and self.intra_wg_overlap):
             bad("overlap_tiles", "needs persistent=True and the intra-warpgroup overlap")
 
@@ -287,7 +301,7 @@ class FlamiaFwdSm90:
         self.overlap = config.intra_wg_overlap
         self.pin = config.pin_softmax
         self.persistent = config.persistent
-        self.q_stages = 2 if config.persistent else 1
+        self.q_stages = config.q_stages
 
     @cute.jit
     def __call__(
@@ -1436,7 +1450,7 @@ def flamia_fwd_sm90(
     Hk = k_td.shape[1]
     num_docs = cu_seqlens.numel() - 1
     if config.persistent and num_docs > PERSISTENT_MAX_DOCS:
-        config = replace(config, persistent=False)  # the chunk table would not fit in shared memory
+        config = per_tile_fallback(config)  # the chunk table would not fit in shared memory
     if D != config.head_dim or H != Hk * config.qhead_per_kvhead:
         raise ValueError(f"shapes (H={H}, Hk={Hk}, D={D}) do not match {config}")
     if not config.diagonal_copy or k_tok_td is None:

@@ -184,6 +184,7 @@ FWD_VARIANTS = {
     "unstaged inputs": FwdConfig(128, diagonal_copy=True, stage_tile_inputs=False),  # sessions 1-10
     # the next tile claimed before this tile's loads (s11h: the claim's round trip on the TMA warp)
     "claim ahead": FwdConfig(128, diagonal_copy=True, claim_ahead=True),
+    "3 q stages": FwdConfig(128, diagonal_copy=True, q_stages=3),  # tile t+2's Q in flight (s11h)
     "staged longest documents": FwdConfig(128, diagonal_copy=True, stage_tile_inputs=True,
                                           tile_order="longest_documents"),
 }

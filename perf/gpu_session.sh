@@ -113,12 +113,12 @@ for stage in "$@"; do
       run fwd_rounds 400 env OUT="$OUT" BREAKDOWN_ONLY=fwd BREAKDOWN_ROUNDS=3 \
         BREAKDOWN_DS_VARIANTS="${ROUND_VARIANTS:-default,staged inputs,stride,heavy first,longest documents}" \
         python3 perf/bench_fwd_breakdown.py ;;
-    fwd-next)  # session 12's first call: claim_ahead's tests and documents longest first on the staged
-      # build (its candidate default), then both timed in rotated rounds
+    fwd-next)  # session 12's first call: the tests of claim_ahead, q_stages=3 and documents longest first
+      # on the staged build (its candidate default), then all three timed in rotated rounds
       run fwd_next_tests 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py \
-        -k "claim_ahead or longest_documents"
+        -k "claim_ahead or longest_documents or q_stages3 or beyond_the_document_table"
       run fwd_next_rounds 400 env OUT="$OUT" BREAKDOWN_ONLY=fwd BREAKDOWN_ROUNDS=3 \
-        BREAKDOWN_DS_VARIANTS="default,claim ahead,staged longest documents" python3 perf/bench_fwd_breakdown.py ;;
+        BREAKDOWN_DS_VARIANTS="default,claim ahead,3 q stages,staged longest documents" python3 perf/bench_fwd_breakdown.py ;;
     bench-short)  # packs of documents at or below one tile (issue 7's short documents), GPU time, against FA4
       run bench_short 300 python3 -m flamia_cute.cli bench --workloads perf/workloads_short.json --modes fwd,fwdbwd \
         --impls flamia,fa4 --reps 15 --gpu-time ;;

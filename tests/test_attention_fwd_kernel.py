@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -39,6 +40,7 @@ try:
         kernel_artifacts,
         overlap_default,
         pingpong_default,
+        smem_bytes,
     )
     from flamia_cute.sm90_device import a_fragment_sources, quad_transpose4
 
@@ -112,6 +114,7 @@ VARIANTS = {
     "unstaged_inputs": {"stage_tile_inputs": False},
     "unstaged_inputs_per_tile": {"stage_tile_inputs": False, "persistent": False},
     "claim_ahead": {"claim_ahead": True},  # the next tile claimed before this one's loads (session 12)
+    "q_stages3": {"q_stages": 3},  # tile t+2's Q loads before tile t finishes (session 12)
     "exp2_poly3": {"exp2_poly_every": 3},  # a third of the off-diagonal exp2s on the FMA pipe
     "exp2_poly1": {"exp2_poly_every": 1},  # all of them: the polynomial everywhere it runs
 }
@@ -130,7 +133,7 @@ VARIANTS = {
      ("pin_softmax", 1), ("drop_branch", "yes"), ("max_chains", 3), ("exp2_poly_every", -1),
      ("exp2_poly_every", 17), ("exp2_poly_every", 1.5), ("persistent", 1), ("tile_claim", "atomic"),
      ("tile_order", "lpt"), ("overlap_tiles", 1), ("stage_tile_inputs", 1),
-     ("claim_ahead", 1)],
+     ("claim_ahead", 1), ("q_stages", 1), ("q_stages", 4)],
 )
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"FwdConfig.{field}"):
@@ -321,6 +324,29 @@ def test_staged_tile_inputs_variant_compiles(artifacts, head_dim, diagonal_copy)
         # + 4 Q scales (scale warp) - 2 Q scales (consumers); persistent: - 2 cu_seqlens words in each
         # of the scale warp and the consumers, + 1 in the TMA warp (the document's end, published)
         assert n_art == n_base + 2 - (3 if persistent else 0), (persistent, n_base, n_art)
+
+
+@needs_dsl
+def test_per_tile_fallback_is_valid_for_every_persistent_option():
+    """More documents than the persistent tables hold fall back to one CTA per tile: the persistent-
+    only options (claim ahead, overlapped tiles, a third Q stage) must not make that config invalid."""
+    from flamia_cute.attention_fwd_sm90 import per_tile_fallback
+
+    for fields in ({}, {"claim_ahead": True}, {"q_stages": 3}, {"overlap_tiles": True, "intra_wg_overlap": True},
+                   {"tile_claim": "stride", "tile_order": "heavy_first"}):
+        cfg = per_tile_fallback(FwdConfig(head_dim=128, diagonal_copy=True, **fields))
+        assert not cfg.persistent and cfg.q_stages == 1 and not cfg.claim_ahead and not cfg.overlap_tiles
+
+
+@needs_dsl
+@pytest.mark.parametrize("head_dim, diagonal_copy", _configs())
+def test_three_q_stages_variant_compiles(artifacts, head_dim, diagonal_copy):
+    """q_stages=3: one more Q tile of shared memory than the default, the same kernel otherwise
+    (fp8 wgmma, TMA, no spills)."""
+    art = artifacts(head_dim, diagonal_copy, q_stages=3)
+    _check_artifacts(art, head_dim)
+    base = FwdConfig(head_dim=head_dim, diagonal_copy=diagonal_copy)
+    assert smem_bytes(replace(base, q_stages=3)) == smem_bytes(base) + base.tile_m * head_dim
 
 
 @needs_dsl
@@ -822,7 +848,7 @@ def test_gpu_many_documents(recipe, variant):
                                                (64, "overlap_tiles"), (128, "overlap_tiles"),
                                                (128, "overlap_tiles_pingpong"), (64, "heavy_first"),
                                                (64, "longest_documents"), (64, "unstaged_inputs"),
-                                               (64, "claim_ahead"), (128, "claim_ahead")])
+                                               (64, "claim_ahead"), (128, "claim_ahead"), (128, "q_stages3")])
 def test_gpu_persistent_many_tiles_per_cta(head_dim, variant):
     """Hundreds of tiles per persistent CTA, with the ping-pong turns on (d64's default, and forced at
     d128): the turns run on across tile boundaries; restarted per tile they raced and could hang
@@ -834,11 +860,12 @@ def test_gpu_persistent_many_tiles_per_cta(head_dim, variant):
 
 @pytest.mark.gpu
 @needs_dsl
-def test_gpu_persistent_beyond_the_document_table():
-    """More documents than the persistent chunk table holds: the default (persistent) launch falls
-    back to one CTA per tile (same numbers as the emulator)."""
+@pytest.mark.parametrize("variant", ["default", "claim_ahead", "q_stages3"])
+def test_gpu_persistent_beyond_the_document_table(variant):
+    """More documents than the persistent chunk table holds: the persistent launch falls back to one
+    CTA per tile (same numbers as the emulator), its persistent-only options dropped."""
     lengths = [(13 * i) % 40 for i in range(PERSISTENT_MAX_DOCS + 7)]
-    _check_gpu(lengths, "fp8_tokenblock", 64, 2, 1, seed=8)
+    _check_gpu(lengths, "fp8_tokenblock", 64, 2, 1, seed=8, variant=variant)
 
 
 @pytest.mark.gpu
