@@ -213,7 +213,7 @@ def config_fields(kernel: str, cfg) -> dict:
         return {"raster": cfg.raster, "min_ctas_per_sm": cfg.min_ctas_per_sm,
                 "heads_per_cta": [p.heads_per_cta for p in cfg.parts]}
     names = {"fwd": ("kv_stages", "pingpong", "intra_wg_overlap", "pin_softmax", "persistent", "tile_claim",
-                     "tile_order"),
+                     "tile_order", "q_stages"),
              "bwd": ("q_stages", "qt_stages", "vec_stages", "raster"),
              "bwd_dsbf16": ("q_stages", "vec_stages", "dq_tma_reduce", "prefetch_sdp", "exp_under_dp", "raster",
                             "q_bf16_source", "dk_under_dq_store")}
@@ -231,6 +231,8 @@ def config_from_fields(kernel: str, default, fields: dict):
     # take the default
     if kernel == "bwd_dsbf16":  # records from before session 8's fields: their automatic choices
         fields = {"q_bf16_source": None, "dk_under_dq_store": None, **fields}
+    if kernel == "fwd":  # records from before session 11's q_stages: the stages their persistence implies
+        fields = {"q_stages": None, **fields}
     return dataclasses.replace(default, **fields)
 
 

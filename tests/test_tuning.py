@@ -141,7 +141,7 @@ def _defaults():
 
 
 TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "pin_softmax": False, "persistent": True,
-                 "tile_claim": "stride", "tile_order": "heavy_first"},
+                 "tile_claim": "stride", "tile_order": "heavy_first", "q_stages": 3},
          "bwd": {"q_stages": 1, "qt_stages": 1, "vec_stages": 3, "raster": "blocks"},
          "bwd_dsbf16": {"q_stages": 1, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": True,
                         "exp_under_dp": False, "raster": "heads", "q_bf16_source": "convert",
@@ -175,10 +175,14 @@ def test_lookup_returns_the_tuned_config_for_its_class_only(tmp_path, monkeypatc
 def test_fwd_record_without_persistent_keeps_the_default():
     """Records tuned before the persistent forward existed lack its field: the default (persistent) applies."""
     default = _defaults()["fwd"]
-    old = {k: v for k, v in TUNED["fwd"].items() if k not in ("persistent", "tile_claim", "tile_order")}
+    old = {k: v for k, v in TUNED["fwd"].items() if k not in ("persistent", "tile_claim", "tile_order", "q_stages")}
     cfg = tuning.config_from_fields("fwd", default, old)
     assert cfg.persistent is default.persistent is True
     assert (cfg.tile_claim, cfg.tile_order) == (default.tile_claim, default.tile_order) == ("counter", "documents")
+    assert cfg.q_stages == 2
+    # a one-CTA-per-tile record from before q_stages existed: its stages follow (1), not the default's 2
+    per_tile = tuning.config_from_fields("fwd", default, {**old, "persistent": False})
+    assert not per_tile.persistent and per_tile.q_stages == 1
 
 
 def test_lookup_ignores_an_unusable_entry(tmp_path, monkeypatch):
