@@ -354,8 +354,6 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
     2, or 3 with sHeavy, per warp).
     """
     heavy = cutlass.const_expr(sHeavy is not None)
-    lane = tid % 32
-    warp = tid // 32
     k = (num_docs + threads - 1) // threads
     d0 = tid * k
     my_c = Int32(0)
@@ -369,26 +367,10 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
             my_p = my_p + p
             if cutlass.const_expr(heavy):
                 my_h = my_h + (c + 1) // 2
-    if cutlass.const_expr(heavy):
-        inc_c, inc_p, inc_h = warp_scan_up(lane, my_c, my_p, my_h)
-    else:
-        inc_c, inc_p = warp_scan_up(lane, my_c, my_p)
-    if lane == 31:
-        sWarp[warp, 0] = inc_c
-        sWarp[warp, 1] = inc_p
-        if cutlass.const_expr(heavy):
-            sWarp[warp, 2] = inc_h
-    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
-    run_c = inc_c - my_c
-    run_p = inc_p - my_p
-    run_h = Int32(0)
-    if cutlass.const_expr(heavy):
-        run_h = inc_h - my_h
-    for w in cutlass.range_constexpr(threads // 32):
-        run_c = run_c + select(warp > w, sWarp[w, 0], Int32(0))
-        run_p = run_p + select(warp > w, sWarp[w, 1], Int32(0))
-        if cutlass.const_expr(heavy):
-            run_h = run_h + select(warp > w, sWarp[w, 2], Int32(0))
+    mine = (my_c, my_p, my_h) if cutlass.const_expr(heavy) else (my_c, my_p)
+    runs = group_scan_up(tid, sWarp, threads, barrier_id, True, *mine)
+    run_c, run_p = runs[0], runs[1]
+    run_h = runs[2] if cutlass.const_expr(heavy) else Int32(0)
     if tid == 0:
         sCum[0] = Int32(0)
         sDt[0] = Int32(0)
@@ -424,6 +406,25 @@ def warp_scan_up(lane, *values):
 
 
 @cute.jit
+def group_scan_up(tid, sWarp: cute.Tensor, threads: cutlass.Constexpr, barrier_id: cutlass.Constexpr,
+                  exclusive: cutlass.Constexpr, *values):
+    """Prefix sums (inclusive, or exclusive: each thread's own values left out) of Int32 values over
+    `threads` threads (whole warps, tid 0..threads-1) meeting at named barrier barrier_id: a warp
+    scan, then each warp's total through sWarp (column i for value i) added to the later warps'."""
+    lane = tid % 32
+    warp = tid // 32
+    inc = warp_scan_up(lane, *values)
+    if lane == 31:
+        for i in cutlass.range_constexpr(len(values)):
+            sWarp[warp, i] = inc[i]
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+    runs = [r - v for r, v in zip(inc, values, strict=True)] if cutlass.const_expr(exclusive) else list(inc)
+    for w in cutlass.range_constexpr(threads // 32):
+        runs = [r + select(warp > w, sWarp[w, i], Int32(0)) for i, r in enumerate(runs)]
+    return tuple(runs)
+
+
+@cute.jit
 def rank_documents_longest_first(sCum: cute.Tensor, num_docs, sOrder: cute.Tensor, sLpt: cute.Tensor,
                                  sWarp: cute.Tensor, tid, threads: cutlass.Constexpr, barrier_id: cutlass.Constexpr):
     """LPT across documents from doc_chunk_cumsum's sCum (the caller syncs the threads between):
@@ -442,8 +443,6 @@ def rank_documents_longest_first(sCum: cute.Tensor, num_docs, sOrder: cute.Tenso
                 if p < num_docs:
                     sOrder[p] = p
     else:
-        lane = tid % 32
-        warp = tid // 32
         if tid < num_docs:
             c = sCum[tid + 1] - sCum[tid]
             rank = Int32(0)
@@ -457,13 +456,7 @@ def rank_documents_longest_first(sCum: cute.Tensor, num_docs, sOrder: cute.Tenso
         if tid < num_docs:
             d = sOrder[tid]
             c = sCum[d + 1] - sCum[d]
-        (inc,) = warp_scan_up(lane, c)
-        if lane == 31:
-            sWarp[warp, 0] = inc
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
-        run = inc
-        for w in cutlass.range_constexpr(threads // 32):
-            run = run + select(warp > w, sWarp[w, 0], Int32(0))
+        (run,) = group_scan_up(tid, sWarp, threads, barrier_id, False, c)
         if tid == 0:
             sLpt[0] = Int32(0)
         if tid < num_docs:
@@ -556,11 +549,7 @@ def claim_next_tile(mCounter: cute.Tensor):
     """Persistent kernels' TMA warp (all 32 lanes): the next tile index, grid size + the counter's
     old value (lane 0 adds 1 to mCounter[0], which the host zeroes per launch; the first tile of a
     CTA is its block index)."""
-    grid, _, _ = cute.arch.grid_dim()
-    got = Int32(0)
-    if cute.arch.lane_idx() == 0:
-        got = cute.arch.atomic_add(mCounter.iterator, Int32(1))
-    return grid + cute.arch.shuffle_sync(got, 0)
+    return finish_tile_claim(issue_tile_claim(mCounter))
 
 
 @cute.jit
