@@ -302,6 +302,10 @@ class FlamiaFwdSm90:
         self.pin = config.pin_softmax
         self.persistent = config.persistent
         self.q_stages = config.q_stages
+        # scale stage rows: K and V scales per key (and, staged, Q's per row); tile ring words: block,
+        # head, document (and, staged, its start and length)
+        self.scale_rows = 2 * config.tile_n + (config.tile_m if config.stage_tile_inputs else 0)
+        self.sched_rows = 6 if config.stage_tile_inputs else 4
 
     @cute.jit
     def __call__(
@@ -387,9 +391,6 @@ class FlamiaFwdSm90:
         n_cum = PERSISTENT_MAX_DOCS + 1 if persistent else 4
         n_heavy = n_cum if self.cfg.tile_order == "heavy_first" else 4
         n_lpt = n_cum if self.cfg.tile_order == "longest_documents" else 4
-        staged = self.cfg.stage_tile_inputs
-        n_scale = 2 * tn + (self.cfg.tile_m if staged else 0)  # K, V scales per key (and Q's per row)
-        n_sched = 6 if staged else 4  # block, head, document (and its start and length)
         n_warp = 12 if self.cfg.tile_order == "heavy_first" else 8  # the scan's warp totals
 
         @cute.struct
@@ -398,13 +399,13 @@ class FlamiaFwdSm90:
             k_mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             v_mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             s_mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sScale: cute.struct.Align[cute.struct.MemRange[Float32, n_scale * stages], 16]
+            sScale: cute.struct.Align[cute.struct.MemRange[Float32, self.scale_rows * stages], 16]
             sPin: cute.struct.Align[cute.struct.MemRange[Float32, 256], 16]  # pin_softmax's stores
             sQ: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sV_layout)], 1024]
             t_mbar: cute.struct.MemRange[cutlass.Int64, 2 * SCHED_STAGES]
-            sSched: cute.struct.Align[cute.struct.MemRange[Int32, n_sched * SCHED_STAGES], 16]
+            sSched: cute.struct.Align[cute.struct.MemRange[Int32, self.sched_rows * SCHED_STAGES], 16]
             sWarp: cute.struct.Align[cute.struct.MemRange[Int32, n_warp], 16]
             sCum: cute.struct.Align[cute.struct.MemRange[Int32, n_cum], 16]
             sDt: cute.struct.Align[cute.struct.MemRange[Int32, n_cum], 16]
@@ -494,8 +495,7 @@ class FlamiaFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        staged = self.cfg.stage_tile_inputs
-        sScale = storage.sScale.get_tensor(cute.make_layout((2 * tn + (self.cfg.tile_m if staged else 0), self.stages)))
+        sScale = storage.sScale.get_tensor(cute.make_layout((self.scale_rows, self.stages)))
         sPin = storage.sPin.get_tensor(cute.make_layout(256))
 
         pipe_q = tma_pipeline(self.q_stages, self.q_bytes, storage.q_mbar.data_ptr())
@@ -513,7 +513,7 @@ class FlamiaFwdSm90:
         if cutlass.const_expr(self.persistent):
             # tile hand-off from the TMA warp to the scale warp and the consumers (32 + 256 threads)
             pipe_t = warp_pipeline(SCHED_STAGES, storage.t_mbar.data_ptr(), consumers=288)
-            sSched = storage.sSched.get_tensor(cute.make_layout((6 if staged else 4, SCHED_STAGES)))
+            sSched = storage.sSched.get_tensor(cute.make_layout((self.sched_rows, SCHED_STAGES)))
             sCum = storage.sCum.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
             sDt = storage.sDt.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
             if cutlass.const_expr(self.cfg.tile_order == "heavy_first"):
@@ -548,22 +548,15 @@ class FlamiaFwdSm90:
                 s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 if cutlass.const_expr(self.persistent):
                     t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-                    if cutlass.const_expr(staged):
-                        m_block, head, doc, doc_start, doc_len, t_state = read_tile(pipe_t, sSched, t_state, True)
-                        while m_block >= 0:
-                            s_state = self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, head // self.group,
-                                                       doc_start, doc_len, m_block, mSQ, head)
-                            m_block, head, doc, doc_start, doc_len, t_state = read_tile(pipe_t, sSched, t_state, True)
-                    else:
-                        m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
-                        while m_block >= 0:
-                            doc_start = mCu[doc]
-                            s_state = self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, head // self.group,
-                                                       doc_start, mCu[doc + 1] - doc_start, m_block)
-                            m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
+                    m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
+                    while m_block >= 0:
+                        doc_start, doc_len = self.tile_bounds(mCu, doc, start, length)
+                        s_state = self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, head // self.group,
+                                                   doc_start, doc_len, m_block, mSQ, head)
+                        m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
                 else:
                     self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len, m_block,
-                                     mSQ if staged else None, head)
+                                     mSQ, head)
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.consume(
@@ -601,15 +594,10 @@ class FlamiaFwdSm90:
             else:
                 position, head, m_block = locate_tile(t, lpt_tables[1], num_docs, heads)
                 doc = lpt_tables[0][position]
-            if cutlass.const_expr(self.cfg.stage_tile_inputs):
-                doc_start = mCu[doc]
-                t_state = publish_tile(pipe_t, sSched, t_state, m_block, head, doc, (doc_start, mCu[doc + 1] - doc_start))
-                states = self.load_tma(*tma_args, states, head, head // self.group, doc_start, mCu, doc, sDt[doc],
-                                       m_block)
-            else:
-                t_state = publish_tile(pipe_t, sSched, t_state, m_block, head, doc)
-                states = self.load_tma(*tma_args, states, head, head // self.group, mCu[doc], mCu, doc, sDt[doc],
-                                       m_block)
+            doc_start = mCu[doc]
+            bounds = (doc_start, mCu[doc + 1] - doc_start) if cutlass.const_expr(self.cfg.stage_tile_inputs) else None
+            t_state = publish_tile(pipe_t, sSched, t_state, m_block, head, doc, bounds)
+            states = self.load_tma(*tma_args, states, head, head // self.group, doc_start, mCu, doc, sDt[doc], m_block)
             if cutlass.const_expr(self.cfg.tile_claim == "stride"):
                 t = t + cute.arch.grid_dim()[0]
             elif cutlass.const_expr(claim_ahead):
@@ -617,10 +605,8 @@ class FlamiaFwdSm90:
                 got = issue_tile_claim(mSched)
             else:
                 t = claim_next_tile(mSched)
-        if cutlass.const_expr(self.cfg.stage_tile_inputs):
-            publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0), (Int32(0), Int32(0)))
-        else:
-            publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0))
+        end_bounds = (Int32(0), Int32(0)) if cutlass.const_expr(self.cfg.stage_tile_inputs) else None
+        publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0), end_bounds)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -694,24 +680,37 @@ class FlamiaFwdSm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def load_scales(self, mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len, m_block,
-                    mSQ=None, head=None):
+                    mSQ, head):
         """Warp 1: the K and V scales of each key tile of query block m_block into shared memory (0
-        past the document end); with mSQ (stage_tile_inputs) also the block's per-row Q scales into
-        the diagonal (first) step's stage (1 past the end). Returns the pipeline state."""
-        tn = self.tile_n
+        past the document end). With stage_tile_inputs also the block's per-row Q scales into the
+        diagonal (first) step's stage (1 past the end), and a step's K/V loads in two halves, each
+        issued before its stores (two global round trips per step; a whole step's loads at once spill
+        in the producers' 24 registers); without (sessions 1-10), one 32-key chunk at a time.
+        Returns the pipeline state."""
+        tn, tm = self.tile_n, self.cfg.tile_m
+        staged = self.cfg.stage_tile_inputs
         lane = cute.arch.lane_idx()
-        n_tiles = m_block + 1
-        if cutlass.const_expr(mSQ is not None):
-            return self.load_scales_staged(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len,
-                                           m_block, mSQ, head)
-        for i in cutlass.range(n_tiles, unroll=1):
+        per_group = tn // 64 if staged else 1  # 32-key chunks loaded before their stores
+        for i in cutlass.range(m_block + 1, unroll=1):
             n = m_block - i
             pipe_s.producer_acquire(s_state)
-            for c in cutlass.range_constexpr(tn // 32):
-                col = lane + 32 * c
-                sk, sv = self.key_scales(mSK, mSV, mSKt, mSVt, i, n * tn + col, kv_head, doc_start, doc_len)
-                sScale[col, s_state.index] = sk
-                sScale[tn + col, s_state.index] = sv
+            if cutlass.const_expr(staged):
+                if i == 0:
+                    for c in cutlass.range_constexpr(tm // 32):
+                        row = m_block * tn + lane + 32 * c
+                        sq = Float32(1.0)  # rows past the end: any finite positive scale (never stored)
+                        if row < doc_len:
+                            sq = mSQ[doc_start + row, head]
+                        sScale[2 * tn + lane + 32 * c, s_state.index] = sq
+            for g in cutlass.range_constexpr(tn // 32 // per_group):
+                loaded = []
+                for c in cutlass.range_constexpr(g * per_group, (g + 1) * per_group):
+                    sk, sv = self.key_scales(mSK, mSV, mSKt, mSVt, i, n * tn + lane + 32 * c, kv_head, doc_start,
+                                             doc_len)
+                    loaded.append((c, sk, sv))
+                for c, sk, sv in loaded:
+                    sScale[lane + 32 * c, s_state.index] = sk
+                    sScale[tn + lane + 32 * c, s_state.index] = sv
             pipe_s.producer_commit(s_state)  # every lane arrives: releases its own stores
             s_state.advance()
         return s_state
@@ -734,38 +733,6 @@ class FlamiaFwdSm90:
                 sk = mSK[doc_start + key, kv_head]
                 sv = mSV[doc_start + key, kv_head]
         return sk, sv
-
-    @cute.jit
-    def load_scales_staged(self, mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len, m_block,
-                           mSQ, head):
-        """load_scales with the Q scales, the loads of half a step issued before their stores (two
-        global round trips per step, not one per 32 keys; a whole step's loads at once spill in the
-        producers' 24 registers)."""
-        tn, tm = self.tile_n, self.cfg.tile_m
-        lane = cute.arch.lane_idx()
-        half = tn // 64
-        for i in cutlass.range(m_block + 1, unroll=1):
-            n = m_block - i
-            pipe_s.producer_acquire(s_state)
-            if i == 0:
-                for c in cutlass.range_constexpr(tm // 32):
-                    row = m_block * tn + lane + 32 * c
-                    sq = Float32(1.0)  # rows past the end: any finite positive scale (never stored)
-                    if row < doc_len:
-                        sq = mSQ[doc_start + row, head]
-                    sScale[2 * tn + lane + 32 * c, s_state.index] = sq
-            for h in cutlass.range_constexpr(2):
-                loaded = []
-                for c in cutlass.range_constexpr(h * half, (h + 1) * half):
-                    sk, sv = self.key_scales(mSK, mSV, mSKt, mSVt, i, n * tn + lane + 32 * c, kv_head, doc_start,
-                                             doc_len)
-                    loaded.append((c, sk, sv))
-                for c, sk, sv in loaded:
-                    sScale[lane + 32 * c, s_state.index] = sk
-                    sScale[tn + lane + 32 * c, s_state.index] = sv
-            pipe_s.producer_commit(s_state)  # every lane arrives: releases its own stores
-            s_state.advance()
-        return s_state
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -823,24 +790,15 @@ class FlamiaFwdSm90:
                                               mO, mLSE, mSQ, mCu, scale_log2, wg, pipe_t, sSched)
             else:
                 t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-                if cutlass.const_expr(self.cfg.stage_tile_inputs):
-                    m_block, head, doc, doc_start, doc_len, t_state = read_tile(pipe_t, sSched, t_state, True)
-                    while m_block >= 0:
-                        states, _, _ = self.consume_tile(
-                            frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO, mLSE, mSQ,
-                            scale_log2, head, doc_start, doc_len, m_block, wg,
-                        )
-                        m_block, head, doc, doc_start, doc_len, t_state = read_tile(pipe_t, sSched, t_state, True)
-                else:
-                    m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
-                    while m_block >= 0:
-                        doc_start = mCu[doc]
-                        # the MMA atoms are not loop-carried here: every GEMM sets its ACCUMULATE field first
-                        states, _, _ = self.consume_tile(
-                            frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO, mLSE, mSQ,
-                            scale_log2, head, doc_start, mCu[doc + 1] - doc_start, m_block, wg,
-                        )
-                        m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
+                m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
+                while m_block >= 0:
+                    doc_start, doc_len = self.tile_bounds(mCu, doc, start, length)
+                    # the MMA atoms are not loop-carried here: every GEMM sets its ACCUMULATE field first
+                    states, _, _ = self.consume_tile(
+                        frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO, mLSE, mSQ,
+                        scale_log2, head, doc_start, doc_len, m_block, wg,
+                    )
+                    m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
             if cutlass.const_expr(self.pingpong):
                 self.pingpong_end(wg)
 
@@ -922,18 +880,10 @@ class FlamiaFwdSm90:
         rs, m_run, l_run, r_run, c_pend = rowst
         pipe_q, pipe_k, pipe_v, pipe_s = pipes
         q_state, k_state, v_state, s_state = states
-        staged = self.cfg.stage_tile_inputs
         t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-        doc_start = Int32(0)
-        doc_len = Int32(0)
-        if cutlass.const_expr(staged):
-            m_block, head, doc, doc_start, doc_len, t_state = read_tile(pipe_t, sSched, t_state, True)
-        else:
-            m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
+        m_block, head, doc, doc_start, doc_len, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
         if m_block >= 0:
-            if cutlass.const_expr(not staged):
-                doc_start = mCu[doc]
-                doc_len = mCu[doc + 1] - doc_start
+            doc_start, doc_len = self.tile_bounds(mCu, doc, doc_start, doc_len)
             self.init_rows(frags, rowst, row_in_blk, mSQ, scale_log2, head, doc_start, doc_len, m_block, wg)
             acc_o.fill(0.0)
             pipe_q.consumer_wait(q_state)
@@ -955,16 +905,9 @@ class FlamiaFwdSm90:
                 f1 = self.row_final(1, rowst, row_in_blk, mLSE, head, doc_start, doc_len)
                 rows = (row_in_blk[0], row_in_blk[1])
                 c_prev = (c_pend[0], c_pend[1])
-                n_start = Int32(0)
-                n_len = Int32(0)
-                if cutlass.const_expr(staged):
-                    n_block, n_head, n_doc, n_start, n_len, t_state = read_tile(pipe_t, sSched, t_state, True)
-                else:
-                    n_block, n_head, n_doc, t_state = read_tile(pipe_t, sSched, t_state)
+                n_block, n_head, n_doc, n_start, n_len, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
                 if n_block >= 0:
-                    if cutlass.const_expr(not staged):
-                        n_start = mCu[n_doc]
-                        n_len = mCu[n_doc + 1] - n_start
+                    n_start, n_len = self.tile_bounds(mCu, n_doc, n_start, n_len)
                     self.init_rows(frags, rowst, row_in_blk, mSQ, scale_log2, n_head, n_start, n_len, n_block, wg)
                     pipe_q.consumer_wait(q_state)
                     # the atoms rebound in both branches: their staged updates leave the `if` as its results
@@ -983,9 +926,29 @@ class FlamiaFwdSm90:
                     self.convert_p(frags, r_run, False)  # the next block's diagonal P
                 m_block = n_block
                 head = n_head
-                doc = n_doc
                 doc_start = n_start
                 doc_len = n_len
+
+    @cute.jit
+    def read_tile_bounds(self, pipe_t, sSched, t_state):
+        """read_tile with the document's start and length as published (stage_tile_inputs), or 0, 0
+        (tile_bounds then loads them)."""
+        start = Int32(0)
+        length = Int32(0)
+        if cutlass.const_expr(self.cfg.stage_tile_inputs):
+            m_block, head, doc, start, length, t_state = read_tile(pipe_t, sSched, t_state, True)
+        else:
+            m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
+        return m_block, head, doc, start, length, t_state
+
+    @cute.jit
+    def tile_bounds(self, mCu, doc, start, length):
+        """A read tile's document start and length: read_tile_bounds' when published
+        (stage_tile_inputs), else from cu_seqlens (call it for a real tile only)."""
+        if cutlass.const_expr(not self.cfg.stage_tile_inputs):
+            start = mCu[doc]
+            length = mCu[doc + 1] - start
+        return start, length
 
     @cute.jit
     def init_rows(self, frags, rowst, row_in_blk, mSQ, scale_log2, head, doc_start, doc_len, m_block, wg):

@@ -116,7 +116,7 @@ for stage in "$@"; do
     fwd-next)  # session 12's first call: the tests of claim_ahead, q_stages=3 and documents longest first
       # on the staged build (its candidate default), then all three timed in rotated rounds
       run fwd_next_tests 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py \
-        -k "claim_ahead or longest_documents or q_stages3 or beyond_the_document_table"
+        -k "claim_ahead or longest_documents or q_stages3 or beyond_the_document_table or unstaged"
       run fwd_next_rounds 400 env OUT="$OUT" BREAKDOWN_ONLY=fwd BREAKDOWN_ROUNDS=3 \
         BREAKDOWN_DS_VARIANTS="default,claim ahead,3 q stages,staged longest documents" python3 perf/bench_fwd_breakdown.py ;;
     bench-short)  # packs of documents at or below one tile (issue 7's short documents), GPU time, against FA4
