@@ -176,17 +176,15 @@ FWD_VARIANTS = {
     # every (document, head)'s heavier half of blocks first (modelled -3..-4% on 16x1k, 4x4k; measured
     # +3..+12%, -5% on 1x64k: run s11a)
     "heavy first": FwdConfig(128, diagonal_copy=True, tile_order="heavy_first"),
-    # LPT across documents (perf/schedule_model.py: -4% on longtail32k; the others keep their order)
+    # LPT across documents (perf/schedule_model.py: -4% on longtail32k; the others keep their order;
+    # run s11f timed it on the staged build as "staged longest documents")
     "longest documents": FwdConfig(128, diagonal_copy=True, tile_order="longest_documents"),
-    # the document bounds published with the tile, Q's row scales staged by the scale warp (ncu s11c)
-    "staged inputs": FwdConfig(128, diagonal_copy=True, stage_tile_inputs=True),
-    "staged overlap tiles": FwdConfig(128, diagonal_copy=True, stage_tile_inputs=True, overlap_tiles=True),
-    "unstaged inputs": FwdConfig(128, diagonal_copy=True, stage_tile_inputs=False),  # sessions 1-10
+    # the tile's inputs loaded by the consumers at its start (sessions 1-10; staged by the producers,
+    # the default since e52734c: runs s11d-s11f timed that as "staged inputs")
+    "unstaged inputs": FwdConfig(128, diagonal_copy=True, stage_tile_inputs=False),
     # the next tile claimed before this tile's loads (s11h: the claim's round trip on the TMA warp)
     "claim ahead": FwdConfig(128, diagonal_copy=True, claim_ahead=True),
     "3 q stages": FwdConfig(128, diagonal_copy=True, q_stages=3),  # tile t+2's Q in flight (s11h)
-    "staged longest documents": FwdConfig(128, diagonal_copy=True, stage_tile_inputs=True,
-                                          tile_order="longest_documents"),
 }
 
 

@@ -26,6 +26,9 @@ ncu_kernel() { local tag=$1 regex=$2 what=$3; shift 3
     ncu -i "$OUT/${tag}_$wl.ncu-rep" --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/ncu_${tag}_${wl}_sass.csv.gz"
     rm -f "$OUT/${tag}_$wl.ncu-rep"
   done; }
+# the forward kernel alone per build variant (bench_fwd_breakdown's labels), rotated over three rounds
+fwd_rounds() { run "$1" 400 env OUT="$OUT" BREAKDOWN_ONLY=fwd BREAKDOWN_ROUNDS=3 BREAKDOWN_DS_VARIANTS="$2" \
+  python3 perf/bench_fwd_breakdown.py; }
 for stage in "$@"; do
   case $stage in
     setup) nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used --format=csv | tee "$OUT/env.txt"
@@ -93,32 +96,15 @@ for stage in "$@"; do
     quant-tests-x) run quant_tests 90 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_quantize_kernel.py ;;
     fwd-tests-all) run fwd_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py ;;
     timeline) run kernel_timeline 200 python3 perf/kernel_timeline.py ${TIMELINE_WORKLOADS:-} ;;
-    fwd-variants)  # session 10's forward variants built without a GPU run: their tests, then their timings
-      run fwd_variant_tests 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py \
-        -k "stride or overlap_tiles or heavy_first or many_tiles"
-      run fwd_variant_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=fwd \
-        BREAKDOWN_DS_VARIANTS="default,stride,overlap tiles,heavy first" python3 perf/bench_fwd_breakdown.py ;;
-    fwd-lpt)  # session 11: the forward's documents-longest-first order: its tests, its timings, short documents
-      run fwd_lpt_tests 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py \
-        -k "longest_documents"
-      run fwd_lpt_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=fwd \
-        BREAKDOWN_DS_VARIANTS="default,longest documents" python3 perf/bench_fwd_breakdown.py ;;
-    fwd-staged)  # session 11: the forward's tile inputs staged by the producers: tests, then timings
-      run fwd_staged_tests 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py \
-        -k "staged"
-      run fwd_staged_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=fwd \
-        BREAKDOWN_DS_VARIANTS="default,staged inputs,staged overlap tiles" python3 perf/bench_fwd_breakdown.py ;;
-    fwd-rounds)  # session 11: the forward's variants in rotated order, three rounds (medians), to tell the
-      # builds apart from the timing position
-      run fwd_rounds 400 env OUT="$OUT" BREAKDOWN_ONLY=fwd BREAKDOWN_ROUNDS=3 \
-        BREAKDOWN_DS_VARIANTS="${ROUND_VARIANTS:-default,staged inputs,stride,heavy first,longest documents}" \
-        python3 perf/bench_fwd_breakdown.py ;;
-    fwd-next)  # session 12's first call: the tests of claim_ahead, q_stages=3 and documents longest first
-      # on the staged build (its candidate default), then all three timed in rotated rounds
+    fwd-rounds)  # the forward's variants timed in rotated order over three rounds (medians): builds told
+      # apart from their timing position (a build timed first ran up to 9% faster, run s11e)
+      fwd_rounds fwd_rounds "${ROUND_VARIANTS:-default,unstaged inputs,stride,heavy first,longest documents}" ;;
+    fwd-next)  # session 12's first call: the tests of claim_ahead, q_stages=3, documents longest first on
+      # the staged build (its candidate default) and the unstaged builds (reordered by a refactor late
+      # in session 11), then the new variants timed in rotated rounds
       run fwd_next_tests 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py \
         -k "claim_ahead or longest_documents or q_stages3 or beyond_the_document_table or unstaged"
-      run fwd_next_rounds 400 env OUT="$OUT" BREAKDOWN_ONLY=fwd BREAKDOWN_ROUNDS=3 \
-        BREAKDOWN_DS_VARIANTS="default,claim ahead,3 q stages,staged longest documents" python3 perf/bench_fwd_breakdown.py ;;
+      fwd_rounds fwd_next_rounds "default,claim ahead,3 q stages,longest documents" ;;
     bench-short)  # packs of documents at or below one tile (issue 7's short documents), GPU time, against FA4
       run bench_short 300 python3 -m flamia_cute.cli bench --workloads perf/workloads_short.json --modes fwd,fwdbwd \
         --impls flamia,fa4 --reps 15 --gpu-time ;;
