@@ -21,8 +21,10 @@ memory, and the dQ scale needs a cross-warpgroup amax per tile. Here nothing is 
 
 Organization (one CTA per (128-key block n, KV head, document), GQA query heads looped inside the
 CTA, so dK and dV are summed over the group in registers: deterministic):
-- producer warp 0 (TMA): K, V (e4m3 A operands of S^T and dP^T, two 64-key slabs) once per phase
-  (the per-token copies for the diagonal tiles when `diagonal_copy`, then the block-scaled ones);
+- producer warp 0 (TMA): K and V^T (e4m3; two 64-key slabs) once per phase (the per-token copies
+  for the diagonal tiles when `diagonal_copy`, then the block-scaled ones); V^T is the forward's
+  P V operand, and each consumer warpgroup transposes its slab in place into V [key, d], dP^T's A
+  operand (transpose_v), so the quantization writes no token-major V;
   per 64-query tile, Q and dO (e4m3 [t, d]: the B operands of S^T and dP^T, pipeline a) and dO^T
   (e4m3 [d, t], dV's B, pipeline b, with Q in bf16 [t, d], dK's B, by default);
 - producer warp 1: per query tile, sq * softmax_scale * log2e, lse * log2e (+inf past the
@@ -80,7 +82,7 @@ from .attention_bwd_sm90 import (
     store_query_vectors,
 )
 from .compile_cache import compile_entry, launch_on_device
-from .quant import transposed_tokens
+from .quant import PV_ORDER16, transposed_tokens
 from .recipes import FOLD_REF_MIN
 from .sm90_device import (
     ARG_BF16,
@@ -88,6 +90,7 @@ from .sm90_device import (
     ARG_F32,
     ARG_I32,
     SHARED_SOURCE_FILES,
+    byte_transpose4x4,
     cvt_bf16x2,
     document_dt_start,
     e4m3x2_to_bf16x2,
@@ -115,6 +118,7 @@ KEY_BLOCK = 128
 QUERY_TILE = 64
 # named barriers (1: dS and Q bf16 stored, 2: the phase change, 3: deterministic dQ turns)
 DQ_FULL, DQ_EMPTY = 4, 5  # dq_tma_reduce: consumers (256 threads) and the dQ warp (32)
+VT_BARRIER = 6  # + warpgroup: transpose_v's two barriers (128 threads)
 # bf16 dS [q, key] for dQ's A operand (queries contiguous), two buffers; stored by hand (ds_word_index)
 DS_LAYOUT = "S<3,4,3> o 0 o ((64,1),(8,16),(1,2)):((1,0),(64,512),(0,8192))"
 
@@ -230,6 +234,24 @@ def smem_bytes(cfg: BwdDsBf16Config) -> int:
     bars = 8 * 2 * (1 + 2 * cfg.q_stages + cfg.vec_stages)
     dq = tq * D * 4 + 1024 if cfg.dq_tma_reduce else 0  # the fp32 dQ tile
     return kv + per_stage * cfg.q_stages + ds + vec + bars + dq + 9 * 1024
+
+
+def transpose_v_threads(head_dim: int) -> int:
+    """Threads of a warpgroup that transpose_v gives a 4 d x 16 key block of a 64-key slab."""
+    return (head_dim // 4) * (64 // 16)
+
+
+def transpose_v_words(sVt_layout, sV_layout, ctid, slab, head_dim: int):
+    """transpose_v's 32-bit words for thread ctid (< transpose_v_threads) of the warpgroup of `slab`:
+    src[4 r + i] holds V^T row d = 4a + r, columns 16g + 4i .. 16g + 4i + 3 (a, g: the thread's
+    block); dst[4 i + b] is where V [key, d 4a .. 4a + 3] goes for the key in column 4i + b, i.e.
+    byte b of the 4x4 byte transpose of src[i], src[4 + i], src[8 + i], src[12 + i]. Plain Python
+    over DSL or Python integers (the CPU tests replay it on the layouts)."""
+    a, g = ctid % (head_dim // 4), ctid // (head_dim // 4)
+    src = [smem_word_index(sVt_layout, (4 * a + r, 16 * g + 4 * i, slab), 1) for r in range(4) for i in range(4)]
+    # column c of a 16-column group holds key PV_ORDER16[c] of the group (P-fragment order)
+    dst = [smem_word_index(sV_layout, (16 * g + PV_ORDER16[c], 4 * a, slab), 1) for c in range(16)]
+    return src, dst
 
 
 def tile_schedule(i, n, group, n_diag, per):
@@ -354,6 +376,8 @@ class FlamiaBwdDsBf16Sm90:
         wm, tq, kb, D, st = self.wm, self.tq, self.kb, self.D, self.stages
         return dict(
             K=sm90_utils.make_smem_layout_a(ROW, (wm, tq, D), e4, 2),  # (64 keys, D, 2 slabs)
+            # V^T as the TMA lands it in sV, (D, 64 keys, 2 slabs), keys contiguous (transpose_v)
+            Vt=sm90_utils.make_smem_layout_b(ROW, (wm, D, wm), e4, 2),
             Q=sm90_utils.make_smem_layout_b(ROW, (wm, tq, D), e4, st),  # (64 q, D, stages)
             dOt=sm90_utils.make_smem_layout_b(ROW, (wm, D, tq), e4, st),  # (D, 64 q, stages)
             # (D, 64 q, 2 buffers, or a stage each when loaded by TMA), d contiguous
@@ -370,11 +394,11 @@ class FlamiaBwdDsBf16Sm90:
         sq_ptr: cute.Pointer,  # (H, T) f32
         k_ptr: cute.Pointer,  # (T, Hk, D) e4m3
         sk_ptr: cute.Pointer,  # (Hk, T) f32
-        v_ptr: cute.Pointer,
+        v_ptr: cute.Pointer,  # (Hk, D, T_dt) e4m3, P-fragment order (V^T: transpose_v)
         sv_ptr: cute.Pointer,
         ktok_ptr: cute.Pointer,  # per-token copies (diagonal tiles)
         sktok_ptr: cute.Pointer,
-        vtok_ptr: cute.Pointer,
+        vtok_ptr: cute.Pointer,  # (Hk, D, T_dt) like v_ptr
         svtok_ptr: cute.Pointer,
         do_ptr: cute.Pointer,  # (T, H, D) e4m3
         dot_ptr: cute.Pointer,  # (H, D, T_dt) e4m3, P-fragment order
@@ -407,9 +431,10 @@ class FlamiaBwdDsBf16Sm90:
         mdO = cute.make_tensor(do_ptr, td)
         mdOt = cute.make_tensor(dot_ptr, cute.make_layout((D, tdt, H), stride=(tdt, 1, dtl_stride)))
         mK = cute.make_tensor(k_ptr, ktd)
-        mV = cute.make_tensor(v_ptr, ktd)
         mKtok = cute.make_tensor(ktok_ptr, ktd)
-        mVtok = cute.make_tensor(vtok_ptr, ktd)
+        vdt = cute.make_layout((D, tdt, num_kv_heads), stride=(tdt, 1, dtl_stride))  # V^T [d, t]
+        mV = cute.make_tensor(v_ptr, vdt)
+        mVtok = cute.make_tensor(vtok_ptr, vdt)
         sl = cute.make_layout((T, H), stride=(1, T))
         skl = cute.make_layout((T, num_kv_heads), stride=(1, T))
         mSQ = cute.make_tensor(sq_ptr, sl)
@@ -438,9 +463,9 @@ class FlamiaBwdDsBf16Sm90:
             return cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, gmem, cute.slice_(layout, (None, None, 0)), tile)
 
         tma_k, tK = atom(mK, L["K"], (wm, D))
-        tma_v, tV = atom(mV, L["K"], (wm, D))
+        tma_v, tV = atom(mV, L["Vt"], (D, wm))
         tma_ktok, tKtok = atom(mKtok, L["K"], (wm, D))
-        tma_vtok, tVtok = atom(mVtok, L["K"], (wm, D))
+        tma_vtok, tVtok = atom(mVtok, L["Vt"], (D, wm))
         tma_q, tQ = atom(mQ, L["Q"], (tq, D))
         tma_do, tdO = atom(mdO, L["Q"], (tq, D))
         tma_dot, tdOt = atom(mdOt, L["dOt"], (D, tq))
@@ -487,7 +512,7 @@ class FlamiaBwdDsBf16Sm90:
                 tdQ, sdQ_layout, tma_qb, tQb)
         self.kernel(
             mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV, mSem,
-            L["K"], L["Q"], L["dOt"], L["Qb"], L["Kb"], L["dS"], softmax_scale,
+            L["K"], L["Q"], L["dOt"], L["Qb"], L["Kb"], L["dS"], L["Vt"], softmax_scale,
         ).launch(
             grid=backward_grid(self.cfg.raster, num_kv_heads, num_docs, max_n_blocks),
             block=[self.num_threads, 1, 1],
@@ -520,6 +545,7 @@ class FlamiaBwdDsBf16Sm90:
         sQb_layout: cute.ComposedLayout,
         sKb_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
+        sVt_layout: cute.ComposedLayout,
         softmax_scale: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -550,6 +576,9 @@ class FlamiaBwdDsBf16Sm90:
                 self._conversion_plans(sQ_layout, sK_layout, sQb_layout, sKb_layout),
                 (sQ_layout, sK_layout, sQb_layout, sKb_layout),
                 storage.sKs.get_tensor(cute.make_layout(self.kb)),  # the phase's key scales (convert_k)
+                buf(storage.sV, sVt_layout),  # the TMA's view of sV: V^T slabs (transpose_v)
+                storage.sV.get_tensor(cute.make_layout(cute.cosize(sK_layout) // 4), dtype=Uint32),
+                sVt_layout,
             )
             sVec = storage.sVec.get_tensor(cute.make_layout((self.tq, N_VEC, self.sv)))
             sdQ, sdQ_words, dq_plan = None, None, None
@@ -600,11 +629,12 @@ class FlamiaBwdDsBf16Sm90:
         )
 
     @cute.jit
-    def _load_kv(self, atoms, bufs, pipe_kv, kv_state, kv_head, doc_start, n_blk):
+    def _load_kv(self, atoms, bufs, pipe_kv, kv_state, kv_head, doc_start, dt_start, n_blk):
+        """K [key, d] and V^T [d, key] (the 64-key slabs of block n_blk) into sK and sV."""
         atom_k, t_k, atom_v, t_v = atoms
         D = self.D
         tKs, tKg = self._part(atom_k, t_k, kv_head, bufs[0], (self.wm, D), doc_start, 0)
-        tVs, tVg = self._part(atom_v, t_v, kv_head, bufs[1], (self.wm, D), doc_start, 0)
+        tVs, tVg = self._part(atom_v, t_v, kv_head, bufs[16], (D, self.wm), dt_start, 1)
         pipe_kv.producer_acquire(kv_state)
         bar = pipe_kv.producer_get_barrier(kv_state)
         for w in cutlass.range_constexpr(2):
@@ -643,9 +673,9 @@ class FlamiaBwdDsBf16Sm90:
         b_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         # phase 0: the diagonal tiles of every head (per-token K/V when diag_copy)
         if cutlass.const_expr(self.diag_copy):
-            kv_state = self._load_kv(tmas[4:8], bufs, pipe_kv, kv_state, kv_head, doc_start, n_blk)
+            kv_state = self._load_kv(tmas[4:8], bufs, pipe_kv, kv_state, kv_head, doc_start, dt_start, n_blk)
         else:
-            kv_state = self._load_kv(tmas[0:4], bufs, pipe_kv, kv_state, kv_head, doc_start, n_blk)
+            kv_state = self._load_kv(tmas[0:4], bufs, pipe_kv, kv_state, kv_head, doc_start, dt_start, n_blk)
         for i in cutlass.range(self.group * n_diag, unroll=1):
             a_state, b_state = self._load_q(tmas, bufs, pipe_a, pipe_b, a_state, b_state,
                                             kv_head * self.group + i // n_diag, 2 * n_blk + i % n_diag,
@@ -653,7 +683,7 @@ class FlamiaBwdDsBf16Sm90:
         # phase 1: the off-diagonal tiles; the block-scaled K/V replace the copies once released
         if per > 0:
             if cutlass.const_expr(self.diag_copy):
-                kv_state = self._load_kv(tmas[0:4], bufs, pipe_kv, kv_state, kv_head, doc_start, n_blk)
+                kv_state = self._load_kv(tmas[0:4], bufs, pipe_kv, kv_state, kv_head, doc_start, dt_start, n_blk)
             for j in cutlass.range(self.group * per, unroll=1):
                 a_state, b_state = self._load_q(tmas, bufs, pipe_a, pipe_b, a_state, b_state,
                                                 kv_head * self.group + j // per, 2 * n_blk + 2 + j % per,
@@ -789,6 +819,7 @@ class FlamiaBwdDsBf16Sm90:
         cute.arch.barrier(barrier_id=2, number_of_threads=256)  # every key's scale is in sKs
         pipe_kv.consumer_wait(kv_state)
         self.convert_k(bufs, sKs)
+        self.transpose_v(bufs, wg)
         if cutlass.const_expr(self.prefetch):
             self.issue_sdp(frags, pipe_a, a_state, wg)
         for i in cutlass.range(self.group * n_diag, unroll=1):
@@ -813,6 +844,7 @@ class FlamiaBwdDsBf16Sm90:
                 cute.arch.barrier(barrier_id=2, number_of_threads=256)
                 pipe_kv.consumer_wait(kv_state)
                 self.convert_k(bufs, sKs)
+                self.transpose_v(bufs, wg)
             if cutlass.const_expr(self.prefetch):
                 self.issue_sdp(frags, pipe_a, a_state, wg)
             for j in cutlass.range(self.group * per, unroll=1):
@@ -906,6 +938,31 @@ class FlamiaBwdDsBf16Sm90:
         dst = smem_word_index(sKb_layout, (d, key, 0), 2)
         self._convert_walk(sK_words, sKb_words, src, dst, plan["k_src"], plan["k_dst"],
                            lambda j: sKs[key + j * self.walk_rpw])
+
+    @cute.jit
+    def transpose_v(self, bufs, wg):
+        """V [key, d] (dP^T's A operand, slab wg) from the V^T slab that the TMA put in the same
+        shared memory ([d, key], keys in P-fragment order): the forward's quantization writes V
+        transposed only (2 bytes per element less, with the per-token copy). Thread t of the
+        warpgroup moves the block d 4a .. 4a + 3 x keys 16g .. 16g + 15: 16 word reads, 4x4 byte
+        transposes, 16 word writes; every read of the slab lands before any write (in place)."""
+        sV_words, sVt_layout = bufs[17], bufs[18]
+        tidx, _, _ = cute.arch.thread_idx()
+        ctid = tidx % 128
+        src, dst = transpose_v_words(sVt_layout, bufs[14][1], ctid, wg, self.D)
+        works = ctid < transpose_v_threads(self.D)
+        x = cute.make_rmem_tensor(cute.make_layout(16), Uint32)
+        if works:
+            for j in cutlass.range_constexpr(16):
+                x[j] = sV_words[src[j]]
+        cute.arch.barrier(barrier_id=VT_BARRIER + wg, number_of_threads=128)
+        if works:
+            for i in cutlass.range_constexpr(4):
+                words = byte_transpose4x4(x[i], x[4 + i], x[8 + i], x[12 + i])
+                for b in cutlass.range_constexpr(4):
+                    sV_words[dst[4 * i + b]] = words[b]
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, then wgmma reads
+        cute.arch.barrier(barrier_id=VT_BARRIER + wg, number_of_threads=128)
 
     @cute.jit
     def convert_q(self, bufs, stage, dbuf, sVec, vs):
@@ -1169,7 +1226,7 @@ def kernel_artifacts(config: BwdDsBf16Config, arch: str = "sm_90a"):
 
 
 def flamia_bwd_dsbf16_sm90(
-    dout, out, lse, q_td, sq, k_td, sk, v_td, sv, k_tok_td, sk_tok, v_tok_td, sv_tok,
+    dout, out, lse, q_td, sq, k_td, sk, v_dt, sv, k_tok_td, sk_tok, v_tok_dt, sv_tok,
     cu_seqlens, max_seqlen: int, softmax_scale: float, config: BwdDsBf16Config,
     poison_outputs: bool = False, do_quantized=None, delta=None, dv_ref=None, q_bf16=None,
 ):
@@ -1177,10 +1234,11 @@ def flamia_bwd_dsbf16_sm90(
     (dq, dk, dv) bf16.
 
     dout, out: (T, H, D) bf16; lse (H, T) fp32 (the forward's). q_td (T, H, D) e4m3 and sq (H, T);
-    k_td, sk; v_td (T, Hk, D), sv: the forward's saved operands (quant.quantize layouts, whose scales
-    are powers of two: the kernel multiplies Q's and K's codes by them in bf16, exactly only then; no
-    transposed copies are needed: the kernel converts K's (and Q's) e4m3 values to bf16 in shared
-    memory). *_tok*: the per-token K/V copies of the diagonal tiles when
+    k_td (T, Hk, D), sk; v_dt (Hk, D, T_dt) in P-fragment order (V^T, the forward's P V operand: the
+    kernel transposes it in shared memory), sv: the forward's saved operands (quant.quantize
+    layouts, whose scales are powers of two: the kernel multiplies Q's and K's codes by them in
+    bf16, exactly only then; no transposed Q or K: the kernel converts K's (and Q's) e4m3 values to
+    bf16 in shared memory). *_tok*: the per-token K/V copies of the diagonal tiles when
     config.diagonal_copy (else ignored). do_quantized (QuantizedTHD with data_dt in P-fragment
     order) and delta (H, T) may be passed precomputed; else the preprocess computes them; so may
     dv_ref, the dv_fold_reference (perf/bench_fwd_breakdown.py times the kernel alone); when dO is
@@ -1196,8 +1254,8 @@ def flamia_bwd_dsbf16_sm90(
         raise ValueError(f"shapes (H={H}, Hk={Hk}, D={D}) do not match {config}")
     if not config.diagonal_copy or k_tok_td is None:
         if config.diagonal_copy:
-            raise ValueError("config.diagonal_copy needs k_tok_td, sk_tok, v_tok_td, sv_tok")
-        k_tok_td, sk_tok, v_tok_td, sv_tok = k_td, sk, v_td, sv
+            raise ValueError("config.diagonal_copy needs k_tok_td, sk_tok, v_tok_dt, sv_tok")
+        k_tok_td, sk_tok, v_tok_dt, sv_tok = k_td, sk, v_dt, sv
     dev = q_td.device
     cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
     num_docs = cu.numel() - 1
@@ -1219,8 +1277,8 @@ def flamia_bwd_dsbf16_sm90(
     else:
         q_bf16 = q_td  # not read: any valid pointer
     check_kernel_tensors((
-        ("q_td", q_td, (T, H, D), f8), ("k_td", k_td, (T, Hk, D), f8), ("v_td", v_td, (T, Hk, D), f8),
-        ("k_tok_td", k_tok_td, (T, Hk, D), f8), ("v_tok_td", v_tok_td, (T, Hk, D), f8),
+        ("q_td", q_td, (T, H, D), f8), ("k_td", k_td, (T, Hk, D), f8), ("v_dt", v_dt, (Hk, D, T_dt), f8),
+        ("k_tok_td", k_tok_td, (T, Hk, D), f8), ("v_tok_dt", v_tok_dt, (Hk, D, T_dt), f8),
         ("do_td", do_quantized.data_td, (T, H, D), f8), ("do_dt", do_quantized.data_dt, (H, D, T_dt), f8),
         ("sq", sq, (H, T), torch.float32), ("sk", sk, (Hk, T), torch.float32), ("sv", sv, (Hk, T), torch.float32),
         ("sk_tok", sk_tok, (Hk, T), torch.float32), ("sv_tok", sv_tok, (Hk, T), torch.float32),
@@ -1236,7 +1294,7 @@ def flamia_bwd_dsbf16_sm90(
     if T > 0 and num_docs > 0 and max_n_blocks > 0:
         if dv_ref is None:
             dv_ref = dv_fold_reference(do_quantized.scale, cu, config.qhead_per_kvhead)
-        ptrs = (q_td, q_bf16, sq, k_td, sk, v_td, sv, k_tok_td, sk_tok, v_tok_td, sv_tok,
+        ptrs = (q_td, q_bf16, sq, k_td, sk, v_dt, sv, k_tok_td, sk_tok, v_tok_dt, sv_tok,
                 do_quantized.data_td, do_quantized.data_dt, do_quantized.scale, lse, delta, dv_ref, cu, dq_acc, dk, dv)
         # deterministic dQ: one turn counter per (query head, document, 64-query tile)
         sem = (torch.zeros(H * num_docs * 2 * max_n_blocks, dtype=torch.int32, device=dev)
@@ -1258,13 +1316,17 @@ def default_config(qq, kq, kt, deterministic: bool = False) -> BwdDsBf16Config:
 
 def flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, cu_seqlens, max_seqlen, softmax_scale,
                                       config: BwdDsBf16Config | None = None, **kw):
-    """Convenience entry from the forward's saved QuantizedTHD operands (kt, vt: per-token copies or None)."""
+    """Convenience entry from the forward's saved QuantizedTHD operands (kt, vt: per-token copies or None;
+    V's transposed copies in P-fragment order, as the forward reads them)."""
     block = kt is not None
+    for name, x in (("vq", vq), ("vt", vt)):
+        if x is not None and (x.data_dt is None or not x.dt_pv_order):
+            raise ValueError(f"{name}.data_dt must be V^T in P-fragment order (quantize with pv_order=True)")
     if config is None:
         config = default_config(qq, kq, kt)
     return flamia_bwd_dsbf16_sm90(
-        dout, out, lse, qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_td, vq.scale,
+        dout, out, lse, qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale,
         kt.data_td if block else None, kt.scale if block else None,
-        vt.data_td if block else None, vt.scale if block else None,
+        vt.data_dt if block else None, vt.scale if block else None,
         cu_seqlens, max_seqlen, softmax_scale, config, **kw,
     )

@@ -272,7 +272,7 @@ def varlen_bwd(
             return dq.to(dt), dk.to(dt), dv.to(dt)
         from .emulator import operand_from_quantized
 
-        qo, ko, vo = operand_from_quantized(qq), operand_from_quantized(kq, kt), operand_from_quantized(vq, vt)
+        qo, ko, vo = operand_from_quantized(qq), operand_from_quantized(kq, kt), operand_from_quantized(vq, vt, cu_seqlens_q)
     else:
         qo, ko, vo = _unpack_emulated(layout, saved, rec)
     from .emulator import EmulatorContext, emulate_backward

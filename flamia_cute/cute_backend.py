@@ -73,21 +73,18 @@ def unsupported_reason(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | 
 
 def launch_layouts(cfg, forward_only: bool = False, ds_bf16: bool = False):
     """A Q/K/V launch config reduced to the layouts that will be read: the forward's only
-    (forward_only), the forward's and the bf16-dS backward's (ds_bf16), or all (the e4m3-dS backward
-    reads Q^T and K^T). Layouts only: the tuned launch settings stay."""
-    from .quantize_sm90 import bf16_ds_layouts
+    (forward_only), which are also all that the bf16-dS backward reads (ds_bf16), or all (the
+    e4m3-dS backward reads Q^T, K^T and V token-major). Layouts only: the tuned launch settings stay."""
     from .quantize_sm90 import forward_only as forward_only_config
 
-    if forward_only:
-        return forward_only_config(cfg)
-    return bf16_ds_layouts(cfg) if ds_bf16 else cfg
+    return forward_only_config(cfg) if forward_only or ds_bf16 else cfg
 
 
 def quantize_operands(q, k, v, cu, block: int, max_seqlen: int, forward_only: bool = False, ds_bf16: bool = False):
     """Q, K, V in ONE fused launch: Q per token; K, V per block plus the per-token diagonal copies.
 
-    forward_only: only the orientations the forward reads (quantize_sm90.forward_only); ds_bf16: those
-    and the bf16-dS backward's (quantize_sm90.bf16_ds_layouts). What is not written is None in the result."""
+    forward_only: only the orientations the forward reads (quantize_sm90.forward_only); ds_bf16: the
+    same, all that the bf16-dS backward reads too. What is not written is None in the result."""
     from .quantize_sm90 import fused_quantize_multi_sm90, qkv_config
     from .tuning import tuned_quantize_config
 
@@ -226,6 +223,6 @@ class CuteAttention(torch.autograd.Function):
                                           kernel_block_tokens(recipe), bf16_ds_backward(recipe.name))
             return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None
         ectx = EmulatorContext(recipe, scale, True, cu, cu, operand_from_quantized(qq),
-                               operand_from_quantized(kq, kt), operand_from_quantized(vq, vt), out, lse)
+                               operand_from_quantized(kq, kt), operand_from_quantized(vq, vt, cu), out, lse)
         dq, dk, dv = emulate_backward(dout.contiguous(), ectx)
         return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None

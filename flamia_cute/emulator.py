@@ -65,12 +65,14 @@ def _doc_ranges(cu: torch.Tensor):
     return list(zip(c[:-1], c[1:], strict=True))
 
 
-def operand_from_quantized(main: QuantizedTHD, diag: QuantizedTHD | None = None) -> EmuOperand:
-    """The emulator's view of what a fused-quantization kernel produced (block copy + optional diagonal copy)."""
-    vals = main.dequantize()
+def operand_from_quantized(main: QuantizedTHD, diag: QuantizedTHD | None = None,
+                           cu_seqlens: torch.Tensor | None = None) -> EmuOperand:
+    """The emulator's view of what a fused-quantization kernel produced (block copy + optional diagonal
+    copy); cu_seqlens: for operands written transposed only (QuantizedTHD.dequantize)."""
+    vals = main.dequantize(cu_seqlens)
     out = EmuOperand(vals, vals, main.scale, block_tokens=main.block_tokens, quantized=(main,))
     if diag is not None:
-        dv = diag.dequantize()
+        dv = diag.dequantize(cu_seqlens)
         out.diag_along_d, out.diag_along_t, out.diag_scale = dv, dv, diag.scale
         out.quantized = (main, diag)
     return out

@@ -73,6 +73,7 @@ from .sm90_device import (
     ARG_I32,
     SHARED_SOURCE_FILES,
     as_f32,
+    byte_transpose4x4,
     imax,
     pow2_scale_bits,
     prmt,
@@ -605,18 +606,8 @@ class FusedQuantizeSm90:
                             if const_expr(TRANS):
                                 sT = tiles[st]
                                 for m in cutlass.range_constexpr(4):
-                                    # 4x4 byte transpose: word b of the output holds dim 4m+b of tokens 0..3
-                                    w0, w1, w2_, w3 = qwords[st][0][m], qwords[st][1][m], qwords[st][2][m], qwords[st][3][m]
-                                    lo01 = prmt(w0, w1, 0x5140)
-                                    lo23 = prmt(w2_, w3, 0x5140)
-                                    hi01 = prmt(w0, w1, 0x7362)
-                                    hi23 = prmt(w2_, w3, 0x7362)
-                                    tw = (
-                                        prmt(lo01, lo23, 0x5410),
-                                        prmt(lo01, lo23, 0x7632),
-                                        prmt(hi01, hi23, 0x5410),
-                                        prmt(hi01, hi23, 0x7632),
-                                    )
+                                    # word b of the output holds dim 4m+b of tokens 0..3
+                                    tw = byte_transpose4x4(*(qwords[st][t][m] for t in range(4)))
                                     if active:
                                         for b in cutlass.range_constexpr(4):
                                             sT[hl * D + 16 * j + 4 * m + b, slot_w, quad] = tw[b]
@@ -936,34 +927,21 @@ def qkv_config(head_dim: int, q_heads: int, kv_heads: int, block_tokens: int, he
     return _qkv_config(head_dim, q_heads, kv_heads, block_tokens, heads_per_cta, tuple(sorted(kw.items())))
 
 
-def _qk_token_major_only(qkv: MultiQuantizeConfig, v_token_major: bool) -> MultiQuantizeConfig:
-    """qkv with Q and K (and K's per-token copy) written token-major only, V token-major or not
-    (always transposed, in P-fragment order); the launch settings stay but the bound: at 5 CTAs per
-    SM (48 registers) such a body spills 32 bytes (per-token K, V), at 4 it does not."""
+@functools.cache
+def forward_only(qkv: MultiQuantizeConfig) -> MultiQuantizeConfig:
+    """A Q/K/V launch (qkv_config, tuned or not) reduced to what the forward and the bf16-dS backward
+    (attention_bwd_dsbf16_sm90) read: Q and K (and K's per-token copy) token-major only, V (and its
+    copy) transposed in P-fragment order only. That backward converts Q's and K's [t, d] codes to
+    bf16 in shared memory and transposes V^T there (dP^T's A operand), so a training call writes
+    what an inference call writes: token-block K and V 2 of their 4 bytes per element, Q 1 of 2.
+    The launch settings stay but the bound: at 5 CTAs per SM (48 registers) such a body spills 32
+    bytes (per-token K, V), at 4 it does not."""
     q, k, v = qkv.parts
     q = dataclasses.replace(q, emit_transposed=False, dt_pv_order=False)
     k = dataclasses.replace(k, emit_transposed=False)
-    v = dataclasses.replace(v, emit_token_major=v_token_major)
+    v = dataclasses.replace(v, emit_token_major=False)
     bound = min(qkv.min_ctas_per_sm, 4) if qkv.min_ctas_per_sm else 0
     return dataclasses.replace(qkv, parts=(q, k, v), min_ctas_per_sm=bound)
-
-
-@functools.cache
-def forward_only(qkv: MultiQuantizeConfig) -> MultiQuantizeConfig:
-    """A Q/K/V launch (qkv_config, tuned or not) reduced to what a call that needs no backward
-    reads: Q and K token-major, V transposed in P-fragment order (and K's / V's per-token copies
-    likewise). Token-block K and V write 2 of their 4 bytes per element, Q 1 of 2."""
-    return _qk_token_major_only(qkv, v_token_major=False)
-
-
-@functools.cache
-def bf16_ds_layouts(qkv: MultiQuantizeConfig) -> MultiQuantizeConfig:
-    """A Q/K/V launch (qkv_config, tuned or not) reduced to what the forward and the bf16-dS backward
-    (attention_bwd_dsbf16_sm90) read: Q and K (and K's per-token copy) token-major only, since that
-    backward converts their [t, d] codes to bf16 in shared memory and never reads Q^T or K^T; V in
-    both orientations (the forward's P V and the backward's dP = dO V^T). Saves T x (H + 2 Hk) x D
-    bytes of writes and of memory kept for the backward (one third of Q/K/V's FP8 bytes at H = Hk)."""
-    return _qk_token_major_only(qkv, v_token_major=True)
 
 
 @functools.cache

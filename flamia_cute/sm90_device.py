@@ -40,6 +40,15 @@ def prmt(a, b, sel: int):
     return ptx("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [Uint32(a), Uint32(b), Uint32(sel)])
 
 
+def byte_transpose4x4(w0, w1, w2, w3):
+    """4x4 byte transpose of four words (rows): word b of the result holds byte b of w0, w1, w2, w3
+    (lowest byte first). 8 prmt."""
+    lo01, lo23 = prmt(w0, w1, 0x5140), prmt(w2, w3, 0x5140)
+    hi01, hi23 = prmt(w0, w1, 0x7362), prmt(w2, w3, 0x7362)
+    return (prmt(lo01, lo23, 0x5410), prmt(lo01, lo23, 0x7632), prmt(hi01, hi23, 0x5410),
+            prmt(hi01, hi23, 0x7632))
+
+
 def cvt_e4m3x4(a, b, c, d):
     """Four fp32 -> four e4m3 (RNE, satfinite) packed in a u32, `a` in the lowest byte."""
     return ptx("{\n.reg .b16 lo, hi;\n"

@@ -74,9 +74,15 @@ class QuantizedTHD:
     fmt_name: str
     dt_pv_order: bool = False  # data_dt columns in P-fragment order (PV_ORDER16)
 
-    def dequantize(self) -> torch.Tensor:
-        """fp32 (T, H, D) values that the quantized operand stands for."""
-        return self.data_td.float() * self.scale.t().unsqueeze(-1)
+    def dequantize(self, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 (T, H, D) values that the quantized operand stands for. An operand written transposed
+        only (data_td None, e.g. V of a forward_only launch) is read from data_dt: needs cu_seqlens."""
+        data = self.data_td
+        if data is None:
+            if cu_seqlens is None:
+                raise ValueError("cu_seqlens: needed to dequantize an operand that has only data_dt")
+            data = untranspose_tokens(natural_dt(self), cu_seqlens, self.scale.shape[1])
+        return data.float() * self.scale.t().unsqueeze(-1)
 
 
 def token_block_ids(cu_seqlens: torch.Tensor, total_tokens: int, block_tokens: int) -> torch.Tensor:
@@ -153,15 +159,24 @@ def transpose_tokens(data_td: torch.Tensor, cu_seqlens: torch.Tensor, pv_order: 
     T, H, D = data_td.shape
     num_docs = cu_seqlens.numel() - 1
     out = torch.zeros(H, D, transposed_tokens(T, num_docs), dtype=data_td.dtype, device=data_td.device)
-    cu = cu_seqlens.to(torch.int64)
-    tok = torch.arange(T, device=data_td.device)
-    doc = torch.searchsorted(cu[1:], tok, right=True)
-    col = dt_cu_seqlens(cu_seqlens).to(torch.int64)[doc] + tok - cu[doc]
-    out[:, :, col] = data_td.permute(1, 2, 0)
+    out[:, :, _dt_columns(cu_seqlens, T, data_td.device)] = data_td.permute(1, 2, 0)
     if pv_order:
         perm = torch.tensor(PV_ORDER16, device=out.device)
         out = out.view(H, D, -1, 16)[..., perm].reshape(H, D, -1).contiguous()
     return out
+
+
+def _dt_columns(cu_seqlens: torch.Tensor, total_tokens: int, device) -> torch.Tensor:
+    """The data_dt column of every token (natural order): its document's dt_cu_seqlens start + offset."""
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    tok = torch.arange(total_tokens, device=device)
+    doc = torch.searchsorted(cu[1:], tok, right=True)
+    return dt_cu_seqlens(cu).to(torch.int64)[doc] + tok - cu[doc]
+
+
+def untranspose_tokens(data_dt: torch.Tensor, cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """(H, D, T_dt) in natural column order -> (T, H, D): transpose_tokens undone."""
+    return data_dt[:, :, _dt_columns(cu_seqlens, total_tokens, data_dt.device)].permute(2, 0, 1).contiguous()
 
 
 def natural_dt(qt: QuantizedTHD) -> torch.Tensor:

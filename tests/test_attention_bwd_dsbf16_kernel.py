@@ -231,6 +231,54 @@ def test_conversion_walks_cover_each_word_once(head_dim):
 
 @needs_dsl
 @pytest.mark.parametrize("head_dim", [64, 128])
+def test_transpose_v_puts_every_key_row_in_place(head_dim):
+    """transpose_v (the backward builds V [key, d] from the V^T slabs the TMA loads): replaying its
+    words (transpose_v_words) on a model of shared memory, with the V^T columns in P-fragment order as
+    the quantization writes them, leaves element (key, d) of each slab where dP^T's A operand reads
+    it; each thread's reads precede every write (the kernel's barrier)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from flamia_cute.attention_bwd_dsbf16_sm90 import FlamiaBwdDsBf16Sm90, transpose_v_threads, transpose_v_words
+    from flamia_cute.quant import PV_ORDER16
+    from flamia_cute.sm90_device import smem_word_index
+
+    kern = FlamiaBwdDsBf16Sm90(BwdDsBf16Config(head_dim=head_dim))
+    smem = {}
+    result = {}
+
+    def byte_at(layout, row, col, slab):  # the element's contiguous dimension is the column
+        return 4 * int(smem_word_index(layout, (row, col - col % 4, slab), 1)) + col % 4
+
+    @cute.jit
+    def replay():
+        lay = kern._smem_layouts()
+        for slab in cutlass.range_constexpr(2):
+            for d in cutlass.range_constexpr(head_dim):
+                for col in cutlass.range_constexpr(64):
+                    key = 16 * (col // 16) + PV_ORDER16[col % 16]
+                    smem[byte_at(lay["Vt"], d, col, slab)] = (slab, key, d)
+        for slab in cutlass.range_constexpr(2):
+            moves = [transpose_v_words(lay["Vt"], lay["K"], t, slab, head_dim)
+                     for t in range(transpose_v_threads(head_dim))]
+            x = [[[smem[4 * int(w) + b] for b in range(4)] for w in src] for src, _ in moves]  # all reads first
+            for (_, dst), xt in zip(moves, x, strict=True):
+                for i in cutlass.range_constexpr(4):
+                    for b in cutlass.range_constexpr(4):  # word b of the transpose: byte b of rows 0..3
+                        for r in cutlass.range_constexpr(4):
+                            smem[4 * int(dst[4 * i + b]) + r] = xt[4 * r + i][b]
+        for slab in cutlass.range_constexpr(2):
+            for key in cutlass.range_constexpr(64):
+                for d in cutlass.range_constexpr(head_dim):
+                    result[(slab, key, d)] = smem[byte_at(lay["K"], key, d, slab)]
+
+    replay()
+    wrong = [k for k, v in result.items() if v != k]
+    assert not wrong, wrong[:5]
+
+
+@needs_dsl
+@pytest.mark.parametrize("head_dim", [64, 128])
 def test_dq_store_plan_writes_the_swizzled_tile_once(head_dim):
     """The dQ tile's hand-computed stores (dq_tma_reduce), plain and with dq_store_swap (odd rows store
     pair j ^ 4 at step j): for each of the 256 consumer threads, (base ^ xor) + add lands each value

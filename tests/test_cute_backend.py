@@ -84,8 +84,8 @@ def test_kernel_path_matches_emulator(recipe, heads):
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", [128, 1])
 def test_bf16_ds_launch_writes_no_transposed_q_k(block):
-    """The bf16-dS recipe's training launch: Q and K (and K's copy) token-major only, V in both
-    orientations; each layout it writes is bitwise the full training launch's."""
+    """The bf16-dS recipe's training launch: Q and K (and K's copy) token-major only, V (and its copy)
+    transposed only; each layout it writes is bitwise the full training launch's."""
     from flamia_cute.cute_backend import quantize_operands
 
     q, k, v, _, cu, _ = make_inputs(LENGTHS, 4, 2, 128, device="cuda", seed=8)
@@ -93,7 +93,8 @@ def test_bf16_ds_launch_writes_no_transposed_q_k(block):
     lean = quantize_operands(q, k, v, cu, block, max(LENGTHS), ds_bf16=True)
     (fq, (fk, fkt), (fv, fvt)), (lq, (lk, lkt), (lv, lvt)) = full, lean
     assert lq.data_dt is None and lk.data_dt is None and (lkt is None or lkt.data_dt is None)
-    assert lv.data_td is not None and lv.data_dt is not None and lv.dt_pv_order
+    assert lv.data_td is None and lv.data_dt is not None and lv.dt_pv_order
+    assert lvt is None or (lvt.data_td is None and lvt.data_dt is not None)
     pairs = [(lq, fq), (lk, fk), (lv, fv)] + ([(lkt, fkt), (lvt, fvt)] if block > 1 else [])
     for got, want in pairs:
         for f in ("data_td", "data_dt", "scale"):

@@ -128,6 +128,22 @@ def test_pv_order_permutes_each_16_column_group():
     assert sorted(PV_ORDER16) == list(range(16))
 
 
+@pytest.mark.parametrize("pv_order", [False, True])
+def test_transposed_only_operand_dequantizes_like_the_token_major_one(pv_order):
+    """A forward_only launch writes V transposed only (data_td None): dequantize reads data_dt back
+    through cu_seqlens (documents at their dt_cu_seqlens columns, P-fragment order undone), and says
+    which argument it needs when cu_seqlens is missing."""
+    import dataclasses
+
+    x = torch.randn(300, 3, 64, dtype=torch.bfloat16) * 4
+    cu = cu_seqlens_from_lengths([129, 0, 1, 170])
+    full = quantize_thd(x, cu, 128, pv_order=pv_order)
+    dt_only = dataclasses.replace(full, data_td=None)
+    assert torch.equal(dt_only.dequantize(cu), full.dequantize())
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        dt_only.dequantize()
+
+
 def test_per_tensor_in_token_layouts_is_quantize_per_tensor_and_leaks():
     """The leaky control in the per-token kernels' layouts: quantize_per_tensor's values, one scale in
     every (head, token) slot, data_dt the transposed copy; and the scale follows another document."""

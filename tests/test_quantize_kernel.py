@@ -474,28 +474,20 @@ def test_qkv_variant_compiles_for_sm90a(D, hq, hkv, block):
         assert _count(r"SHFL\.UP", art.sass) < 30
 
 
-# What the reduced Q/K/V launches write: V's (token-major, transposed) orientations; Q and K (and K's
-# per-token copy) are token-major only in both
-REDUCED_LAUNCHES = {"forward_only": (False, True), "bf16_ds_layouts": (True, True)}
-
-
 @needs_dsl
-@pytest.mark.parametrize("reduce", list(REDUCED_LAUNCHES))
 @pytest.mark.parametrize("D, hq, hkv, block", QKV_COMPILE_CASES)
-def test_reduced_launch_writes_only_what_is_read(reduce, D, hq, hkv, block):
-    """forward_only(qkv_config) (a call with no backward) and bf16_ds_layouts(qkv_config) (the
-    bf16-dS recipe's training call): Q and K token-major only, V as REDUCED_LAUNCHES says (P-fragment
-    order kept), the same scales; fewer 16-byte stores than the full launch, no spills, the launch
-    settings kept."""
+def test_forward_only_launch_writes_only_what_is_read(D, hq, hkv, block):
+    """forward_only(qkv_config) (an inference call, and the bf16-dS recipe's training call): Q and K
+    token-major only, V transposed only (P-fragment order kept), the same scales; fewer 16-byte
+    stores than the full launch, no spills, the launch settings kept."""
     import flamia_cute.quantize_sm90 as qs
 
     full = qkv_config(D, hq, hkv, block)
-    lean = getattr(qs, reduce)(full)
-    v_td, v_dt = REDUCED_LAUNCHES[reduce]
+    lean = qs.forward_only(full)
     q, k, v = lean.parts
     assert (q.emit_token_major, q.emit_transposed, q.dt_pv_order) == (True, False, False)
     assert (k.emit_token_major, k.emit_transposed) == (True, False) and k.emit_token_copy == (block > 1)
-    assert (v.emit_token_major, v.emit_transposed, v.dt_pv_order) == (v_td, v_dt, True)
+    assert (v.emit_token_major, v.emit_transposed, v.dt_pv_order) == (False, True, True)
     assert lean.raster == full.raster and lean.min_ctas_per_sm == min(full.min_ctas_per_sm, 4)
     art, full_art = kernel_artifacts(lean, "sm_90a"), kernel_artifacts(full, "sm_90a")
     stores = r"st\.global(\.[a-z0-9:_]+)*\.(v4\.(b|u|s)32|b128)"
@@ -504,7 +496,7 @@ def test_reduced_launch_writes_only_what_is_read(reduce, D, hq, hkv, block):
     plan, nbytes = qs._layout_outputs(lean, 1000, 1152)
     (qp,), kp, vp = plan
     assert qp[0] is not None and qp[1] is None and all(s_[1] is None for s_ in kp)
-    assert all((s_[0] is not None) == v_td and s_[1] is not None for s_ in vp)
+    assert all(s_[0] is None and s_[1] is not None for s_ in vp)
     assert nbytes < qs._layout_outputs(full, 1000, 1152)[1]
 
 
