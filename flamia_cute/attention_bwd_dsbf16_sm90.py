@@ -236,21 +236,34 @@ def smem_bytes(cfg: BwdDsBf16Config) -> int:
     return kv + per_stage * cfg.q_stages + ds + vec + bars + dq + 9 * 1024
 
 
+def _pv_order_key(m, b: int):
+    """PV_ORDER16[4 m + b] as arithmetic (m may be a DSL integer): columns 4m .. 4m + 3 of a 16-column
+    group hold keys 2m, 2m + 1, 8 + 2m, 9 + 2m."""
+    return 2 * m + (b & 1) + 8 * (b >> 1)
+
+
+assert all(PV_ORDER16[4 * m + b] == _pv_order_key(m, b) for m in range(4) for b in range(4))
+
+
 def transpose_v_threads(head_dim: int) -> int:
-    """Threads of a warpgroup that transpose_v gives a 4 d x 16 key block of a 64-key slab."""
-    return (head_dim // 4) * (64 // 16)
+    """Threads of a warpgroup that transpose_v gives a 16 d x 4 key block of a 64-key slab."""
+    return (head_dim // 16) * (64 // 4)
 
 
 def transpose_v_words(sVt_layout, sV_layout, ctid, slab, head_dim: int):
-    """transpose_v's 32-bit words for thread ctid (< transpose_v_threads) of the warpgroup of `slab`:
-    src[4 r + i] holds V^T row d = 4a + r, columns 16g + 4i .. 16g + 4i + 3 (a, g: the thread's
-    block); dst[4 i + b] is where V [key, d 4a .. 4a + 3] goes for the key in column 4i + b, i.e.
-    byte b of the 4x4 byte transpose of src[i], src[4 + i], src[8 + i], src[12 + i]. Plain Python
-    over DSL or Python integers (the CPU tests replay it on the layouts)."""
-    a, g = ctid % (head_dim // 4), ctid // (head_dim // 4)
-    src = [smem_word_index(sVt_layout, (4 * a + r, 16 * g + 4 * i, slab), 1) for r in range(4) for i in range(4)]
+    """transpose_v's 32-bit words for thread ctid (< transpose_v_threads) of the warpgroup of `slab`,
+    whose block is V^T rows d = 16a .. 16a + 15 x columns 4q .. 4q + 3 (q = ctid % 16, a = ctid // 16):
+    src[4 j + r] holds row 16a + 4j + r; dst[4 b + j] is where V [key, d 16a + 4j .. 16a + 4j + 3]
+    goes for the key in column 4q + b, i.e. word b of the 4x4 byte transpose of src[4j .. 4j + 3].
+    A warp's lanes cover 16 column quads of 2 row blocks: its word loads hit 16 banks twice and its
+    word stores 8 banks 4 times, where 4 d x 16 key blocks (a warp down one column group) loaded
+    from 2 banks 16 times (kernel +2.3 us per CTA, run s12b). Plain Python over DSL or Python
+    integers (the CPU tests replay it on the layouts)."""
+    q, a = ctid % 16, ctid // 16
+    src = [smem_word_index(sVt_layout, (16 * a + 4 * j + r, 4 * q, slab), 1) for j in range(4) for r in range(4)]
     # column c of a 16-column group holds key PV_ORDER16[c] of the group (P-fragment order)
-    dst = [smem_word_index(sV_layout, (16 * g + PV_ORDER16[c], 4 * a, slab), 1) for c in range(16)]
+    keys = [16 * (q // 4) + _pv_order_key(q % 4, b) for b in range(4)]
+    dst = [smem_word_index(sV_layout, (keys[b], 16 * a + 4 * j, slab), 1) for b in range(4) for j in range(4)]
     return src, dst
 
 
@@ -944,7 +957,7 @@ class FlamiaBwdDsBf16Sm90:
         """V [key, d] (dP^T's A operand, slab wg) from the V^T slab that the TMA put in the same
         shared memory ([d, key], keys in P-fragment order): the forward's quantization writes V
         transposed only (2 bytes per element less, with the per-token copy). Thread t of the
-        warpgroup moves the block d 4a .. 4a + 3 x keys 16g .. 16g + 15: 16 word reads, 4x4 byte
+        warpgroup moves a block of 16 d x 4 keys (transpose_v_words): 16 word reads, 4x4 byte
         transposes, 16 word writes; every read of the slab lands before any write (in place)."""
         sV_words, sVt_layout = bufs[17], bufs[18]
         tidx, _, _ = cute.arch.thread_idx()
@@ -957,10 +970,10 @@ class FlamiaBwdDsBf16Sm90:
                 x[j] = sV_words[src[j]]
         cute.arch.barrier(barrier_id=VT_BARRIER + wg, number_of_threads=128)
         if works:
-            for i in cutlass.range_constexpr(4):
-                words = byte_transpose4x4(x[i], x[4 + i], x[8 + i], x[12 + i])
+            for j in cutlass.range_constexpr(4):
+                words = byte_transpose4x4(x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3])
                 for b in cutlass.range_constexpr(4):
-                    sV_words[dst[4 * i + b]] = words[b]
+                    sV_words[dst[4 * b + j]] = words[b]
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, then wgmma reads
         cute.arch.barrier(barrier_id=VT_BARRIER + wg, number_of_threads=128)
 

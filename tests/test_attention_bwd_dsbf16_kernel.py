@@ -263,10 +263,10 @@ def test_transpose_v_puts_every_key_row_in_place(head_dim):
                      for t in range(transpose_v_threads(head_dim))]
             x = [[[smem[4 * int(w) + b] for b in range(4)] for w in src] for src, _ in moves]  # all reads first
             for (_, dst), xt in zip(moves, x, strict=True):
-                for i in cutlass.range_constexpr(4):
+                for j in cutlass.range_constexpr(4):
                     for b in cutlass.range_constexpr(4):  # word b of the transpose: byte b of rows 0..3
                         for r in cutlass.range_constexpr(4):
-                            smem[4 * int(dst[4 * i + b]) + r] = xt[4 * r + i][b]
+                            smem[4 * int(dst[4 * b + j]) + r] = xt[4 * j + r][b]
         for slab in cutlass.range_constexpr(2):
             for key in cutlass.range_constexpr(64):
                 for d in cutlass.range_constexpr(head_dim):
