@@ -97,6 +97,7 @@ from .sm90_device import (
     pack_a_fragment_e4m3,
     select,
     smem_word_index,
+    st_shared_v4,
     tma_pipeline,
     warp_pipeline,
     word_walk,
@@ -263,7 +264,10 @@ def transpose_v_words(sVt_layout, sV_layout, ctid, slab, head_dim: int):
     src = [smem_word_index(sVt_layout, (16 * a + 4 * j + r, 4 * q, slab), 1) for j in range(4) for r in range(4)]
     # column c of a 16-column group holds key PV_ORDER16[c] of the group (P-fragment order)
     keys = [16 * (q // 4) + _pv_order_key(q % 4, b) for b in range(4)]
-    dst = [smem_word_index(sV_layout, (keys[b], 16 * a + 4 * j, slab), 1) for b in range(4) for j in range(4)]
+    # a key's 16 d are one 16-byte chunk (the swizzle moves whole chunks): its 4 words are a 16-byte
+    # aligned base + j, which lets the compiler emit one 16-byte store per key
+    base = [(smem_word_index(sV_layout, (keys[b], 16 * a, slab), 1) >> 2) << 2 for b in range(4)]
+    dst = [base[b] + j for b in range(4) for j in range(4)]
     return src, dst
 
 
@@ -565,6 +569,9 @@ class FlamiaBwdDsBf16Sm90:
         kv_head, doc, n_blk = backward_work_item(self.cfg.raster, cute.arch.block_idx())
         doc_start = mCu[doc]
         doc_len = mCu[doc + 1] - doc_start
+        # V^T's (and dO^T's) first column, by every warp (only the TMA warp uses it): its loads go out
+        # with cu_seqlens[doc]'s, not after the CTA's setup, since the first K/V load waits for it
+        dt_start = document_dt_start(mCu, doc)
 
         if n_blk * self.kb < doc_len:
             n_q = (doc_len + self.tq - 1) // self.tq  # 64-query tiles of the document
@@ -612,7 +619,6 @@ class FlamiaBwdDsBf16Sm90:
             if wg_idx == 0:
                 cute.arch.setmaxregister_decrease(self.regs_producer)
                 if warp_idx == 0:
-                    dt_start = document_dt_start(mCu, doc)
                     self.load_tma(tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, doc_start, dt_start, sched)
                 if warp_idx == 1:
                     self.load_vectors(mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, kv_head, doc_start, doc_len, sched,
@@ -970,10 +976,10 @@ class FlamiaBwdDsBf16Sm90:
                 x[j] = sV_words[src[j]]
         cute.arch.barrier(barrier_id=VT_BARRIER + wg, number_of_threads=128)
         if works:
-            for j in cutlass.range_constexpr(4):
-                words = byte_transpose4x4(x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3])
-                for b in cutlass.range_constexpr(4):
-                    sV_words[dst[4 * b + j]] = words[b]
+            t = [byte_transpose4x4(x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3]) for j in range(4)]
+            base = sV_words.iterator.toint()
+            for b in cutlass.range_constexpr(4):  # key b's 16 d: words j = 0..3 of one 16-byte chunk
+                st_shared_v4(base + dst[4 * b] * 4, [t[j][b] for j in range(4)])
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, then wgmma reads
         cute.arch.barrier(barrier_id=VT_BARRIER + wg, number_of_threads=128)
 

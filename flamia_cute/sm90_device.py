@@ -172,6 +172,13 @@ def st_global_v4(addr, w):
         result=None, side_effects=True)
 
 
+def st_shared_v4(addr, w):
+    """One 16-byte shared-memory store of four u32 words (addr: the 32-bit shared address, 16-byte
+    aligned): the compiler does not merge word stores whose swizzled address it cannot prove aligned."""
+    ptx("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}", [Int32(addr)] + [Uint32(x) for x in w],
+        result=None, side_effects=True)
+
+
 def quad_transpose4(w, b0, b1, shfl_xor, sel):
     """4x4 word transpose across the 4 lanes of a quad: lane t gets [lane i's w[t] for i in 0..3].
 
