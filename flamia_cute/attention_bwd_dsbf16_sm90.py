@@ -570,8 +570,9 @@ class FlamiaBwdDsBf16Sm90:
         doc_start = mCu[doc]
         doc_len = mCu[doc + 1] - doc_start
         # V^T's (and dO^T's) first column, by every warp (only the TMA warp uses it): its loads go out
-        # with cu_seqlens[doc]'s, not after the CTA's setup, since the first K/V load waits for it
-        dt_start = document_dt_start(mCu, doc)
+        # with cu_seqlens[doc]'s, not after the CTA's setup, and 4 rounds of 32 documents at a time,
+        # since the first K/V load waits for it
+        dt_start = document_dt_start(mCu, doc, 4)
 
         if n_blk * self.kb < doc_len:
             n_q = (doc_len + self.tq - 1) // self.tq  # 64-query tiles of the document

@@ -339,14 +339,15 @@ def warp_pipeline(stages: int, barrier_ptr, consumers: int = 256):
 
 
 @cute.jit
-def document_dt_start(mCu: cute.Tensor, doc):
+def document_dt_start(mCu: cute.Tensor, doc, unroll: cutlass.Constexpr = 1):
     """Document `doc`'s first data_dt column (= quant.dt_cu_seqlens(cu)[doc], so the host builds no
     table), computed by one warp: lane l adds the DT_DOC_ALIGN-rounded lengths of the earlier
-    documents l, l + 32, ... (L2-resident loads), a butterfly sum gives every lane the total."""
+    documents l, l + 32, ... (L2-resident loads), a butterfly sum gives every lane the total.
+    unroll: 32-document rounds whose loads go out together (one round trip per round at 1)."""
     align = _quant_layout.DT_DOC_ALIGN
     lane = cute.arch.lane_idx()
     dt_start = Int32(0)
-    for it in cutlass.range((doc + 31) // 32, unroll=1):
+    for it in cutlass.range((doc + 31) // 32, unroll=unroll):
         b = lane + 32 * it
         if b < doc:
             dt_start = dt_start + ((mCu[b + 1] - mCu[b] + (align - 1)) & -align)
