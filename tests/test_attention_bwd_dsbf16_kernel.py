@@ -277,6 +277,52 @@ def test_transpose_v_puts_every_key_row_in_place(head_dim):
     assert not wrong, wrong[:5]
 
 
+def _wavefronts(words, width: int) -> int:
+    """Shared-memory wavefronts of one warp instruction whose 32 lanes access these 32-bit word
+    addresses, `width` bytes each (4: per bank, the distinct words; 16: per 8-lane phase, the
+    distinct 16-byte chunks per group of 4 banks)."""
+    groups = [words] if width == 4 else [words[8 * p:8 * p + 8] for p in range(4)]
+    unit = width // 4
+    total = 0
+    for lanes in groups:
+        banks = {}
+        for w in lanes:
+            banks.setdefault((w // unit) % (32 // unit), set()).add(w // unit)
+        total += max(len(v) for v in banks.values())
+    return total
+
+
+@needs_dsl
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_transpose_v_is_nearly_free_of_bank_conflicts(head_dim):
+    """transpose_v's shared-memory traffic per warp (from transpose_v_words' addresses): each word
+    load 2 wavefronts (a warp reads 2 rows per bank), each 16-byte store 4 at d128 (the minimum for
+    512 bytes; 8 at d64, whose 64-byte key rows pair up in the banks). The first mapping's loads
+    took 16 (+2.3 us per CTA on the H200, run s12b)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from flamia_cute.attention_bwd_dsbf16_sm90 import FlamiaBwdDsBf16Sm90, transpose_v_threads, transpose_v_words
+
+    kern = FlamiaBwdDsBf16Sm90(BwdDsBf16Config(head_dim=head_dim))
+    found = []
+
+    @cute.jit
+    def addresses():
+        lay = kern._smem_layouts()
+        for slab in cutlass.range_constexpr(2):
+            for warp in cutlass.range_constexpr(transpose_v_threads(head_dim) // 32):
+                words = [transpose_v_words(lay["Vt"], lay["K"], 32 * warp + lane, slab, head_dim) for lane in range(32)]
+                loads = [_wavefronts([int(words[lane][0][j]) for lane in range(32)], 4) for j in range(16)]
+                stores = [_wavefronts([int(words[lane][1][4 * b]) for lane in range(32)], 16) for b in range(4)]
+                found.append((loads, stores))
+
+    addresses()
+    assert len(found) == 2 * transpose_v_threads(head_dim) // 32
+    for loads, stores in found:
+        assert max(loads) <= 2 and max(stores) <= (4 if head_dim == 128 else 8), (loads, stores)
+
+
 @needs_dsl
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_dq_store_plan_writes_the_swizzled_tile_once(head_dim):
