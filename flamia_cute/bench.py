@@ -319,8 +319,10 @@ def environment() -> dict:
     env = {"timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "torch": torch.__version__}
     env["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                       cwd=pathlib.Path(__file__).parent).stdout.strip()
+        # "-dirty" when the tracked files differ from the commit (the device tool's copy of a checkout
+        # keeps an older HEAD under newer files: source_hash then tells the builds apart)
+        env["commit"] = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
+                                       text=True, cwd=pathlib.Path(__file__).parent).stdout.strip() or "unknown"
     except OSError:
         env["commit"] = "unknown"
     from .compile_cache import package_source_hash
