@@ -253,22 +253,19 @@ def transpose_v_threads(head_dim: int) -> int:
 
 def transpose_v_words(sVt_layout, sV_layout, ctid, slab, head_dim: int):
     """transpose_v's 32-bit words for thread ctid (< transpose_v_threads) of the warpgroup of `slab`,
-    whose block is V^T rows d = 16a .. 16a + 15 x columns 4q .. 4q + 3: src[4 j + r] holds row
-    16a + 4j + r; dst[4 b] is the 16-byte aligned word where V [key, d 16a .. 16a + 15] goes for the
-    key in column 4q + b (word b of the 4x4 byte transposes of src[4j .. 4j + 3] for j = 0..3).
-    Lanes: q's low 2 bits, then a's low bit, then q's high 2 bits; the warp picks a's high bits. So a
-    warp's word loads hit 16 banks twice, and each 8-lane phase of a 16-byte store writes 8
-    distinct 16-byte bank groups (the 8 keys' rows differ in the swizzle's 3 bits or in a):
-    one wavefront per phase. A warp down one 16-key column group loaded from 2 banks 16 times
-    (backward +2.3 us per CTA, run s12b). Plain Python over DSL or Python integers (the CPU tests
-    replay it on the layouts and count its bank conflicts)."""
-    q = ctid % 4 + 4 * ((ctid // 8) % 4)
-    a = (ctid // 4) % 2 + 2 * (ctid // 32)
+    whose block is V^T rows d = 16a .. 16a + 15 x columns 4q .. 4q + 3 (q = ctid % 16, a = ctid // 16):
+    src[4 j + r] holds row 16a + 4j + r; dst[4 b + j] is where V [key, d 16a + 4j .. 16a + 4j + 3]
+    goes for the key in column 4q + b, i.e. word b of the 4x4 byte transpose of src[4j .. 4j + 3].
+    A warp's lanes cover 16 column quads of 2 row blocks: its word loads hit 16 banks twice and its
+    word stores 8 banks 4 times, where 4 d x 16 key blocks (a warp down one column group) loaded
+    from 2 banks 16 times (kernel +2.3 us per CTA, run s12b). Plain Python over DSL or Python
+    integers (the CPU tests replay it on the layouts)."""
+    q, a = ctid % 16, ctid // 16
     src = [smem_word_index(sVt_layout, (16 * a + 4 * j + r, 4 * q, slab), 1) for j in range(4) for r in range(4)]
     # column c of a 16-column group holds key PV_ORDER16[c] of the group (P-fragment order)
     keys = [16 * (q // 4) + _pv_order_key(q % 4, b) for b in range(4)]
     # a key's 16 d are one 16-byte chunk (the swizzle moves whole chunks): its 4 words are a 16-byte
-    # aligned base + j (st_shared_v4)
+    # aligned base + j, which lets the compiler emit one 16-byte store per key
     base = [(smem_word_index(sV_layout, (keys[b], 16 * a, slab), 1) >> 2) << 2 for b in range(4)]
     dst = [base[b] + j for b in range(4) for j in range(4)]
     return src, dst
