@@ -257,15 +257,15 @@ def transpose_v_words(sVt_layout, sV_layout, ctid, slab, head_dim: int):
     src[4 j + r] holds row 16a + 4j + r; dst[4 b + j] is where V [key, d 16a + 4j .. 16a + 4j + 3]
     goes for the key in column 4q + b, i.e. word b of the 4x4 byte transpose of src[4j .. 4j + 3].
     A warp's lanes cover 16 column quads of 2 row blocks: its word loads hit 16 banks twice and its
-    word stores 8 banks 4 times, where 4 d x 16 key blocks (a warp down one column group) loaded
-    from 2 banks 16 times (kernel +2.3 us per CTA, run s12b). Plain Python over DSL or Python
-    integers (the CPU tests replay it on the layouts)."""
+    16-byte stores take 8 wavefronts (twice the minimum), where 4 d x 16 key blocks (a warp down one
+    column group) loaded from 2 banks 16 times (kernel +2.3 us per CTA, run s12b). Plain Python over
+    DSL or Python integers (the CPU tests replay it on the layouts and count its bank conflicts)."""
     q, a = ctid % 16, ctid // 16
     src = [smem_word_index(sVt_layout, (16 * a + 4 * j + r, 4 * q, slab), 1) for j in range(4) for r in range(4)]
     # column c of a 16-column group holds key PV_ORDER16[c] of the group (P-fragment order)
     keys = [16 * (q // 4) + _pv_order_key(q % 4, b) for b in range(4)]
     # a key's 16 d are one 16-byte chunk (the swizzle moves whole chunks): its 4 words are a 16-byte
-    # aligned base + j, which lets the compiler emit one 16-byte store per key
+    # aligned base + j (one st_shared_v4 per key)
     base = [(smem_word_index(sV_layout, (keys[b], 16 * a, slab), 1) >> 2) << 2 for b in range(4)]
     dst = [base[b] + j for b in range(4) for j in range(4)]
     return src, dst
