@@ -171,6 +171,10 @@ class BwdDsBf16Config:
     # columns of S^T whose per-query vectors (the P loop's two) are loaded before the wait for S^T,
     # not after it: the loop's first FFMA waited on them for 5% of all stall samples (ncu s8f)
     preload_vectors: int = 0
+    # transpose_v of a phase after its first tile's S^T is issued, not before: the transpose runs
+    # while S^T is on the tensor cores (the backward's +11 us on 16x1k since V is saved transposed
+    # only, run s12e). Needs exp_under_dp (S^T in its own commit group), so no prefetch_sdp
+    transpose_v_under_s: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -180,7 +184,7 @@ class BwdDsBf16Config:
             bad("head_dim", "must be 64 or 128")
         if not isinstance(self.qhead_per_kvhead, int) or self.qhead_per_kvhead < 1:
             bad("qhead_per_kvhead", "must be an int >= 1")
-        for name in ("diagonal_copy", "deterministic", "dq_store_swap"):
+        for name in ("diagonal_copy", "deterministic", "dq_store_swap", "transpose_v_under_s"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
         for name in ("prefetch_sdp", "dq_tma_reduce", "exp_under_dp", "dk_under_dq_store"):
@@ -220,6 +224,8 @@ class BwdDsBf16Config:
             object.__setattr__(self, "dk_under_dq_store", bool(self.dq_tma_reduce and not self.prefetch_sdp))
         if self.dk_under_dq_store and (not self.dq_tma_reduce or self.prefetch_sdp):
             bad("dk_under_dq_store", "needs dq_tma_reduce and no prefetch_sdp")
+        if self.transpose_v_under_s and not self.exp_under_dp:
+            bad("transpose_v_under_s", "needs exp_under_dp (S^T in its own commit group; not with prefetch_sdp)")
         if smem_bytes(self) > SMEM_LIMIT:
             bad("q_stages", f"shared memory {smem_bytes(self)} bytes exceeds {SMEM_LIMIT}")
 
@@ -839,14 +845,16 @@ class FlamiaBwdDsBf16Sm90:
         cute.arch.barrier(barrier_id=2, number_of_threads=256)  # every key's scale is in sKs
         pipe_kv.consumer_wait(kv_state)
         self.convert_k(bufs, sKs)
-        self.transpose_v(bufs, wg)
+        late_v = self.cfg.transpose_v_under_s  # then the phase's first tile step transposes V
+        if cutlass.const_expr(not late_v):
+            self.transpose_v(bufs, wg)
         if cutlass.const_expr(self.prefetch):
             self.issue_sdp(frags, pipe_a, a_state, wg)
         for i in cutlass.range(self.group * n_diag, unroll=1):
             a_state, b_state, v_state = self.tile_step(
                 True, i, i + 1 < self.group * n_diag, kv_head * self.group + i // n_diag, 2 * n_blk + i % n_diag,
                 frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out,
-                doc_start, doc_len, lim, n_blk, softmax_scale, wg,
+                doc_start, doc_len, lim, n_blk, softmax_scale, wg, i == 0 if late_v else None,
             )
         if cutlass.const_expr(self.prefetch and self.dq_tma):
             warpgroup.wait_group(0)  # the dummy S^T, dP^T issued after the phase's last tile
@@ -864,7 +872,8 @@ class FlamiaBwdDsBf16Sm90:
                 cute.arch.barrier(barrier_id=2, number_of_threads=256)
                 pipe_kv.consumer_wait(kv_state)
                 self.convert_k(bufs, sKs)
-                self.transpose_v(bufs, wg)
+                if cutlass.const_expr(not late_v):
+                    self.transpose_v(bufs, wg)
             if cutlass.const_expr(self.prefetch):
                 self.issue_sdp(frags, pipe_a, a_state, wg)
             for j in cutlass.range(self.group * per, unroll=1):
@@ -872,6 +881,7 @@ class FlamiaBwdDsBf16Sm90:
                     False, self.group * n_diag + j, j + 1 < self.group * per, kv_head * self.group + j // per,
                     2 * n_blk + 2 + j % per, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state,
                     b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg,
+                    j == 0 if late_v and self.diag_copy else None,  # without copies V stays from phase 0
                 )
 
         if cutlass.const_expr(self.prefetch and self.dq_tma):
@@ -1010,11 +1020,13 @@ class FlamiaBwdDsBf16Sm90:
             dst_words[o + 1] = e4m3x2_to_bf16x2(x, True, sc)
 
     @cute.jit
-    def issue_sdp(self, frags, pipe_a, a_state, wg, has_tile=True):
+    def issue_sdp(self, frags, pipe_a, a_state, wg, has_tile=True, transpose=None):
         """Issue S^T = K Q^T and dP^T = V dO^T of the query tile in stage a_state (one commit group, or
         one each with exp_under_dp: self.sdp_groups).
         has_tile (a runtime flag, or True): False issues on the stage as it is, without waiting for a
-        load (a dummy whose result is dropped: see tile_step's dq_tma_reduce prefetch)."""
+        load (a dummy whose result is dropped: see tile_step's dq_tma_reduce prefetch).
+        transpose (transpose_v_under_s): (bufs, flag): with the runtime flag set, transpose_v between
+        S^T's issue and dP^T's (the phase's first tile)."""
         D = self.D
         tSrK, tSrV, tSrQ, tSrdO = frags[0:4]
         acc_s, acc_dp = frags[8], frags[9]
@@ -1030,6 +1042,11 @@ class FlamiaBwdDsBf16Sm90:
             cute.gemm(sd_mma, acc_s, tSrK[None, None, k, wg], tSrQ[None, None, k, a_state.index], acc_s)
         if cutlass.const_expr(self.cfg.exp_under_dp):
             warpgroup.commit_group()
+        if cutlass.const_expr(transpose is not None):
+            if transpose[1]:
+                # S^T is on the tensor cores meanwhile; dP^T's operands are shared memory (made
+                # visible to the async proxy by transpose_v's fence) and untouched accumulators
+                self.transpose_v(transpose[0], wg)
         for k in cutlass.range_constexpr(D // 32):
             sd_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(sd_mma, acc_dp, tSrV[None, None, k, wg], tSrdO[None, None, k, a_state.index], acc_dp)
@@ -1038,9 +1055,10 @@ class FlamiaBwdDsBf16Sm90:
     @cute.jit
     def tile_step(
         self, diag: cutlass.Constexpr, i, has_next, hq, m, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v,
-        a_state, b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg,
+        a_state, b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg, transpose_first=None,
     ):
         """One 64-query tile m of query head hq (tile number i of the CTA). diag: m in {2n, 2n+1}.
+        transpose_first (transpose_v_under_s): a runtime flag, set on the phase's first tile.
 
         With prefetch, its S^T and dP^T were issued before (issue_sdp: by the previous tile of the
         phase, or before the phase) and has_next issues the next tile's after this tile's dQ
@@ -1055,7 +1073,8 @@ class FlamiaBwdDsBf16Sm90:
         sd_mma, dv_mma, dk_mma, dq_mma = self._make_mmas()
 
         if cutlass.const_expr(not self.prefetch):
-            self.issue_sdp(frags, pipe_a, a_state, wg)
+            self.issue_sdp(frags, pipe_a, a_state, wg,
+                           transpose=None if transpose_first is None else (bufs, transpose_first))
         # ---- P^T = exp2(S^T sk sq scale log2e - lse log2e) into acc_s (masked on the diagonal tiles);
         # column-outer: each query's vectors loaded once. With exp_under_dp, while dP^T still runs
         dbuf = i % 2

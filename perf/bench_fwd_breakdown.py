@@ -239,7 +239,9 @@ def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
                 ("preload 8 vectors", BwdDsBf16Config(128, diagonal_copy=True, preload_vectors=8)),
                 # dQ by the consumers' red.global.add.v2 from registers: no shared-memory tile
                 # (the dQ stores were 22% of the 1x16k kernel in run s9g's ablation)
-                ("dQ atomics", BwdDsBf16Config(128, diagonal_copy=True, dq_tma_reduce=False)))
+                ("dQ atomics", BwdDsBf16Config(128, diagonal_copy=True, dq_tma_reduce=False)),
+                # each phase's V^T transposed while its first S^T runs (session 12: not yet on the GPU)
+                ("transpose V under S^T", BwdDsBf16Config(128, diagonal_copy=True, transpose_v_under_s=True)))
 
     def run(cfg):
         return flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,

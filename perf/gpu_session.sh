@@ -128,6 +128,12 @@ for stage in "$@"; do
       ncu_kernel fwd FlamiaFwd fwd 128x128 16x1k
       export FWD_CONFIG='{"overlap_tiles": true}'; ncu_kernel fwdovl FlamiaFwd fwd 16x1k; unset FWD_CONFIG ;;
     ds-orders) run ds_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=ds python3 perf/bench_fwd_breakdown.py ;;
+    ds-next)  # session 13's first call: transpose_v_under_s's GPU tests, then it against the default in
+      # three rotated rounds (kernel alone)
+      run ds_next_tests 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py \
+        -k "transpose_v_under_s or matches_emulator and 128"
+      run ds_next_rounds 300 env OUT="$OUT" BREAKDOWN_ONLY=ds BREAKDOWN_ROUNDS=3 \
+        BREAKDOWN_DS_VARIANTS="default,transpose V under S^T" python3 perf/bench_fwd_breakdown.py ;;
     fwd-ablations) run fwd_ablations 300 env FLAMIA_CUTE_DISK_CACHE=0 python3 perf/experiments/fwd_ablations.py ${ABLATION_WORKLOADS:-} ;;
     bwd-ablations) run bwd_ablations 300 env FLAMIA_CUTE_DISK_CACHE=0 python3 perf/experiments/bwd_ablations.py ${ABLATION_WORKLOADS:-} ;;
     fwd-orders) run fwd_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=fwd python3 perf/bench_fwd_breakdown.py ;;

@@ -60,7 +60,8 @@ RECIPES = {
                                           ("vec_stages", 0), ("diagonal_copy", 1), ("deterministic", "yes"),
                                           ("prefetch_sdp", 1), ("dq_tma_reduce", 1), ("exp_under_dp", 1),
                                           ("raster", "rows"), ("dq_store_swap", 1), ("q_bf16_source", "gmem"),
-                                          ("dk_under_dq_store", 1), ("preload_vectors", 17)])
+                                          ("dk_under_dq_store", 1), ("preload_vectors", 17),
+                                          ("transpose_v_under_s", 1)])
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"BwdDsBf16Config.{field}"):
         BwdDsBf16Config(**{"head_dim": 128, field: value})
@@ -70,6 +71,8 @@ def test_config_rejects(field, value):
         BwdDsBf16Config(head_dim=128, prefetch_sdp=True, exp_under_dp=True)
     assert BwdDsBf16Config(head_dim=128).dk_under_dq_store and not BwdDsBf16Config(head_dim=64).dk_under_dq_store
     assert not BwdDsBf16Config(head_dim=128, deterministic=True).dk_under_dq_store
+    with pytest.raises(ValueError, match="BwdDsBf16Config.transpose_v_under_s"):  # S^T alone in a group
+        BwdDsBf16Config(head_dim=128, prefetch_sdp=True, transpose_v_under_s=True)
     for bad in (dict(dq_tma_reduce=False), dict(head_dim=64), dict(deterministic=True)):  # d64: the prefetch
         with pytest.raises(ValueError, match="BwdDsBf16Config.dk_under_dq_store"):
             BwdDsBf16Config(**{"head_dim": 128, "dk_under_dq_store": True, **bad})
@@ -449,7 +452,8 @@ def test_dv_fold_reference_is_the_emulators():
 
 
 # config fields of the kernel's build variants that the compile tests cover besides the default
-VARIANTS = {"": {}, "q-convert": dict(q_bf16_source="convert"), "dk-with-dq": dict(dk_under_dq_store=False)}
+VARIANTS = {"": {}, "q-convert": dict(q_bf16_source="convert"), "dk-with-dq": dict(dk_under_dq_store=False),
+            "transpose-under-s": dict(transpose_v_under_s=True)}
 
 
 @pytest.fixture(scope="module")
@@ -470,7 +474,9 @@ def artifacts():
 @needs_dsl
 @pytest.mark.parametrize("head_dim, diagonal_copy, variant", [(64, False, ""), (128, False, ""), (128, True, ""),
                                                                 (128, True, "q-convert"), (64, False, "q-convert"),
-                                                                (128, True, "dk-with-dq")])
+                                                                (128, True, "dk-with-dq"),
+                                                                (128, True, "transpose-under-s"),
+                                                                (128, False, "transpose-under-s")])
 def test_compiles_with_fp8_and_bf16_wgmma(artifacts, head_dim, diagonal_copy, variant):
     art = artifacts(head_dim, diagonal_copy, variant=variant)
     ops = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+\.f32\.\w+\.\w+)", art.ptx))
@@ -688,6 +694,28 @@ def test_gpu_preload_vectors_matches_emulator(D, H, Hk):
     """preload_vectors: the first 8 columns' vectors loaded before the wait for S^T: the emulator's
     gradients."""
     _check_config(D, H, Hk, 12, preload_vectors=8)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("D, H, Hk", [(128, 4, 2), (128, 2, 2)])
+def test_gpu_transpose_v_under_s_matches_emulator(D, H, Hk):
+    """transpose_v_under_s: each phase's V transposed while its first S^T is on the tensor cores: the
+    emulator's gradients (diagonal copies: both phases transpose)."""
+    _check_config(D, H, Hk, 14, transpose_v_under_s=True)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+def test_gpu_transpose_v_under_s_per_token_matches_emulator():
+    """transpose_v_under_s without diagonal copies (per-token K/V: phase 1 keeps phase 0's V)."""
+    st = _setup(LENGTHS + [3000], 4, 2, 128, RECIPES["fp8_token_dsbf16"], seed=15, device="cuda")
+    res = _run(st, config=BwdDsBf16Config(head_dim=128, qhead_per_kvhead=2, transpose_v_under_s=True))
+    torch.cuda.synchronize()
+    err = _grad_errors(res, st["emu"], st["cu"].cpu())
+    assert not _violations(err), err
 
 
 @pytest.mark.gpu
