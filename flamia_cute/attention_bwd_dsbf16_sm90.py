@@ -448,16 +448,19 @@ class FlamiaBwdDsBf16Sm90:
         khd = cute.assume(num_kv_heads * D, divby=D)
         tdt = cute.assume(T_dt, divby=128)
         dtl_stride = cute.assume(D * tdt, divby=128)
+
+        def dt_layout(heads):  # transposed [d, t] e4m3 of dO (H heads) and V (Hk)
+            return cute.make_layout((D, tdt, heads), stride=(tdt, 1, dtl_stride))
+
         td = cute.make_layout((T, D, H), stride=(hd, 1, D))  # token-major e4m3 [t, d]
         ktd = cute.make_layout((T, D, num_kv_heads), stride=(khd, 1, D))
         mQ = cute.make_tensor(q_ptr, td)
         mdO = cute.make_tensor(do_ptr, td)
-        mdOt = cute.make_tensor(dot_ptr, cute.make_layout((D, tdt, H), stride=(tdt, 1, dtl_stride)))
+        mdOt = cute.make_tensor(dot_ptr, dt_layout(H))
         mK = cute.make_tensor(k_ptr, ktd)
         mKtok = cute.make_tensor(ktok_ptr, ktd)
-        vdt = cute.make_layout((D, tdt, num_kv_heads), stride=(tdt, 1, dtl_stride))  # V^T [d, t]
-        mV = cute.make_tensor(v_ptr, vdt)
-        mVtok = cute.make_tensor(vtok_ptr, vdt)
+        mV = cute.make_tensor(v_ptr, dt_layout(num_kv_heads))
+        mVtok = cute.make_tensor(vtok_ptr, dt_layout(num_kv_heads))
         sl = cute.make_layout((T, H), stride=(1, T))
         skl = cute.make_layout((T, num_kv_heads), stride=(1, T))
         mSQ = cute.make_tensor(sq_ptr, sl)
@@ -975,7 +978,7 @@ class FlamiaBwdDsBf16Sm90:
         shared memory ([d, key], keys in P-fragment order): the forward's quantization writes V
         transposed only (2 bytes per element less, with the per-token copy). Thread t of the
         warpgroup moves a block of 16 d x 4 keys (transpose_v_words): 16 word reads, 4x4 byte
-        transposes, 16 word writes; every read of the slab lands before any write (in place)."""
+        transposes, 4 16-byte writes; every read of the slab lands before any write (in place)."""
         sV_words, sVt_layout = bufs[17], bufs[18]
         tidx, _, _ = cute.arch.thread_idx()
         ctid = tidx % 128
