@@ -508,12 +508,18 @@ def cubin_resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
 def compile_artifacts(build_fn: Callable[[Any, str, str], Any], config: Any, arch: str) -> KernelArtifacts:
     """Compile for `arch` (no GPU needed) keeping PTX and cubin; disassemble when nvdisasm exists.
 
-    build_fn(config, arch, extra_options) -> cute.compile result.
+    build_fn(config, arch, extra_options) -> cute.compile result. The DSL names the kept files after the
+    entry and its argument kinds only, not the config: each compile gets its own dump directory, so
+    compiles running side by side (two test runs in one checkout) cannot read each other's PTX.
     """
-    compiled = build_fn(config, arch, "--keep-ptx --keep-cubin")
-    cubin = compiled.__cubin__
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="flamia-keep-") as dump_dir:
+        compiled = build_fn(config, arch, f"--keep-ptx --keep-cubin --dump-dir {dump_dir}")
+        ptx = compiled.__ptx__
+        cubin = compiled.__cubin__
     if isinstance(cubin, str):
         cubin = cubin.encode("latin-1")
     regs, frame = cubin_resource_usage(cubin) if cubin else (None, None)
     sass = disassemble(cubin) if cubin else None
-    return KernelArtifacts(arch, compiled.__ptx__, cubin, sass, regs, frame)
+    return KernelArtifacts(arch, ptx, cubin, sass, regs, frame)
