@@ -73,11 +73,17 @@ from . import recipes as _recipes
 from .attention_bwd_sm90 import (
     P_SCALE,
     add_dq_tile,
+    atom_add_relaxed_gpu_u32,
     backward_grid,
     backward_work_item,
     dq_turn_pass,
     dq_turn_wait,
+    fence_acq_rel_gpu,
+    fence_proxy_async_global,
+    ld_acquire_gpu_u32,
     load_row_scales,
+    nanosleep,
+    red_release_gpu_add_u32,
     store_key_rows_bf16,
     store_query_vectors,
 )
@@ -97,6 +103,7 @@ from .sm90_device import (
     pack_a_fragment_e4m3,
     select,
     smem_word_index,
+    st_global_v4,
     st_shared_v4,
     tma_pipeline,
     warp_pipeline,
@@ -122,6 +129,22 @@ DQ_FULL, DQ_EMPTY = 4, 5  # dq_tma_reduce: consumers (256 threads) and the dQ wa
 VT_BARRIER = 6  # + warpgroup: transpose_v's two barriers (128 threads)
 # bf16 dS [q, key] for dQ's A operand (queries contiguous), two buffers; stored by hand (ds_word_index)
 DS_LAYOUT = "S<3,4,3> o 0 o ((64,1),(8,16),(1,2)):((1,0),(64,512),(0,8192))"
+# dq_first_store: one claim word per (query head, 64-query tile). Its low bits count the CTAs that
+# reached the tile; DQ_STORED is raised once the first one's tile (or, for a tile past the document's
+# end, its zeroed rows) is in the accumulator: the others reduce-add only after that
+DQ_STORED = 1 << 30
+
+
+def dq_claim_slots(total_tokens: int, num_docs: int) -> int:
+    """Claim words per query head: a bound on the 64-query tiles of all documents together."""
+    return total_tokens // QUERY_TILE + num_docs + 1
+
+
+def dq_claim_slot(doc_start, doc, m):
+    """The claim word of document doc's 64-query tile m (doc_start = cu_seqlens[doc]). Distinct over
+    all documents' tiles: a document of length L starting at s has ceil(L / 64) tiles, and the next
+    document's first word is floor((s + L) / 64) + doc + 1 >= floor(s / 64) + doc + ceil(L / 64)."""
+    return doc_start // QUERY_TILE + doc + m
 
 
 @dataclass(frozen=True)
@@ -172,9 +195,18 @@ class BwdDsBf16Config:
     # not after it: the loop's first FFMA waited on them for 5% of all stall samples (ncu s8f)
     preload_vectors: int = 0
     # transpose_v of a phase after its first tile's S^T is issued, not before: the transpose runs
-    # while S^T is on the tensor cores (the backward's +11 us on 16x1k since V is saved transposed
-    # only, run s12e). Needs exp_under_dp (S^T in its own commit group), so no prefetch_sdp
+    # while S^T is on the tensor cores. Measured (s12e before, s13a: kernel alone, medians of three
+    # rotated rounds): -1.2..+1.2%, no gain, so off. Needs exp_under_dp (S^T in its own commit
+    # group), so no prefetch_sdp
     transpose_v_under_s: bool = False
+    # The dQ accumulator without its zero fill: the first CTA to reach a (query head, 64-query tile)
+    # stores its tile with a plain TMA store (a tile past its document's end: zeroes the document's
+    # rows first), the others reduce-add once its flag is up (dq_claim_slot). Removes the 134 MB fill
+    # per 16k tokens (29 us, s12e) but measured SLOWER in three designs (runs s13b-s13d, GPU tests
+    # passed; this one s13d: 16x1k +2.9%, 1x16k +9.7%, 1x64k +29%): every tile's reduce-add then needs
+    # an acquire and a proxy fence (without them, unsafe, still +3.3% / +19%: s13e), and the dQ warp's
+    # cycle outgrows the consumers' tile step (perf/NOTES.md, session 13). Needs dq_tma_reduce; off
+    dq_first_store: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -184,7 +216,7 @@ class BwdDsBf16Config:
             bad("head_dim", "must be 64 or 128")
         if not isinstance(self.qhead_per_kvhead, int) or self.qhead_per_kvhead < 1:
             bad("qhead_per_kvhead", "must be an int >= 1")
-        for name in ("diagonal_copy", "deterministic", "dq_store_swap", "transpose_v_under_s"):
+        for name in ("diagonal_copy", "deterministic", "dq_store_swap", "transpose_v_under_s", "dq_first_store"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
         for name in ("prefetch_sdp", "dq_tma_reduce", "exp_under_dp", "dk_under_dq_store"):
@@ -220,6 +252,8 @@ class BwdDsBf16Config:
                 object.__setattr__(self, "dq_tma_reduce", False)
         if self.dq_tma_reduce and self.deterministic:
             bad("dq_tma_reduce", "the deterministic dQ order is kept by the atomics path only")
+        if self.dq_first_store and not self.dq_tma_reduce:
+            bad("dq_first_store", "needs dq_tma_reduce (the claims order the TMA store before the reduce-adds)")
         if self.dk_under_dq_store is None:
             object.__setattr__(self, "dk_under_dq_store", bool(self.dq_tma_reduce and not self.prefetch_sdp))
         if self.dk_under_dq_store and (not self.dq_tma_reduce or self.prefetch_sdp):
@@ -433,7 +467,8 @@ class FlamiaBwdDsBf16Sm90:
         dq_acc_ptr: cute.Pointer,  # (T, H, D) f32, zeroed
         dk_ptr: cute.Pointer,  # (T, Hk, D) bf16
         dv_ptr: cute.Pointer,  # (T, Hk, D) bf16
-        sem_ptr: cute.Pointer,  # (H, docs, 2 max_n_blocks) int32 zeros when deterministic (else unused)
+        sem_ptr: cute.Pointer,  # int32 zeros: (H, docs, 2 max_n_blocks) when deterministic, (H, dq_claim_slots)
+        # with dq_first_store, else unused
         T: Int32,
         T_dt: Int32,
         num_kv_heads: Int32,
@@ -477,6 +512,10 @@ class FlamiaBwdDsBf16Sm90:
         mSem = None
         if cutlass.const_expr(self.deterministic):
             mSem = cute.make_tensor(sem_ptr, cute.make_layout(H * num_docs * 2 * max_n_blocks))
+        if cutlass.const_expr(self.cfg.dq_first_store):
+            # (claim word, query head): dq_claim_slots words per head
+            n_slots = T // tq + num_docs + 1
+            mSem = cute.make_tensor(sem_ptr, cute.make_layout((n_slots, H), stride=(1, n_slots)))
         mdK = cute.make_tensor(dk_ptr, ktd)
         mdV = cute.make_tensor(dv_ptr, ktd)
 
@@ -504,10 +543,14 @@ class FlamiaBwdDsBf16Sm90:
         # warp's 64-bit stores take 4 wavefronts, row-major they took 8 (its 8 rows in one bank; ideal
         # 2: rows r and r^1 still pair up, ncu s7d); the TMA reduce-add reads it as 32-column boxes
         sdQ_layout = sm90_utils.make_smem_layout_epi(Float32, cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, (tq, D), 1)
-        tma_dq, tdQ = None, None  # no descriptor to build per launch unless used
+        tma_dq, tdQ, tma_dq_store, tdQ_store = None, None, None, None  # no descriptor to build unless used
         if cutlass.const_expr(self.dq_tma):
             tma_dq, tdQ = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, cute.slice_(sdQ_layout, (None, None, 0)),
+                (tq, D))
+        if cutlass.const_expr(self.cfg.dq_first_store):  # the first arrival's plain store of the same tile
+            tma_dq_store, tdQ_store = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mdQ, cute.slice_(sdQ_layout, (None, None, 0)),
                 (tq, D))
         self.kv_bytes = 2 * kb * D
         self.a_bytes = 2 * tq * D
@@ -535,7 +578,7 @@ class FlamiaBwdDsBf16Sm90:
 
         self.shared_storage = SharedStorage
         tmas = (tma_k, tK, tma_v, tV, tma_ktok, tKtok, tma_vtok, tVtok, tma_q, tQ, tma_do, tdO, tma_dot, tdOt, tma_dq,
-                tdQ, sdQ_layout, tma_qb, tQb)
+                tdQ, sdQ_layout, tma_qb, tQb, tma_dq_store, tdQ_store)
         self.kernel(
             mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV, mSem,
             L["K"], L["Q"], L["dOt"], L["Qb"], L["Kb"], L["dS"], L["Vt"], softmax_scale,
@@ -635,7 +678,10 @@ class FlamiaBwdDsBf16Sm90:
                                       softmax_scale)
                 if cutlass.const_expr(self.dq_tma):
                     if warp_idx == 2:
-                        self.reduce_dq(tmas[14], tmas[15], sdQ, kv_head, doc_start, sched)
+                        first_store = None
+                        if cutlass.const_expr(self.cfg.dq_first_store):
+                            first_store = (tmas[19], tmas[20], mSem, mdQ, doc, doc_len)
+                        self.reduce_dq(tmas[14], tmas[15], sdQ, kv_head, doc_start, sched, first_store)
             else:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
                 self.consume(
@@ -741,26 +787,128 @@ class FlamiaBwdDsBf16Sm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def reduce_dq(self, atom, t_dq, sdQ, kv_head, doc_start, sched):
+    def reduce_dq(self, atom, t_dq, sdQ, kv_head, doc_start, sched, first_store=None):
         """Producer warp 2 (dq_tma_reduce): per tile, wait until both consumer warpgroups stored the
         tile's dQ (named barrier DQ_FULL), add it to the fp32 accumulator with one TMA reduce-add, and
         hand the buffer back once the TMA has read it (DQ_EMPTY). Rows past the document end are 0
-        (P = 0 there) and rows past T are clipped by the TMA, so whole 64-row tiles are added."""
+        (P = 0 there) and rows past T are clipped by the TMA, so whole 64-row tiles are added.
+
+        first_store (dq_first_store: the store atom and tensor, the claim words, the accumulator, the
+        document and its length): the accumulator is not zeroed. The first CTA to claim a tile stores
+        it with a plain TMA store; a tile reaching past the document end would overwrite the next
+        document's rows that way, so there the first CTA zeroes its own document's rows and reduce-adds
+        (adding 0 to the other rows commutes with whatever their own first CTA does). Either way it then
+        raises DQ_STORED, and every later CTA reduce-adds only once it sees that flag."""
         n_blk, n_diag, per = sched
         total = self._tile_count(n_diag, per)
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)  # the buffer starts free
+        if cutlass.const_expr(first_store is not None):
+            self._reduce_dq_first_store(atom, t_dq, sdQ, kv_head, doc_start, sched, total, *first_store)
+        else:
+            for i in cutlass.range(total, unroll=1):
+                hi, m = self._tile_of(i, n_blk, n_diag, per)
+                cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=288)
+                # the whole warp: a TMA copy elects its issuing lane with a full-mask elect.sync, so calling
+                # it from one lane deadlocks (the first version did: it hung on the H200)
+                tSs, tSg = self._part(atom, t_dq, kv_head * self.group + hi, sdQ, (self.tq, self.D), doc_start, 0)
+                cute.copy(atom, tSs[None, 0], tSg[None, m])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if i + 1 < total:
+                    cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)
+        cute.arch.cp_async_bulk_wait_group(0)  # the last adds complete before the CTA retires
+
+    @cute.jit
+    def _claim_dq_tile(self, mSem, kv_head, doc_start, doc, sched, i):
+        """dq_first_store: tile i's claim word, and (lane 0) its claim: the word's old value, read only
+        after tile i's DQ_FULL. Issued two tiles ahead, relaxed, so its round trip (long under the
+        reduce-add traffic in L2) overlaps the dQ warp's waits (a claim waited for in its own tile, runs
+        s13b and s13c, was as slow: +0.4..+31% backward; so is this, s13d: the fences cost more)."""
+        n_blk, n_diag, per = sched
+        hi, m = self._tile_of(i, n_blk, n_diag, per)
+        hq = kv_head * self.group + hi
+        word = mSem.iterator.toint() + Int64(hq * mSem.stride[1] + dq_claim_slot(doc_start, doc, m)) * 4
+        got = Uint32(0)
+        if cute.arch.lane_idx() == 0:
+            got = atom_add_relaxed_gpu_u32(word, 1)
+        return word, got
+
+    @cute.jit
+    def _reduce_dq_first_store(self, atom, t_dq, sdQ, kv_head, doc_start, sched, total, store_atom, t_store, mSem,
+                               mdQ, doc, doc_len):
+        """reduce_dq's loop with dq_first_store (see reduce_dq)."""
+        n_blk, n_diag, per = sched
+        # claims two tiles ahead: tile i's (word, got), then tile i + 1's
+        word, got = self._claim_dq_tile(mSem, kv_head, doc_start, doc, sched, 0)
+        word1, got1 = word, got
+        if total > 1:
+            word1, got1 = self._claim_dq_tile(mSem, kv_head, doc_start, doc, sched, 1)
         for i in cutlass.range(total, unroll=1):
             hi, m = self._tile_of(i, n_blk, n_diag, per)
+            hq = kv_head * self.group + hi
             cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=288)
-            # the whole warp: a TMA copy elects its issuing lane with a full-mask elect.sync, so calling
-            # it from one lane deadlocks (the first version did: it hung on the H200)
-            tSs, tSg = self._part(atom, t_dq, kv_head * self.group + hi, sdQ, (self.tq, self.D), doc_start, 0)
-            cute.copy(atom, tSs[None, 0], tSg[None, m])
+            old = cute.arch.shuffle_sync(got, 0)
+            first = old == Uint32(0)
+            rows = doc_len - m * self.tq  # of this document in the tile (> 0)
+            whole = first
+            if rows < self.tq:
+                whole = cutlass.Boolean(False)
+            if whole:
+                tSs, tSg = self._part(store_atom, t_store, hq, sdQ, (self.tq, self.D), doc_start, 0)
+                cute.copy(store_atom, tSs[None, 0], tSg[None, m])
+            else:
+                if first:
+                    self._zero_dq_rows(mdQ, hq, doc_start + m * self.tq, rows)
+                    self._raise_dq_stored(word)
+                else:
+                    if (old & Uint32(DQ_STORED)) == Uint32(0):  # claimed before the first one had stored
+                        if cute.arch.lane_idx() == 0:
+                            while (ld_acquire_gpu_u32(word) & Uint32(DQ_STORED)) == Uint32(0):
+                                nanosleep(64)
+                    else:
+                        fence_acq_rel_gpu()  # the relaxed claim saw the flag: with this fence, an acquire
+                    cute.arch.sync_warp()  # lane 0's acquire, then every lane's proxy fence
+                fence_proxy_async_global()  # what the flag published, before this TMA reduce-add
+                tSs, tSg = self._part(atom, t_dq, hq, sdQ, (self.tq, self.D), doc_start, 0)
+                cute.copy(atom, tSs[None, 0], tSg[None, m])
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
             if i + 1 < total:
                 cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)
-        cute.arch.cp_async_bulk_wait_group(0)  # the last adds complete before the CTA retires
+            if whole:
+                # the consumers already refill the buffer; the flag waits for the store's writes
+                cute.arch.cp_async_bulk_wait_group(0)
+                fence_proxy_async_global()
+                self._raise_dq_stored(word)
+            # tile i + 2's claim after the bulk waits (ptxas waits for an atomic's result at them too); its
+            # round trip runs under the consumers' next tile and the next tile's TMA
+            word, got = word1, got1
+            if i + 2 < total:
+                word1, got1 = self._claim_dq_tile(mSem, kv_head, doc_start, doc, sched, i + 2)
+
+    @cute.jit
+    def _zero_dq_rows(self, mdQ, hq, row0, rows):
+        """dq_first_store, a tile past its document's end: zero rows row0 .. row0 + rows - 1 of head hq's
+        accumulator (16-byte stores by the warp, D / 4 lanes per row)."""
+        lanes_per_row = self.D // 4
+        rows_per_step = 32 // lanes_per_row
+        lane = cute.arch.lane_idx()
+        stride = Int64(mdQ.stride[0])
+        base = mdQ.iterator.toint() + (Int64(row0) * stride + Int64(hq * self.D + 4 * (lane % lanes_per_row))) * 4
+        zero = Uint32(0)
+        for r0 in cutlass.range(0, rows, rows_per_step, unroll=1):
+            r = r0 + lane // lanes_per_row
+            if r < rows:
+                st_global_v4(base + Int64(r) * stride * 4, (zero, zero, zero, zero))
+
+    @cute.jit
+    def _raise_dq_stored(self, word):
+        """Publish this warp's writes of a tile (every lane's, GPU-wide), then raise the claim word's
+        DQ_STORED flag with release semantics."""
+        fence_acq_rel_gpu()
+        cute.arch.sync_warp()
+        if cute.arch.lane_idx() == 0:
+            red_release_gpu_add_u32(word, DQ_STORED)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -1331,16 +1479,22 @@ def flamia_bwd_dsbf16_sm90(
         raise ValueError("do_quantized.data_dt must be in P-fragment order (quantize with pv_order=True)")
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
-    dq_acc, dk, dv = backward_outputs(T, H, Hk, D, dev, poison_outputs)
+    # dq_first_store: the kernel initializes every row of the accumulator (so tests poison it too)
+    dq_init = ("nan" if poison_outputs else "none") if config.dq_first_store else "zeros"
+    dq_acc, dk, dv = backward_outputs(T, H, Hk, D, dev, poison_outputs, dq_init)
     max_n_blocks = backward_grid_blocks(T, H, D, T_dt, num_docs, max_seqlen, KEY_BLOCK)
     if T > 0 and num_docs > 0 and max_n_blocks > 0:
         if dv_ref is None:
             dv_ref = dv_fold_reference(do_quantized.scale, cu, config.qhead_per_kvhead)
         ptrs = (q_td, q_bf16, sq, k_td, sk, v_dt, sv, k_tok_td, sk_tok, v_tok_dt, sv_tok,
                 do_quantized.data_td, do_quantized.data_dt, do_quantized.scale, lse, delta, dv_ref, cu, dq_acc, dk, dv)
-        # deterministic dQ: one turn counter per (query head, document, 64-query tile)
-        sem = (torch.zeros(H * num_docs * 2 * max_n_blocks, dtype=torch.int32, device=dev)
-               if config.deterministic else None)
+        # deterministic dQ: one turn counter per (query head, document, 64-query tile); dq_first_store:
+        # one claim word per (query head, dq_claim_slot)
+        sem = None
+        if config.deterministic:
+            sem = torch.zeros(H * num_docs * 2 * max_n_blocks, dtype=torch.int32, device=dev)
+        elif config.dq_first_store:
+            sem = torch.zeros(H * dq_claim_slots(T, num_docs), dtype=torch.int32, device=dev)
         launch_on_device(get_launcher(config), dev, *(t.data_ptr() for t in ptrs),
                          sem.data_ptr() if sem is not None else 0,
                          T, T_dt, Hk, num_docs, max_n_blocks, float(softmax_scale))

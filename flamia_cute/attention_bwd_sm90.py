@@ -187,6 +187,21 @@ def nanosleep(ns: int):
     ptx("nanosleep.u32 $0;", "r,~{memory}", [Uint32(ns)], result=None, side_effects=True)
 
 
+def atom_add_relaxed_gpu_u32(addr, x):
+    """Atomic add at GPU scope, relaxed; returns the old value (a dQ tile's claim: who arrives first, and
+    whether the first one's flag is up). Relaxed, so the warp does not wait for it where it is issued
+    (an acquire atomic makes ptxas wait for its result and invalidate L1 right there)."""
+    return ptx("atom.relaxed.gpu.global.add.u32 $0, [$1], $2;", "=r,l,r,~{memory}", [Int64(addr), Uint32(x)],
+               side_effects=True)
+
+
+def fence_proxy_async_global():
+    """Orders this thread's generic-proxy accesses of global memory with its async-proxy ones (TMA):
+    a TMA reduce-add after an acquire sees what the release published, and a TMA store's completed
+    writes are ordered before a later release."""
+    ptx("fence.proxy.async.global;", "~{memory}", [], result=None, side_effects=True)
+
+
 @cute.jit
 def store_query_vectors(sVec, col, st, q, doc_start, doc_len, hq, mSQ, mLSE, mDelta, mSdO, scale_log2):
     """Column `col` of a query tile's vectors in stage st of sVec (query q of the document, head hq):
@@ -1140,10 +1155,18 @@ def flamia_bwd_sm90(
     return dq, dk, dv
 
 
-def backward_outputs(T: int, H: int, Hk: int, D: int, device, poison: bool = False):
-    """The backward kernels' outputs: the fp32 dQ accumulator (zeroed: the kernels add into it) and
-    dK, dV bf16 (every row written by the kernel; NaN first with `poison`, as the tests ask)."""
-    dq_acc = torch.zeros(T, H, D, dtype=torch.float32, device=device)
+def backward_outputs(T: int, H: int, Hk: int, D: int, device, poison: bool = False, dq_init: str = "zeros"):
+    """The backward kernels' outputs: the fp32 dQ accumulator and dK, dV bf16 (every row written by the
+    kernel; NaN first with `poison`, as the tests ask). dq_init: "zeros" (the kernels add into it),
+    or "none" / "nan" for a kernel that initializes it itself (dq_first_store; "nan" for the tests)."""
+    if dq_init not in ("zeros", "none", "nan"):
+        raise ValueError(f"dq_init must be 'zeros', 'none' or 'nan', got {dq_init!r}")
+    if dq_init == "zeros":
+        dq_acc = torch.zeros(T, H, D, dtype=torch.float32, device=device)
+    else:
+        dq_acc = torch.empty(T, H, D, dtype=torch.float32, device=device)
+        if dq_init == "nan":
+            dq_acc.fill_(float("nan"))
     dk = torch.empty(T, Hk, D, dtype=torch.bfloat16, device=device)
     dv = torch.empty(T, Hk, D, dtype=torch.bfloat16, device=device)
     if poison:

@@ -240,8 +240,11 @@ def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
                 # dQ by the consumers' red.global.add.v2 from registers: no shared-memory tile
                 # (the dQ stores were 22% of the 1x16k kernel in run s9g's ablation)
                 ("dQ atomics", BwdDsBf16Config(128, diagonal_copy=True, dq_tma_reduce=False)),
-                # each phase's V^T transposed while its first S^T runs (session 12: not yet on the GPU)
-                ("transpose V under S^T", BwdDsBf16Config(128, diagonal_copy=True, transpose_v_under_s=True)))
+                # each phase's V^T transposed while its first S^T runs (s13a: -1.2..+1.2%)
+                ("transpose V under S^T", BwdDsBf16Config(128, diagonal_copy=True, transpose_v_under_s=True)),
+                # no zero fill of the dQ accumulator: the first CTA at a tile stores it (the timed call
+                # includes the default's fill, and this one's claim words' zeroing; s13b-s13d: slower)
+                ("dQ first store", BwdDsBf16Config(128, diagonal_copy=True, dq_first_store=True)))
 
     def run(cfg):
         return flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,

@@ -134,6 +134,21 @@ for stage in "$@"; do
         -k "transpose_v_under_s or matches_emulator and 128"
       run ds_next_rounds 300 env OUT="$OUT" BREAKDOWN_ONLY=ds BREAKDOWN_ROUNDS=3 \
         BREAKDOWN_DS_VARIANTS="default,transpose V under S^T" python3 perf/bench_fwd_breakdown.py ;;
+    ds-first-store)  # session 13: the bf16-dS backward without the dQ zero fill (dq_first_store, opt-in): the
+      # GPU suite (DS_TESTS_K filters it), then it against the zero-filled default in three rotated rounds
+      # (the timed call includes the fill, or the claim words' zeroing), then with its fences traced as
+      # nothing (perf/experiments/dq_first_store_fences.py: where its cost is)
+      run ds_tests 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py \
+        ${DS_TESTS_K:+-k "$DS_TESTS_K"}
+      run ds_first_store_rounds 300 env OUT="$OUT" BREAKDOWN_ONLY=ds BREAKDOWN_ROUNDS=3 \
+        BREAKDOWN_DS_VARIANTS="default,dQ first store" python3 perf/bench_fwd_breakdown.py
+      mkdir -p "$OUT/fences"
+      run ds_first_store_fences 300 env OUT="$OUT/fences" BREAKDOWN_WORKLOADS="${FENCE_WORKLOADS:-1x16k,1x64k,4x4k}" \
+        python3 perf/experiments/dq_first_store_fences.py ;;
+    ds-first-store-fences)
+      mkdir -p "$OUT/fences"
+      run ds_first_store_fences 300 env OUT="$OUT/fences" BREAKDOWN_WORKLOADS="${FENCE_WORKLOADS:-1x16k,1x64k,4x4k}" \
+        python3 perf/experiments/dq_first_store_fences.py ;;
     fwd-ablations) run fwd_ablations 300 env FLAMIA_CUTE_DISK_CACHE=0 python3 perf/experiments/fwd_ablations.py ${ABLATION_WORKLOADS:-} ;;
     bwd-ablations) run bwd_ablations 300 env FLAMIA_CUTE_DISK_CACHE=0 python3 perf/experiments/bwd_ablations.py ${ABLATION_WORKLOADS:-} ;;
     fwd-orders) run fwd_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=fwd python3 perf/bench_fwd_breakdown.py ;;

@@ -20,7 +20,7 @@ from test_attention_bwd_kernel import _grad_errors, _needs_sm90, _setup, _violat
 
 from flamia_cute.kernels import lane_divergent_collectives
 from flamia_cute.recipes import FOLD_REF_MIN, Recipe
-from flamia_cute.testing import check_leakage, make_inputs
+from flamia_cute.testing import check_leakage, make_inputs, rel_l2
 
 try:
     import cutlass  # noqa: F401
@@ -61,7 +61,7 @@ RECIPES = {
                                           ("prefetch_sdp", 1), ("dq_tma_reduce", 1), ("exp_under_dp", 1),
                                           ("raster", "rows"), ("dq_store_swap", 1), ("q_bf16_source", "gmem"),
                                           ("dk_under_dq_store", 1), ("preload_vectors", 17),
-                                          ("transpose_v_under_s", 1)])
+                                          ("transpose_v_under_s", 1), ("dq_first_store", 1)])
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"BwdDsBf16Config.{field}"):
         BwdDsBf16Config(**{"head_dim": 128, field: value})
@@ -73,6 +73,8 @@ def test_config_rejects(field, value):
     assert not BwdDsBf16Config(head_dim=128, deterministic=True).dk_under_dq_store
     with pytest.raises(ValueError, match="BwdDsBf16Config.transpose_v_under_s"):  # S^T alone in a group
         BwdDsBf16Config(head_dim=128, prefetch_sdp=True, transpose_v_under_s=True)
+    with pytest.raises(ValueError, match="BwdDsBf16Config.dq_first_store"):  # the claims order TMA ops only
+        BwdDsBf16Config(head_dim=128, dq_tma_reduce=False, dq_first_store=True)
     for bad in (dict(dq_tma_reduce=False), dict(head_dim=64), dict(deterministic=True)):  # d64: the prefetch
         with pytest.raises(ValueError, match="BwdDsBf16Config.dk_under_dq_store"):
             BwdDsBf16Config(**{"head_dim": 128, "dk_under_dq_store": True, **bad})
@@ -87,6 +89,9 @@ def test_dq_path_follows_determinism(monkeypatch):
 
     assert BwdDsBf16Config(head_dim=128).dq_tma_reduce is True
     assert BwdDsBf16Config(head_dim=128, deterministic=True).dq_tma_reduce is False
+    # the zero-filled accumulator by default (dq_first_store measured slower, s13b-s13d)
+    assert not BwdDsBf16Config(head_dim=128).dq_first_store
+    assert BwdDsBf16Config(head_dim=64, dq_first_store=True).dq_tma_reduce
     assert BwdDsBf16Config(head_dim=64, dq_tma_reduce=False).dq_tma_reduce is False
     # the prefetch's automatic choice is resolved in the config too (the kernel builds what it says)
     assert BwdDsBf16Config(head_dim=64).prefetch_sdp is True and BwdDsBf16Config(head_dim=128).prefetch_sdp is False
@@ -412,6 +417,26 @@ def test_xor_walk_rejects_a_walk_that_is_not_an_xor_and_add():
     assert err["ok"] == ([0, 8, 16, 24], [0, 0, 0, 0])
 
 
+@needs_dsl
+@given(lengths=hst.lists(hst.one_of(hst.integers(0, 70), hst.integers(0, 700)), min_size=1, max_size=40))
+@settings(max_examples=60, deadline=None)
+def test_dq_claim_slots_are_distinct(lengths):
+    """Property (dq_first_store): every document's 64-query tiles get distinct claim words, all below
+    dq_claim_slots; and the rows a first CTA initializes (a whole tile, or its document's rows of a
+    tile past the end) cover every row of every document exactly once."""
+    from flamia_cute.attention_bwd_dsbf16_sm90 import QUERY_TILE, dq_claim_slot, dq_claim_slots
+
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    T = cu[-1]
+    slots, rows = [], []
+    for doc, (s, e) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        for m in range((e - s + QUERY_TILE - 1) // QUERY_TILE):
+            slots.append(dq_claim_slot(s, doc, m))
+            rows.extend(range(s + m * QUERY_TILE, min(s + (m + 1) * QUERY_TILE, e)))
+    assert len(set(slots)) == len(slots) and all(0 <= x < dq_claim_slots(T, len(lengths)) for x in slots)
+    assert rows == list(range(T))
+
+
 @given(lengths=hst.lists(hst.one_of(hst.integers(0, 3), hst.integers(0, 300)), min_size=1, max_size=8),
        group=hst.sampled_from([1, 2, 4]), seed=hst.integers(0, 2**16))
 @settings(max_examples=40, deadline=None)
@@ -453,7 +478,7 @@ def test_dv_fold_reference_is_the_emulators():
 
 # config fields of the kernel's build variants that the compile tests cover besides the default
 VARIANTS = {"": {}, "q-convert": dict(q_bf16_source="convert"), "dk-with-dq": dict(dk_under_dq_store=False),
-            "transpose-under-s": dict(transpose_v_under_s=True)}
+            "transpose-under-s": dict(transpose_v_under_s=True), "first-store": dict(dq_first_store=True)}
 
 
 @pytest.fixture(scope="module")
@@ -562,6 +587,37 @@ def test_deterministic_variant_orders_dq(artifacts):
     for m in (r"ld\.acquire\.gpu\.global\.u32", r"red\.release\.gpu\.global\.add\.u32", r"fence\.acq_rel\.gpu"):
         assert len(re.findall(m, det.ptx)) >= 2, m
         assert not re.search(m, plain.ptx), m
+
+
+@needs_dsl
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_first_store_variant(artifacts, head_dim):
+    """dq_first_store (opt-in): the dQ warp claims each tile with one atomic (relaxed, a tile
+    ahead), then either stores it with a plain TMA store (in boxes of 32 floats, as the reduce-add)
+    and raises the tile's flag once the store has landed (proxy fence, release), or zeroes its
+    document's rows and raises the flag, or reduce-adds after an acquire (a fence when the claim saw
+    the flag, else a wait for it) and a proxy fence; as a whole warp (no collective under a lane branch), no spills.
+    The zero-filled build has none of it and the same MMAs."""
+    dc = head_dim == 128
+    art, plain = artifacts(head_dim, dc, variant="first-store"), artifacts(head_dim, dc)
+    count = lambda pat, ptx: len(re.findall(pat, ptx))  # noqa: E731
+    store = r"cp\.async\.bulk\.tensor\.\dd\.global\.shared"
+    assert count(store, art.ptx) == head_dim // 32 and count(store, plain.ptx) == 0
+    assert count(r"cp\.reduce\.async\.bulk\.tensor", art.ptx) == count(r"cp\.reduce\.async\.bulk\.tensor", plain.ptx)
+    assert count(r"atom\.relaxed\.gpu\.global\.add\.u32", art.ptx) == 3  # tiles 0 and 1, then two tiles ahead
+    assert count(r"fence\.proxy\.async\.global", art.ptx) == 2
+    assert count(r"ld\.acquire\.gpu\.global\.u32", art.ptx) >= 1  # the spin (its test may be rotated)
+    assert count(r"red\.release\.gpu\.global\.add\.u32", art.ptx) >= 1
+    assert count(r"st\.global\.v4\.b32", art.ptx) == count(r"st\.global\.v4\.b32", plain.ptx) + 1  # the zeroing
+    for pat in (r"atom\.relaxed", r"fence\.proxy\.async\.global", store):
+        assert not re.search(pat, plain.ptx), pat
+    assert lane_divergent_collectives(art.ptx) == []
+    ops = lambda ptx: Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+)", ptx))  # noqa: E731
+    assert ops(art.ptx) == ops(plain.ptx)
+    assert art.frame_bytes in (None, 0)
+    if art.sass is not None:
+        assert not re.search(r"\b(STL|LDL)\b", art.sass)
+        assert count(r"\bUTMASTG\b", art.sass) == head_dim // 32
 
 
 # ----------------------------------------------------------------------------------------------
@@ -716,6 +772,30 @@ def test_gpu_transpose_v_under_s_per_token_matches_emulator():
     torch.cuda.synchronize()
     err = _grad_errors(res, st["emu"], st["cu"].cpu())
     assert not _violations(err), err
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("D, H, Hk", [(128, 4, 2), (64, 4, 4)])
+def test_gpu_dq_first_store_on_tiny_documents(D, H, Hk):
+    """dq_first_store (opt-in) where several documents share a 64-row tile of the accumulator
+    (1 to 70 tokens each) beside a 3000-token document (whose tiles many CTAs add to at once). The
+    accumulator starts as NaN (poison), so a row left uninitialized, a plain store over another
+    document's rows or a reduce-add before a tile's first store would show: the gradients are the
+    emulator's, dQ equals the zero-filled build's to fp32 rounding (the adds land in another order),
+    dK and dV bitwise (the dQ path does not touch them)."""
+    g = torch.Generator().manual_seed(21)
+    lengths = torch.randint(1, 71, (40,), generator=g).tolist() + [3000] + torch.randint(1, 71, (20,), generator=g).tolist()
+    st = _setup(lengths, H, Hk, D, RECIPES["fp8_tokenblock_dsbf16"], seed=21, device="cuda")
+    base = dict(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=True)
+    res = _run(st, config=BwdDsBf16Config(**base, dq_first_store=True))
+    zero = _run(st, config=BwdDsBf16Config(**base))
+    torch.cuda.synchronize()
+    err = _grad_errors(res, st["emu"], st["cu"].cpu())
+    assert not _violations(err), err
+    assert rel_l2(res[0].float(), zero[0].float()) < 1e-3
+    assert torch.equal(res[1], zero[1]) and torch.equal(res[2], zero[2])
 
 
 @pytest.mark.gpu
