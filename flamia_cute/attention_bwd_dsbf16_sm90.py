@@ -513,8 +513,7 @@ class FlamiaBwdDsBf16Sm90:
         if cutlass.const_expr(self.deterministic):
             mSem = cute.make_tensor(sem_ptr, cute.make_layout(H * num_docs * 2 * max_n_blocks))
         if cutlass.const_expr(self.cfg.dq_first_store):
-            # (claim word, query head): dq_claim_slots words per head
-            n_slots = T // tq + num_docs + 1
+            n_slots = dq_claim_slots(T, num_docs)  # (claim word, query head)
             mSem = cute.make_tensor(sem_ptr, cute.make_layout((n_slots, H), stride=(1, n_slots)))
         mdK = cute.make_tensor(dk_ptr, ktd)
         mdV = cute.make_tensor(dv_ptr, ktd)
@@ -1479,9 +1478,8 @@ def flamia_bwd_dsbf16_sm90(
         raise ValueError("do_quantized.data_dt must be in P-fragment order (quantize with pv_order=True)")
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
-    # dq_first_store: the kernel initializes every row of the accumulator (so tests poison it too)
-    dq_init = ("nan" if poison_outputs else "none") if config.dq_first_store else "zeros"
-    dq_acc, dk, dv = backward_outputs(T, H, Hk, D, dev, poison_outputs, dq_init)
+    # dq_first_store: the kernel initializes every row of the accumulator (so poison reaches it too)
+    dq_acc, dk, dv = backward_outputs(T, H, Hk, D, dev, poison_outputs, zero_dq=not config.dq_first_store)
     max_n_blocks = backward_grid_blocks(T, H, D, T_dt, num_docs, max_seqlen, KEY_BLOCK)
     if T > 0 and num_docs > 0 and max_n_blocks > 0:
         if dv_ref is None:

@@ -1155,17 +1155,15 @@ def flamia_bwd_sm90(
     return dq, dk, dv
 
 
-def backward_outputs(T: int, H: int, Hk: int, D: int, device, poison: bool = False, dq_init: str = "zeros"):
+def backward_outputs(T: int, H: int, Hk: int, D: int, device, poison: bool = False, zero_dq: bool = True):
     """The backward kernels' outputs: the fp32 dQ accumulator and dK, dV bf16 (every row written by the
-    kernel; NaN first with `poison`, as the tests ask). dq_init: "zeros" (the kernels add into it),
-    or "none" / "nan" for a kernel that initializes it itself (dq_first_store; "nan" for the tests)."""
-    if dq_init not in ("zeros", "none", "nan"):
-        raise ValueError(f"dq_init must be 'zeros', 'none' or 'nan', got {dq_init!r}")
-    if dq_init == "zeros":
+    kernel; NaN first with `poison`, as the tests ask). zero_dq: the accumulator zeroed (the kernels add
+    into it); False for a kernel that initializes it itself (dq_first_store), which `poison` then fills too."""
+    if zero_dq:
         dq_acc = torch.zeros(T, H, D, dtype=torch.float32, device=device)
     else:
         dq_acc = torch.empty(T, H, D, dtype=torch.float32, device=device)
-        if dq_init == "nan":
+        if poison:
             dq_acc.fill_(float("nan"))
     dk = torch.empty(T, Hk, D, dtype=torch.bfloat16, device=device)
     dv = torch.empty(T, Hk, D, dtype=torch.bfloat16, device=device)

@@ -26,6 +26,10 @@ ncu_kernel() { local tag=$1 regex=$2 what=$3; shift 3
     ncu -i "$OUT/${tag}_$wl.ncu-rep" --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/ncu_${tag}_${wl}_sass.csv.gz"
     rm -f "$OUT/${tag}_$wl.ncu-rep"
   done; }
+# dq_first_store with its fences traced as nothing, against the zero-filled default (perf/experiments)
+first_store_fences() { mkdir -p "$OUT/fences"
+  run ds_first_store_fences 300 env OUT="$OUT/fences" BREAKDOWN_WORKLOADS="${FENCE_WORKLOADS:-1x16k,1x64k,4x4k}" \
+    python3 perf/experiments/dq_first_store_fences.py; }
 # the forward kernel alone per build variant (bench_fwd_breakdown's labels), rotated over three rounds
 fwd_rounds() { run "$1" 400 env OUT="$OUT" BREAKDOWN_ONLY=fwd BREAKDOWN_ROUNDS=3 BREAKDOWN_DS_VARIANTS="$2" \
   python3 perf/bench_fwd_breakdown.py; }
@@ -142,13 +146,8 @@ for stage in "$@"; do
         ${DS_TESTS_K:+-k "$DS_TESTS_K"}
       run ds_first_store_rounds 300 env OUT="$OUT" BREAKDOWN_ONLY=ds BREAKDOWN_ROUNDS=3 \
         BREAKDOWN_DS_VARIANTS="default,dQ first store" python3 perf/bench_fwd_breakdown.py
-      mkdir -p "$OUT/fences"
-      run ds_first_store_fences 300 env OUT="$OUT/fences" BREAKDOWN_WORKLOADS="${FENCE_WORKLOADS:-1x16k,1x64k,4x4k}" \
-        python3 perf/experiments/dq_first_store_fences.py ;;
-    ds-first-store-fences)
-      mkdir -p "$OUT/fences"
-      run ds_first_store_fences 300 env OUT="$OUT/fences" BREAKDOWN_WORKLOADS="${FENCE_WORKLOADS:-1x16k,1x64k,4x4k}" \
-        python3 perf/experiments/dq_first_store_fences.py ;;
+      first_store_fences ;;
+    ds-first-store-fences) first_store_fences ;;
     fwd-ablations) run fwd_ablations 300 env FLAMIA_CUTE_DISK_CACHE=0 python3 perf/experiments/fwd_ablations.py ${ABLATION_WORKLOADS:-} ;;
     bwd-ablations) run bwd_ablations 300 env FLAMIA_CUTE_DISK_CACHE=0 python3 perf/experiments/bwd_ablations.py ${ABLATION_WORKLOADS:-} ;;
     fwd-orders) run fwd_orders 300 env OUT="$OUT" BREAKDOWN_ONLY=fwd python3 perf/bench_fwd_breakdown.py ;;
