@@ -105,6 +105,10 @@ P_SCALE_LOG2 = math.log2(P_SCALE)  # exact: P_SCALE is a power of two
 SCHED_STAGES = 2
 PERSISTENT_MAX_DOCS = 1024
 SCAN_BARRIER = 3
+# row_sum_mma: the ones tile (N = 8 rows of tile_n e4m3 bytes; row 0 is 1.0, rows 1-7 zero)
+ONES_N = 8
+ONES_TILE_BYTES = ONES_N * 128
+E4M3_ONE_X4 = 0x38383838  # four e4m3 1.0 bytes
 if LPT_MAX_DOCS != 128:  # rank_documents_longest_first: one document per producer-warpgroup thread
     raise ImportError(f"schedules.varlen_tiles.LPT_MAX_DOCS must be 128 (got {LPT_MAX_DOCS})")
 
@@ -122,7 +126,8 @@ def smem_bytes(cfg) -> int:
     tables = {"documents": 2, "heavy_first": 3, "longest_documents": 4}[cfg.tile_order]
     table = tables * 4 * (PERSISTENT_MAX_DOCS + 1) + 128 if cfg.persistent else 0
     scales = (2 * cfg.tile_n + (cfg.tile_m if cfg.stage_tile_inputs else 0)) * 4 * cfg.kv_stages
-    return tile + 2 * cfg.kv_stages * cfg.tile_n * cfg.head_dim + scales + table + 2048
+    ones = ONES_TILE_BYTES if cfg.row_sum_mma else 0
+    return tile + 2 * cfg.kv_stages * cfg.tile_n * cfg.head_dim + scales + table + ones + 2048
 
 
 def overlap_default(head_dim: int, diagonal_copy: bool) -> bool:
@@ -223,6 +228,12 @@ class FwdConfig:
     # tile. 3 (persistent, +16 KB at d128) lets tile t+2's Q load before tile t's finishes: built for
     # session 12 (s11h: one-step tiles waited on Q's barrier at their start); not yet run on the GPU.
     q_stages: int | None = None
+    # Block-scaled off-diagonal tiles: the softmax row sum on the tensor core (the recipe's
+    # row_sum="cast_p"). P V's e4m3 P also multiplies a constant ones column (an m64n8 wgmma per 32
+    # keys, B a 1 KB shared-memory tile whose row 0 is 1.0), so l sums the cast P that P V weighs
+    # and the 64 FADDs per thread and tile leave the issue slots. The diagonal tile (P carries the
+    # per-token V scale fold there) and dropped rows keep the fp32 sum.
+    row_sum_mma: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -278,6 +289,11 @@ class FwdConfig:
             bad("q_stages", "must be 2 or 3 when persistent, 1 with one CTA per tile (or None)")
         if self.overlap_tiles and not (self.persistent and self.intra_wg_overlap):
             bad("overlap_tiles", "needs persistent=True and the intra-warpgroup overlap")
+        if not isinstance(self.row_sum_mma, bool):
+            bad("row_sum_mma", "must be a bool")
+        if self.row_sum_mma and not (self.diagonal_copy and self.drop_branch and not self.overlap_tiles):
+            bad("row_sum_mma", "needs diagonal_copy=True (uniform off-diagonal tiles), drop_branch=True and "
+                "overlap_tiles=False")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,11 +383,19 @@ class FlamiaFwdSm90:
             Float8E4M3FN, Float8E4M3FN, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, D),
             warpgroup.OperandSource.RMEM,
         )
+        # row_sum_mma: the row sum of the same P fragment against the ones tile (N = 8, the least)
+        l_mma = sm90_utils.make_trivial_tiled_mma(
+            Float8E4M3FN, Float8E4M3FN, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, ONES_N),
+            warpgroup.OperandSource.RMEM,
+        )
         row_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
         # Q: two 64-row "stages", one per consumer warpgroup
         sQ_layout = sm90_utils.make_smem_layout_a(row_major, (wm, tn, D), Float8E4M3FN, 2 * self.q_stages)
         sK_layout = sm90_utils.make_smem_layout_b(row_major, (wm, tn, D), Float8E4M3FN, self.stages)
         sV_layout = sm90_utils.make_smem_layout_b(row_major, (wm, D, tn), Float8E4M3FN, self.stages)
+        sOnes_layout = sm90_utils.make_smem_layout_b(row_major, (wm, ONES_N, tn), Float8E4M3FN, 1)
+        row_sum_mma = self.cfg.row_sum_mma
+        n_ones = cute.cosize(sOnes_layout) if row_sum_mma else 16
 
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tQ = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mQ, cute.slice_(sQ_layout, (None, None, 0)), (wm, D))
@@ -412,14 +436,16 @@ class FlamiaFwdSm90:
             sHeavy: cute.struct.Align[cute.struct.MemRange[Int32, n_heavy], 16]
             sLpt: cute.struct.Align[cute.struct.MemRange[Int32, n_lpt], 16]
             sOrder: cute.struct.Align[cute.struct.MemRange[Int32, n_lpt], 16]
+            # last, so that the other builds' shared-memory map is unchanged (16 unused bytes there)
+            sOnes: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, n_ones], 1024 if row_sum_mma else 16]
 
         self.shared_storage = SharedStorage
 
         self.kernel(
-            qk_mma, pv_mma,
+            qk_mma, pv_mma, l_mma,
             tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
             mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched,
-            sQ_layout, sK_layout, sV_layout, scale_log2,
+            sQ_layout, sK_layout, sV_layout, sOnes_layout, scale_log2,
         ).launch(
             # one CTA per (query block, head, document), query block fastest (see kernel()), or
             # grid_x persistent CTAs
@@ -434,6 +460,7 @@ class FlamiaFwdSm90:
         self,
         qk_mma: cute.TiledMma,
         pv_mma: cute.TiledMma,
+        l_mma: cute.TiledMma,
         tma_q: cute.CopyAtom,
         tQ: cute.Tensor,
         tma_k: cute.CopyAtom,
@@ -456,6 +483,7 @@ class FlamiaFwdSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        sOnes_layout: cute.ComposedLayout,
         scale_log2: Float32,
     ):
         tn = self.tile_n
@@ -466,8 +494,9 @@ class FlamiaFwdSm90:
         # in flight at once no longer fit in L2 (perf/NOTES.md, session 3).
         bidx, head, doc = cute.arch.block_idx()
         roles = (
-            qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
-            mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, scale_log2,
+            qk_mma, pv_mma, l_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
+            mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, sOnes_layout,
+            scale_log2,
         )
         if cutlass.const_expr(self.persistent):
             # tiles come from the scheduler (run_cta's producer warp): no tile of its own
@@ -485,8 +514,9 @@ class FlamiaFwdSm90:
     def run_cta(self, roles, head, doc, doc_start, doc_len, m_block):
         """Shared memory, pipelines and the warp roles of one CTA: the tile (head, doc, m_block), or
         when persistent the scheduler's tiles."""
-        (qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
-         mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, scale_log2) = roles
+        (qk_mma, pv_mma, l_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
+         mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, sOnes_layout,
+         scale_log2) = roles
         tn = self.tile_n
         tidx, _, _ = cute.arch.thread_idx()
         kv_head = head // self.group
@@ -497,6 +527,17 @@ class FlamiaFwdSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sScale = storage.sScale.get_tensor(cute.make_layout((self.scale_rows, self.stages)))
         sPin = storage.sPin.get_tensor(cute.make_layout(256))
+        sOnes = None
+        if cutlass.const_expr(self.cfg.row_sum_mma):
+            sOnes = storage.sOnes.get_tensor(sOnes_layout.outer, swizzle=sOnes_layout.inner)
+            # Row 0 (bytes 0-127) 1.0, rows 1-7 zero: the swizzle moves 16-byte chunks within a row
+            # only, so the plain byte order is right. Written before the CTA's barrier below; the fence
+            # makes the generic-proxy stores visible to wgmma's reads.
+            if tidx < ONES_TILE_BYTES // 4:
+                words = cute.make_tensor(cute.recast_ptr(storage.sOnes.data_ptr(), dtype=Uint32),
+                                         cute.make_layout(ONES_TILE_BYTES // 4))
+                words[tidx] = Uint32(cutlass.select_(tidx < 32, Uint32(E4M3_ONE_X4), Uint32(0)))
+            cute.arch.fence_proxy("async.shared", space="cta")
 
         pipe_q = tma_pipeline(self.q_stages, self.q_bytes, storage.q_mbar.data_ptr())
         pipe_k = tma_pipeline(self.stages, self.kv_bytes, storage.k_mbar.data_ptr())
@@ -560,7 +601,7 @@ class FlamiaFwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.consume(
-                qk_mma, pv_mma, sQ, sK, sV, sScale, sPin, pipe_q, pipe_k, pipe_v, pipe_s,
+                qk_mma, pv_mma, (l_mma, sOnes), sQ, sK, sV, sScale, sPin, pipe_q, pipe_k, pipe_v, pipe_s,
                 mO, mLSE, mSQ, mCu, scale_log2, head, doc_start, doc_len, m_block, wg_idx - 1, pipe_t, sSched,
             )
 
@@ -737,7 +778,7 @@ class FlamiaFwdSm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def consume(
-        self, qk_mma, pv_mma, sQ, sK, sV, sScale, sPin, pipe_q, pipe_k, pipe_v, pipe_s,
+        self, qk_mma, pv_mma, ones, sQ, sK, sV, sScale, sPin, pipe_q, pipe_k, pipe_v, pipe_s,
         mO, mLSE, mSQ, mCu, scale_log2, head, doc_start, doc_len, m_block, wg, pipe_t, sSched,
     ):
         """The consumer warpgroups: one tile (head, doc, m_block), or when persistent every tile
@@ -756,7 +797,16 @@ class FlamiaFwdSm90:
         tOrP = pv_thr.make_fragment_A(pv_thr.partition_shape_A((wm, tn)))  # ((4,2,2),1,4) e4m3
         tOrP32 = cute.recast_tensor(tOrP, Uint32)
         tScS = qk_thr.partition_C(cute.make_identity_tensor((wm, tn)))
-        frags = (tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS)
+        lsum = None
+        if cutlass.const_expr(self.cfg.row_sum_mma):
+            l_mma, sOnes = ones
+            l_thr = l_mma.get_slice(ctid)
+            tLrOnes = l_thr.make_fragment_B(l_thr.partition_B(sOnes))  # (MMA, 1, 4, 1)
+            acc_l = l_thr.make_fragment_C(l_thr.partition_shape_C((wm, ONES_N)))  # ((2,2,1),1,1)
+            # always accumulating (the issue zeroes acc_l first), so the atom is never re-staged in a loop
+            l_mma.set(warpgroup.Field.ACCUMULATE, True)
+            lsum = (l_mma, tLrOnes, acc_l)
+        frags = (tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum)
 
         # Rows of this thread: value index a = v0 + 2*v1 + 4*v2 (v1 picks the row g or g+8)
         row_in_blk = cute.make_rmem_tensor(cute.make_layout(2), Int32)
@@ -809,7 +859,7 @@ class FlamiaFwdSm90:
     ):
         """Query block m_block of one (document, head): the key tiles from the diagonal down, then the
         epilogue. Returns the pipeline states and MMA atoms (loop-carried when persistent)."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
         rs, m_run, l_run, r_run, c_pend = rowst
         pipe_q, pipe_k, pipe_v, pipe_s = pipes
         q_state, k_state, v_state, s_state = states
@@ -832,17 +882,24 @@ class FlamiaFwdSm90:
             k_state, s_state = self.s_softmax_p(
                 True, m_block, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len, wg, q_slot,
             )
+            row_sum_mma = self.cfg.row_sum_mma
             for i in cutlass.range(1, n_tiles, unroll=1):
                 # the MMA atoms carry their ACCUMULATE field as staged state: rebinding them here
                 # makes them loop-carried, so the epilogue's GEMM may use them after the loop
+                l_gate = None
+                if cutlass.const_expr(row_sum_mma):
+                    l_gate = Float32(cutlass.select_(i == 1, Float32(0.0), Float32(1.0)))  # i == 1: diagonal P V
                 k_state, v_state, s_state, qk_mma, pv_mma = self.overlap_step(
                     m_block - i, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s,
-                    k_state, v_state, s_state, doc_len, wg, q_slot,
+                    k_state, v_state, s_state, doc_len, wg, q_slot, l_gate=l_gate,
                 )
             if cutlass.const_expr(self.persistent):
                 pipe_q.consumer_release(q_state)  # every S GEMM of the tile is done: the next Q may land
                 q_state.advance()
-            v_state = self.overlap_epilogue(frags, rowst, pv_mma, pipe_v, v_state, wg)
+            l_gate = None
+            if cutlass.const_expr(row_sum_mma):
+                l_gate = Float32(cutlass.select_(n_tiles > 1, Float32(1.0), Float32(0.0)))
+            v_state = self.overlap_epilogue(frags, rowst, pv_mma, pipe_v, v_state, wg, l_gate)
         else:
             k_state, v_state, s_state = self.tile_step(
                 True, m_block, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
@@ -1020,18 +1077,31 @@ class FlamiaFwdSm90:
     def gemm_qk(self, qk_mma, frags, k_state, q_slot):
         """Issue S = Q K^T for the K tile in stage k_state (async; the caller commits). q_slot: this
         warpgroup's 64 Q rows in sQ (the warpgroup index, plus 2 per Q stage when persistent)."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
         for k in cutlass.range_constexpr(self.D // 32):
             qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(qk_mma, acc_s, tSrQ[None, None, k, q_slot], tSrK[None, None, k, k_state.index], acc_s)
 
     @cute.jit
-    def gemm_pv(self, pv_mma, frags, v_state):
-        """Issue O_tile = P V (P from registers) into the fresh tile accumulator acc_t (async)."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
+    def gemm_pv(self, pv_mma, frags, v_state, row_sum: cutlass.Constexpr = True):
+        """Issue O_tile = P V (P from registers) into the fresh tile accumulator acc_t (async), and with
+        row_sum_mma P against the ones tile into acc_l (row_sum=False: the serial diagonal step's,
+        whose sum is the softmax's)."""
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
         for k in cutlass.range_constexpr(self.tile_n // 32):
             pv_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(pv_mma, acc_t, tOrP[None, None, k], tOrV[None, None, k, v_state.index], acc_t)
+        if cutlass.const_expr(lsum is not None and row_sum):
+            l_mma, tLrOnes, acc_l = lsum  # the same P against the ones tile: acc_l (zeroed by the caller)
+            for k in cutlass.range_constexpr(self.tile_n // 32):
+                cute.gemm(l_mma, acc_l, tOrP[None, None, k], tLrOnes[None, None, k, 0], acc_l)
+
+    @cute.jit
+    def zero_row_sum(self, frags):
+        """row_sum_mma: zero the ones-tile accumulator before the wgmma fence of a P V issue."""
+        lsum = frags[9]
+        if cutlass.const_expr(lsum is not None):
+            lsum[2].fill(0.0)
 
     @cute.jit
     def softmax(self, diag: cutlass.Constexpr, n, frags, rowst, sScale, s_state, doc_len, wg):
@@ -1044,10 +1114,11 @@ class FlamiaFwdSm90:
         max(r_prev * FOLD_DROP, FOLD_REF_MIN) is dropped from P V (P = 0 there, the reference stays):
         an all-zero V tile (scale 2^-126) would make 256 / r and r_prev / r overflow.
         diag: the diagonal tile (first), the only one with a mask. The caller waits for and
-        releases the scale stage s_state.
+        releases the scale stage s_state. Returns the rows' alpha (exp2(m_prev - m)).
+        row_sum_mma, uniform tiles: l is only rescaled here; the tile's sum lands with its P V.
         """
         tn, wm = self.tile_n, self.wg_m
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
         rs, m_run, l_run, r_run, c_pend = rowst
         n_acc_s = cute.size(acc_s)
         lim = doc_len - n * tn  # diagonal tile: visible keys are col < lim and col <= row
@@ -1130,6 +1201,8 @@ class FlamiaFwdSm90:
             alphas[v1] = alpha
             m_run[v1] = m_new
         psum = [Float32(0.0), Float32(0.0)]
+        # row_sum_mma: a uniform tile's sum comes from the ones-tile MMA (accumulate_o adds it)
+        sum_on_mma = uniform and lsum is not None
         poly_every = self.cfg.exp2_poly_every
         # uniform tiles: P * 256 = exp2(x + 8) saves a multiply per element (P_SCALE = 2^8)
         m_off = [m_safe[0], m_safe[1]]
@@ -1150,25 +1223,31 @@ class FlamiaFwdSm90:
                         p = exp2_poly(x)
                     else:
                         p = cute.math.exp2(x, fastmath=True)
-                    psum[v1] = psum[v1] + p
+                    if cutlass.const_expr(not sum_on_mma):
+                        psum[v1] = psum[v1] + p
                     if cutlass.const_expr(uniform):
                         acc_s[a] = p
                     else:
                         acc_s[a] = (p * sw) * inv[v1]  # p = 0 first: a masked key's sw * inv may overflow
         for v1 in cutlass.range_constexpr(2):
-            ps = psum[v1]
-            if cutlass.const_expr(uniform):
-                ps = ps * Float32(1.0 / P_SCALE)  # exact: a power of two
-            l_run[v1] = l_run[v1] * alphas[v1] + ps
+            if cutlass.const_expr(sum_on_mma):
+                l_run[v1] = l_run[v1] * alphas[v1]
+            else:
+                ps = psum[v1]
+                if cutlass.const_expr(uniform):
+                    ps = ps * Float32(1.0 / P_SCALE)  # exact: a power of two
+                l_run[v1] = l_run[v1] * alphas[v1] + ps
+        return alphas
 
     @cute.jit
-    def convert_p(self, frags, r_run, uniform: cutlass.Constexpr):
+    def convert_p(self, frags, r_run, uniform: cutlass.Constexpr, l_run=None):
         """P: fp32 accumulator layout (acc_s) -> e4m3 A-operand registers (tOrP); V^T comes in
         P-fragment key order, so this is 32 conversions and nothing else. Uniform tiles leave P
         unscaled (w / r == 1), so a dropped row (r_run < 0, see softmax) has its bytes zeroed here:
         16 ANDs and no branch (a branch over the row's fp32 values spilled). Register i holds
-        row i % 2 (a_fragment_sources)."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
+        row i % 2 (a_fragment_sources). l_run (row_sum_mma): a dropped row's zeroed P would leave its
+        keys out of the ones-tile sum, so their fp32 sum goes into l here."""
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
         pack_a_fragment_e4m3(acc_s, tOrP32)
         if cutlass.const_expr(uniform):
             if cutlass.const_expr(self.cfg.drop_branch):
@@ -1176,8 +1255,21 @@ class FlamiaFwdSm90:
                 dropped = (f32_bits(r_run[0]) | f32_bits(r_run[1])) >> 31
                 if cute.arch.vote_any_sync(dropped != Uint32(0)):
                     self._zero_dropped_rows(tOrP32, r_run)
+                    if cutlass.const_expr(l_run is not None and frags[9] is not None):
+                        self._sum_dropped_rows(acc_s, r_run, l_run)
             else:
                 self._zero_dropped_rows(tOrP32, r_run)
+
+    @cute.jit
+    def _sum_dropped_rows(self, acc_s, r_run, l_run):
+        """l += the fp32 P of a dropped row (uniform tile: acc_s holds P * 256), per-thread partial."""
+        for v1 in cutlass.range_constexpr(2):
+            if f32_bits(r_run[v1]) >> 31 != Uint32(0):
+                ps = Float32(0.0)
+                for v2 in cutlass.range_constexpr(cute.size(acc_s) // 4):
+                    for v0 in cutlass.range_constexpr(2):
+                        ps = ps + acc_s[v0 + 2 * v1 + 4 * v2]
+                l_run[v1] = l_run[v1] + ps * Float32(1.0 / P_SCALE)
 
     @cute.jit
     def _zero_dropped_rows(self, tOrP32, r_run):
@@ -1197,13 +1289,16 @@ class FlamiaFwdSm90:
 
         # ---- O_tile = P V in a fresh accumulator, promoted into the fp32 running output
         pipe_v.consumer_wait(v_state)
+        if cutlass.const_expr(not diag):
+            self.zero_row_sum(frags)
         warpgroup.fence()
-        self.gemm_pv(pv_mma, frags, v_state)
+        self.gemm_pv(pv_mma, frags, v_state, not diag)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         v_state.advance()
-        self.accumulate_o(frags, rowst[4])
+        # the diagonal tile's sum is the softmax's fp32 one (its P carries the V scale fold)
+        self.accumulate_o(frags, rowst[4], None if diag else rowst[2])
         return k_state, v_state, s_state
 
     @cute.jit
@@ -1231,14 +1326,24 @@ class FlamiaFwdSm90:
             cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
 
     @cute.jit
-    def accumulate_o(self, frags, c):
-        """O = O * c + O_tile (one FFMA per element): rescale and promotion of the fresh tile sum."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
+    def accumulate_o(self, frags, c, l_run=None, l_fac=None):
+        """O = O * c + O_tile (one FFMA per element): rescale and promotion of the fresh tile sum.
+        row_sum_mma (l_run given): l += the tile's ones-tile sum times l_fac (the alpha of a softmax
+        that ran since its P, times 0 for the diagonal tile's, whose fp32 sum is in l already; None: 1).
+        Lane 0 of a quad holds the sum (column 0), the others zero: l stays a quad-partial sum."""
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
         for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
             for v1 in cutlass.range_constexpr(2):
                 for v0 in cutlass.range_constexpr(2):
                     a = v0 + 2 * v1 + 4 * j
                     acc_o[a] = acc_o[a] * c[v1] + acc_t[a]
+        if cutlass.const_expr(lsum is not None and l_run is not None):
+            acc_l = lsum[2]
+            for v1 in cutlass.range_constexpr(2):
+                if cutlass.const_expr(l_fac is None):
+                    l_run[v1] = l_run[v1] + acc_l[2 * v1]
+                else:
+                    l_run[v1] = l_run[v1] + acc_l[2 * v1] * l_fac[v1]
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -1261,28 +1366,30 @@ class FlamiaFwdSm90:
         self.softmax(diag, n, frags, rowst, sScale, s_state, doc_len, wg)
         pipe_s.consumer_release(s_state)
         s_state.advance()
-        self.convert_p(frags, rowst[3], (not diag) and self.diag_copy)
+        self.convert_p(frags, rowst[3], (not diag) and self.diag_copy, rowst[2])
         return k_state, s_state
 
     @cute.jit
     def overlap_step(
         self, n, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s,
         k_state, v_state, s_state, doc_len, wg, q_slot, next_diag: cutlass.Constexpr = False, c_prev=None,
+        l_gate=None,
     ):
         """Overlap schedule, off-diagonal tile n: issue S_n and P_prev V_prev, softmax of S_n
         while P V runs, then O = O * c_prev + O_tile(prev) and P_n.
 
         next_diag (overlap_tiles, between query blocks): n is the next block's diagonal tile (masked
         softmax; its fresh row statistics already in rowst, doc_len its document's), c_prev this
-        block's pending factor; P stays in acc_s until the caller has stored this block's O."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
+        block's pending factor; P stays in acc_s until the caller has stored this block's O.
+        l_gate (row_sum_mma): 0 when the P V in flight is the diagonal tile's, else 1."""
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
         rs, m_run, l_run, r_run, c_pend = rowst
         k_state = self.issue_s_with_pv(qk_mma, pv_mma, frags, pipe_k, pipe_v, pipe_s, k_state, v_state, s_state, wg,
                                        q_slot)
         if cutlass.const_expr(not next_diag):
             c_prev = [c_pend[0], c_pend[1]]  # the factor of the tile whose P V is in flight
         # reads and writes acc_s only (and the row statistics): P V reads tOrP, writes acc_t
-        self.softmax(next_diag, n, frags, rowst, sScale, s_state, doc_len, wg)
+        alphas = self.softmax(next_diag, n, frags, rowst, sScale, s_state, doc_len, wg)
         if cutlass.const_expr(self.pin and not next_diag):
             # the row sums depend on every exp2 of the tile: storing them here keeps the exp2 work
             # ahead of the wait below (ptxas does not move shared-memory stores across it)
@@ -1292,10 +1399,14 @@ class FlamiaFwdSm90:
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         v_state.advance()
-        # the serial schedule's operation for the previous tile: O = O * c_prev + O_tile
-        self.accumulate_o(frags, c_prev)
+        # the serial schedule's operation for the previous tile: O = O * c_prev + O_tile; its row sum
+        # (row_sum_mma) is in units of the previous max, so it takes this softmax's alpha too
+        if cutlass.const_expr(l_gate is None):
+            self.accumulate_o(frags, c_prev)
+        else:
+            self.accumulate_o(frags, c_prev, rowst[2], [alphas[0] * l_gate, alphas[1] * l_gate])
         if cutlass.const_expr(not next_diag):
-            self.convert_p(frags, r_run, self.diag_copy)
+            self.convert_p(frags, r_run, self.diag_copy, rowst[2])
         return k_state, v_state, s_state, qk_mma, pv_mma
 
     @cute.jit
@@ -1306,6 +1417,7 @@ class FlamiaFwdSm90:
         pipe_k.consumer_wait(k_state)
         pipe_v.consumer_wait(v_state)
         self.wait_turn(wg)
+        self.zero_row_sum(frags)
         warpgroup.fence()
         self.gemm_qk(qk_mma, frags, k_state, q_slot)
         warpgroup.commit_group()
@@ -1319,11 +1431,13 @@ class FlamiaFwdSm90:
         return k_state
 
     @cute.jit
-    def overlap_epilogue(self, frags, rowst, pv_mma, pipe_v, v_state, wg):
-        """Overlap schedule: P V of the last tile, O = O * c_last + O_tile."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
+    def overlap_epilogue(self, frags, rowst, pv_mma, pipe_v, v_state, wg, l_gate=None):
+        """Overlap schedule: P V of the last tile, O = O * c_last + O_tile. l_gate (row_sum_mma): 0
+        when that tile is the diagonal one, else 1."""
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
         pipe_v.consumer_wait(v_state)
         self.wait_turn(wg)
+        self.zero_row_sum(frags)
         warpgroup.fence()
         self.gemm_pv(pv_mma, frags, v_state)
         warpgroup.commit_group()
@@ -1331,7 +1445,10 @@ class FlamiaFwdSm90:
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         v_state.advance()
-        self.accumulate_o(frags, rowst[4])
+        if cutlass.const_expr(l_gate is None):
+            self.accumulate_o(frags, rowst[4])
+        else:
+            self.accumulate_o(frags, rowst[4], rowst[2], [l_gate, l_gate])
         return v_state
 
 

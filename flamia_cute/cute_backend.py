@@ -21,7 +21,8 @@ from .recipes import NAMED_RECIPES, Recipe
 # per-token kernels fed one scale per tensor (quantized by torch: the cuDNN-like leaky control, run
 # at kernel speed so that training can compare it).
 PER_TENSOR = 0
-KERNEL_RECIPES = {"fp8_token": 1, "fp8_tokenblock": 128, "fp8_tensor_current": PER_TENSOR, "fp8_tokenblock_dsbf16": 128}
+KERNEL_RECIPES = {"fp8_token": 1, "fp8_tokenblock": 128, "fp8_tensor_current": PER_TENSOR, "fp8_tokenblock_dsbf16": 128,
+                  "fp8_tokenblock_dsbf16_castsum": 128}
 
 
 def bf16_ds_backward(recipe_name: str) -> bool:
@@ -114,15 +115,17 @@ def _quantize_operands_per_tensor(q, k, v, cu, cfg):
 
 
 def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only: bool = False,
-                    ds_bf16: bool = False):
+                    ds_bf16: bool = False, row_sum: str = "fp32"):
     """Quantize + forward kernel. Returns (out bf16, lse (H, T) fp32, saved quantized operands);
     forward_only: a call that needs no backward (the saved operands lack the backward's layouts);
-    ds_bf16: the backward to come is the bf16-dS kernel (no Q^T, K^T: launch_layouts)."""
+    ds_bf16: the backward to come is the bf16-dS kernel (no Q^T, K^T: launch_layouts); row_sum: the
+    recipe's (recipes.ROW_SUMS; "cast_p" runs the forward's row sum on the tensor core)."""
     from .attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
     from .tuning import tuned_fwd_config
 
     qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block, max_seqlen, forward_only, ds_bf16)
-    cfg = FwdConfig(head_dim=q.shape[2], qhead_per_kvhead=q.shape[1] // k.shape[1], diagonal_copy=block > 1)
+    cfg = FwdConfig(head_dim=q.shape[2], qhead_per_kvhead=q.shape[1] // k.shape[1], diagonal_copy=block > 1,
+                    row_sum_mma=row_sum == "cast_p")
     cfg = tuned_fwd_config(cfg, max_seqlen, q.shape[0], cu.numel() - 1)
     out, lse = flamia_fwd_sm90(
         qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale,
@@ -204,7 +207,7 @@ class CuteAttention(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, cu, max_seqlen, softmax_scale, recipe, block):
         out, lse, saved = forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block,
-                                          ds_bf16=bf16_ds_backward(recipe.name))
+                                          ds_bf16=bf16_ds_backward(recipe.name), row_sum=recipe.row_sum)
         fctx.saved = saved
         fctx.meta = (cu, softmax_scale, recipe, q.dtype, max_seqlen)
         fctx.save_for_backward(out, lse)

@@ -295,7 +295,7 @@ def emulate_forward(q, k, v, cu_q, cu_k, softmax_scale, causal, recipe: Recipe, 
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             alpha = torch.exp(m - m_safe)
             p = torch.exp(st - m_safe)
-            l_sum = l_sum * alpha + p.sum(-1, keepdim=True)
+            p_sum = p.sum(-1, keepdim=True)
             vis = g.visible[None, :, cols]
             pm = vmask[None, :, cols].expand_as(p) if vmask is not None else None
             if recipe.p_cast == "bf16":
@@ -310,10 +310,15 @@ def emulate_forward(q, k, v, cu_q, cu_k, softmax_scale, causal, recipe: Recipe, 
                 ref = torch.where(keep, r_tile, torch.ones_like(r_tile))  # dropped rows: any finite r
                 pe = torch.where(keep, _fold_cast_to(p, wt, ref.expand_as(p), recipe.p_scale), 0.0)
                 r_run = torch.where(keep, r_tile, r_run)
+                if recipe.row_sum == "cast_p":
+                    # off the diagonal (scales uniform: the cast P is what P V weighs) and kept: the cast P's sum
+                    on_diag = pm.any(-1, keepdim=True) if pm is not None else torch.zeros_like(keep)
+                    p_sum = torch.where(on_diag | ~keep, p_sum, pe.sum(-1, keepdim=True))
             else:  # mx: 1x32 blocks of keys per row; the tile starts on a block boundary
                 pe = mx_quantize(p, dim=-1, block=MX_BLOCK)
                 if pm is not None:
                     pe = torch.where(pm, p.to(torch.bfloat16).to(dtype), pe)
+            l_sum = l_sum * alpha + p_sum
             acc = acc * alpha + _mm_select(
                 pe, pe, pm, v_main[:, cols], v_diag[:, cols] if v_diag is not None else None
             )

@@ -97,7 +97,7 @@ def flamia_attn_varlen_func(
         from .cute_backend import forward_kernels, forward_only_quantization
 
         out, lse, _ = forward_kernels(q, k, v, cu_seqlens_q, max_seqlen_q, scale, kernel_block_tokens(rec),
-                                      forward_only=forward_only_quantization())
+                                      forward_only=forward_only_quantization(), row_sum=rec.row_sum)
         out = out.to(q.dtype)
     elif chosen == "cute":
         out, lse = CuteAttention.apply(q, k, v, cu_seqlens_q, max_seqlen_q, scale, rec, kernel_block_tokens(rec))

@@ -14,6 +14,11 @@ SCALINGS = ("none", "tensor", "token", "tokenblock", "mx")
 P_CASTS = ("bf16", "e4m3_fold", "mx")
 DS_CASTS = ("bf16", "e4m3_rowtile", "e5m2_rowtile", "mx")
 DV_FOLDS = ("tile", "document")
+# The forward's softmax denominator l: "fp32", the sum of the fp32 P; "cast_p", on the tiles whose
+# key-side scales are uniform (off the diagonal, K/V in key_tile blocks), the sum of the e4m3 P that
+# P V multiplies (a kernel takes it from the tensor core: a ones column against the same P), so O's
+# weights sum to 1 as cast; the diagonal tile and rows whose tile is dropped (FOLD_DROP) keep fp32.
+ROW_SUMS = ("fp32", "cast_p")
 MX_BLOCK = 32  # Blackwell block-scaled MMA: one E8M0 scale per 32 elements
 # P's e4m3_fold cast divides by a fold reference r (the max of the other operand's scales over the
 # visible entries of a tile): r never goes below FOLD_REF_MIN, so that p_scale / r stays finite in
@@ -85,6 +90,7 @@ class Recipe:
     # group, document), the max dO scale there: the same for every tile, so a kernel can accumulate
     # dV in the MMA itself (perf/NOTES.md, session 4)
     dv_fold: str = "tile"
+    row_sum: str = "fp32"  # ROW_SUMS
 
     def __post_init__(self):
         if self.p_cast not in P_CASTS:
@@ -95,6 +101,14 @@ class Recipe:
             raise ValueError(f"Recipe.dv_fold must be one of {DV_FOLDS}, got {self.dv_fold!r}")
         if self.dv_fold != "tile" and self.p_cast != "e4m3_fold":
             raise ValueError("Recipe.dv_fold 'document' applies to p_cast 'e4m3_fold' only")
+        if self.row_sum not in ROW_SUMS:
+            raise ValueError(f"Recipe.row_sum must be one of {ROW_SUMS}, got {self.row_sum!r}")
+        if self.row_sum == "cast_p" and not (
+            self.p_cast == "e4m3_fold" and self.diagonal_safeguard
+            and all(op.scaling == "tokenblock" and op.block_tokens == self.key_tile for op in (self.k, self.v))
+        ):
+            raise ValueError("Recipe.row_sum 'cast_p' needs p_cast 'e4m3_fold', the diagonal safeguard and k, v "
+                             "in key_tile token blocks (uniform scales on the off-diagonal tiles)")
         for tile_name in ("key_tile", "query_tile"):
             t = getattr(self, tile_name)
             if t < 1 or t & (t - 1):
@@ -159,6 +173,10 @@ NAMED_RECIPES: dict[str, Recipe] = {
         # The planned backward (perf/NOTES.md, session 4): S, dP, dV in FP8 with dV folded per
         # document, dS in bf16 for dK and dQ. The default since session 6 (attention_bwd_dsbf16_sm90).
         Recipe("fp8_tokenblock_dsbf16", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, ds_cast="bf16", dv_fold="document"),
+        # The same with the forward's row sum of the cast P off the diagonal (row_sum "cast_p"): the
+        # kernel sums on the tensor core instead of 64 FADDs per thread and tile
+        Recipe("fp8_tokenblock_dsbf16_castsum", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, ds_cast="bf16",
+               dv_fold="document", row_sum="cast_p"),
         # cuDNN-like: one amax per tensor per call. Deliberately leaky: the control.
         Recipe("fp8_tensor_current", _TENSOR, _TENSOR, _TENSOR, _TENSOR, diagonal_safeguard=False),
         Recipe("mxfp8", _MX, _MX, _MX, _MX, p_cast="mx", ds_cast="mx"),

@@ -64,12 +64,13 @@ def cache_path(key: TuningKey) -> Path:
 # ----------------------------------------------------------------------------- search space
 
 
-def fwd_space(head_dim: int, group: int, diagonal_copy: bool):
-    """Every forward config the kernel exposes, with the reason each pruned one was dropped."""
+def fwd_space(head_dim: int, group: int, diagonal_copy: bool, row_sum_mma: bool = False):
+    """Every forward config the kernel exposes, with the reason each pruned one was dropped.
+    row_sum_mma: the recipe's (row_sum "cast_p"), a numerics choice: fixed, never searched."""
     from .attention_fwd_sm90 import FwdConfig, smem_bytes
 
     keep, pruned = [], []
-    base = FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
+    base = FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy, row_sum_mma=row_sum_mma)
     keep.append((base, "default"))
     for stages, pingpong, overlap, persistent in itertools.product((2, 3, 4), (True, False), (True, False),
                                                                   (True, False)):
@@ -79,7 +80,7 @@ def fwd_space(head_dim: int, group: int, diagonal_copy: bool):
         for pin in (True, False) if overlap else (base.pin_softmax,):
             cfg = FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy,
                             kv_stages=stages, pingpong=pingpong, intra_wg_overlap=overlap, pin_softmax=pin,
-                            persistent=persistent)
+                            persistent=persistent, row_sum_mma=row_sum_mma)
             if cfg == base:
                 continue
             smem = smem_bytes(cfg)
@@ -93,7 +94,7 @@ def fwd_space(head_dim: int, group: int, diagonal_copy: bool):
         keep.append((dataclasses.replace(base, tile_claim="stride"), "static stride claim"))
         keep.append((dataclasses.replace(base, tile_order="heavy_first"), "heavy halves first"))
         keep.append((dataclasses.replace(base, tile_order="longest_documents"), "documents longest first"))
-        if base.intra_wg_overlap:
+        if base.intra_wg_overlap and not row_sum_mma:  # (overlap_tiles has no row_sum_mma build)
             pruned.append((dataclasses.replace(base, overlap_tiles=True),
                            "slower on every workload: +5..+16% (run s11a)"))
     return keep, pruned
@@ -199,11 +200,15 @@ def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool):
 TUNED_KERNELS = ("fwd", "bwd", "quant")
 
 
-def search_space(kernel: str, head_dim: int, heads_q: int, heads_kv: int, block_tokens: int):
-    """(kept, pruned) of one kernel for an attention shape; kept[0] is the kernel's default config."""
+def search_space(kernel: str, head_dim: int, heads_q: int, heads_kv: int, block_tokens: int,
+                 row_sum: str = "fp32"):
+    """(kept, pruned) of one kernel for an attention shape; kept[0] is the kernel's default config.
+    row_sum: the recipe's (recipes.ROW_SUMS), which the forward builds in."""
     if kernel == "quant":
         return quantize_space(head_dim, heads_q, heads_kv, block_tokens)
-    space = {"fwd": fwd_space, "bwd": bwd_space, "bwd_dsbf16": bwd_dsbf16_space}[kernel]
+    if kernel == "fwd":
+        return fwd_space(head_dim, heads_q // heads_kv, block_tokens > 1, row_sum == "cast_p")
+    space = {"bwd": bwd_space, "bwd_dsbf16": bwd_dsbf16_space}[kernel]
     return space(head_dim, heads_q // heads_kv, block_tokens > 1)
 
 
@@ -243,7 +248,8 @@ def config_label(kernel: str, cfg) -> str:
 
 def fwd_shape(cfg) -> str:
     """Cache shape of a FwdConfig, BwdConfig or BwdDsBf16Config (same field names)."""
-    return f"d{cfg.head_dim}_g{cfg.qhead_per_kvhead}_{'tokenblock' if cfg.diagonal_copy else 'token'}"
+    sums = "_castsum" if getattr(cfg, "row_sum_mma", False) else ""  # a forward numerics variant: tuned apart
+    return f"d{cfg.head_dim}_g{cfg.qhead_per_kvhead}_{'tokenblock' if cfg.diagonal_copy else 'token'}{sums}"
 
 
 def quant_shape(cfg) -> str:
@@ -431,6 +437,7 @@ def run_tune(args) -> int:
 
     from .bench import DEFAULT_WORKLOADS, _progress
     from .cute_backend import KERNEL_RECIPES, bf16_ds_backward, layout_block
+    from .recipes import NAMED_RECIPES
 
     data = json.loads(Path(args.workloads or DEFAULT_WORKLOADS).read_text())
     head = data["head_configs"].get(args.heads)
@@ -451,7 +458,9 @@ def run_tune(args) -> int:
     if args.only:
         wl = {w: wl[w] for w in args.only.split(",") if w in wl} or wl
     block = layout_block(KERNEL_RECIPES[args.recipe])  # PER_TENSOR runs the per-token kernels
-    spaces = {k: search_space(k, head["head_dim"], head["heads_q"], head["heads_kv"], block) for k in kernels}
+    row_sum = NAMED_RECIPES[args.recipe].row_sum
+    spaces = {k: search_space(k, head["head_dim"], head["heads_q"], head["heads_kv"], block, row_sum)
+              for k in kernels}
     shapes = {k: kernel_shape(k, keep[0][0]) for k, (keep, _) in spaces.items()}
     classes = {w: workload_class(max(ls), sum(ls), len(ls)) for w, ls in wl.items()}
     if args.dry_run:

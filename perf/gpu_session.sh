@@ -98,6 +98,13 @@ for stage in "$@"; do
     ds-bench-api) run ds_bench_api 420 python3 -m flamia_cute.cli bench --recipe fp8_tokenblock,fp8_tokenblock_dsbf16 \
                 --modes fwd,bwd,fwdbwd --impls flamia,fa4,cudnn --reps 15 --out "$OUT/ds_api" ;;
     quant-tests-x) run quant_tests 90 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_quantize_kernel.py ;;
+    castsum-tests)  # session 14: the castsum recipe's forward (row_sum_mma) against its emulator and fp64
+      run castsum_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py \
+        tests/test_kernel_accuracy.py -k castsum ;;
+    castsum-rounds) fwd_rounds castsum_rounds "default,row sum mma,row sum mma + poly 1/8" ;;
+    castsum-bench)  # end to end beside the default recipe (GPU time), FA4 in the same run
+      run bench_castsum 480 python3 -m flamia_cute.cli bench --modes fwd,fwdbwd --impls flamia,fa4 --reps 15 --gpu-time \
+        --recipe fp8_tokenblock_dsbf16,fp8_tokenblock_dsbf16_castsum --out "$OUT/castsum" ;;
     fwd-tests-all) run fwd_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py ;;
     timeline) run kernel_timeline 200 python3 perf/kernel_timeline.py ${TIMELINE_WORKLOADS:-} ;;
     fwd-rounds)  # the forward's variants timed in rotated order over three rounds (medians): builds told
