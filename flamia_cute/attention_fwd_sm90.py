@@ -383,11 +383,13 @@ class FlamiaFwdSm90:
             Float8E4M3FN, Float8E4M3FN, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, D),
             warpgroup.OperandSource.RMEM,
         )
-        # row_sum_mma: the row sum of the same P fragment against the ones tile (N = 8, the least)
-        l_mma = sm90_utils.make_trivial_tiled_mma(
+        # row_sum_mma: the row sum of the same P fragment against the ones tile (N = 8, the least); two
+        # atoms, the first k-step's overwriting and the others accumulating, each set once: no register
+        # writes (a zero fill) before the issue, and no atom state carried through the loops
+        l_mma0, l_mma1 = (sm90_utils.make_trivial_tiled_mma(
             Float8E4M3FN, Float8E4M3FN, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, ONES_N),
             warpgroup.OperandSource.RMEM,
-        )
+        ) for _ in range(2))
         row_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
         # Q: two 64-row "stages", one per consumer warpgroup
         sQ_layout = sm90_utils.make_smem_layout_a(row_major, (wm, tn, D), Float8E4M3FN, 2 * self.q_stages)
@@ -442,7 +444,7 @@ class FlamiaFwdSm90:
         self.shared_storage = SharedStorage
 
         self.kernel(
-            qk_mma, pv_mma, l_mma,
+            qk_mma, pv_mma, l_mma0, l_mma1,
             tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
             mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched,
             sQ_layout, sK_layout, sV_layout, sOnes_layout, scale_log2,
@@ -460,7 +462,8 @@ class FlamiaFwdSm90:
         self,
         qk_mma: cute.TiledMma,
         pv_mma: cute.TiledMma,
-        l_mma: cute.TiledMma,
+        l_mma0: cute.TiledMma,
+        l_mma1: cute.TiledMma,
         tma_q: cute.CopyAtom,
         tQ: cute.Tensor,
         tma_k: cute.CopyAtom,
@@ -494,7 +497,7 @@ class FlamiaFwdSm90:
         # in flight at once no longer fit in L2 (perf/NOTES.md, session 3).
         bidx, head, doc = cute.arch.block_idx()
         roles = (
-            qk_mma, pv_mma, l_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
+            qk_mma, pv_mma, (l_mma0, l_mma1), tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
             mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, sOnes_layout,
             scale_log2,
         )
@@ -514,7 +517,7 @@ class FlamiaFwdSm90:
     def run_cta(self, roles, head, doc, doc_start, doc_len, m_block):
         """Shared memory, pipelines and the warp roles of one CTA: the tile (head, doc, m_block), or
         when persistent the scheduler's tiles."""
-        (qk_mma, pv_mma, l_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
+        (qk_mma, pv_mma, l_mmas, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
          mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, sOnes_layout,
          scale_log2) = roles
         tn = self.tile_n
@@ -601,7 +604,7 @@ class FlamiaFwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.consume(
-                qk_mma, pv_mma, (l_mma, sOnes), sQ, sK, sV, sScale, sPin, pipe_q, pipe_k, pipe_v, pipe_s,
+                qk_mma, pv_mma, (l_mmas, sOnes), sQ, sK, sV, sScale, sPin, pipe_q, pipe_k, pipe_v, pipe_s,
                 mO, mLSE, mSQ, mCu, scale_log2, head, doc_start, doc_len, m_block, wg_idx - 1, pipe_t, sSched,
             )
 
@@ -799,13 +802,13 @@ class FlamiaFwdSm90:
         tScS = qk_thr.partition_C(cute.make_identity_tensor((wm, tn)))
         lsum = None
         if cutlass.const_expr(self.cfg.row_sum_mma):
-            l_mma, sOnes = ones
-            l_thr = l_mma.get_slice(ctid)
+            (l_mma0, l_mma1), sOnes = ones
+            l_thr = l_mma0.get_slice(ctid)
             tLrOnes = l_thr.make_fragment_B(l_thr.partition_B(sOnes))  # (MMA, 1, 4, 1)
             acc_l = l_thr.make_fragment_C(l_thr.partition_shape_C((wm, ONES_N)))  # ((2,2,1),1,1)
-            # always accumulating (the issue zeroes acc_l first), so the atom is never re-staged in a loop
-            l_mma.set(warpgroup.Field.ACCUMULATE, True)
-            lsum = (l_mma, tLrOnes, acc_l)
+            l_mma0.set(warpgroup.Field.ACCUMULATE, False)
+            l_mma1.set(warpgroup.Field.ACCUMULATE, True)
+            lsum = ((l_mma0, l_mma1), tLrOnes, acc_l)
         frags = (tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum)
 
         # Rows of this thread: value index a = v0 + 2*v1 + 4*v2 (v1 picks the row g or g+8)
@@ -888,7 +891,8 @@ class FlamiaFwdSm90:
                 # makes them loop-carried, so the epilogue's GEMM may use them after the loop
                 l_gate = None
                 if cutlass.const_expr(row_sum_mma):
-                    l_gate = Float32(cutlass.select_(i == 1, Float32(0.0), Float32(1.0)))  # i == 1: diagonal P V
+                    # i == 1: the diagonal's P V (its sum is in l); else the ones-tile sum's unit 1/256
+                    l_gate = Float32(cutlass.select_(i == 1, Float32(0.0), Float32(1.0 / P_SCALE)))
                 k_state, v_state, s_state, qk_mma, pv_mma = self.overlap_step(
                     m_block - i, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s,
                     k_state, v_state, s_state, doc_len, wg, q_slot, l_gate=l_gate,
@@ -898,7 +902,7 @@ class FlamiaFwdSm90:
                 q_state.advance()
             l_gate = None
             if cutlass.const_expr(row_sum_mma):
-                l_gate = Float32(cutlass.select_(n_tiles > 1, Float32(1.0), Float32(0.0)))
+                l_gate = Float32(cutlass.select_(n_tiles > 1, Float32(1.0 / P_SCALE), Float32(0.0)))
             v_state = self.overlap_epilogue(frags, rowst, pv_mma, pipe_v, v_state, wg, l_gate)
         else:
             k_state, v_state, s_state = self.tile_step(
@@ -1092,16 +1096,9 @@ class FlamiaFwdSm90:
             pv_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(pv_mma, acc_t, tOrP[None, None, k], tOrV[None, None, k, v_state.index], acc_t)
         if cutlass.const_expr(lsum is not None and row_sum):
-            l_mma, tLrOnes, acc_l = lsum  # the same P against the ones tile: acc_l (zeroed by the caller)
+            l_mmas, tLrOnes, acc_l = lsum  # the same P against the ones tile into acc_l
             for k in cutlass.range_constexpr(self.tile_n // 32):
-                cute.gemm(l_mma, acc_l, tOrP[None, None, k], tLrOnes[None, None, k, 0], acc_l)
-
-    @cute.jit
-    def zero_row_sum(self, frags):
-        """row_sum_mma: zero the ones-tile accumulator before the wgmma fence of a P V issue."""
-        lsum = frags[9]
-        if cutlass.const_expr(lsum is not None):
-            lsum[2].fill(0.0)
+                cute.gemm(l_mmas[min(k, 1)], acc_l, tOrP[None, None, k], tLrOnes[None, None, k, 0], acc_l)
 
     @cute.jit
     def softmax(self, diag: cutlass.Constexpr, n, frags, rowst, sScale, s_state, doc_len, wg):
@@ -1289,8 +1286,6 @@ class FlamiaFwdSm90:
 
         # ---- O_tile = P V in a fresh accumulator, promoted into the fp32 running output
         pipe_v.consumer_wait(v_state)
-        if cutlass.const_expr(not diag):
-            self.zero_row_sum(frags)
         warpgroup.fence()
         self.gemm_pv(pv_mma, frags, v_state, not diag)
         warpgroup.commit_group()
@@ -1328,8 +1323,9 @@ class FlamiaFwdSm90:
     @cute.jit
     def accumulate_o(self, frags, c, l_run=None, l_fac=None):
         """O = O * c + O_tile (one FFMA per element): rescale and promotion of the fresh tile sum.
-        row_sum_mma (l_run given): l += the tile's ones-tile sum times l_fac (the alpha of a softmax
-        that ran since its P, times 0 for the diagonal tile's, whose fp32 sum is in l already; None: 1).
+        row_sum_mma (l_run given): l += the tile's ones-tile sum (of P * 256) times l_fac (1/256 times
+        the alpha of a softmax that ran since its P, or 0 for the diagonal tile's, whose fp32 sum is in
+        l already; None: 1/256).
         Lane 0 of a quad holds the sum (column 0), the others zero: l stays a quad-partial sum."""
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
         for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
@@ -1341,7 +1337,7 @@ class FlamiaFwdSm90:
             acc_l = lsum[2]
             for v1 in cutlass.range_constexpr(2):
                 if cutlass.const_expr(l_fac is None):
-                    l_run[v1] = l_run[v1] + acc_l[2 * v1]
+                    l_run[v1] = l_run[v1] + acc_l[2 * v1] * Float32(1.0 / P_SCALE)
                 else:
                     l_run[v1] = l_run[v1] + acc_l[2 * v1] * l_fac[v1]
 
@@ -1381,7 +1377,7 @@ class FlamiaFwdSm90:
         next_diag (overlap_tiles, between query blocks): n is the next block's diagonal tile (masked
         softmax; its fresh row statistics already in rowst, doc_len its document's), c_prev this
         block's pending factor; P stays in acc_s until the caller has stored this block's O.
-        l_gate (row_sum_mma): 0 when the P V in flight is the diagonal tile's, else 1."""
+        l_gate (row_sum_mma): 0 when the P V in flight is the diagonal tile's, else 1/256."""
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
         rs, m_run, l_run, r_run, c_pend = rowst
         k_state = self.issue_s_with_pv(qk_mma, pv_mma, frags, pipe_k, pipe_v, pipe_s, k_state, v_state, s_state, wg,
@@ -1417,7 +1413,6 @@ class FlamiaFwdSm90:
         pipe_k.consumer_wait(k_state)
         pipe_v.consumer_wait(v_state)
         self.wait_turn(wg)
-        self.zero_row_sum(frags)
         warpgroup.fence()
         self.gemm_qk(qk_mma, frags, k_state, q_slot)
         warpgroup.commit_group()
@@ -1433,11 +1428,10 @@ class FlamiaFwdSm90:
     @cute.jit
     def overlap_epilogue(self, frags, rowst, pv_mma, pipe_v, v_state, wg, l_gate=None):
         """Overlap schedule: P V of the last tile, O = O * c_last + O_tile. l_gate (row_sum_mma): 0
-        when that tile is the diagonal one, else 1."""
+        when that tile is the diagonal one, else 1/256."""
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
         pipe_v.consumer_wait(v_state)
         self.wait_turn(wg)
-        self.zero_row_sum(frags)
         warpgroup.fence()
         self.gemm_pv(pv_mma, frags, v_state)
         warpgroup.commit_group()
