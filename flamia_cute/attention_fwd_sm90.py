@@ -105,9 +105,9 @@ P_SCALE_LOG2 = math.log2(P_SCALE)  # exact: P_SCALE is a power of two
 SCHED_STAGES = 2
 PERSISTENT_MAX_DOCS = 1024
 SCAN_BARRIER = 3
-# row_sum_mma: the ones tile (N = 8 rows of tile_n e4m3 bytes; row 0 is 1.0, rows 1-7 zero)
-ONES_N = 8
-ONES_TILE_BYTES = ONES_N * 128
+# row_sum_mma: 8 rows below each V^T stage (row 0 of them 1.0, rows 1-7 zero; never written by TMA),
+# so P V (N = D + 8) also sums P in its column D
+ONES_ROWS = 8
 E4M3_ONE_X4 = 0x38383838  # four e4m3 1.0 bytes
 if LPT_MAX_DOCS != 128:  # rank_documents_longest_first: one document per producer-warpgroup thread
     raise ImportError(f"schedules.varlen_tiles.LPT_MAX_DOCS must be 128 (got {LPT_MAX_DOCS})")
@@ -126,7 +126,7 @@ def smem_bytes(cfg) -> int:
     tables = {"documents": 2, "heavy_first": 3, "longest_documents": 4}[cfg.tile_order]
     table = tables * 4 * (PERSISTENT_MAX_DOCS + 1) + 128 if cfg.persistent else 0
     scales = (2 * cfg.tile_n + (cfg.tile_m if cfg.stage_tile_inputs else 0)) * 4 * cfg.kv_stages
-    ones = ONES_TILE_BYTES if cfg.row_sum_mma else 0
+    ones = cfg.kv_stages * cfg.tile_n * ONES_ROWS if cfg.row_sum_mma else 0
     return tile + 2 * cfg.kv_stages * cfg.tile_n * cfg.head_dim + scales + table + ones + 2048
 
 
@@ -229,10 +229,11 @@ class FwdConfig:
     # session 12 (s11h: one-step tiles waited on Q's barrier at their start); not yet run on the GPU.
     q_stages: int | None = None
     # Block-scaled off-diagonal tiles: the softmax row sum on the tensor core (the recipe's
-    # row_sum="cast_p"). P V's e4m3 P also multiplies a constant ones column (an m64n8 wgmma per 32
-    # keys, B a 1 KB shared-memory tile whose row 0 is 1.0), so l sums the cast P that P V weighs
-    # and the 64 FADDs per thread and tile leave the issue slots. The diagonal tile (P carries the
-    # per-token V scale fold there) and dropped rows keep the fp32 sum.
+    # row_sum="cast_p"). P V runs with N = D + 8 over 8 constant rows below each V^T stage (row D is
+    # 1.0, the others zero), so its column D sums the cast P that P V weighs and the 64 FADDs per
+    # thread and tile leave the issue slots. The diagonal tile (P carries the per-token V scale fold
+    # there) and dropped rows keep the fp32 sum. A separate m64n8 wgmma against a ones tile (s14b,
+    # s14c) was 2..8% slower: 4 more wgmmas on the P V chain per step.
     row_sum_mma: bool = False
 
     def __post_init__(self):
@@ -379,30 +380,24 @@ class FlamiaFwdSm90:
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             Float8E4M3FN, Float8E4M3FN, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, tn)
         )
+        # row_sum_mma: N = D + 8, the ones rows below V^T (the row sum shares the A operand's one read)
+        row_sum_mma = self.cfg.row_sum_mma
+        d_pv = D + ONES_ROWS if row_sum_mma else D
         pv_mma = sm90_utils.make_trivial_tiled_mma(
-            Float8E4M3FN, Float8E4M3FN, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, D),
+            Float8E4M3FN, Float8E4M3FN, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, d_pv),
             warpgroup.OperandSource.RMEM,
         )
-        # row_sum_mma: the row sum of the same P fragment against the ones tile (N = 8, the least); two
-        # atoms, the first k-step's overwriting and the others accumulating, each set once: no register
-        # writes (a zero fill) before the issue, and no atom state carried through the loops
-        l_mma0, l_mma1 = (sm90_utils.make_trivial_tiled_mma(
-            Float8E4M3FN, Float8E4M3FN, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, ONES_N),
-            warpgroup.OperandSource.RMEM,
-        ) for _ in range(2))
         row_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
         # Q: two 64-row "stages", one per consumer warpgroup
         sQ_layout = sm90_utils.make_smem_layout_a(row_major, (wm, tn, D), Float8E4M3FN, 2 * self.q_stages)
         sK_layout = sm90_utils.make_smem_layout_b(row_major, (wm, tn, D), Float8E4M3FN, self.stages)
-        sV_layout = sm90_utils.make_smem_layout_b(row_major, (wm, D, tn), Float8E4M3FN, self.stages)
-        sOnes_layout = sm90_utils.make_smem_layout_b(row_major, (wm, ONES_N, tn), Float8E4M3FN, 1)
-        row_sum_mma = self.cfg.row_sum_mma
-        n_ones = cute.cosize(sOnes_layout) if row_sum_mma else 16
+        sV_layout = sm90_utils.make_smem_layout_b(row_major, (wm, d_pv, tn), Float8E4M3FN, self.stages)
 
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tQ = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mQ, cute.slice_(sQ_layout, (None, None, 0)), (wm, D))
         sK1 = cute.slice_(sK_layout, (None, None, 0))
-        sV1 = cute.slice_(sV_layout, (None, None, 0))
+        # TMA fills the first D rows of a stage (the same 128-byte swizzle atoms: rows are 128 bytes apart)
+        sV1 = cute.slice_(sm90_utils.make_smem_layout_b(row_major, (wm, D, tn), Float8E4M3FN, 1), (None, None, 0))
         tma_k, tK = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mK, sK1, (tn, D))
         tma_v, tV = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mV, sV1, (D, tn))
         tma_kt, tKt = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mKt, sK1, (tn, D))
@@ -438,16 +433,14 @@ class FlamiaFwdSm90:
             sHeavy: cute.struct.Align[cute.struct.MemRange[Int32, n_heavy], 16]
             sLpt: cute.struct.Align[cute.struct.MemRange[Int32, n_lpt], 16]
             sOrder: cute.struct.Align[cute.struct.MemRange[Int32, n_lpt], 16]
-            # last, so that the other builds' shared-memory map is unchanged (16 unused bytes there)
-            sOnes: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, n_ones], 1024 if row_sum_mma else 16]
 
         self.shared_storage = SharedStorage
 
         self.kernel(
-            qk_mma, pv_mma, l_mma0, l_mma1,
+            qk_mma, pv_mma,
             tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
             mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched,
-            sQ_layout, sK_layout, sV_layout, sOnes_layout, scale_log2,
+            sQ_layout, sK_layout, sV_layout, scale_log2,
         ).launch(
             # one CTA per (query block, head, document), query block fastest (see kernel()), or
             # grid_x persistent CTAs
@@ -462,8 +455,6 @@ class FlamiaFwdSm90:
         self,
         qk_mma: cute.TiledMma,
         pv_mma: cute.TiledMma,
-        l_mma0: cute.TiledMma,
-        l_mma1: cute.TiledMma,
         tma_q: cute.CopyAtom,
         tQ: cute.Tensor,
         tma_k: cute.CopyAtom,
@@ -486,7 +477,6 @@ class FlamiaFwdSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
-        sOnes_layout: cute.ComposedLayout,
         scale_log2: Float32,
     ):
         tn = self.tile_n
@@ -497,9 +487,8 @@ class FlamiaFwdSm90:
         # in flight at once no longer fit in L2 (perf/NOTES.md, session 3).
         bidx, head, doc = cute.arch.block_idx()
         roles = (
-            qk_mma, pv_mma, (l_mma0, l_mma1), tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
-            mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, sOnes_layout,
-            scale_log2,
+            qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
+            mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, scale_log2,
         )
         if cutlass.const_expr(self.persistent):
             # tiles come from the scheduler (run_cta's producer warp): no tile of its own
@@ -517,9 +506,8 @@ class FlamiaFwdSm90:
     def run_cta(self, roles, head, doc, doc_start, doc_len, m_block):
         """Shared memory, pipelines and the warp roles of one CTA: the tile (head, doc, m_block), or
         when persistent the scheduler's tiles."""
-        (qk_mma, pv_mma, l_mmas, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
-         mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, sOnes_layout,
-         scale_log2) = roles
+        (qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
+         mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, scale_log2) = roles
         tn = self.tile_n
         tidx, _, _ = cute.arch.thread_idx()
         kv_head = head // self.group
@@ -530,16 +518,21 @@ class FlamiaFwdSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sScale = storage.sScale.get_tensor(cute.make_layout((self.scale_rows, self.stages)))
         sPin = storage.sPin.get_tensor(cute.make_layout(256))
-        sOnes = None
+        sV_tma = sV  # what TMA fills: all of each stage, or with row_sum_mma its first D rows
         if cutlass.const_expr(self.cfg.row_sum_mma):
-            sOnes = storage.sOnes.get_tensor(sOnes_layout.outer, swizzle=sOnes_layout.inner)
-            # Row 0 (bytes 0-127) 1.0, rows 1-7 zero: the swizzle moves 16-byte chunks within a row
-            # only, so the plain byte order is right. Written before the CTA's barrier below; the fence
-            # makes the generic-proxy stores visible to wgmma's reads.
-            if tidx < ONES_TILE_BYTES // 4:
-                words = cute.make_tensor(cute.recast_ptr(storage.sOnes.data_ptr(), dtype=Uint32),
-                                         cute.make_layout(ONES_TILE_BYTES // 4))
-                words[tidx] = Uint32(cutlass.select_(tidx < 32, Uint32(E4M3_ONE_X4), Uint32(0)))
+            D, d_pv = self.D, self.D + ONES_ROWS
+            # (d, key, stage) -> sV's own coordinate: the stage's first D rows
+            rows = cute.make_layout((D, tn, self.stages), stride=(1, d_pv, d_pv * tn))
+            sV_tma = storage.sV.get_tensor(cute.composition(sV_layout.outer, rows), swizzle=sV_layout.inner)
+            # The ones rows of every stage: row D 1.0, rows D+1..D+7 zero (bytes D*128.. of the stage; the
+            # swizzle moves 16-byte chunks within a row only). Written before the CTA's barrier below; the
+            # fence makes the generic-proxy stores visible to wgmma's reads.
+            if tidx < ONES_ROWS * tn // 4:
+                words = cute.make_tensor(cute.recast_ptr(storage.sV.data_ptr(), dtype=Uint32),
+                                         cute.make_layout(d_pv * tn * self.stages // 4))
+                for st in cutlass.range_constexpr(self.stages):
+                    words[(st * d_pv + D) * tn // 4 + tidx] = Uint32(
+                        cutlass.select_(tidx < tn // 4, Uint32(E4M3_ONE_X4), Uint32(0)))
             cute.arch.fence_proxy("async.shared", space="cta")
 
         pipe_q = tma_pipeline(self.q_stages, self.q_bytes, storage.q_mbar.data_ptr())
@@ -582,7 +575,8 @@ class FlamiaFwdSm90:
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             if warp_idx == 0:
-                tma_args = (tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, sQ, sK, sV, pipe_q, pipe_k, pipe_v)
+                tma_args = (tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, sQ, sK, sV_tma, pipe_q, pipe_k,
+                            pipe_v)
                 if cutlass.const_expr(self.persistent):
                     self.produce_tiles(tma_args, mCu, mSched, mO.shape[2], pipe_t, sSched, sCum, sDt, sHeavy,
                                        lpt_tables)
@@ -604,7 +598,7 @@ class FlamiaFwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.consume(
-                qk_mma, pv_mma, (l_mmas, sOnes), sQ, sK, sV, sScale, sPin, pipe_q, pipe_k, pipe_v, pipe_s,
+                qk_mma, pv_mma, sQ, sK, sV, sScale, sPin, pipe_q, pipe_k, pipe_v, pipe_s,
                 mO, mLSE, mSQ, mCu, scale_log2, head, doc_start, doc_len, m_block, wg_idx - 1, pipe_t, sSched,
             )
 
@@ -781,7 +775,7 @@ class FlamiaFwdSm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def consume(
-        self, qk_mma, pv_mma, ones, sQ, sK, sV, sScale, sPin, pipe_q, pipe_k, pipe_v, pipe_s,
+        self, qk_mma, pv_mma, sQ, sK, sV, sScale, sPin, pipe_q, pipe_k, pipe_v, pipe_s,
         mO, mLSE, mSQ, mCu, scale_log2, head, doc_start, doc_len, m_block, wg, pipe_t, sSched,
     ):
         """The consumer warpgroups: one tile (head, doc, m_block), or when persistent every tile
@@ -795,20 +789,19 @@ class FlamiaFwdSm90:
         tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))  # (MMA, 1, D/32, stages)
         tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))  # (MMA, 1, 4, stages)
         acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((wm, tn)))  # ((2,2,16),1,1)
-        acc_t = pv_thr.make_fragment_C(pv_thr.partition_shape_C((wm, self.D)))  # this tile's P V
-        acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((wm, self.D)))  # running output
+        d_pv = self.D + (ONES_ROWS if self.cfg.row_sum_mma else 0)
+        acc_t = pv_thr.make_fragment_C(pv_thr.partition_shape_C((wm, d_pv)))  # this tile's P V (and row sum)
+        if cutlass.const_expr(self.cfg.row_sum_mma):
+            # running output: acc_t's first D/2 values per thread (the same linear index; FFMAs only)
+            acc_o = cute.make_rmem_tensor(cute.make_layout(self.D // 2), Float32)
+        else:
+            acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((wm, self.D)))  # running output
         tOrP = pv_thr.make_fragment_A(pv_thr.partition_shape_A((wm, tn)))  # ((4,2,2),1,4) e4m3
         tOrP32 = cute.recast_tensor(tOrP, Uint32)
         tScS = qk_thr.partition_C(cute.make_identity_tensor((wm, tn)))
-        lsum = None
-        if cutlass.const_expr(self.cfg.row_sum_mma):
-            (l_mma0, l_mma1), sOnes = ones
-            l_thr = l_mma0.get_slice(ctid)
-            tLrOnes = l_thr.make_fragment_B(l_thr.partition_B(sOnes))  # (MMA, 1, 4, 1)
-            acc_l = l_thr.make_fragment_C(l_thr.partition_shape_C((wm, ONES_N)))  # ((2,2,1),1,1)
-            l_mma0.set(warpgroup.Field.ACCUMULATE, False)
-            l_mma1.set(warpgroup.Field.ACCUMULATE, True)
-            lsum = ((l_mma0, l_mma1), tLrOnes, acc_l)
+        # row_sum_mma: acc_t's value index of row 0's column D (lane 0 of a quad; the others hold the
+        # zero columns D+2.., D+4.., D+6..), row 1's is 2 further
+        lsum = 4 * (self.D // 8) if self.cfg.row_sum_mma else None
         frags = (tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum)
 
         # Rows of this thread: value index a = v0 + 2*v1 + 4*v2 (v1 picks the row g or g+8)
@@ -891,7 +884,7 @@ class FlamiaFwdSm90:
                 # makes them loop-carried, so the epilogue's GEMM may use them after the loop
                 l_gate = None
                 if cutlass.const_expr(row_sum_mma):
-                    # i == 1: the diagonal's P V (its sum is in l); else the ones-tile sum's unit 1/256
+                    # i == 1: the diagonal's P V (its sum is in l already); else the row sum's unit 1/256
                     l_gate = Float32(cutlass.select_(i == 1, Float32(0.0), Float32(1.0 / P_SCALE)))
                 k_state, v_state, s_state, qk_mma, pv_mma = self.overlap_step(
                     m_block - i, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s,
@@ -1087,18 +1080,13 @@ class FlamiaFwdSm90:
             cute.gemm(qk_mma, acc_s, tSrQ[None, None, k, q_slot], tSrK[None, None, k, k_state.index], acc_s)
 
     @cute.jit
-    def gemm_pv(self, pv_mma, frags, v_state, row_sum: cutlass.Constexpr = True):
-        """Issue O_tile = P V (P from registers) into the fresh tile accumulator acc_t (async), and with
-        row_sum_mma P against the ones tile into acc_l (row_sum=False: the serial diagonal step's,
-        whose sum is the softmax's)."""
+    def gemm_pv(self, pv_mma, frags, v_state):
+        """Issue O_tile = P V (P from registers) into the fresh tile accumulator acc_t (async); with
+        row_sum_mma its column D is the row sum of P (the ones rows below V^T)."""
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
         for k in cutlass.range_constexpr(self.tile_n // 32):
             pv_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(pv_mma, acc_t, tOrP[None, None, k], tOrV[None, None, k, v_state.index], acc_t)
-        if cutlass.const_expr(lsum is not None and row_sum):
-            l_mmas, tLrOnes, acc_l = lsum  # the same P against the ones tile into acc_l
-            for k in cutlass.range_constexpr(self.tile_n // 32):
-                cute.gemm(l_mmas[min(k, 1)], acc_l, tOrP[None, None, k], tLrOnes[None, None, k, 0], acc_l)
 
     @cute.jit
     def softmax(self, diag: cutlass.Constexpr, n, frags, rowst, sScale, s_state, doc_len, wg):
@@ -1198,7 +1186,7 @@ class FlamiaFwdSm90:
             alphas[v1] = alpha
             m_run[v1] = m_new
         psum = [Float32(0.0), Float32(0.0)]
-        # row_sum_mma: a uniform tile's sum comes from the ones-tile MMA (accumulate_o adds it)
+        # row_sum_mma: a uniform tile's sum comes from P V's column D (accumulate_o adds it)
         sum_on_mma = uniform and lsum is not None
         poly_every = self.cfg.exp2_poly_every
         # uniform tiles: P * 256 = exp2(x + 8) saves a multiply per element (P_SCALE = 2^8)
@@ -1243,7 +1231,7 @@ class FlamiaFwdSm90:
         unscaled (w / r == 1), so a dropped row (r_run < 0, see softmax) has its bytes zeroed here:
         16 ANDs and no branch (a branch over the row's fp32 values spilled). Register i holds
         row i % 2 (a_fragment_sources). l_run (row_sum_mma): a dropped row's zeroed P would leave its
-        keys out of the ones-tile sum, so their fp32 sum goes into l here."""
+        keys out of P V's row sum, so their fp32 sum goes into l here."""
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
         pack_a_fragment_e4m3(acc_s, tOrP32)
         if cutlass.const_expr(uniform):
@@ -1287,7 +1275,7 @@ class FlamiaFwdSm90:
         # ---- O_tile = P V in a fresh accumulator, promoted into the fp32 running output
         pipe_v.consumer_wait(v_state)
         warpgroup.fence()
-        self.gemm_pv(pv_mma, frags, v_state, not diag)
+        self.gemm_pv(pv_mma, frags, v_state)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
@@ -1323,7 +1311,7 @@ class FlamiaFwdSm90:
     @cute.jit
     def accumulate_o(self, frags, c, l_run=None, l_fac=None):
         """O = O * c + O_tile (one FFMA per element): rescale and promotion of the fresh tile sum.
-        row_sum_mma (l_run given): l += the tile's ones-tile sum (of P * 256) times l_fac (1/256 times
+        row_sum_mma (l_run given): l += the tile's row sum (P V's column D, of P * 256) times l_fac (1/256 times
         the alpha of a softmax that ran since its P, or 0 for the diagonal tile's, whose fp32 sum is in
         l already; None: 1/256).
         Lane 0 of a quad holds the sum (column 0), the others zero: l stays a quad-partial sum."""
@@ -1334,12 +1322,11 @@ class FlamiaFwdSm90:
                     a = v0 + 2 * v1 + 4 * j
                     acc_o[a] = acc_o[a] * c[v1] + acc_t[a]
         if cutlass.const_expr(lsum is not None and l_run is not None):
-            acc_l = lsum[2]
             for v1 in cutlass.range_constexpr(2):
                 if cutlass.const_expr(l_fac is None):
-                    l_run[v1] = l_run[v1] + acc_l[2 * v1] * Float32(1.0 / P_SCALE)
+                    l_run[v1] = l_run[v1] + acc_t[lsum + 2 * v1] * Float32(1.0 / P_SCALE)
                 else:
-                    l_run[v1] = l_run[v1] + acc_l[2 * v1] * l_fac[v1]
+                    l_run[v1] = l_run[v1] + acc_t[lsum + 2 * v1] * l_fac[v1]
 
     # ------------------------------------------------------------------------------------------
     @cute.jit

@@ -185,8 +185,8 @@ FWD_VARIANTS = {
     # the next tile claimed before this tile's loads (s11h: the claim's round trip on the TMA warp)
     "claim ahead": FwdConfig(128, diagonal_copy=True, claim_ahead=True),
     "3 q stages": FwdConfig(128, diagonal_copy=True, q_stages=3),  # tile t+2's Q in flight (s11h)
-    # the castsum recipe's build: l from a ones-tile wgmma per P V (the 64 row-sum FADDs per thread off
-    # the issue slots); with exp2 poly 1/8 on top (issue slots freed for the FMA pipe's exp2)
+    # the castsum recipe's build: l from P V's column D over ones rows below V^T (the 64 row-sum FADDs
+    # per thread off the issue slots); with exp2 poly 1/8 on top (issue slots freed for the FMA pipe's exp2)
     "row sum mma": FwdConfig(128, diagonal_copy=True, row_sum_mma=True),
     "row sum mma + poly 1/8": FwdConfig(128, diagonal_copy=True, row_sum_mma=True, exp2_poly_every=8),
 }

@@ -132,6 +132,16 @@ for stage in "$@"; do
         python3 perf/profile_kernels.py quant longtail32k ;;
     ncu-ds)  # where the bf16-dS backward kernel's time goes: one long and one short-document workload
       ncu_kernel ds BwdDsBf16 bwd_dsbf16 ${NCU_WORKLOADS:-1x16k 16x1k} ;;
+    ncu-s14)  # session 14: the row_sum_mma forward and the dq_first_store backward against their defaults
+      # (1x16k, same run; details pages only: the file count that comes back is limited)
+      for spec in "fwd FlamiaFwd fwd FWD_CONFIG {}" "fwdrs FlamiaFwd fwd FWD_CONFIG {\"row_sum_mma\":true}" \
+                  "ds BwdDsBf16 bwd_dsbf16 BWD_DSBF16_CONFIG {}" \
+                  "dsfs BwdDsBf16 bwd_dsbf16 BWD_DSBF16_CONFIG {\"dq_first_store\":true}"; do
+        read -r tag regex what var json <<<"$spec"
+        env "$var=$json" timeout 240 ncu -k regex:"$regex" --launch-skip 1 --launch-count 1 --set full \
+          --import-source no -o "$OUT/$tag" -f python3 perf/profile_kernels.py "$what" 1x16k >>"$OUT/ncu_s14.log" 2>&1
+        ncu -i "$OUT/$tag.ncu-rep" --page details > "$OUT/ncu_${tag}_1x16k_details.txt" 2>&1; rm -f "$OUT/$tag.ncu-rep"
+      done ;;
     ncu-fwd)  # where the forward kernel's time goes (stall samples per SASS address)
       ncu_kernel fwd FlamiaFwd fwd ${NCU_WORKLOADS:-1x16k} ;;
     ncu-fwd-short)  # session 11: the forward's per-tile cost on one-step tiles (128x128) and 16x1k, and

@@ -7,19 +7,21 @@
 FWD_CONFIG='{"pin_softmax": true}' overrides FwdConfig fields of the forward launches.
 """
 
+import dataclasses
 import json
 import os
 import sys
 
 import torch
 
-from flamia_cute.attention_bwd_dsbf16_sm90 import flamia_bwd_dsbf16_sm90_from_saved
+from flamia_cute.attention_bwd_dsbf16_sm90 import default_config, flamia_bwd_dsbf16_sm90_from_saved
 from flamia_cute.attention_bwd_sm90 import flamia_bwd_sm90_from_saved, preprocess_bwd
 from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case
 from flamia_cute.cute_backend import quantize_operands
 
 FWD_OVERRIDES = json.loads(os.environ.get("FWD_CONFIG", "{}"))
+BWD_DSBF16_OVERRIDES = json.loads(os.environ.get("BWD_DSBF16_CONFIG", "{}"))  # fields of BwdDsBf16Config
 
 
 def main():
@@ -45,8 +47,9 @@ def main():
         delta, doq, dv_ref = preprocess_bwd(dout, out, case.cu, dv_ref_group=1)
         for _ in range(3 if what.startswith("bwd") else 0):
             if what == "bwd_dsbf16":
+                cfg = dataclasses.replace(default_config(qq, kq, kt), **BWD_DSBF16_OVERRIDES)
                 flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
-                                                  case.scale, do_quantized=doq, delta=delta, dv_ref=dv_ref)
+                                                  case.scale, cfg, do_quantized=doq, delta=delta, dv_ref=dv_ref)
             else:
                 flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
                                            do_quantized=doq, delta=delta)
