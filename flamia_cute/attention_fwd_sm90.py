@@ -232,8 +232,9 @@ class FwdConfig:
     # row_sum="cast_p"). P V runs with N = D + 8 over 8 constant rows below each V^T stage (row D is
     # 1.0, the others zero), so its column D sums the cast P that P V weighs and the 64 FADDs per
     # thread and tile leave the issue slots. The diagonal tile (P carries the per-token V scale fold
-    # there) and dropped rows keep the fp32 sum. A separate m64n8 wgmma against a ones tile (s14b,
-    # s14c) was 2..8% slower: 4 more wgmmas on the P V chain per step.
+    # there) and dropped rows keep the fp32 sum. Measured on the H200 (kernel alone, rotated rounds):
+    # 1..6% SLOWER on every workload (s14e; a separate m64n8 wgmma against a ones tile, s14b-s14c,
+    # 2..8%): 8% fewer instructions, but the longer P V sits on the latency-bound chain. Opt-in.
     row_sum_mma: bool = False
 
     def __post_init__(self):
