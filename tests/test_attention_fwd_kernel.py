@@ -508,7 +508,8 @@ def _kernel_model(qq, kq, vq, kt, vt, cu, scale, group, diag_copy, acc_bits=None
     acc_bits: model the tensor core's reduced-precision accumulation (`fp8_mma_truncated`) and
     ex2.approx's 2^-22 relative error. bug: inject a known indexing bug (error-check tests):
     "v_at_cu" (V^T tiles at cu_seqlens: the pre-fix layout), "mask_off_by_one", "sk_shift",
-    "no_fold_drop" (every tile kept: 256 / r and r_prev / r overflow after an all-zero V tile).
+    "no_fold_drop" (every tile kept: 256 / r and r_prev / r overflow after an all-zero V tile),
+    "no_drop_sum" (row_sum_mma without the dropped rows' fp32 sum: their keys leave l).
     row_sum_mma: the off-diagonal tiles' l is the ones-column product of the cast P (dropped rows:
     the fp32 sum), as FwdConfig.row_sum_mma computes it.
     """
@@ -588,7 +589,8 @@ def _kernel_model(qq, kq, vq, kt, vt, cu, scale, group, diag_copy, acc_bits=None
                     P8 = cast_to((P * sv[None, :]) * inv[:, None], E4M3)
                     if row_sum_mma and diag_copy and i > 0:  # uniform tile: P8 = e4m3(P * 256), P V's operand
                         ones = torch.ones(128, 1)
-                        L = L * alpha + torch.where(keep, mm(P8, ones)[:, 0] / 256.0, P.sum(1))
+                        dropped_sum = torch.zeros(128) if bug == "no_drop_sum" else P.sum(1)
+                        L = L * alpha + torch.where(keep, mm(P8, ones)[:, 0] / 256.0, dropped_sum)
                     else:
                         L = L * alpha + P.sum(1)
                     # masked keys: P = 0 exactly (exp2(-inf) = 0, times a zero V scale)
@@ -726,6 +728,9 @@ def test_cast_row_sum_is_what_the_emulator_models(zero_v):
     # the diagonal tile keeps the fp32 sum: single-tile documents (here the 5-token one) agree bitwise
     if not zero_v:
         assert torch.equal(eo[-5:], eo32[-5:])
+    else:  # the zero-V tiles' rows are dropped: without their fp32 sum l misses those keys
+        bad, _ = _kernel_model(*qz, cu, scale, H // Hk, True, row_sum_mma=True, bug="no_drop_sum")
+        assert rel_l2(bad.float(), eo.float()) > 1e-2
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
