@@ -1315,7 +1315,7 @@ class FlamiaFwdSm90:
         row_sum_mma (l_run given): l += the tile's row sum (P V's column D, of P * 256) times l_fac (1/256 times
         the alpha of a softmax that ran since its P, or 0 for the diagonal tile's, whose fp32 sum is in
         l already; None: 1/256).
-        Lane 0 of a quad holds the sum (column 0), the others zero: l stays a quad-partial sum."""
+        Lane 0 of a quad holds the sum (column D), the others zero columns: l stays a quad-partial sum."""
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
         for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
             for v1 in cutlass.range_constexpr(2):
