@@ -307,6 +307,8 @@ class FlamiaFwdSm90:
     def __init__(self, config: FwdConfig):
         self.cfg = config
         self.D = config.head_dim
+        # P V's N and V^T's rows per stage: row_sum_mma adds the ones rows below V^T (column D sums P)
+        self.d_pv = self.D + (ONES_ROWS if config.row_sum_mma else 0)
         self.group = config.qhead_per_kvhead
         self.diag_copy = config.diagonal_copy
         self.stages = config.kv_stages
@@ -382,17 +384,15 @@ class FlamiaFwdSm90:
             Float8E4M3FN, Float8E4M3FN, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, tn)
         )
         # row_sum_mma: N = D + 8, the ones rows below V^T (the row sum shares the A operand's one read)
-        row_sum_mma = self.cfg.row_sum_mma
-        d_pv = D + ONES_ROWS if row_sum_mma else D
         pv_mma = sm90_utils.make_trivial_tiled_mma(
-            Float8E4M3FN, Float8E4M3FN, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, d_pv),
+            Float8E4M3FN, Float8E4M3FN, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, self.d_pv),
             warpgroup.OperandSource.RMEM,
         )
         row_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
         # Q: two 64-row "stages", one per consumer warpgroup
         sQ_layout = sm90_utils.make_smem_layout_a(row_major, (wm, tn, D), Float8E4M3FN, 2 * self.q_stages)
         sK_layout = sm90_utils.make_smem_layout_b(row_major, (wm, tn, D), Float8E4M3FN, self.stages)
-        sV_layout = sm90_utils.make_smem_layout_b(row_major, (wm, d_pv, tn), Float8E4M3FN, self.stages)
+        sV_layout = sm90_utils.make_smem_layout_b(row_major, (wm, self.d_pv, tn), Float8E4M3FN, self.stages)
 
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tQ = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mQ, cute.slice_(sQ_layout, (None, None, 0)), (wm, D))
@@ -521,7 +521,7 @@ class FlamiaFwdSm90:
         sPin = storage.sPin.get_tensor(cute.make_layout(256))
         sV_tma = sV  # what TMA fills: all of each stage, or with row_sum_mma its first D rows
         if cutlass.const_expr(self.cfg.row_sum_mma):
-            D, d_pv = self.D, self.D + ONES_ROWS
+            D, d_pv = self.D, self.d_pv
             # (d, key, stage) -> sV's own coordinate: the stage's first D rows
             rows = cute.make_layout((D, tn, self.stages), stride=(1, d_pv, d_pv * tn))
             sV_tma = storage.sV.get_tensor(cute.composition(sV_layout.outer, rows), swizzle=sV_layout.inner)
@@ -790,8 +790,7 @@ class FlamiaFwdSm90:
         tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))  # (MMA, 1, D/32, stages)
         tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))  # (MMA, 1, 4, stages)
         acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((wm, tn)))  # ((2,2,16),1,1)
-        d_pv = self.D + (ONES_ROWS if self.cfg.row_sum_mma else 0)
-        acc_t = pv_thr.make_fragment_C(pv_thr.partition_shape_C((wm, d_pv)))  # this tile's P V (and row sum)
+        acc_t = pv_thr.make_fragment_C(pv_thr.partition_shape_C((wm, self.d_pv)))  # this tile's P V (and row sum)
         if cutlass.const_expr(self.cfg.row_sum_mma):
             # running output: acc_t's first D/2 values per thread (the same linear index; FFMAs only)
             acc_o = cute.make_rmem_tensor(cute.make_layout(self.D // 2), Float32)
