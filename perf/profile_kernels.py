@@ -40,16 +40,16 @@ def main():
             quantize_operands(q, k, v, case.cu, 128, case.max_len)
     else:
         fwd_runs = 4 if what == "fwd" else 1
+        fwd_cfg = FwdConfig(128, diagonal_copy=True, **FWD_OVERRIDES)
         for _ in range(fwd_runs):
             out, lse = flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
-                                       kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale,
-                                       FwdConfig(128, diagonal_copy=True, **FWD_OVERRIDES))
+                                       kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale, fwd_cfg)
         delta, doq, dv_ref = preprocess_bwd(dout, out, case.cu, dv_ref_group=1)
+        ds_cfg = dataclasses.replace(default_config(qq, kq, kt), **BWD_DSBF16_OVERRIDES)
         for _ in range(3 if what.startswith("bwd") else 0):
             if what == "bwd_dsbf16":
-                cfg = dataclasses.replace(default_config(qq, kq, kt), **BWD_DSBF16_OVERRIDES)
                 flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
-                                                  case.scale, cfg, do_quantized=doq, delta=delta, dv_ref=dv_ref)
+                                                  case.scale, ds_cfg, do_quantized=doq, delta=delta, dv_ref=dv_ref)
             else:
                 flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
                                            do_quantized=doq, delta=delta)
