@@ -311,8 +311,9 @@ def emulate_forward(q, k, v, cu_q, cu_k, softmax_scale, causal, recipe: Recipe, 
                 pe = torch.where(keep, _fold_cast_to(p, wt, ref.expand_as(p), recipe.p_scale), 0.0)
                 r_run = torch.where(keep, r_tile, r_run)
                 if recipe.row_sum == "cast_p":
-                    # off the diagonal (scales uniform: the cast P is what P V weighs) and kept: the cast P's sum
-                    on_diag = pm.any(-1, keepdim=True) if pm is not None else torch.zeros_like(keep)
+                    # off the diagonal (scales uniform: the cast P is what P V weighs) and kept: the cast P's sum.
+                    # pm exists: Recipe requires the diagonal safeguard with token blocks for cast_p
+                    on_diag = pm.any(-1, keepdim=True)
                     p_sum = torch.where(on_diag | ~keep, p_sum, pe.sum(-1, keepdim=True))
             else:  # mx: 1x32 blocks of keys per row; the tile starts on a block boundary
                 pe = mx_quantize(p, dim=-1, block=MX_BLOCK)
