@@ -416,16 +416,24 @@ def test_overlap_tiles_variant_compiles(artifacts, head_dim, diagonal_copy):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_row_sum_mma_variant(artifacts, head_dim):
     """row_sum_mma (the castsum recipe): both schedules build without spills, P V with N = D + 8
-    (the ones rows), and the uniform tiles' 64 row-sum FADDs per thread move off the common path
-    into the dropped-row branch (its fp32 sums): the FADD count stays within a few of the default
-    build's (it would grow by 64 if the common path kept them)."""
+    (the ones rows), and the uniform tiles' 64 row-sum FADDs per thread leave the exp2 stretch of the
+    code (they are only in the dropped-row branch after it). The total FADD count cannot show this:
+    ptxas shares the branch's sums with the main path's where both exist (a build keeping the FADDs
+    has 148 against 146); between the first and last MUFU.EX2 the default has 125-133, this build 70,
+    such a build 132-133."""
+
+    def exp2_stretch_fadds(sass):
+        lines = sass.splitlines()
+        ex2 = [i for i, line in enumerate(lines) if re.search(r"\bMUFU\.EX2\b", line)]
+        return sum(1 for line in lines[ex2[0]:ex2[-1]] if re.search(r"\bFADD\b", line))
+
     for overlap in (True, False):
         art = artifacts(head_dim, True, intra_wg_overlap=overlap, row_sum_mma=True)
         _check_artifacts(art, head_dim, row_sum_mma=True)
         assert len(re.findall(r"vote\.sync\.any\.pred", art.ptx)) == 1
         if art.sass is not None:
             base = artifacts(head_dim, True, intra_wg_overlap=overlap).sass
-            assert len(re.findall(r"\bFADD\b", art.sass)) <= len(re.findall(r"\bFADD\b", base)) + 4
+            assert exp2_stretch_fadds(art.sass) <= exp2_stretch_fadds(base) - 48
     for bad in ({"diagonal_copy": False}, {"drop_branch": False}, {"overlap_tiles": True}):
         with pytest.raises(ValueError, match="FwdConfig.row_sum_mma"):
             FwdConfig(**{"head_dim": head_dim, "diagonal_copy": True, "row_sum_mma": True, **bad})
