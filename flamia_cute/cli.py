@@ -41,7 +41,8 @@ def cmd_ptx(args) -> int:
         for k in KERNELS.values():
             print(f"{k.name:10s} arches {', '.join(k.arches):10s} configs: {', '.join(k.configs)}")
         return 0
-    names = list(KERNELS) if args.all else [args.kernel]
+    # --all: every kernel built for the arch (the Blackwell ones for sm_100a, the Hopper ones for sm_90a)
+    names = [n for n, k in KERNELS.items() if args.arch in k.arches] if args.all else [args.kernel]
     if names == [None]:
         print("ptx: name a KERNEL, or use --all / --list", file=sys.stderr)
         return 2

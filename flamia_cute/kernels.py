@@ -21,6 +21,8 @@ SASS_COUNTERS = {
     "STG.128": r"\bSTG\.E\.128\b",
     "STL/LDL (local memory)": r"\b(STL|LDL)\b",
     "tcgen05 (UTC*)": r"\bUTC\w+",
+    "UTCQMMA (fp8 tcgen05)": r"\bUTCQMMA\b",
+    "UTCHMMA (16-bit tcgen05)": r"\bUTCHMMA\b",
 }
 PTX_COUNTERS = {
     "wgmma e4m3": r"wgmma\.mma_async[^\n]*e4m3",
@@ -28,6 +30,7 @@ PTX_COUNTERS = {
     "cp.async.bulk.tensor": r"cp\.async\.bulk\.tensor",
     "cvt e4m3x2": r"cvt\.rn\.satfinite\.e4m3x2\.f32",
     "tcgen05.mma": r"tcgen05\.mma",
+    "tcgen05.mma block_scale": r"tcgen05\.mma[^\n]*block_scale",
     ".local": r"\.local\b",
 }
 
@@ -89,6 +92,10 @@ KERNELS = {
                     ATTENTION_CONFIGS),
         # Q's e4m3 codes as bf16 for the bf16-dS backward's q_bf16_source="tma"
         KernelEntry("codes", ("sm_90a",), "flamia_cute.codes_sm90", "CodesConfig", {"default": {}}),
+        # Blackwell: the MXFP8 forward on block-scaled tcgen05 (compile-only here: no sm_100 GPU)
+        KernelEntry("fwd_mx", ("sm_100a",), "flamia_cute.attention_fwd_sm100", "FwdSm100Config", {
+            "mxfp8_d128": {}, "mxfp8_d128_gqa4": dict(qhead_per_kvhead=4),
+        }),
     )
 }
 

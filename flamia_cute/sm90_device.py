@@ -339,12 +339,14 @@ def warp_pipeline(stages: int, barrier_ptr, consumers: int = 256):
 
 
 @cute.jit
-def document_dt_start(mCu: cute.Tensor, doc, unroll: cutlass.Constexpr = 1):
+def document_dt_start(mCu: cute.Tensor, doc, unroll: cutlass.Constexpr = 1,
+                      align: cutlass.Constexpr = _quant_layout.DT_DOC_ALIGN):
     """Document `doc`'s first data_dt column (= quant.dt_cu_seqlens(cu)[doc], so the host builds no
-    table), computed by one warp: lane l adds the DT_DOC_ALIGN-rounded lengths of the earlier
+    table), computed by one warp: lane l adds the `align`-rounded lengths of the earlier
     documents l, l + 32, ... (L2-resident loads), a butterfly sum gives every lane the total.
-    unroll: 32-document rounds whose loads go out together (one round trip per round at 1)."""
-    align = _quant_layout.DT_DOC_ALIGN
+    unroll: 32-document rounds whose loads go out together (one round trip per round at 1).
+    align (a power of two): DT_DOC_ALIGN for data_dt columns; 128 gives 128 x the first MX scale
+    chunk slot (quant.mx_layout.sf_tile_starts)."""
     lane = cute.arch.lane_idx()
     dt_start = Int32(0)
     for it in cutlass.range((doc + 31) // 32, unroll=unroll):

@@ -30,3 +30,7 @@ __all__ = [
 from .microscaling import mx_quantize, mx_quantize_2d, nvfp4_quantize  # noqa: E402
 
 __all__ += ["mx_quantize", "mx_quantize_2d", "nvfp4_quantize"]
+
+from .mx_layout import MxForwardOperands, pack_mx_forward_operands, sf_slots, sf_tile_starts  # noqa: E402
+
+__all__ += ["MxForwardOperands", "pack_mx_forward_operands", "sf_slots", "sf_tile_starts"]

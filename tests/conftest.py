@@ -14,10 +14,15 @@ def sm90_gpu_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
+def sm100_gpu_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
+
+
 def pytest_collection_modifyitems(config, items):
-    if sm90_gpu_available():
-        return
-    skip = pytest.mark.skip(reason="needs an sm_90 GPU")
+    """gpu tests run on an sm_90 GPU; those also marked sm100 run on a Blackwell GPU instead."""
+    have = {False: sm90_gpu_available(), True: sm100_gpu_available()}
     for item in items:
         if item.get_closest_marker("gpu"):
-            item.add_marker(skip)
+            blackwell = item.get_closest_marker("sm100") is not None
+            if not have[blackwell]:
+                item.add_marker(pytest.mark.skip(reason=f"needs an {'sm_100' if blackwell else 'sm_90'} GPU"))

@@ -1,4 +1,5 @@
-"""`flamia-cute ptx` for every kernel and config on sm_90a, without a GPU (what CI runs)."""
+"""`flamia-cute ptx` for every kernel and config on sm_90a, and the Blackwell ones on sm_100a, without a
+GPU (what CI runs)."""
 
 import re
 import subprocess
@@ -9,10 +10,8 @@ import pytest
 from flamia_cute.kernels import KERNELS, lane_divergent_collectives
 
 
-@pytest.fixture(scope="module")
-def ptx_all(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ptx")
-    res = subprocess.run([sys.executable, "-m", "flamia_cute.cli", "ptx", "--all", "--arch", "sm_90a", "--out", str(out)],
+def _ptx_all(out, arch):
+    res = subprocess.run([sys.executable, "-m", "flamia_cute.cli", "ptx", "--all", "--arch", arch, "--out", str(out)],
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     blocks = {}
@@ -27,12 +26,32 @@ def ptx_all(tmp_path_factory):
     return blocks, out
 
 
+@pytest.fixture(scope="module")
+def ptx_all(tmp_path_factory):
+    return _ptx_all(tmp_path_factory.mktemp("ptx"), "sm_90a")
+
+
 def test_every_kernel_and_config_compiled(ptx_all):
     blocks, out = ptx_all
-    expected = {(k.name, c) for k in KERNELS.values() for c in k.configs}
+    expected = {(k.name, c) for k in KERNELS.values() for c in k.configs if "sm_90a" in k.arches}
     assert set(blocks) == expected
     for name, cfg in expected:
         assert (out / f"{name}_{cfg}_sm_90a.ptx").stat().st_size > 0
+
+
+def test_blackwell_kernels_on_block_scaled_tcgen05(tmp_path):
+    """`ptx --all --arch sm_100a`: the Blackwell kernels only, S and P V on block-scaled tcgen05.mma
+    (12 per build: S at two sites and P V, 4 k-steps each), no local memory."""
+    blocks, out = _ptx_all(tmp_path, "sm_100a")
+    expected = {(k.name, c) for k in KERNELS.values() for c in k.configs if "sm_100a" in k.arches}
+    assert set(blocks) == expected and expected
+    for (name, cfg), v in blocks.items():
+        assert (out / f"{name}_{cfg}_sm_100a.ptx").stat().st_size > 0
+        assert int(v["ptx tcgen05.mma block_scale"]) == 12 and int(v["ptx wgmma e4m3"]) == 0, cfg
+        assert int(v["ptx .local"]) == 0 and int(v["stack_frame_bytes"]) == 0, cfg
+        assert int(v["shared_memory_bytes"]) <= 227 * 1024, cfg
+        if "sass UTCQMMA (fp8 tcgen05)" in v:
+            assert int(v["sass UTCQMMA (fp8 tcgen05)"]) == 12 and int(v["sass STL/LDL (local memory)"]) == 0, cfg
 
 
 def test_summary_reports_shared_memory_within_the_sm90_limit(ptx_all):
