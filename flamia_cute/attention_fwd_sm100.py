@@ -25,8 +25,14 @@ Organization (one CTA per (128-query block, head, document), blocks longest firs
   memory, mask on the diagonal tile, online softmax in the log2 domain, O in tensor memory
   rescaled by exp2(m_old - m_new) once the previous P V has finished, P's codes written back over
   S (32 columns) and its scales into a shared-memory chunk. Epilogue: O / l in bf16, LSE.
-Tensor memory (512 columns): S stages at 0 and 128 (P over them), O at 256, scale chunks after.
-Head dim 128 only: one scale chunk covers 4 blocks of 32 along D.
+Tensor memory (512 columns): S stages at 0 and 128 (P over them), O at 256, scale chunks after
+(400 used). Head dim 128 only: one scale chunk covers 4 blocks of 32 along D.
+
+Not built yet (none can be measured without a Blackwell GPU): a persistent tile scheduler, a
+correction warpgroup that takes the O rescale off the softmax warps' path, two query tiles per CTA
+(FA4's ping-pong), a fused sm_100a quantization kernel (pack_mx_forward_operands is its torch
+specification), the backward. The diagonal tile's bf16 products cover the whole 128 x 128 tile
+(one tile per query block; 4x the pairs they keep).
 """
 
 from __future__ import annotations
@@ -401,14 +407,22 @@ class FlamiaFwdSm100:
         h = d_prod.acquire_and_advance()
         cute.copy(tma_kd, tKdg[None, m_block], tKds[None, 0], tma_bar_ptr=h.barrier)
         cute.copy(tma_vd, tVdg[None, m_block], tVds[None, 0], tma_bar_ptr=h.barrier)
+        kv_parts = (tKs, tKg, tSKs, tSKg, tVs, tVg, tSVs, tSVg)
         for i in cutlass.range(n_tiles, unroll=1):
-            n = m_block - i  # diagonal first
-            h = k_prod.acquire_and_advance()
-            cute.copy(tma_k, tKg[None, n], tKs[None, h.index], tma_bar_ptr=h.barrier)
-            cute.copy(tma_sk, tSKg[None, slot0 + n], tSKs[None, h.index], tma_bar_ptr=h.barrier)
-            h = v_prod.acquire_and_advance()
-            cute.copy(tma_v, tVg[None, n], tVs[None, h.index], tma_bar_ptr=h.barrier)
-            cute.copy(tma_sv, tSVg[None, slot0 + n], tSVs[None, h.index], tma_bar_ptr=h.barrier)
+            k_prod, v_prod = self.load_kv(atoms, kv_parts, k_prod, v_prod, m_block - i, slot0)  # diagonal first
+
+    @cute.jit
+    def load_kv(self, atoms, kv_parts, k_prod, v_prod, n, slot0):
+        """Key tile n: K's codes and scale chunk, then V^T's; returns the (rebound) pipelines."""
+        (_, _, tma_k, _, tma_v, _, _, _, _, _, _, _, _, _, tma_sk, _, tma_sv, _) = atoms
+        tKs, tKg, tSKs, tSKg, tVs, tVg, tSVs, tSVg = kv_parts
+        h = k_prod.acquire_and_advance()
+        cute.copy(tma_k, tKg[None, n], tKs[None, h.index], tma_bar_ptr=h.barrier)
+        cute.copy(tma_sk, tSKg[None, slot0 + n], tSKs[None, h.index], tma_bar_ptr=h.barrier)
+        h = v_prod.acquire_and_advance()
+        cute.copy(tma_v, tVg[None, n], tVs[None, h.index], tma_bar_ptr=h.barrier)
+        cute.copy(tma_sv, tSVg[None, slot0 + n], tSVs[None, h.index], tma_bar_ptr=h.barrier)
+        return k_prod, v_prod
 
     # ------------------------------------------------------------------------------------------
     def tmem_tensors(self, mmas, tP_l, tPd_l, tmem_ptr):
@@ -462,7 +476,9 @@ class FlamiaFwdSm100:
 
     @cute.jit
     def issue_s(self, qk_mma, cp_k, k_cons, s_prod, tS, rQ, rK, tSFQ, tSFK):
-        """Block-scaled S = Q K^T of the next K tile into the next S stage; returns the advanced pipelines."""
+        """Block-scaled S = Q K^T of the next K tile into the next S stage. Returns what it changed: the
+        advanced pipelines and the MMA (its fields are set), for the caller to rebind: a dynamic if or
+        loop carries only the names assigned in it."""
         cpK, cpKs, cpKt = cp_k
         kh = k_cons.wait_and_advance()
         cute.copy(cpK, cpKs[None, None, None, None, kh.index], cpKt)
@@ -471,7 +487,7 @@ class FlamiaFwdSm100:
                          tSFQ, tSFK, False)
         sh.commit()
         kh.release()
-        return k_cons, s_prod
+        return k_cons, s_prod, qk_mma
 
     @cute.jit
     def mma(self, mmas, smem, pipes, tmem_ptr, n_tiles):
@@ -487,6 +503,8 @@ class FlamiaFwdSm100:
         tSFK, col = self.sf_tmem(qk_mma, (tn, tn, D), sfK.layout, tmem_ptr, col, False)
         tSFP, col = self.sf_tmem(pv_mma, (tn, D, tn), sfP.layout, tmem_ptr, col, True)
         tSFV, col = self.sf_tmem(pv_mma, (tn, D, tn), sfV.layout, tmem_ptr, col, False)
+        if cutlass.const_expr(col > TMEM_COLS):  # the columns are static
+            raise ValueError(f"tensor memory: S, O and the scale chunks need {col} columns > {TMEM_COLS}")
         cpQ, cpQs, cpQt = self.s2t(sfQ, tSFQ)
         cpK, cpKs, cpKt = self.s2t(sfK, tSFK)
         cpP, cpPs, cpPt = self.s2t(sfP, tSFP)
@@ -502,31 +520,44 @@ class FlamiaFwdSm100:
         cute.copy(cpQ, cpQs[None, None, None, None, 0], cpQt)
 
         # the diagonal tile: block-scaled S in stage 0, bf16 S in stage 1
-        k_cons, s_prod = self.issue_s(qk_mma, (cpK, cpKs, cpKt), k_cons, s_prod, tS, rQ, rK, tSFQ, tSFK)
+        k_cons, s_prod, qk_mma = self.issue_s(qk_mma, (cpK, cpKs, cpKt), k_cons, s_prod, tS, rQ, rK, tSFQ, tSFK)
         d_cons.wait_and_advance()
         sh = s_prod.acquire_and_advance()
         self.plain_gemm(qk_bf, self.stage(tSd, sh.index), rQd[None, None, None, 0], rKd[None, None, None, 0], False)
         sh.commit()
-        for i in cutlass.range(n_tiles, unroll=1):
+        # S of tile i + 1 goes out before P V of tile i (its softmax runs under that P V)
+        pv_args = ((cpP, cpPs, cpPt, cpV, cpVs, cpVt), tS[0], tP, tO, tOd, tPd, rV, rVd, tSFP, tSFV)
+        if n_tiles > 1:
+            k_cons, s_prod, qk_mma = self.issue_s(qk_mma, (cpK, cpKs, cpKt), k_cons, s_prod, tS, rQ, rK, tSFQ, tSFK)
+        v_cons, o_prod, p_cons, pv_mma, pv_bf = self.issue_pv(True, pv_mma, pv_bf, v_cons, o_prod, p_cons, pv_args)
+        for i in cutlass.range(1, n_tiles, unroll=1):
             if i + 1 < n_tiles:
-                k_cons, s_prod = self.issue_s(qk_mma, (cpK, cpKs, cpKt), k_cons, s_prod, tS, rQ, rK, tSFQ, tSFK)
-            vh = v_cons.wait_and_advance()
-            oh = o_prod.acquire_and_advance()
-            ph = p_cons.wait_and_advance()
-            cute.copy(cpP, cpPs[None, None, None, None, ph.index], cpPt)
-            cute.copy(cpV, cpVs[None, None, None, None, vh.index], cpVt)
-            p_stage = cute.make_tensor(cute.recast_ptr(tS[0].iterator + self.tile * ph.index, dtype=tP.element_type),
-                                       tP.layout)
-            self.scaled_gemm(pv_mma, tO, p_stage, rV[None, None, None, vh.index], tSFP, tSFV, i > 0)
-            if i == 0:
-                ph.release()
-                ph2 = p_cons.wait_and_advance()  # the diagonal's bf16 P, in stage 1
-                self.plain_gemm(pv_bf, tOd, tPd, rVd[None, None, None, 0], True)
-                ph2.release()
-            else:
-                ph.release()
-            oh.commit()
-            vh.release()
+                k_cons, s_prod, qk_mma = self.issue_s(qk_mma, (cpK, cpKs, cpKt), k_cons, s_prod, tS, rQ, rK, tSFQ, tSFK)
+            v_cons, o_prod, p_cons, pv_mma, pv_bf = self.issue_pv(False, pv_mma, pv_bf, v_cons, o_prod, p_cons, pv_args)
+
+    @cute.jit
+    def issue_pv(self, diag: cutlass.Constexpr, pv_mma, pv_bf, v_cons, o_prod, p_cons, pv_args):
+        """O (+)= P V for the tile whose P the softmax warps just wrote (block-scaled; the diagonal
+        tile, the first, overwrites O and adds its own blocks' bf16 P V). Returns the advanced
+        pipelines and the MMAs (fields set) for the caller to rebind, as issue_s."""
+        cps, tS0, tP, tO, tOd, tPd, rV, rVd, tSFP, tSFV = pv_args
+        cpP, cpPs, cpPt, cpV, cpVs, cpVt = cps
+        vh = v_cons.wait_and_advance()
+        oh = o_prod.acquire_and_advance()
+        ph = p_cons.wait_and_advance()
+        cute.copy(cpP, cpPs[None, None, None, None, ph.index], cpPt)
+        cute.copy(cpV, cpVs[None, None, None, None, vh.index], cpVt)
+        p_stage = cute.make_tensor(cute.recast_ptr(tS0.iterator + self.tile * ph.index, dtype=tP.element_type),
+                                   tP.layout)
+        self.scaled_gemm(pv_mma, tO, p_stage, rV[None, None, None, vh.index], tSFP, tSFV, not diag)
+        ph.release()
+        if cutlass.const_expr(diag):
+            ph2 = p_cons.wait_and_advance()  # the diagonal's bf16 P, in S stage 1
+            self.plain_gemm(pv_bf, tOd, tPd, rVd[None, None, None, 0], True)
+            ph2.release()
+        oh.commit()
+        vh.release()
+        return v_cons, o_prod, p_cons, pv_mma, pv_bf
 
     # ------------------------------------------------------------------------------------------
     def row_copies(self, t, columns: int, store: bool):
