@@ -96,6 +96,9 @@ KERNELS = {
         KernelEntry("fwd_mx", ("sm_100a",), "flamia_cute.attention_fwd_sm100", "FwdSm100Config", {
             "mxfp8_d128": {}, "mxfp8_d128_gqa4": dict(qhead_per_kvhead=4),
         }),
+        # its fused quantization: no tensor cores, so it also builds (and is GPU-tested) for sm_90a
+        KernelEntry("quantize_mx", ("sm_100a", "sm_90a"), "flamia_cute.quantize_mx_sm100", "MxQuantizeConfig",
+                    {"d128": {}}),
     )
 }
 

@@ -105,6 +105,10 @@ for stage in "$@"; do
     castsum-bench)  # end to end beside the default recipe (GPU time), FA4 in the same run
       run bench_castsum 480 python3 -m flamia_cute.cli bench --modes fwd,fwdbwd --impls flamia,fa4 --reps 15 --gpu-time \
         --recipe fp8_tokenblock_dsbf16,fp8_tokenblock_dsbf16_castsum --out "$OUT/castsum" ;;
+    mx-quant)  # session 15: the Blackwell forward's fused MXFP8 quantization, runnable on the H200
+      run mx_quant_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_quantize_mx_kernel.py \
+        tests/test_codes_kernel.py
+      run mx_quant_bench 240 env OUT="$OUT" python3 perf/bench_quantize_mx.py ;;
     fwd-tests-all) run fwd_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py ;;
     timeline) run kernel_timeline 200 python3 perf/kernel_timeline.py ${TIMELINE_WORKLOADS:-} ;;
     fwd-rounds)  # the forward's variants timed in rotated order over three rounds (medians): builds told
