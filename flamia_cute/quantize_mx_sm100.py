@@ -12,9 +12,9 @@ document b's tiles from slot sum ceil(len / 128) over b' < b) of Q's head y, K's
 head y - H - Hk; slots past the last tile leave at once. Thread t owns the tile's token row t: 16
 loads of 16 bytes, an amax per 32-dim block (for K and V then a warp max: warp w's 32 rows are the
 tile's w-th 32-token block, and rows past the document end count as 0), the codes with the
-block's 1 / scale (a power of two: exact), one scale word of the chunk. V's codes go to column
-dt_start + position of V^T, one byte per head dim (a warp writes 32 consecutive bytes per store);
-the pad columns of a document's last 32-column group get 0. v_dt's columns after the last document
+block's 1 / scale (a power of two: exact), one scale word of the chunk. V's codes are transposed
+in shared memory and written as 16-byte pieces of V^T's rows from column dt_start + the tile's
+first position; the pad columns of a document's last 32-column group get 0. v_dt's columns after the last document
 are zeroed by the host (torch.zeros), as the attention kernel's TMA may read them under P = 0.
 """
 
@@ -53,6 +53,7 @@ SOURCE_FILES = (Path(__file__).resolve(), Path(_mx_layout.__file__).resolve(), *
 E4M3_EMAX = 8
 ABS_MASK = 0x7FFF7FFF  # both bf16 halves of a word without their sign bits
 UNUSED_WORD = SF_UNUSED * 0x01010101  # four E8M0 bytes of 1.0
+TRANSPOSE_ROW_WORDS = 36  # V^T staging rows: 128 bytes + 16 of padding
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,8 @@ class MxQuantizeConfig:
 
 
 def smem_bytes(config: MxQuantizeConfig) -> int:
-    """V's 16 block scales exchanged between the warps."""
-    return 64
+    """V's 16 block scales exchanged between the warps, and its V^T staging tile."""
+    return 64 + 4 * TRANSPOSE_ROW_WORDS * config.head_dim
 
 
 def st_global_u8(addr, value):
@@ -101,8 +102,10 @@ class MxQuantizeSm100:
         mDt = cute.make_tensor(dt_ptr, cute.make_layout(num_docs + 1))
 
         def rows(ptr, heads):  # (word, head, token) views of a bf16 (T, heads, D) tensor
+            # a row starts 256-byte aligned: the loads can be 16 bytes wide
             return cute.make_tensor(cute.recast_ptr(ptr, dtype=Uint32),
-                                    cute.make_layout((words, heads, T), stride=(1, words, heads * words)))
+                                    cute.make_layout((words, heads, T), stride=(1, words, cute.assume(heads * words,
+                                                                                                    divby=words))))
 
         self.kernel(
             rows(q_ptr, num_heads), rows(k_ptr, num_kv_heads), rows(v_ptr, num_kv_heads), mCu, mTiles, mDt,
@@ -197,18 +200,29 @@ class MxQuantizeSm100:
                         st_global_v4(row_d + 16 * g, out)
         else:
             dt_start, T_dt = v_columns
-            # V^T column of this token; the pad columns of the document's last 32-column group get 0
-            col = dt_start + pos
-            in_group = pos < ((length + MX_BLOCK - 1) // MX_BLOCK) * MX_BLOCK
-            if in_group:
-                base = Int64(codes_ptr.toint()) + Int64(head) * Int64(D) * Int64(T_dt) + Int64(col)
-                for w in cutlass.range_constexpr(D // 4):
-                    word = cutlass.select_(valid, codes[w], Uint32(0))
-                    for i in cutlass.range_constexpr(4):
-                        st_global_u8(base + Int64(4 * w + i) * Int64(T_dt), (word >> (8 * i)) & 0xFF)
-            # the P V chunk: row d = tidx, block kb = the tile's kb-th 32-key block: its scale of dim block d // 32
-            smem = cutlass.memory.SmemAllocator()
+            # V^T through shared memory: byte (token, d) stored at row d (rows 144 bytes apart, so the
+            # 16-byte row reads below spread over the banks), then thread d writes its row's 128 columns
+            # as 16-byte stores; tokens past the document end are 0 (the pad of its last 32 columns)
+            smem = cutlass.memory.SmemAllocator()  # one allocator: its tensors do not overlap
             sScale = smem.allocate_tensor(Int32, cute.make_layout((nkb, nkb)), 16)
+            sT = smem.allocate_tensor(Uint32, cute.make_layout((D // 4, D), stride=(1, TRANSPOSE_ROW_WORDS)), 16)
+            sT8 = cute.make_tensor(cute.recast_ptr(sT.iterator, dtype=cutlass.Uint8),
+                                   cute.make_layout((MX_TILE, D), stride=(1, 4 * TRANSPOSE_ROW_WORDS)))
+            for w in cutlass.range_constexpr(D // 4):
+                word = cutlass.select_(valid, codes[w], Uint32(0))
+                for i in cutlass.range_constexpr(4):
+                    sT8[tidx, 4 * w + i] = cutlass.Uint8((word >> (8 * i)) & 0xFF)
+            cute.arch.barrier()
+            row = cute.make_rmem_tensor(cute.make_layout(D // 4), Uint32)
+            cute.autovec_copy(sT[None, tidx], row)
+            tile_col = pos - tidx  # the tile's first token, document-relative
+            group_end = ((length + MX_BLOCK - 1) // MX_BLOCK) * MX_BLOCK - tile_col  # the document's last column + pad
+            base = Int64(codes_ptr.toint()) + Int64(head) * Int64(D) * Int64(T_dt) + Int64(tidx) * Int64(T_dt) \
+                + Int64(dt_start + tile_col)
+            for g in cutlass.range_constexpr(MX_TILE // 16):
+                if 16 * g < group_end:  # 16 | 32: a group lies wholly inside or outside
+                    st_global_v4(base + 16 * g, [row[4 * g + i] for i in range(4)])
+            # the P V chunk: row d = tidx, block kb = the tile's kb-th 32-key block: its scale of dim block d // 32
             warp = tidx // 32
             block_used = pos - tidx % 32 < length  # the warp's key block starts inside the document
             if tidx % 32 == 0:

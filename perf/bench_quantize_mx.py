@@ -3,9 +3,9 @@
     python perf/bench_quantize_mx.py        # prints a table; writes $OUT/bench_quantize_mx.json if OUT is set
 
 GPU time of one `quantize_mx_forward` call (the tile and column prefix sums, v_dt's zero fill and
-the launch) and of its torch specification on the GPU, CUDA events, medians over rotated inputs
-(more than L2 in total). Bytes: q, k, v read once (2 B per element); the codes of Q, K, V (1 B),
-Q's bf16 MX values (2 B) and the scale chunks written once.
+the launch; `prep` times those torch parts alone) and of its torch specification on the GPU, CUDA
+events, medians over rotated inputs (more than L2 in total). Bytes: q, k, v read once (2 B per
+element); the codes of Q, K, V (1 B), Q's bf16 MX values (2 B) and the scale chunks written once.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import statistics
 
 import torch
 
-from flamia_cute.quant.mx_layout import SF_CHUNK_BYTES, pack_mx_forward_operands, sf_slots
+from flamia_cute.quant import dt_cu_seqlens, transposed_tokens
+from flamia_cute.quant.mx_layout import SF_CHUNK_BYTES, pack_mx_forward_operands, sf_slots, sf_tile_starts
 from flamia_cute.quantize_mx_sm100 import quantize_mx_forward
 from flamia_cute.testing import cu_seqlens_from_lengths
 
@@ -57,13 +58,23 @@ def main():
         useful = T * HEADS * D * (3 * 2 + 3 + 2) + 3 * HEADS * slots * SF_CHUNK_BYTES
         k_ms = gpu_ms(quantize_mx_forward, bufs)
         t_ms = gpu_ms(pack_mx_forward_operands, bufs[:1])
-        rows.append(dict(workload=name, tokens=T, kernel_us=round(1e3 * k_ms, 1), torch_spec_us=round(1e3 * t_ms, 1),
-                         gbps=round(useful / k_ms / 1e6, 0), pct_peak=round(100 * useful / k_ms / 1e6 / PEAK_GBPS, 1),
+        T_dt = transposed_tokens(T, len(lengths))
+
+        def prep(q, k, v, cu, T_dt=T_dt):  # the call's torch side: prefix sums of cu_seqlens, v_dt's zero fill
+            sf_tile_starts(cu).to(torch.int32)
+            dt_cu_seqlens(cu)
+            torch.zeros(HEADS, D, T_dt, dtype=torch.float8_e4m3fn, device="cuda")
+
+        p_ms = gpu_ms(prep, bufs)
+        rows.append(dict(workload=name, tokens=T, call_us=round(1e3 * k_ms, 1), prep_us=round(1e3 * p_ms, 1),
+                         torch_spec_us=round(1e3 * t_ms, 1),
+                         gbps=round(useful / k_ms / 1e6), pct_peak=round(100 * useful / k_ms / 1e6 / PEAK_GBPS, 1),
                          bit_exact=exact))
-    print(f"{'workload':12s} {'tokens':>7s} {'kernel us':>10s} {'torch us':>9s} {'GB/s':>6s} {'% peak':>7s} exact")
+    print(f"{'workload':12s} {'tokens':>7s} {'call us':>8s} {'of it prep':>10s} {'torch spec us':>13s} {'GB/s':>6s} "
+          f"{'% peak':>7s} exact")
     for r in rows:
-        print(f"{r['workload']:12s} {r['tokens']:7d} {r['kernel_us']:10.1f} {r['torch_spec_us']:9.1f} {r['gbps']:6.0f} "
-              f"{r['pct_peak']:7.1f} {r['bit_exact']}")
+        print(f"{r['workload']:12s} {r['tokens']:7d} {r['call_us']:8.1f} {r['prep_us']:10.1f} {r['torch_spec_us']:13.1f} "
+              f"{r['gbps']:6.0f} {r['pct_peak']:7.1f} {r['bit_exact']}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_quantize_mx.json"), "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
