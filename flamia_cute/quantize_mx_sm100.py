@@ -8,14 +8,17 @@ instruction, so it compiles for sm_100a (its product target) and for sm_90a, whe
 on the H200 against the specification.
 
 Grid (slots, H + 2 Hk): CTA (s, y) quantizes the 128-token tile in chunk slot s (quant.mx_layout:
-document b's tiles from slot sum ceil(len / 128) over b' < b) of Q's head y, K's head y - H or V's
-head y - H - Hk; slots past the last tile leave at once. Thread t owns the tile's token row t: 16
-loads of 16 bytes, an amax per 32-dim block (for K and V then a warp max: warp w's 32 rows are the
-tile's w-th 32-token block, and rows past the document end count as 0), the codes with the
-block's 1 / scale (a power of two: exact), one scale word of the chunk. V's codes are transposed
-in shared memory and written as 16-byte pieces of V^T's rows from column dt_start + the tile's
-first position; the pad columns of a document's last 32-column group get 0. v_dt's columns after the last document
-are zeroed by the host (torch.zeros), as the attention kernel's TMA may read them under P = 0.
+document b's tiles from slot sum ceil(len / 128) over b' < b, found by a binary search of the
+prefix sums) of Q's head y, K's head y - H or V's head y - H - Hk; slots past the last tile leave
+at once. Warp w owns the tile's w-th 32-token block, 4 tokens per step: lane l takes token
+4 i + l // 8 and head dims 16 (l % 8) .. + 15, so each step's loads and stores cover whole rows
+(two 16-byte loads and one 16-byte store of codes per lane). A token's amax per 32-dim block is
+two lanes' (one shuffle); K's and V's 32 x 32 block amax adds the warp's 8 steps and 4 token lanes
+(two shuffles). Q and K rows past the document end write nothing but their chunk word (1.0). V's
+codes go through a swizzled shared-memory tile and leave as 16-byte pieces of V^T's rows, from
+column dt_start + the tile's first position; the pad columns of a document's last 32-column group
+get 0. v_dt's columns after the last document are zeroed by the host (torch.zeros): the attention
+kernel's TMA may read them (under P = 0).
 """
 
 from __future__ import annotations
@@ -32,8 +35,15 @@ from cutlass import Float32, Int32, Int64, Uint32
 from .compile_cache import compile_entry, launch_on_device
 from .quant import mx_layout as _mx_layout
 from .quant import transposed_tokens
-from .quant.mx_layout import MX_BLOCK, MX_TILE, SF_CHUNK_BYTES, SF_UNUSED, MxForwardOperands, sf_slots, sf_tile_starts
-from .quant.quantize import dt_cu_seqlens
+from .quant.mx_layout import (
+    MX_BLOCK,
+    MX_TILE,
+    SF_CHUNK_BYTES,
+    SF_UNUSED,
+    MxForwardOperands,
+    document_starts,
+    sf_slots,
+)
 from .sm90_device import (
     ARG_BF16,
     ARG_F8,
@@ -53,7 +63,9 @@ SOURCE_FILES = (Path(__file__).resolve(), Path(_mx_layout.__file__).resolve(), *
 E4M3_EMAX = 8
 ABS_MASK = 0x7FFF7FFF  # both bf16 halves of a word without their sign bits
 UNUSED_WORD = SF_UNUSED * 0x01010101  # four E8M0 bytes of 1.0
-TRANSPOSE_ROW_WORDS = 36  # V^T staging rows: 128 bytes + 16 of padding
+LANES_PER_ROW = 8  # lanes per token row (16 head dims each)
+STEPS = 32 // (32 // LANES_PER_ROW)  # steps of 4 tokens per warp: its 32-token block
+MIN_CTAS_PER_SM = 4  # ptxas register cap 128: 16 warps per SM to hide the loads (168 registers unforced)
 
 
 @dataclass(frozen=True)
@@ -69,7 +81,7 @@ class MxQuantizeConfig:
 
 def smem_bytes(config: MxQuantizeConfig) -> int:
     """V's 16 block scales exchanged between the warps, and its V^T staging tile."""
-    return 64 + 4 * TRANSPOSE_ROW_WORDS * config.head_dim
+    return 64 + MX_TILE * config.head_dim
 
 
 def st_global_u8(addr, value):
@@ -111,7 +123,8 @@ class MxQuantizeSm100:
             rows(q_ptr, num_heads), rows(k_ptr, num_kv_heads), rows(v_ptr, num_kv_heads), mCu, mTiles, mDt,
             q8_ptr, qsf_ptr, k8_ptr, ksf_ptr, vdt_ptr, vsf_ptr, qd_ptr, T_dt, slots, num_heads, num_kv_heads,
             num_docs,
-        ).launch(grid=[slots, num_heads + 2 * num_kv_heads, 1], block=[MX_TILE, 1, 1], stream=stream)
+        ).launch(grid=[slots, num_heads + 2 * num_kv_heads, 1], block=[MX_TILE, 1, 1], stream=stream,
+                 min_blocks_per_mp=MIN_CTAS_PER_SM, preferred_smem_carveout=100)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCu: cute.Tensor, mTiles: cute.Tensor,
@@ -133,106 +146,120 @@ class MxQuantizeSm100:
             doc = lo
             start = mCu[doc]
             length = mCu[doc + 1] - start
-            pos = (slot - mTiles[doc]) * MX_TILE + tidx
+            tile_col = (slot - mTiles[doc]) * MX_TILE  # the tile's first token, document-relative
             if y < num_heads:
-                self.quantize_rows(False, mQ, y, start, length, pos, slot, tidx, q8_ptr, qsf_ptr, qd_ptr,
+                self.quantize_tile(False, mQ, y, start, length, tile_col, slot, tidx, q8_ptr, qsf_ptr, qd_ptr,
                                    num_heads, slots, None)
             elif y < num_heads + num_kv_heads:
-                self.quantize_rows(True, mK, y - num_heads, start, length, pos, slot, tidx, k8_ptr, ksf_ptr, None,
-                                   num_kv_heads, slots, None)
+                self.quantize_tile(True, mK, y - num_heads, start, length, tile_col, slot, tidx, k8_ptr, ksf_ptr,
+                                   None, num_kv_heads, slots, None)
             else:
-                self.quantize_rows(True, mV, y - num_heads - num_kv_heads, start, length, pos, slot, tidx, vdt_ptr,
-                                   vsf_ptr, None, num_kv_heads, slots, (mDt[doc], T_dt))
+                self.quantize_tile(True, mV, y - num_heads - num_kv_heads, start, length, tile_col, slot, tidx,
+                                   vdt_ptr, vsf_ptr, None, num_kv_heads, slots, (mDt[doc], T_dt))
 
     @cute.jit
-    def quantize_rows(self, tile_2d: cutlass.Constexpr, mX, head, start, length, pos, slot, tidx, codes_ptr, sf_ptr,
-                      qd_ptr, heads, slots, v_columns):
-        """Thread tidx's token row: codes and its word of the chunk (Q, K), or V's column of V^T and,
-        with the warps' block scales shared, head dim tidx's word of V's P V chunk."""
+    def quantize_tile(self, tile_2d: cutlass.Constexpr, mX, head, start, length, tile_col, slot, tidx, codes_ptr,
+                      sf_ptr, qd_ptr, heads, slots, v_columns):
+        """Warp w: the tile's 32-token block w, 4 tokens per step: lane l takes token 4 i + l // 8 of the
+        block and head dims 16 (l % 8) .. + 15, so every load and store of a step covers whole rows."""
         D, nkb = self.D, self.nkb
-        words = D // 2
-        valid = pos < length
-        raw = cute.make_rmem_tensor(cute.make_layout(words), Uint32)
-        for w in cutlass.range_constexpr(words):
-            raw[w] = Uint32(0)
-        if valid:
-            cute.autovec_copy(mX[None, head, start + pos], raw)
-        biased = [Int32(0)] * nkb
-        inv = [None] * nkb
-        for c in cutlass.range_constexpr(nkb):
-            # |x| max of the block on the bf16 bits (ordered as the magnitudes), in fp32
-            amax = fmax_chains([as_f32(Int32(raw[16 * c + w] & ABS_MASK) << 16) for w in range(16)]
-                               + [as_f32(Int32(raw[16 * c + w] & ABS_MASK) & Int32(-65536)) for w in range(16)])
-            if cutlass.const_expr(tile_2d):
-                for sh in cutlass.range_constexpr(5):  # the warp's 32 rows: one 32-token block
-                    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << sh))
-            # quant.microscaling.e8m0_scale: 2^(floor(log2 amax) - 8), at least 2^-126; 1.0 for amax 0
-            b = cutlass.max(((f32_bits(amax) >> 23) & 0xFF) - E4M3_EMAX, Int32(1))
-            biased[c] = cutlass.select_(amax == Float32(0.0), Int32(SF_UNUSED), b)
-            inv[c] = as_f32((254 - biased[c]) << 23)
-        codes = cute.make_rmem_tensor(cute.make_layout(D // 4), Uint32)
-        for c in cutlass.range_constexpr(nkb):
-            for w in cutlass.range_constexpr(MX_BLOCK // 4):
-                w0, w1 = raw[16 * c + 2 * w], raw[16 * c + 2 * w + 1]
-                xs = [as_f32(Int32(w0) << 16), as_f32(Int32(w0) & Int32(-65536)),
-                      as_f32(Int32(w1) << 16), as_f32(Int32(w1) & Int32(-65536))]
-                codes[(MX_BLOCK // 4) * c + w] = cvt_e4m3x4(*(x * inv[c] for x in xs))
-        sf_word = Int32(0)
-        for c in cutlass.range_constexpr(nkb):
-            sf_word = sf_word | (biased[c] << (8 * c))
-        chunk = Int64(sf_ptr.toint()) + (Int64(head) * Int64(slots) + Int64(slot)) * SF_CHUNK_BYTES
-        word_addr = chunk + 4 * ((tidx % 32) * 4 + tidx // 32)  # quant.mx_layout.sf_byte_offset(tidx, 0)
-        if cutlass.const_expr(v_columns is None):
-            # Q, K: the token's codes; its chunk word (rows past the document: 1.0)
-            if valid:
-                row = Int64(codes_ptr.toint()) + (Int64(start + pos) * Int64(heads) + Int64(head)) * D
-                for g in cutlass.range_constexpr(D // 16):
-                    st_global_v4(row + 16 * g, [codes[4 * g + i] for i in range(4)])
-            st_global_u32(word_addr, cutlass.select_(valid, Uint32(sf_word), Uint32(UNUSED_WORD)))
-            if cutlass.const_expr(qd_ptr is not None):
-                if valid:
-                    # Q's MX value in bf16 (exact), the diagonal safeguard's S operand
-                    row_d = Int64(qd_ptr.toint()) + (Int64(start + pos) * Int64(heads) + Int64(head)) * (2 * D)
-                    for g in cutlass.range_constexpr(D // 8):
-                        c = g // 4
-                        s = as_f32(biased[c] << 23)
-                        out = [e4m3x2_to_bf16x2(codes[2 * g + i // 2], i % 2 == 1, s) for i in range(4)]
-                        st_global_v4(row_d + 16 * g, out)
-        else:
-            dt_start, T_dt = v_columns
-            # V^T through shared memory: byte (token, d) stored at row d (rows 144 bytes apart, so the
-            # 16-byte row reads below spread over the banks), then thread d writes its row's 128 columns
-            # as 16-byte stores; tokens past the document end are 0 (the pad of its last 32 columns)
+        lane, warp = tidx % 32, tidx // 32
+        tq, dc = lane // LANES_PER_ROW, lane % LANES_PER_ROW
+        lw = D // LANES_PER_ROW // 2  # bf16 words per lane and token: 8 (two 16-byte loads)
+        raw = cute.make_rmem_tensor(cute.make_layout((lw, STEPS)), Uint32)
+        amax = []
+        for i in cutlass.range_constexpr(STEPS):
+            pos = tile_col + 32 * warp + 4 * i + tq
+            for w in cutlass.range_constexpr(lw):
+                raw[w, i] = Uint32(0)
+            if pos < length:
+                # the lane's 32 bytes of the row: a static-stride slice keeps the 16-byte alignment
+                row = cute.logical_divide(mX[None, head, start + pos], cute.make_layout(lw))
+                cute.autovec_copy(row[None, dc], raw[None, i])
+            # |x| max of the lane's 16 values on the bf16 bits (ordered as the magnitudes), in fp32,
+            # then with the other lane of the 32-dim block
+            a = fmax_chains([as_f32(Int32(raw[w, i] & ABS_MASK) << 16) for w in range(lw)]
+                            + [as_f32(Int32(raw[w, i] & ABS_MASK) & Int32(-65536)) for w in range(lw)])
+            amax.append(cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=1)))
+        if cutlass.const_expr(tile_2d):
+            # K, V: one scale per 32 x 32 block: the warp's 32 tokens (8 steps, lanes 8 and 16 apart)
+            m = fmax_chains(amax)
+            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=8))
+            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=16))
+            amax = [m] * STEPS
+        if cutlass.const_expr(v_columns is not None):
             smem = cutlass.memory.SmemAllocator()  # one allocator: its tensors do not overlap
             sScale = smem.allocate_tensor(Int32, cute.make_layout((nkb, nkb)), 16)
-            sT = smem.allocate_tensor(Uint32, cute.make_layout((D // 4, D), stride=(1, TRANSPOSE_ROW_WORDS)), 16)
-            sT8 = cute.make_tensor(cute.recast_ptr(sT.iterator, dtype=cutlass.Uint8),
-                                   cute.make_layout((MX_TILE, D), stride=(1, 4 * TRANSPOSE_ROW_WORDS)))
-            for w in cutlass.range_constexpr(D // 4):
-                word = cutlass.select_(valid, codes[w], Uint32(0))
-                for i in cutlass.range_constexpr(4):
-                    sT8[tidx, 4 * w + i] = cutlass.Uint8((word >> (8 * i)) & 0xFF)
+            sT = smem.allocate_tensor(Uint32, cute.make_layout(D * MX_TILE // 4), 16)
+            sT8 = cute.make_tensor(cute.recast_ptr(sT.iterator, dtype=cutlass.Uint8), cute.make_layout(D * MX_TILE))
+        chunk = Int64(sf_ptr.toint()) + (Int64(head) * Int64(slots) + Int64(slot)) * SF_CHUNK_BYTES
+        biased = Int32(0)
+        for i in cutlass.range_constexpr(STEPS):
+            n = 32 * warp + 4 * i + tq  # the token's row of the tile
+            pos = tile_col + n
+            valid = pos < length
+            # quant.microscaling.e8m0_scale: 2^(floor(log2 amax) - 8), at least 2^-126; 1.0 for amax 0
+            b = cutlass.max(((f32_bits(amax[i]) >> 23) & 0xFF) - E4M3_EMAX, Int32(1))
+            biased = cutlass.select_(amax[i] == Float32(0.0), Int32(SF_UNUSED), b)
+            inv = as_f32((254 - biased) << 23)
+            codes = []
+            for w in cutlass.range_constexpr(lw // 2):
+                w0, w1 = raw[2 * w, i], raw[2 * w + 1, i]
+                xs = [as_f32(Int32(w0) << 16), as_f32(Int32(w0) & Int32(-65536)),
+                      as_f32(Int32(w1) << 16), as_f32(Int32(w1) & Int32(-65536))]
+                codes.append(cvt_e4m3x4(*[x * inv for x in xs]))
+            if cutlass.const_expr(v_columns is None):
+                # the token's four block scales: block k's is at lane 8 tq + 2 k (every lane shuffles)
+                sf_word = Int32(0)
+                for k in cutlass.range_constexpr(nkb):
+                    sf_word = sf_word | (Int32(cute.arch.shuffle_sync(biased, lane - dc + 2 * k)) << (8 * k))
+                if valid:
+                    row = Int64(codes_ptr.toint()) + (Int64(start + pos) * Int64(heads) + Int64(head)) * D + 16 * dc
+                    st_global_v4(row, codes)
+                    if cutlass.const_expr(qd_ptr is not None):
+                        # Q's MX value in bf16 (exact), the diagonal safeguard's S operand
+                        sc = as_f32(biased << 23)
+                        row_d = Int64(qd_ptr.toint()) + (Int64(start + pos) * Int64(heads) + Int64(head)) * (2 * D) \
+                            + 32 * dc
+                        for g in cutlass.range_constexpr(2):
+                            st_global_v4(row_d + 16 * g, [e4m3x2_to_bf16x2(codes[2 * g + j // 2], j % 2 == 1, sc)
+                                                          for j in range(4)])
+                if dc == 0:  # the chunk word of row n (quant.mx_layout.sf_byte_offset(n, 0)); past the end: 1.0
+                    st_global_u32(chunk + 4 * ((n % 32) * 4 + n // 32),
+                                  cutlass.select_(valid, Uint32(sf_word), Uint32(UNUSED_WORD)))
+            else:
+                # V^T staging: byte (token n, dim d) at row d, 16-byte chunk (n // 16) ^ (d // 16): a
+                # step's stores (8 dim groups) and the row reads below each spread over the banks
+                for w in cutlass.range_constexpr(lw // 2):
+                    cw = cutlass.select_(valid, codes[w], Uint32(0))
+                    for e in cutlass.range_constexpr(4):
+                        d = 16 * dc + 4 * w + e
+                        sT8[d * MX_TILE + 16 * ((n // 16) ^ dc) + n % 16] = cutlass.Uint8((cw >> (8 * e)) & 0xFF)
+        if cutlass.const_expr(v_columns is not None):
+            dt_start, T_dt = v_columns
+            # the warp's key block: its scale of dim block k is lane 2 k's (1.0 if the block starts past
+            # the document end)
+            if (lane % 2 == 0) & (lane < 2 * nkb):
+                sScale[warp, lane // 2] = cutlass.select_(tile_col + 32 * warp < length, biased, Int32(SF_UNUSED))
             cute.arch.barrier()
-            row = cute.make_rmem_tensor(cute.make_layout(D // 4), Uint32)
-            cute.autovec_copy(sT[None, tidx], row)
-            tile_col = pos - tidx  # the tile's first token, document-relative
-            group_end = ((length + MX_BLOCK - 1) // MX_BLOCK) * MX_BLOCK - tile_col  # the document's last column + pad
-            base = Int64(codes_ptr.toint()) + Int64(head) * Int64(D) * Int64(T_dt) + Int64(tidx) * Int64(T_dt) \
-                + Int64(dt_start + tile_col)
-            for g in cutlass.range_constexpr(MX_TILE // 16):
-                if 16 * g < group_end:  # 16 | 32: a group lies wholly inside or outside
-                    st_global_v4(base + 16 * g, [row[4 * g + i] for i in range(4)])
-            # the P V chunk: row d = tidx, block kb = the tile's kb-th 32-key block: its scale of dim block d // 32
-            warp = tidx // 32
-            block_used = pos - tidx % 32 < length  # the warp's key block starts inside the document
-            if tidx % 32 == 0:
-                for c in cutlass.range_constexpr(nkb):
-                    sScale[warp, c] = cutlass.select_(block_used, biased[c], Int32(SF_UNUSED))
-            cute.arch.barrier()
+            # V^T rows: warp w writes rows 32 w + 4 r + l // 8, 16 bytes per lane (8 lanes: 128 columns);
+            # the 16-byte groups past the document's last 32-column group are the next document's
+            group_end = ((length + MX_BLOCK - 1) // MX_BLOCK) * MX_BLOCK - tile_col
+            col = Int64(dt_start + tile_col + 16 * dc)
+            for r in cutlass.range_constexpr(STEPS):
+                d = 32 * warp + 4 * r + tq
+                piece = cute.make_rmem_tensor(cute.make_layout(4), Uint32)
+                src = cute.make_tensor(sT.iterator + (d * MX_TILE + 16 * (dc ^ (d // 16 % 8))) // 4,
+                                       cute.make_layout(4))
+                cute.autovec_copy(src, piece)
+                if 16 * dc < group_end:  # 16 | 32: a group lies wholly inside or outside
+                    addr = Int64(codes_ptr.toint()) + (Int64(head) * Int64(D) + Int64(d)) * Int64(T_dt) + col
+                    st_global_v4(addr, [piece[j] for j in range(4)])
+            # V's P V chunk: row d = tidx, block kb = the tile's kb-th 32-key block, its scale of d // 32
             v_word = Int32(0)
             for kb in cutlass.range_constexpr(nkb):
                 v_word = v_word | (sScale[kb, tidx // 32] << (8 * kb))
-            st_global_u32(word_addr, Uint32(v_word))
+            st_global_u32(chunk + 4 * ((tidx % 32) * 4 + tidx // 32), Uint32(v_word))
 
 
 ARG_KINDS = (
@@ -275,8 +302,8 @@ def quantize_mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
     cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
     num_docs = cu.numel() - 1
     T_dt, slots = transposed_tokens(T, num_docs), sf_slots(T, num_docs)
-    tiles = sf_tile_starts(cu).to(torch.int32)
-    dt = dt_cu_seqlens(cu)
+    starts = document_starts(cu)  # chunk slots and V^T columns
+    tiles, dt = starts[0], starts[1]
     f8, u8 = torch.float8_e4m3fn, torch.uint8
     q8 = torch.empty(T, H, D, dtype=f8, device=dev)
     k8 = torch.empty(T, Hk, D, dtype=f8, device=dev)

@@ -16,8 +16,8 @@ import statistics
 
 import torch
 
-from flamia_cute.quant import dt_cu_seqlens, transposed_tokens
-from flamia_cute.quant.mx_layout import SF_CHUNK_BYTES, pack_mx_forward_operands, sf_slots, sf_tile_starts
+from flamia_cute.quant import transposed_tokens
+from flamia_cute.quant.mx_layout import SF_CHUNK_BYTES, document_starts, pack_mx_forward_operands, sf_slots
 from flamia_cute.quantize_mx_sm100 import quantize_mx_forward
 from flamia_cute.testing import cu_seqlens_from_lengths
 
@@ -61,8 +61,7 @@ def main():
         T_dt = transposed_tokens(T, len(lengths))
 
         def prep(q, k, v, cu, T_dt=T_dt):  # the call's torch side: prefix sums of cu_seqlens, v_dt's zero fill
-            sf_tile_starts(cu).to(torch.int32)
-            dt_cu_seqlens(cu)
+            document_starts(cu)
             torch.zeros(HEADS, D, T_dt, dtype=torch.float8_e4m3fn, device="cuda")
 
         p_ms = gpu_ms(prep, bufs)

@@ -36,7 +36,7 @@ import torch
 
 from .formats import E4M3, cast_to
 from .microscaling import e8m0_scale
-from .quantize import dt_cu_seqlens, transposed_tokens
+from .quantize import DT_DOC_ALIGN, dt_cu_seqlens, transposed_tokens
 
 MX_TILE = 128  # tokens per tile = rows per scale chunk
 MX_BLOCK = 32  # elements per E8M0 scale
@@ -55,6 +55,14 @@ def sf_tile_starts(cu_seqlens: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(cu_seqlens.numel(), dtype=torch.int64, device=cu_seqlens.device)
     out[1:] = torch.cumsum((lens + MX_TILE - 1) // MX_TILE, 0)
     return out
+
+
+def document_starts(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """(2, num_docs + 1) int32: each document's first chunk slot (sf_tile_starts) and its first V^T
+    column (quant.dt_cu_seqlens), in one cumsum on the device (no host sync)."""
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
+    per_doc = torch.stack([(lens + MX_TILE - 1) // MX_TILE, (lens + DT_DOC_ALIGN - 1) // DT_DOC_ALIGN * DT_DOC_ALIGN])
+    return torch.nn.functional.pad(torch.cumsum(per_doc, 1, dtype=torch.int32), (1, 0))
 
 
 def sf_byte_offset(row: torch.Tensor, block: torch.Tensor) -> torch.Tensor:

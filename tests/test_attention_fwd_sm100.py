@@ -17,6 +17,7 @@ from flamia_cute.emulator import emulate_forward, quantize_inputs
 from flamia_cute.quant import dt_cu_seqlens
 from flamia_cute.quant.mx_layout import (
     SF_UNUSED,
+    document_starts,
     pack_mx_forward_operands,
     sf_byte_offset,
     sf_slots,
@@ -92,6 +93,7 @@ def test_scale_chunk_layout():
     lengths = [1, 129, 0, 300]
     cu = torch.tensor([0, 1, 130, 130, 430], dtype=torch.int32)
     assert sf_tile_starts(cu).tolist() == [0, 1, 3, 3, 6]
+    assert document_starts(cu).tolist() == [[0, 1, 3, 3, 6], dt_cu_seqlens(cu).tolist()]
     assert sf_slots(430, 4) >= 6
     r, b = torch.meshgrid(torch.arange(128), torch.arange(4), indexing="ij")
     assert sorted(sf_byte_offset(r, b).flatten().tolist()) == list(range(512))
