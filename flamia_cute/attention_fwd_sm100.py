@@ -817,6 +817,20 @@ def flamia_fwd_sm100(ops: MxForwardOperands, cu_seqlens, max_seqlen: int, softma
     return out, lse
 
 
+def mxfp8_forward_sm100(q, k, v, cu_seqlens, max_seqlen: int, softmax_scale: float | None = None,
+                        config: FwdSm100Config | None = None):
+    """Recipe mxfp8's causal forward on a Blackwell GPU from bf16 (T, H, 128) q and (T, Hk, 128) k, v:
+    the fused quantization (quantize_mx_sm100, GPU-tested on the H200) and this kernel (compiled and
+    PTX-checked only: no sm_100 GPU has run it). Returns (out bf16, lse fp32 (H, T))."""
+    from .emulator import default_softmax_scale
+    from .quantize_mx_sm100 import quantize_mx_forward
+
+    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 10:
+        raise RuntimeError(f"mxfp8_forward_sm100 needs a Blackwell (sm_100) GPU; q is on {q.device}")
+    return flamia_fwd_sm100(quantize_mx_forward(q, k, v, cu_seqlens), cu_seqlens, max_seqlen, scale, config)
+
+
 # ----------------------------------------------------------------------------------------------
 # The kernel's algorithm on the CPU (the reference beside the kernel)
 # ----------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ try:
         FwdSm100Config,
         flamia_fwd_sm100,
         kernel_artifacts,
+        mxfp8_forward_sm100,
         reference_fwd_sm100,
         smem_bytes,
     )
@@ -253,6 +254,8 @@ def test_config_and_launch_errors():
     ops = pack_mx_forward_operands(q, k, v, cu)
     with pytest.raises(RuntimeError, match="Blackwell"):
         flamia_fwd_sm100(ops, cu, 40, scale)
+    with pytest.raises(RuntimeError, match="Blackwell"):
+        mxfp8_forward_sm100(q, k, v, cu, 40, scale)
 
 
 @needs_dsl
@@ -263,6 +266,9 @@ def test_kernel_matches_tile_model_on_blackwell(lengths):  # pragma: no cover - 
     q, k, v, _, cu, scale = make_inputs(lengths, 4, 2, 128, seed=7, device="cuda")
     ops = pack_mx_forward_operands(q, k, v, cu)
     out, lse = flamia_fwd_sm100(ops, cu, max(lengths), scale, poison_outputs=True)
+    # the same through the fused quantization (bit-exactly these operands: test_quantize_mx_kernel)
+    out2, lse2 = mxfp8_forward_sm100(q, k, v, cu, max(lengths), scale)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
     ref_out, ref_lse = reference_fwd_sm100(
         pack_mx_forward_operands(q.cpu(), k.cpu(), v.cpu(), cu.cpu()), cu.cpu(), scale)
     assert not out.isnan().any() and not lse.isnan().any()
