@@ -23,6 +23,7 @@ kernel's TMA may read them (under P = 0).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,7 @@ from .sm90_device import (
     SHARED_SOURCE_FILES,
     as_f32,
     cvt_e4m3x4,
+    doc_chunk_cumsum,
     e4m3x2_to_bf16x2,
     f32_bits,
     fmax_chains,
@@ -66,22 +68,30 @@ UNUSED_WORD = SF_UNUSED * 0x01010101  # four E8M0 bytes of 1.0
 LANES_PER_ROW = 8  # lanes per token row (16 head dims each)
 STEPS = 32 // (32 // LANES_PER_ROW)  # steps of 4 tokens per warp: its 32-token block
 MIN_CTAS_PER_SM = 4  # ptxas register cap 128: 16 warps per SM to hide the loads (168 registers unforced)
+MAX_SCAN_DOCS = 1024  # the in-kernel document tables: 2 x 4 KB of shared memory
+SCAN_BARRIER = 1  # the scan's named barrier (the CTA's barrier() is 0)
 
 
 @dataclass(frozen=True)
 class MxQuantizeConfig:
-    """Compile-time shape: head dim 128 (one scale chunk = 4 blocks of 32 along D)."""
+    """Compile-time shape: head dim 128 (one scale chunk = 4 blocks of 32 along D). scan_documents:
+    each CTA sums the documents' tiles and V^T columns from cu_seqlens itself (shared-memory tables,
+    at most MAX_SCAN_DOCS documents); False: it reads the host's prefix sums (document_starts)."""
 
     head_dim: int = 128
+    scan_documents: bool = True
 
     def __post_init__(self):
         if self.head_dim != 128:
             raise ValueError(f"MxQuantizeConfig.head_dim must be 128, got {self.head_dim}")
+        if not isinstance(self.scan_documents, bool):
+            raise ValueError(f"MxQuantizeConfig.scan_documents must be a bool, got {self.scan_documents!r}")
 
 
 def smem_bytes(config: MxQuantizeConfig) -> int:
-    """V's 16 block scales exchanged between the warps, and its V^T staging tile."""
-    return 64 + MX_TILE * config.head_dim
+    """V's 16 block scales exchanged between the warps, its V^T staging tile, and the document tables."""
+    tables = 2 * 4 * (MAX_SCAN_DOCS + 1) + 64 if config.scan_documents else 0
+    return 64 + MX_TILE * config.head_dim + tables
 
 
 def st_global_u8(addr, value):
@@ -133,20 +143,31 @@ class MxQuantizeSm100:
                T_dt: Int32, slots: Int32, num_heads: Int32, num_kv_heads: Int32, num_docs: Int32):
         slot, y, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
-        if slot < mTiles[num_docs]:
+        smem = cutlass.memory.SmemAllocator()  # one allocator for the kernel: its tensors do not overlap
+        sScale = smem.allocate_tensor(Int32, cute.make_layout((self.nkb, self.nkb)), 16)
+        sT = smem.allocate_tensor(Uint32, cute.make_layout(self.D * MX_TILE // 4), 16)
+        tiles, dts = mTiles, mDt
+        if cutlass.const_expr(self.cfg.scan_documents):
+            # every CTA: documents' first tile slots and V^T columns from cu_seqlens (no host tables)
+            tiles = smem.allocate_tensor(Int32, cute.make_layout(MAX_SCAN_DOCS + 1), 16)
+            dts = smem.allocate_tensor(Int32, cute.make_layout(MAX_SCAN_DOCS + 1), 16)
+            sWarp = smem.allocate_tensor(Int32, cute.make_layout((MX_TILE // 32, 2)), 16)
+            doc_chunk_cumsum(mCu, num_docs, tiles, dts, sWarp, tidx, MX_TILE, SCAN_BARRIER, MX_TILE)
+            cute.arch.barrier()
+        if slot < tiles[num_docs]:
             # the tile's document: the last b with tiles[b] <= slot (empty documents share a start)
             lo = Int32(0)
             hi = num_docs - 1
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if mTiles[mid] <= slot:
+                if tiles[mid] <= slot:
                     lo = mid
                 else:
                     hi = mid - 1
             doc = lo
             start = mCu[doc]
             length = mCu[doc + 1] - start
-            tile_col = (slot - mTiles[doc]) * MX_TILE  # the tile's first token, document-relative
+            tile_col = (slot - tiles[doc]) * MX_TILE  # the tile's first token, document-relative
             if y < num_heads:
                 self.quantize_tile(False, mQ, y, start, length, tile_col, slot, tidx, q8_ptr, qsf_ptr, qd_ptr,
                                    num_heads, slots, None)
@@ -155,7 +176,7 @@ class MxQuantizeSm100:
                                    None, num_kv_heads, slots, None)
             else:
                 self.quantize_tile(True, mV, y - num_heads - num_kv_heads, start, length, tile_col, slot, tidx,
-                                   vdt_ptr, vsf_ptr, None, num_kv_heads, slots, (mDt[doc], T_dt))
+                                   vdt_ptr, vsf_ptr, None, num_kv_heads, slots, (dts[doc], T_dt, sScale, sT))
 
     @cute.jit
     def quantize_tile(self, tile_2d: cutlass.Constexpr, mX, head, start, length, tile_col, slot, tidx, codes_ptr,
@@ -188,9 +209,7 @@ class MxQuantizeSm100:
             m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=16))
             amax = [m] * STEPS
         if cutlass.const_expr(v_columns is not None):
-            smem = cutlass.memory.SmemAllocator()  # one allocator: its tensors do not overlap
-            sScale = smem.allocate_tensor(Int32, cute.make_layout((nkb, nkb)), 16)
-            sT = smem.allocate_tensor(Uint32, cute.make_layout(D * MX_TILE // 4), 16)
+            _, _, sScale, sT = v_columns
             sT8 = cute.make_tensor(cute.recast_ptr(sT.iterator, dtype=cutlass.Uint8), cute.make_layout(D * MX_TILE))
         chunk = Int64(sf_ptr.toint()) + (Int64(head) * Int64(slots) + Int64(slot)) * SF_CHUNK_BYTES
         biased = Int32(0)
@@ -236,7 +255,7 @@ class MxQuantizeSm100:
                         d = 16 * dc + 4 * w + e
                         sT8[d * MX_TILE + 16 * ((n // 16) ^ dc) + n % 16] = cutlass.Uint8((cw >> (8 * e)) & 0xFF)
         if cutlass.const_expr(v_columns is not None):
-            dt_start, T_dt = v_columns
+            dt_start, T_dt, _, _ = v_columns
             # the warp's key block: its scale of dim block k is lane 2 k's (1.0 if the block starts past
             # the document end)
             if (lane % 2 == 0) & (lane < 2 * nkb):
@@ -302,8 +321,13 @@ def quantize_mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
     cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
     num_docs = cu.numel() - 1
     T_dt, slots = transposed_tokens(T, num_docs), sf_slots(T, num_docs)
-    starts = document_starts(cu)  # chunk slots and V^T columns
-    tiles, dt = starts[0], starts[1]
+    if num_docs > MAX_SCAN_DOCS:  # too many for the kernel's tables: the host's prefix sums
+        config = dataclasses.replace(config, scan_documents=False)
+    if config.scan_documents:
+        tiles = dt = cu  # unused pointers
+    else:
+        starts = document_starts(cu)  # chunk slots and V^T columns, one cumsum on the device
+        tiles, dt = starts[0], starts[1]
     f8, u8 = torch.float8_e4m3fn, torch.uint8
     q8 = torch.empty(T, H, D, dtype=f8, device=dev)
     k8 = torch.empty(T, Hk, D, dtype=f8, device=dev)

@@ -25,9 +25,10 @@ needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl not impo
 
 
 @needs_dsl
+@pytest.mark.parametrize("scan", [True, False])
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_90a"])
-def test_compiles_with_e4m3_packs_and_no_local_memory(arch):
-    art = kernel_artifacts(MxQuantizeConfig(), arch)
+def test_compiles_with_e4m3_packs_and_no_local_memory(arch, scan):
+    art = kernel_artifacts(MxQuantizeConfig(scan_documents=scan), arch)
     # Q, K and V each: 128 elements per row, two per cvt
     assert len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", art.ptx)) == 3 * 64
     assert len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", art.ptx)) == 64  # Q's bf16 MX values
@@ -42,6 +43,8 @@ def test_compiles_with_e4m3_packs_and_no_local_memory(arch):
 def test_input_errors():
     with pytest.raises(ValueError, match="MxQuantizeConfig.head_dim"):
         MxQuantizeConfig(head_dim=64)
+    with pytest.raises(ValueError, match="MxQuantizeConfig.scan_documents"):
+        MxQuantizeConfig(scan_documents=1)
     q, k, v, _, cu, _ = make_inputs([40], 2, 2, 128, seed=0)
     with pytest.raises(ValueError, match="CUDA"):
         quantize_mx_forward(q, k, v, cu)
@@ -54,19 +57,25 @@ MIXES = {
     "aligned": [128, 256, 512],
     "short": [5, 1, 33, 64, 96, 31, 7] * 3,
     "long": [4000, 93],
+    "many": [(i * 7) % 13 + 1 for i in range(1100)],  # more than MAX_SCAN_DOCS: the host's prefix sums
 }
 
 
 @needs_dsl
 @pytest.mark.gpu
+@pytest.mark.parametrize("scan", [True, False])
 @pytest.mark.parametrize("kind", ["normal", "outliers"])
 @pytest.mark.parametrize("mix", list(MIXES))
-def test_kernel_is_bit_exact_with_the_specification(mix, kind):
+def test_kernel_is_bit_exact_with_the_specification(mix, kind, scan):
+    """Both ways to the document tables: the kernel's own scan of cu_seqlens (the default up to
+    MAX_SCAN_DOCS documents; "many" falls back) and the host's prefix sums."""
+    if mix == "many" and scan:
+        pytest.skip("more than MAX_SCAN_DOCS documents: the host tables whatever the config")
     q, k, v, _, cu, _ = make_inputs(MIXES[mix], 4, 2, 128, kind=kind, seed=3, device="cuda")
     if mix == "mixed":
         k[38:70] = 0  # document 2's first 32-token block all zero (scale 1.0); tiny values in V
         v[40:45] *= 1e-30
-    got = quantize_mx_forward(q, k, v, cu)
+    got = quantize_mx_forward(q, k, v, cu, MxQuantizeConfig(scan_documents=scan))
     want = pack_mx_forward_operands(q, k, v, cu)
     used = int(sf_tile_starts(cu)[-1])  # chunk slots past the last tile are never read
     for name in ("q", "k", "v_dt", "q_diag"):
