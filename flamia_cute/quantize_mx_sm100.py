@@ -17,8 +17,8 @@ two lanes' (one shuffle); K's and V's 32 x 32 block amax adds the warp's 8 steps
 (two shuffles). Q and K rows past the document end write nothing but their chunk word (1.0). V's
 codes go through a swizzled shared-memory tile and leave as 16-byte pieces of V^T's rows, from
 column dt_start + the tile's first position; the pad columns of a document's last 32-column group
-get 0. v_dt's columns after the last document are zeroed by the host (torch.zeros): the attention
-kernel's TMA may read them (under P = 0).
+get 0, and the spare CTAs (past the last tile) zero the columns after the last document: the
+attention kernel's TMA may read them (under P = 0).
 """
 
 from __future__ import annotations
@@ -177,6 +177,28 @@ class MxQuantizeSm100:
             else:
                 self.quantize_tile(True, mV, y - num_heads - num_kv_heads, start, length, tile_col, slot, tidx,
                                    vdt_ptr, vsf_ptr, None, num_kv_heads, slots, (dts[doc], T_dt, sScale, sT))
+        elif y >= num_heads + num_kv_heads:
+            self.zero_v_tail(vdt_ptr, y - num_heads - num_kv_heads, slot - tiles[num_docs],
+                             slots - tiles[num_docs], dts[num_docs], T_dt, tidx)
+
+    @cute.jit
+    def zero_v_tail(self, vdt_ptr, head, spare_idx, spares, dt_total, T_dt, tidx):
+        """A spare CTA (past the last tile) of a V head zeroes V^T's columns after the last document,
+        128-column blocks spare_idx, spare_idx + spares, ...: the attention kernel's TMA may read them
+        (under P = 0), and they must be finite. There is always a spare: slots - tiles >= docs / 128."""
+        D = self.D
+        lane, warp = tidx % 32, tidx // 32
+        tq, dc = lane // LANES_PER_ROW, lane % LANES_PER_ROW
+        zeros = [Uint32(0)] * 4
+        blk = spare_idx
+        while dt_total + MX_TILE * blk < T_dt:  # dt_total: a multiple of 32, T_dt of 128
+            col = Int64(dt_total + MX_TILE * blk + 16 * dc)
+            for r in cutlass.range_constexpr(STEPS):
+                d = 32 * warp + 4 * r + tq
+                if col < T_dt:
+                    st_global_v4(Int64(vdt_ptr.toint()) + (Int64(head) * Int64(D) + Int64(d)) * Int64(T_dt) + col,
+                                 zeros)
+            blk = blk + spares
 
     @cute.jit
     def quantize_tile(self, tile_2d: cutlass.Constexpr, mX, head, start, length, tile_col, slot, tidx, codes_ptr,
@@ -331,7 +353,7 @@ def quantize_mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
     f8, u8 = torch.float8_e4m3fn, torch.uint8
     q8 = torch.empty(T, H, D, dtype=f8, device=dev)
     k8 = torch.empty(T, Hk, D, dtype=f8, device=dev)
-    v_dt = torch.zeros(Hk, D, T_dt, dtype=f8, device=dev)
+    v_dt = torch.empty(Hk, D, T_dt, dtype=f8, device=dev)  # the kernel writes every column
     q_sf = torch.empty(H, slots, SF_CHUNK_BYTES, dtype=u8, device=dev)
     k_sf = torch.empty(Hk, slots, SF_CHUNK_BYTES, dtype=u8, device=dev)
     v_sf = torch.empty(Hk, slots, SF_CHUNK_BYTES, dtype=u8, device=dev)
