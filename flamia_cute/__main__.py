@@ -53,7 +53,12 @@ def blackwell_demo(on_gpu: bool) -> int:
     """The sm_100a MXFP8 forward's tile model against the emulator, its leakage (and the no-safeguard
     control's); on an sm_90 GPU the fused MX quantization against its torch specification."""
     try:
-        from .attention_fwd_sm100 import reference_fwd_sm100
+        from .attention_fwd_sm100 import (
+            TILE_MODEL_LSE_ABS,
+            TILE_MODEL_REL_L2,
+            reference_attention_fn,
+            reference_fwd_sm100,
+        )
     except Exception as e:  # no CuTe DSL
         print(f"\nBlackwell forward: skipped ({type(e).__name__}: the CuTe DSL is needed)")
         return 0
@@ -66,19 +71,13 @@ def blackwell_demo(on_gpu: bool) -> int:
     out, lse = reference_fwd_sm100(pack_mx_forward_operands(q, k, v, cu), cu, scale)
     ref_out, ref_lse, _ = emulate_forward(q, k, v, cu, cu, scale, True, Recipe.from_name("mxfp8"))
     err, lse_err = rel_l2(out.float(), ref_out.float()), float((lse - ref_lse).abs().max())
-    failures = int(not (err < 3e-4 and lse_err < 2e-5))
+    failures = int(not (err < TILE_MODEL_REL_L2 and lse_err < TILE_MODEL_LSE_ABS))
     print("\nBlackwell (sm_100a) MXFP8 forward, compile-only here: its algorithm as a CPU tile model")
     print(f"  tile model vs emulator (mxfp8): O rel L2 {err:.1e}, LSE max abs {lse_err:.1e}"
           f"  ({'as expected' if not failures else 'UNEXPECTED'})")
 
-    def model(bug):
-        def fn(q, k, v, cu, dout=None):
-            o, l_ = reference_fwd_sm100(pack_mx_forward_operands(q, k, v, cu), cu, scale, bug=bug)
-            return {"out": o, "lse": l_}
-        return fn
-
     for bug, must_pass in ((None, True), ("no_own_block_bf16", False)):
-        rep = check_leakage(model(bug), q, k, v, cu, doc=1, cut=173)
+        rep = check_leakage(reference_attention_fn(scale, bug), q, k, v, cu, doc=1, cut=173)
         failures += rep.ok != must_pass
         label = "tile model" if bug is None else "without the safeguard"
         print(f"  {label:22s} {str(rep).splitlines()[0]}  ({'leak-free' if must_pass else 'control'}: "

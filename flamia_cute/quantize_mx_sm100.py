@@ -56,6 +56,7 @@ from .sm90_device import (
     e4m3x2_to_bf16x2,
     f32_bits,
     fmax_chains,
+    last_doc_at_or_before,
     ptx,
     st_global_v4,
 )
@@ -92,10 +93,6 @@ def smem_bytes(config: MxQuantizeConfig) -> int:
     """V's 16 block scales exchanged between the warps, its V^T staging tile, and the document tables."""
     tables = 2 * 4 * (MAX_SCAN_DOCS + 1) + 64 if config.scan_documents else 0
     return 64 + MX_TILE * config.head_dim + tables
-
-
-def st_global_u8(addr, value):
-    ptx("st.global.u8 [$0], $1;", "l,r,~{memory}", [Int64(addr), Uint32(value)], result=None, side_effects=True)
 
 
 def st_global_u32(addr, value):
@@ -155,16 +152,7 @@ class MxQuantizeSm100:
             doc_chunk_cumsum(mCu, num_docs, tiles, dts, sWarp, tidx, MX_TILE, SCAN_BARRIER, MX_TILE)
             cute.arch.barrier()
         if slot < tiles[num_docs]:
-            # the tile's document: the last b with tiles[b] <= slot (empty documents share a start)
-            lo = Int32(0)
-            hi = num_docs - 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if tiles[mid] <= slot:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            doc = lo
+            doc = last_doc_at_or_before(slot, lambda i: tiles[i], num_docs, 1)  # the tile's document
             start = mCu[doc]
             length = mCu[doc + 1] - start
             tile_col = (slot - tiles[doc]) * MX_TILE  # the tile's first token, document-relative
@@ -326,7 +314,7 @@ def kernel_artifacts(config: MxQuantizeConfig, arch: str = "sm_100a"):
 def quantize_mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                         config: MxQuantizeConfig | None = None) -> MxForwardOperands:
     """The sm_100a forward's operands of bf16 (T, H, 128) q and (T, Hk, 128) k, v on the current stream
-    (one launch, plus the tile and column prefix sums of cu_seqlens on the device: no host sync).
+    (one launch; past MAX_SCAN_DOCS documents also the host's prefix sums, on the device: no host sync).
     Bit-exactly pack_mx_forward_operands(q, k, v, cu_seqlens). k_diag and v_diag are k and v."""
     from .compile_cache import compile_launcher, target_arch
 

@@ -339,23 +339,29 @@ def warp_pipeline(stages: int, barrier_ptr, consumers: int = 256):
 
 
 @cute.jit
-def document_dt_start(mCu: cute.Tensor, doc, unroll: cutlass.Constexpr = 1,
-                      align: cutlass.Constexpr = _quant_layout.DT_DOC_ALIGN):
+def document_dt_start(mCu: cute.Tensor, doc, unroll: cutlass.Constexpr = 1):
     """Document `doc`'s first data_dt column (= quant.dt_cu_seqlens(cu)[doc], so the host builds no
-    table), computed by one warp: lane l adds the `align`-rounded lengths of the earlier
-    documents l, l + 32, ... (L2-resident loads), a butterfly sum gives every lane the total.
-    unroll: 32-document rounds whose loads go out together (one round trip per round at 1).
-    align (a power of two): DT_DOC_ALIGN for data_dt columns; 128 gives 128 x the first MX scale
-    chunk slot (quant.mx_layout.sf_tile_starts)."""
+    table), computed by one warp (document_aligned_starts with DT_DOC_ALIGN)."""
+    return document_aligned_starts(mCu, doc, (_quant_layout.DT_DOC_ALIGN,), unroll)[0]
+
+
+@cute.jit
+def document_aligned_starts(mCu: cute.Tensor, doc, aligns: cutlass.Constexpr, unroll: cutlass.Constexpr = 1):
+    """For each power of two a in `aligns`: the sum of the earlier documents' lengths rounded up to a
+    (DT_DOC_ALIGN: document `doc`'s first data_dt column; 128: 128 x its first MX scale chunk slot,
+    quant.mx_layout.sf_tile_starts), all from one pass over cu_seqlens by one warp: lane l adds
+    documents l, l + 32, ... (L2-resident loads), a butterfly sum gives every lane the totals.
+    unroll: 32-document rounds whose loads go out together (one round trip per round at 1)."""
     lane = cute.arch.lane_idx()
-    dt_start = Int32(0)
+    sums = tuple(Int32(0) for _ in aligns)
     for it in cutlass.range((doc + 31) // 32, unroll=unroll):
         b = lane + 32 * it
         if b < doc:
-            dt_start = dt_start + ((mCu[b + 1] - mCu[b] + (align - 1)) & -align)
+            n = mCu[b + 1] - mCu[b]
+            sums = tuple(acc + ((n + (a - 1)) & -a) for acc, a in zip(sums, aligns, strict=True))
     for sh in cutlass.range_constexpr(5):
-        dt_start = dt_start + cute.arch.shuffle_sync_bfly(dt_start, offset=16 >> sh)
-    return dt_start
+        sums = tuple(acc + cute.arch.shuffle_sync_bfly(acc, offset=16 >> sh) for acc in sums)
+    return sums
 
 
 @cute.jit
@@ -483,7 +489,7 @@ def rank_documents_longest_first(sCum: cute.Tensor, num_docs, sOrder: cute.Tenso
 
 
 @cute.jit
-def _last_doc_at_or_before(t, cum_at, num_docs, heads):
+def last_doc_at_or_before(t, cum_at, num_docs, heads):
     """The last document d with heads * cum_at(d) <= t (binary search; empty documents, whose ranges
     are empty, are passed over)."""
     lo = Int32(0)
@@ -506,7 +512,7 @@ def locate_tile(t, sCum: cute.Tensor, num_docs, heads, sHeavy=None):
     sHeavy (heavy_first): the same order over every document's heavier half of blocks (the last
     ceil(n/2)) first, then over the lighter halves, so the tiles claimed last are short ones."""
     if cutlass.const_expr(sHeavy is None):
-        doc = _last_doc_at_or_before(t, lambda i: sCum[i], num_docs, heads)
+        doc = last_doc_at_or_before(t, lambda i: sCum[i], num_docs, heads)
         nblk = sCum[doc + 1] - sCum[doc]
         local = t - heads * sCum[doc]
         head = local // nblk
@@ -517,14 +523,14 @@ def locate_tile(t, sCum: cute.Tensor, num_docs, heads, sHeavy=None):
         head = Int32(0)
         block = Int32(0)
         if t < heavy_tiles:
-            doc = _last_doc_at_or_before(t, lambda i: sHeavy[i], num_docs, heads)
+            doc = last_doc_at_or_before(t, lambda i: sHeavy[i], num_docs, heads)
             n_h = sHeavy[doc + 1] - sHeavy[doc]
             local = t - heads * sHeavy[doc]
             head = local // n_h
             block = sCum[doc + 1] - sCum[doc] - 1 - (local - head * n_h)
         else:
             tl = t - heavy_tiles
-            doc = _last_doc_at_or_before(tl, lambda i: sCum[i] - sHeavy[i], num_docs, heads)
+            doc = last_doc_at_or_before(tl, lambda i: sCum[i] - sHeavy[i], num_docs, heads)
             n_l = sCum[doc + 1] - sHeavy[doc + 1] - (sCum[doc] - sHeavy[doc])
             local = tl - heads * (sCum[doc] - sHeavy[doc])
             head = local // n_l

@@ -36,7 +36,7 @@ import torch
 
 from .formats import E4M3, cast_to
 from .microscaling import e8m0_scale
-from .quantize import DT_DOC_ALIGN, dt_cu_seqlens, transposed_tokens
+from .quantize import DT_DOC_ALIGN, dt_cu_seqlens, token_block_ids, transposed_tokens
 
 MX_TILE = 128  # tokens per tile = rows per scale chunk
 MX_BLOCK = 32  # elements per E8M0 scale
@@ -51,15 +51,12 @@ def sf_slots(total_tokens: int, num_docs: int) -> int:
 
 def sf_tile_starts(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Each document's first chunk slot: prefix sums of ceil(len / 128) (int64, num_docs + 1)."""
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-    out = torch.zeros(cu_seqlens.numel(), dtype=torch.int64, device=cu_seqlens.device)
-    out[1:] = torch.cumsum((lens + MX_TILE - 1) // MX_TILE, 0)
-    return out
+    return document_starts(cu_seqlens)[0].to(torch.int64)
 
 
 def document_starts(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """(2, num_docs + 1) int32: each document's first chunk slot (sf_tile_starts) and its first V^T
-    column (quant.dt_cu_seqlens), in one cumsum on the device (no host sync)."""
+    """(2, num_docs + 1) int32: each document's first chunk slot and its first V^T column
+    (quant.dt_cu_seqlens), in one cumsum on the device (no host sync)."""
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
     per_doc = torch.stack([(lens + MX_TILE - 1) // MX_TILE, (lens + DT_DOC_ALIGN - 1) // DT_DOC_ALIGN * DT_DOC_ALIGN])
     return torch.nn.functional.pad(torch.cumsum(per_doc, 1, dtype=torch.int32), (1, 0))
@@ -86,9 +83,10 @@ class MxForwardOperands:
 
 
 def _doc_positions(cu_seqlens: torch.Tensor, T: int):
-    """Per token: its document and its position inside it (int64)."""
+    """Per token: its document, its position inside it, and its chunk slot (int64)."""
     doc = torch.searchsorted(cu_seqlens.to(torch.int64), torch.arange(T, device=cu_seqlens.device), right=True) - 1
-    return doc, torch.arange(T, device=cu_seqlens.device) - cu_seqlens.to(torch.int64)[doc]
+    pos = torch.arange(T, device=cu_seqlens.device) - cu_seqlens.to(torch.int64)[doc]
+    return doc, pos, token_block_ids(cu_seqlens, T, MX_TILE)
 
 
 def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
@@ -103,9 +101,8 @@ def _mx_scales(x: torch.Tensor, cu_seqlens: torch.Tensor, tile_2d: bool) -> torc
     amax = x.float().abs().reshape(T, H, D // MX_BLOCK, MX_BLOCK).amax(-1)
     if not tile_2d:
         return e8m0_scale(amax)
-    doc, pos = _doc_positions(cu_seqlens, T)
-    block_id = sf_tile_starts(cu_seqlens)[doc] * (MX_TILE // MX_BLOCK) + pos // MX_BLOCK  # unique per doc block
-    n_blocks = sf_slots(T, cu_seqlens.numel() - 1) * (MX_TILE // MX_BLOCK)  # from shapes: no host sync
+    block_id = token_block_ids(cu_seqlens, T, MX_BLOCK)
+    n_blocks = sf_slots(T, cu_seqlens.numel() - 1) * (MX_TILE // MX_BLOCK)  # a bound from shapes: no host sync
     tile_amax = torch.zeros(n_blocks, H, D // MX_BLOCK, dtype=torch.float32, device=x.device)
     tile_amax.scatter_reduce_(0, block_id[:, None, None].expand_as(amax), amax, "amax")
     return e8m0_scale(tile_amax)[block_id]
@@ -127,8 +124,7 @@ def pack_mx_forward_operands(q, k, v, cu_seqlens) -> MxForwardOperands:
     cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
     num_docs = cu.numel() - 1
     slots = sf_slots(T, num_docs)
-    doc, pos = _doc_positions(cu, T)
-    slot = sf_tile_starts(cu)[doc] + pos // MX_TILE
+    doc, pos, slot = _doc_positions(cu, T)
     row = pos % MX_TILE
 
     def codes(x, scale):
@@ -167,8 +163,7 @@ def pack_mx_forward_operands(q, k, v, cu_seqlens) -> MxForwardOperands:
 def unpack_token_rows_sf(sf: torch.Tensor, cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
     """(T, heads, 4) fp32 scales read back from token-row chunks (Q's, K's): for tests."""
     cu = cu_seqlens.to(device=sf.device, dtype=torch.int64)
-    doc, pos = _doc_positions(cu, T)
-    slot = sf_tile_starts(cu)[doc] + pos // MX_TILE
+    _, pos, slot = _doc_positions(cu, T)
     off = sf_byte_offset((pos % MX_TILE)[:, None], torch.arange(4, device=sf.device)[None, :])
     b = sf[:, slot[:, None], off]  # (heads, T, 4)
     return torch.exp2(b.to(torch.float32) - 127).permute(1, 0, 2)
@@ -177,8 +172,7 @@ def unpack_token_rows_sf(sf: torch.Tensor, cu_seqlens: torch.Tensor, T: int) -> 
 def unpack_dim_rows_sf(sf: torch.Tensor, cu_seqlens: torch.Tensor, T: int, head_dim: int = 128) -> torch.Tensor:
     """(T, heads, D) fp32: the scale each (key, head dim) element of V is multiplied by in P V: for tests."""
     cu = cu_seqlens.to(device=sf.device, dtype=torch.int64)
-    doc, pos = _doc_positions(cu, T)
-    slot = sf_tile_starts(cu)[doc] + pos // MX_TILE
+    _, pos, slot = _doc_positions(cu, T)
     d = torch.arange(head_dim, device=sf.device)
     off = sf_byte_offset(d[None, :], ((pos % MX_TILE) // MX_BLOCK)[:, None])  # (T, D)
     b = sf[:, slot[:, None], off]  # (heads, T, D)

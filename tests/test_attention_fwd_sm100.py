@@ -33,10 +33,13 @@ try:
     import cutlass  # noqa: F401
 
     from flamia_cute.attention_fwd_sm100 import (
+        TILE_MODEL_LSE_ABS,
+        TILE_MODEL_REL_L2,
         FwdSm100Config,
         flamia_fwd_sm100,
         kernel_artifacts,
         mxfp8_forward_sm100,
+        reference_attention_fn,
         reference_fwd_sm100,
         smem_bytes,
     )
@@ -47,11 +50,6 @@ except Exception:  # pragma: no cover - CI without the DSL
 
 needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl not importable")
 MXFP8 = Recipe.from_name("mxfp8")
-# The tile model against the emulator: the same codes and scales; they differ by fp32 rounding (exp2 of
-# log2-domain scores vs exp, summation order), which flips an e4m3 rounding of P now and then.
-# Measured: rel L2 <= 9.3e-5, LSE <= 7.6e-6 over the sets below (two seeds each).
-MODEL_REL_L2 = 3e-4
-MODEL_LSE_ABS = 2e-5
 # The kernel against the tile model (sm_100 GPU only): the tensor core's fp32 accumulation order and
 # the hardware exp2 differ from torch; as the Hopper kernels' bound against their emulator.
 GPU_REL_L2 = 2e-3
@@ -151,8 +149,8 @@ def test_tile_model_matches_emulator_and_fp64(lengths, H, Hk, kind):
     ops = pack_mx_forward_operands(q, k, v, cu)
     out, lse = reference_fwd_sm100(ops, cu, scale)
     oe, lsee, _ = emulate_forward(q, k, v, cu, cu, scale, True, MXFP8)
-    assert rel_l2(out.float(), oe.float()) < MODEL_REL_L2
-    assert (lse - lsee).abs().max().item() < MODEL_LSE_ABS
+    assert rel_l2(out.float(), oe.float()) < TILE_MODEL_REL_L2
+    assert (lse - lsee).abs().max().item() < TILE_MODEL_LSE_ABS
     ref = reference_attention(q, k, v, cu, cu, scale)
     # as accurate as the recipe's emulator against fp64 (within 0.05 dB), and on normal inputs above the
     # foundation issue's floor for O (tests/test_accuracy.py NORMAL_FLOORS; outliers have none)
@@ -170,17 +168,9 @@ def test_tile_model_mutants_fail():
     ops = pack_mx_forward_operands(q, k, v, cu)
     oe, _, _ = emulate_forward(q, k, v, cu, cu, scale, True, MXFP8)
     bad, _ = reference_fwd_sm100(ops, cu, scale, bug="p_scale_from_row_max")  # measured 7.8e-3
-    assert rel_l2(bad.float(), oe.float()) > 10 * MODEL_REL_L2
+    assert rel_l2(bad.float(), oe.float()) > 10 * TILE_MODEL_REL_L2
     with pytest.raises(ValueError, match="bug must be one of"):
         reference_fwd_sm100(ops, cu, scale, bug="typo")
-
-
-def _model_fn(scale, bug=None):
-    def fn(q, k, v, cu, dout=None):
-        out, lse = reference_fwd_sm100(pack_mx_forward_operands(q, k, v, cu), cu, scale, bug=bug)
-        return {"out": out, "lse": lse}
-
-    return fn
 
 
 @needs_dsl
@@ -189,9 +179,9 @@ def test_tile_model_does_not_leak_and_the_control_does():
     before the cut bit-identical; document isolation). The control runs the own 32-token block through
     the MX path: K's and V's block scales then carry the perturbed future keys into earlier queries."""
     q, k, v, _, cu, scale = make_inputs([70, 200, 45], 2, 1, 128, seed=6)
-    rep = check_leakage(_model_fn(scale), q, k, v, cu)
+    rep = check_leakage(reference_attention_fn(scale), q, k, v, cu)
     assert rep.ok, str(rep)
-    leaky = check_leakage(_model_fn(scale, bug="no_own_block_bf16"), q, k, v, cu)
+    leaky = check_leakage(reference_attention_fn(scale, bug="no_own_block_bf16"), q, k, v, cu)
     assert not leaky.future_ok, str(leaky)
 
 
