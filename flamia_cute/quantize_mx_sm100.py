@@ -352,4 +352,6 @@ def quantize_mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
         launch_on_device(launch, dev, q.data_ptr(), k.data_ptr(), v.data_ptr(), cu.data_ptr(), tiles.data_ptr(),
                          dt.data_ptr(), q8.data_ptr(), q_sf.data_ptr(), k8.data_ptr(), k_sf.data_ptr(),
                          v_dt.data_ptr(), v_sf.data_ptr(), q_diag.data_ptr(), T, T_dt, slots, H, Hk, num_docs)
+    else:
+        v_dt.zero_()  # no launch, no token: V^T is all pad columns (the specification's zeros)
     return MxForwardOperands(q8, q_sf, k8, k_sf, v_dt, v_sf, q_diag, k, v)

@@ -84,3 +84,12 @@ def test_kernel_is_bit_exact_with_the_specification(mix, kind, scan):
     for name in ("q_sf", "k_sf", "v_sf"):
         assert torch.equal(getattr(got, name)[:, :used], getattr(want, name)[:, :used]), name
     assert got.k_diag is k and got.v_diag is v
+
+
+@needs_dsl
+@pytest.mark.gpu
+def test_no_tokens_gives_the_specifications_zeros():
+    """No launch when there is no token: V^T (its pad columns only) is still zero, as specified."""
+    q, k, v, _, cu, _ = make_inputs([0, 0], 2, 2, 128, device="cuda")
+    got, want = quantize_mx_forward(q, k, v, cu), pack_mx_forward_operands(q, k, v, cu)
+    assert got.v_dt.numel() > 0 and torch.equal(got.v_dt.view(torch.uint8), want.v_dt.view(torch.uint8))
