@@ -67,24 +67,30 @@ from .sm90_device import (
     ARG_F32,
     ARG_I32,
     SHARED_SOURCE_FILES,
+    as_f32,
     claim_next_tile,
     cvt_bf16x2,
+    cvt_e4m3x4,
     doc_chunk_cumsum,
     document_dt_start,
     exp2_poly,
     f32_bits,
     finish_tile_claim,
     fmax_chains,
+    imax,
     issue_tile_claim,
     locate_tile,
     pack_a_fragment_e4m3,
     pow2_reciprocal,
+    pow2_scale_bits,
     publish_tile,
     quad_max2,
     quad_sum,
     quad_transpose4,
     rank_documents_longest_first,
     read_tile,
+    smem_word_index,
+    st_global_v2,
     st_global_v4,
     tma_pipeline,
     warp_pipeline,
@@ -127,7 +133,9 @@ def smem_bytes(cfg) -> int:
     table = tables * 4 * (PERSISTENT_MAX_DOCS + 1) + 128 if cfg.persistent else 0
     scales = (2 * cfg.tile_n + (cfg.tile_m if cfg.stage_tile_inputs else 0)) * 4 * cfg.kv_stages
     ones = cfg.kv_stages * cfg.tile_n * ONES_ROWS if cfg.row_sum_mma else 0
-    return tile + 2 * cfg.kv_stages * cfg.tile_n * cfg.head_dim + scales + table + ones + 2048
+    # fuse_q_quant: one bf16 Q tile and the Q stages' row scales
+    fused_q = (cfg.tile_m * cfg.head_dim * 2 + cfg.tile_m * 4 * cfg.q_stages) if cfg.fuse_q_quant else 0
+    return tile + 2 * cfg.kv_stages * cfg.tile_n * cfg.head_dim + scales + table + ones + fused_q + 2048
 
 
 def overlap_default(head_dim: int, diagonal_copy: bool) -> bool:
@@ -236,6 +244,13 @@ class FwdConfig:
     # 1..6% SLOWER on every workload (s14e; a separate m64n8 wgmma against a ones tile, s14b-s14c,
     # 2..8%): 8% fewer instructions, but the longer P V sits on the latency-bound chain. Opt-in.
     row_sum_mma: bool = False
+    # Q quantized in the kernel: the TMA warp loads Q's bf16 tile and producer warps 2-3 (idle
+    # otherwise) write its e4m3 codes into the Q stage with the per-token scales of
+    # quant.quantize_thd (bit-exact with the Q/K/V launch), plus the codes and scales to global
+    # memory for the backward. The Q/K/V launch then quantizes K and V only: it stops reading Q
+    # (2 bytes) and writing its codes (1 byte) per element, ~27% of its bytes. Needs the staged
+    # tile inputs and one tile at a time (no overlap_tiles). Inputs: flamia_fwd_sm90(q_bf16=...).
+    fuse_q_quant: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -293,9 +308,33 @@ class FwdConfig:
             bad("overlap_tiles", "needs persistent=True and the intra-warpgroup overlap")
         if not isinstance(self.row_sum_mma, bool):
             bad("row_sum_mma", "must be a bool")
+        if not isinstance(self.fuse_q_quant, bool):
+            bad("fuse_q_quant", "must be a bool")
+        if self.fuse_q_quant and not (self.stage_tile_inputs and not self.overlap_tiles):
+            bad("fuse_q_quant", "needs stage_tile_inputs=True and overlap_tiles=False")
         if self.row_sum_mma and not (self.diagonal_copy and self.drop_branch and not self.overlap_tiles):
             bad("row_sum_mma", "needs diagonal_copy=True (uniform off-diagonal tiles), drop_branch=True and "
                 "overlap_tiles=False")
+
+
+def q_quant_steps(head_dim: int) -> int:
+    """fuse_q_quant: the steps in which a warp of warps 2-3 covers its 64 Q rows (D / 8 lanes a row)."""
+    return 64 // (32 // (head_dim // 8))
+
+
+def q_quant_lane(head_dim: int, warp, step, lane):
+    """fuse_q_quant's map for warp `warp` (0, 1) of warps 2-3 at `step`: (row within the warp's 64 =
+    the row in its Q slot, row of the 128-row tile, 8-value segment of the row). Plain Python over
+    DSL or Python integers (the CPU test replays it on the Q stage layout)."""
+    lanes_per_row = head_dim // 8
+    r_wg = (32 // lanes_per_row) * step + lane // lanes_per_row
+    return r_wg, 64 * warp + r_wg, lane % lanes_per_row
+
+
+def q_stage_layout(head_dim: int, q_stages: int):
+    """The e4m3 Q stages (2 per stage: one 64-row slot per consumer warpgroup), as wgmma reads them."""
+    row_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
+    return sm90_utils.make_smem_layout_a(row_major, (64, 128, head_dim), Float8E4M3FN, 2 * q_stages)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,6 +365,10 @@ class FlamiaFwdSm90:
         # head, document (and, staged, its start and length)
         self.scale_rows = 2 * config.tile_n + (config.tile_m if config.stage_tile_inputs else 0)
         self.sched_rows = 6 if config.stage_tile_inputs else 4
+        self.fuse_q = config.fuse_q_quant
+        # the TMA warp's Q ring: the e4m3 Q stages, or with fuse_q_quant one bf16 tile (warps 2-3
+        # turn it into an e4m3 stage right away, so one is enough to load the next tile's Q early)
+        self.tma_q_stages = 1 if self.fuse_q else config.q_stages
 
     @cute.jit
     def __call__(
@@ -340,6 +383,7 @@ class FlamiaFwdSm90:
         skt_ptr: cute.Pointer,
         vt_ptr: cute.Pointer,
         svt_ptr: cute.Pointer,
+        qb_ptr: cute.Pointer,
         cu_ptr: cute.Pointer,
         o_ptr: cute.Pointer,
         lse_ptr: cute.Pointer,
@@ -359,6 +403,8 @@ class FlamiaFwdSm90:
         tdt = cute.assume(T_dt, divby=128)
         # (token, d, head): d contiguous, so the reduction of S = Q K^T is K-major for both
         mQ = cute.make_tensor(q_ptr, cute.make_layout((T, D, H), stride=(hd, 1, D)))
+        # fuse_q_quant: Q in bf16 (the input; mQ and mSQ are then the kernel's outputs)
+        mQb = cute.make_tensor(qb_ptr, cute.make_layout((T, D, H), stride=(hd, 1, D)))
         mK = cute.make_tensor(k_ptr, cute.make_layout((T, D, num_kv_heads), stride=(khd, 1, D)))
         mKt = cute.make_tensor(kt_ptr, cute.make_layout((T, D, num_kv_heads), stride=(khd, 1, D)))
         # V^T (d, column, head): tokens contiguous, K-major for O = P V. Document b starts at
@@ -390,7 +436,7 @@ class FlamiaFwdSm90:
         )
         row_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
         # Q: two 64-row "stages", one per consumer warpgroup
-        sQ_layout = sm90_utils.make_smem_layout_a(row_major, (wm, tn, D), Float8E4M3FN, 2 * self.q_stages)
+        sQ_layout = q_stage_layout(D, self.q_stages)
         sK_layout = sm90_utils.make_smem_layout_b(row_major, (wm, tn, D), Float8E4M3FN, self.stages)
         sV_layout = sm90_utils.make_smem_layout_b(row_major, (wm, self.d_pv, tn), Float8E4M3FN, self.stages)
 
@@ -403,7 +449,12 @@ class FlamiaFwdSm90:
         tma_v, tV = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mV, sV1, (D, tn))
         tma_kt, tKt = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mKt, sK1, (tn, D))
         tma_vt, tVt = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mVt, sV1, (D, tn))
-        self.q_bytes = 2 * wm * D
+        # bf16 Q for fuse_q_quant: two 64-row boxes, rows dense (no swizzle: only warps 2-3 read it,
+        # a warp two whole rows at a time)
+        sQb_layout = cute.make_layout((wm, D, 2), stride=(D, 1, wm * D))
+        tma_qb, tQb = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mQb, cute.slice_(sQb_layout, (None, None, 0)),
+                                                             (wm, D))
+        self.q_bytes = 2 * wm * D * (2 if self.fuse_q else 1)
         self.kv_bytes = tn * D
 
         stages = self.stages
@@ -414,6 +465,8 @@ class FlamiaFwdSm90:
         n_heavy = n_cum if self.cfg.tile_order == "heavy_first" else 4
         n_lpt = n_cum if self.cfg.tile_order == "longest_documents" else 4
         n_warp = 12 if self.cfg.tile_order == "heavy_first" else 8  # the scan's warp totals
+        n_qb = 2 * wm * D if self.fuse_q else 8
+        n_qs = 2 * wm * q_stages if self.fuse_q else 4
 
         @cute.struct
         class SharedStorage:
@@ -434,14 +487,17 @@ class FlamiaFwdSm90:
             sHeavy: cute.struct.Align[cute.struct.MemRange[Int32, n_heavy], 16]
             sLpt: cute.struct.Align[cute.struct.MemRange[Int32, n_lpt], 16]
             sOrder: cute.struct.Align[cute.struct.MemRange[Int32, n_lpt], 16]
+            qb_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            sQS: cute.struct.Align[cute.struct.MemRange[Float32, n_qs], 16]  # fused Q: each stage's row scales
+            sQb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, n_qb], 128]
 
         self.shared_storage = SharedStorage
 
         self.kernel(
             qk_mma, pv_mma,
-            tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
-            mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched,
-            sQ_layout, sK_layout, sV_layout, scale_log2,
+            tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, tma_qb, tQb,
+            mQ, mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched,
+            sQ_layout, sK_layout, sV_layout, sQb_layout, scale_log2,
         ).launch(
             # one CTA per (query block, head, document), query block fastest (see kernel()), or
             # grid_x persistent CTAs
@@ -466,6 +522,9 @@ class FlamiaFwdSm90:
         tKt: cute.Tensor,
         tma_vt: cute.CopyAtom,
         tVt: cute.Tensor,
+        tma_qb: cute.CopyAtom,
+        tQb: cute.Tensor,
+        mQ: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
         mSQ: cute.Tensor,
@@ -478,6 +537,7 @@ class FlamiaFwdSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        sQb_layout: cute.Layout,
         scale_log2: Float32,
     ):
         tn = self.tile_n
@@ -488,8 +548,9 @@ class FlamiaFwdSm90:
         # in flight at once no longer fit in L2 (perf/NOTES.md, session 3).
         bidx, head, doc = cute.arch.block_idx()
         roles = (
-            qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
-            mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, scale_log2,
+            qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, tma_qb, tQb,
+            mQ, mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, sQb_layout,
+            scale_log2,
         )
         if cutlass.const_expr(self.persistent):
             # tiles come from the scheduler (run_cta's producer warp): no tile of its own
@@ -507,8 +568,9 @@ class FlamiaFwdSm90:
     def run_cta(self, roles, head, doc, doc_start, doc_len, m_block):
         """Shared memory, pipelines and the warp roles of one CTA: the tile (head, doc, m_block), or
         when persistent the scheduler's tiles."""
-        (qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
-         mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, scale_log2) = roles
+        (qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, tma_qb, tQb,
+         mQ, mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, sQb_layout,
+         scale_log2) = roles
         tn = self.tile_n
         tidx, _, _ = cute.arch.thread_idx()
         kv_head = head // self.group
@@ -519,6 +581,7 @@ class FlamiaFwdSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sScale = storage.sScale.get_tensor(cute.make_layout((self.scale_rows, self.stages)))
         sPin = storage.sPin.get_tensor(cute.make_layout(256))
+        sQS = storage.sQS.get_tensor(cute.make_layout(2 * self.wg_m * self.q_stages))  # fuse_q_quant
         sV_tma = sV  # what TMA fills: all of each stage, or with row_sum_mma its first D rows
         if cutlass.const_expr(self.cfg.row_sum_mma):
             D, d_pv = self.D, self.d_pv
@@ -536,7 +599,13 @@ class FlamiaFwdSm90:
                         cutlass.select_(tidx < tn // 4, Uint32(E4M3_ONE_X4), Uint32(0)))
             cute.arch.fence_proxy("async.shared", space="cta")
 
-        pipe_q = tma_pipeline(self.q_stages, self.q_bytes, storage.q_mbar.data_ptr())
+        pipe_qb = None
+        if cutlass.const_expr(self.fuse_q):
+            # TMA -> bf16 tile -> warps 2-3 -> e4m3 Q stages (their stores, then the consumers' wgmma)
+            pipe_qb = tma_pipeline(1, self.q_bytes, storage.qb_mbar.data_ptr(), consumer_warps=2)
+            pipe_q = warp_pipeline(self.q_stages, storage.q_mbar.data_ptr(), producers=64)
+        else:
+            pipe_q = tma_pipeline(self.q_stages, self.q_bytes, storage.q_mbar.data_ptr())
         pipe_k = tma_pipeline(self.stages, self.kv_bytes, storage.k_mbar.data_ptr())
         pipe_v = tma_pipeline(self.stages, self.kv_bytes, storage.v_mbar.data_ptr())
         pipe_s = warp_pipeline(self.stages, storage.s_mbar.data_ptr())
@@ -550,7 +619,8 @@ class FlamiaFwdSm90:
         lpt_tables = None
         if cutlass.const_expr(self.persistent):
             # tile hand-off from the TMA warp to the scale warp and the consumers (32 + 256 threads)
-            pipe_t = warp_pipeline(SCHED_STAGES, storage.t_mbar.data_ptr(), consumers=288)
+            # (fuse_q_quant: and warps 2-3)
+            pipe_t = warp_pipeline(SCHED_STAGES, storage.t_mbar.data_ptr(), consumers=288 + (64 if self.fuse_q else 0))
             sSched = storage.sSched.get_tensor(cute.make_layout((self.sched_rows, SCHED_STAGES)))
             sCum = storage.sCum.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
             sDt = storage.sDt.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
@@ -578,6 +648,9 @@ class FlamiaFwdSm90:
             if warp_idx == 0:
                 tma_args = (tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, sQ, sK, sV_tma, pipe_q, pipe_k,
                             pipe_v)
+                if cutlass.const_expr(self.fuse_q):  # Q comes in bf16
+                    tma_args = (tma_qb, tQb, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
+                                storage.sQb.get_tensor(sQb_layout), sK, sV_tma, pipe_qb, pipe_k, pipe_v)
                 if cutlass.const_expr(self.persistent):
                     self.produce_tiles(tma_args, mCu, mSched, mO.shape[2], pipe_t, sSched, sCum, sDt, sHeavy,
                                        lpt_tables)
@@ -596,17 +669,21 @@ class FlamiaFwdSm90:
                 else:
                     self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len, m_block,
                                      mSQ, head)
+            if cutlass.const_expr(self.fuse_q):
+                if warp_idx >= 2:
+                    self.quantize_q_tiles(storage, sQ_layout, sQS, pipe_qb, pipe_q, pipe_t, sSched, mCu, mQ, mSQ,
+                                          mO.shape[2], head, doc_start, doc_len, m_block)
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.consume(
-                qk_mma, pv_mma, sQ, sK, sV, sScale, sPin, pipe_q, pipe_k, pipe_v, pipe_s,
+                qk_mma, pv_mma, sQ, sK, sV, sScale, sPin, sQS, pipe_q, pipe_k, pipe_v, pipe_s,
                 mO, mLSE, mSQ, mCu, scale_log2, head, doc_start, doc_len, m_block, wg_idx - 1, pipe_t, sSched,
             )
 
     def tma_states(self):
         """The TMA warp's fresh producer states of the Q, K and V pipelines."""
         return (
-            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages),
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.tma_q_stages),
             pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
             pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
         )
@@ -733,7 +810,7 @@ class FlamiaFwdSm90:
         for i in cutlass.range(m_block + 1, unroll=1):
             n = m_block - i
             pipe_s.producer_acquire(s_state)
-            if cutlass.const_expr(staged):
+            if cutlass.const_expr(staged and not self.fuse_q):  # fused: warps 2-3 stage Q's scales
                 if i == 0:
                     for c in cutlass.range_constexpr(tm // 32):
                         row = m_block * tn + lane + 32 * c
@@ -775,8 +852,82 @@ class FlamiaFwdSm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
+    def quantize_q_tiles(self, storage, sQ_layout, sQS, pipe_qb, pipe_q, pipe_t, sSched, mCu, mQ, mSQ, heads,
+                         head, doc_start, doc_len, m_block):
+        """Warps 2-3 with fuse_q_quant: every tile's Q (persistent: as published, until the end mark;
+        else the CTA's tile) from the bf16 tile to an e4m3 Q stage (quantize_q_tile)."""
+        qb_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
+        if cutlass.const_expr(self.persistent):
+            t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
+            m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
+            while m_block >= 0:
+                doc_start, doc_len = self.tile_bounds(mCu, doc, start, length)
+                qb_state, q_state = self.quantize_q_tile(storage, sQ_layout, sQS, pipe_qb, pipe_q, qb_state, q_state,
+                                                         mQ, mSQ, heads, head, doc_start, doc_len, m_block)
+                m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
+        else:
+            self.quantize_q_tile(storage, sQ_layout, sQS, pipe_qb, pipe_q, qb_state, q_state, mQ, mSQ, heads, head,
+                                 doc_start, doc_len, m_block)
+
+    @cute.jit
+    def quantize_q_tile(self, storage, sQ_layout, sQS, pipe_qb, pipe_q, qb_state, q_state, mQ, mSQ, heads, head,
+                        doc_start, doc_len, m_block):
+        """One tile's 128 Q rows, quantized as the Q/K/V launch does (per-token power-of-two scale
+        from the row's |x| max, RNE to e4m3: bit-exact), into the e4m3 stage q_state (the layout the
+        consumers' wgmma reads) and its row scales into sQS; rows inside the document also to
+        global memory (the backward's operands). Warp w takes rows 64 w .., D / 8 lanes per row,
+        8 values (16 bytes of bf16) per lane: its loads are whole rows, its stores whole 8-byte
+        halves of the swizzle's 16-byte chunks. Returns the (bf16, e4m3) ring states."""
+        D, wm, tm = self.D, self.wg_m, self.cfg.tile_m
+        lanes_per_row = D // 8
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = tidx // 32 - 2
+        lane = cute.arch.lane_idx()
+        qb_words = cute.make_tensor(cute.recast_ptr(storage.sQb.data_ptr(), dtype=Uint32), cute.make_layout(wm * D))
+        q_words = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), dtype=Uint32),
+                                   cute.make_layout(cute.cosize(sQ_layout) // 4))
+        row_elems = heads * D
+        pipe_qb.consumer_wait(qb_state)
+        pipe_q.producer_acquire(q_state)
+        for it in cutlass.range(q_quant_steps(D), unroll=1):
+            r_wg, r, seg = q_quant_lane(D, warp, it, lane)
+            x = [qb_words[r * (D // 2) + 4 * seg + j] for j in range(4)]
+            m = Uint32(0)
+            for j in cutlass.range_constexpr(4):
+                w = x[j] & Uint32(0x7FFF7FFF)
+                m = Uint32(cutlass.max(m, Uint32(cutlass.max(w & Uint32(0xFFFF), w >> 16))))
+            amax = Int32(m) << 16  # bf16 |x| bits -> fp32 |x| bits
+            for sh in cutlass.range_constexpr(int(math.log2(lanes_per_row))):
+                amax = imax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << sh))
+            sb, ib = pow2_scale_bits(amax)
+            inv = as_f32(ib)
+            f = []
+            for j in cutlass.range_constexpr(4):
+                f += [as_f32(Int32(x[j] << 16)) * inv, as_f32(Int32(x[j] & Uint32(0xFFFF0000))) * inv]
+            y = (cvt_e4m3x4(f[0], f[1], f[2], f[3]), cvt_e4m3x4(f[4], f[5], f[6], f[7]))
+            dst = smem_word_index(sQ_layout, (r_wg, 8 * seg, 2 * q_state.index + warp), 1)
+            q_words[dst] = y[0]
+            q_words[dst + 1] = y[1]
+            if seg == 0:
+                sQS[tm * q_state.index + r] = as_f32(sb)
+            row = m_block * tm + r
+            if row < doc_len:
+                tok = doc_start + row
+                st_global_v2(mQ.iterator.toint() + Int64(tok) * Int64(row_elems) + Int64(head * D + 8 * seg), y)
+                if seg == 0:
+                    mSQ[tok, head] = as_f32(sb)
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic stores, then the consumers' wgmma
+        pipe_q.producer_commit(q_state)
+        pipe_qb.consumer_release(qb_state)
+        q_state.advance()
+        qb_state.advance()
+        return qb_state, q_state
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
     def consume(
-        self, qk_mma, pv_mma, sQ, sK, sV, sScale, sPin, pipe_q, pipe_k, pipe_v, pipe_s,
+        self, qk_mma, pv_mma, sQ, sK, sV, sScale, sPin, sQS, pipe_q, pipe_k, pipe_v, pipe_s,
         mO, mLSE, mSQ, mCu, scale_log2, head, doc_start, doc_len, m_block, wg, pipe_t, sSched,
     ):
         """The consumer warpgroups: one tile (head, doc, m_block), or when persistent every tile
@@ -822,7 +973,7 @@ class FlamiaFwdSm90:
         pipes = (pipe_q, pipe_k, pipe_v, pipe_s)
         if cutlass.const_expr(not self.persistent):
             self.consume_tile(
-                frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO, mLSE, mSQ, scale_log2,
+                frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, sQS, pipes, states, mO, mLSE, mSQ, scale_log2,
                 head, doc_start, doc_len, m_block, wg,
             )
         else:
@@ -841,7 +992,7 @@ class FlamiaFwdSm90:
                     doc_start, doc_len = self.tile_bounds(mCu, doc, start, length)
                     # the MMA atoms are not loop-carried here: every GEMM sets its ACCUMULATE field first
                     states, _, _ = self.consume_tile(
-                        frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO, mLSE, mSQ,
+                        frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, sQS, pipes, states, mO, mLSE, mSQ,
                         scale_log2, head, doc_start, doc_len, m_block, wg,
                     )
                     m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
@@ -850,7 +1001,7 @@ class FlamiaFwdSm90:
 
     @cute.jit
     def consume_tile(
-        self, frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO, mLSE, mSQ, scale_log2,
+        self, frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, sQS, pipes, states, mO, mLSE, mSQ, scale_log2,
         head, doc_start, doc_len, m_block, wg,
     ):
         """Query block m_block of one (document, head): the key tiles from the diagonal down, then the
@@ -867,6 +1018,9 @@ class FlamiaFwdSm90:
         q_slot = wg
         if cutlass.const_expr(self.persistent):
             q_slot = wg + 2 * q_state.index
+        if cutlass.const_expr(self.fuse_q):
+            for v1 in cutlass.range_constexpr(2):  # the row scales warps 2-3 staged with the codes
+                rs[v1] = rs[v1] * sQS[q_slot * self.wg_m + frags[8][2 * v1][0]]
 
         if cutlass.const_expr(self.pingpong and not self.persistent):
             self.pingpong_start(wg)
@@ -1110,7 +1264,7 @@ class FlamiaFwdSm90:
         # Block-scaled off-diagonal tile: it is exactly one 128-key scale block, so the K and V
         # scales are constant over it: sK folds into the row factor and w / r == 1.
         uniform = cutlass.const_expr((not diag) and self.diag_copy)
-        if cutlass.const_expr(diag and self.cfg.stage_tile_inputs):
+        if cutlass.const_expr(diag and self.cfg.stage_tile_inputs and not self.fuse_q):
             for v1 in cutlass.range_constexpr(2):  # the block's Q scales, staged by the scale warp
                 rs[v1] = rs[v1] * sScale[2 * tn + wg * wm + tScS[2 * v1][0], s_state.index]
         sk_t = sScale[0, s_state.index]
@@ -1442,6 +1596,7 @@ _F8, _F32, _I32, _BF16 = ARG_F8, ARG_F32, ARG_I32, ARG_BF16
 # The runtime entry's parameters (FlamiaFwdSm90.__call__) for compile_cache.compile_launcher
 ARG_KINDS = (
     _F8, _F32, _F8, _F32, _F8, _F32, _F8, _F32, _F8, _F32,  # q, sq, k, sk, v, sv, k_tok, sk_tok, v_tok, sv_tok
+    _BF16,  # q in bf16 (fuse_q_quant; else any bf16 pointer)
     _I32, _BF16, _F32, _I32,  # cu_seqlens, out, lse, tile counter (persistent; else any int32 pointer)
     ("i32",), ("i32",), ("i32",), ("i32",), ("i32",), ("f32",),  # T, T_dt, Hk, num_docs, grid_x, scale
     ("stream",),
@@ -1490,7 +1645,7 @@ def kernel_artifacts(config: FwdConfig, arch: str = "sm_90a", tvm_ffi: bool = Fa
 def flamia_fwd_sm90(
     q_td, sq, k_td, sk, v_dt, sv, k_tok_td, sk_tok, v_tok_dt, sv_tok,
     cu_seqlens, max_seqlen: int, softmax_scale: float, config: FwdConfig, poison_outputs: bool = False,
-    dt_cu_seqlens=None,
+    dt_cu_seqlens=None, q_bf16=None,
 ):
     """Causal FP8 attention forward on the current stream; returns (out bf16 (T,H,D), lse fp32 (H,T)).
 
@@ -1504,6 +1659,9 @@ def flamia_fwd_sm90(
     poison_outputs: fill out/lse with NaN first (tests: every element must be written).
     dt_cu_seqlens: accepted for compatibility and unused: the kernel derives every document's start
     column in v_dt (quant.dt_cu_seqlens(cu_seqlens)) from cu_seqlens itself.
+    q_bf16 (T, H, D) bf16, exactly when config.fuse_q_quant: the kernel quantizes it per token
+    (bit-exact with quant.quantize_thd) and writes the codes to q_td and the scales to sq, which
+    are then outputs (e.g. torch.empty).
     Host cost: one kernel launch, two allocations, no torch ops on cu_seqlens when it is already
     int32 on the device; the launch goes through TVM-FFI when apache-tvm-ffi is installed.
     """
@@ -1525,6 +1683,11 @@ def flamia_fwd_sm90(
     if k_tok_td is not k_td:
         checks += [("k_tok_td", k_tok_td, (T, Hk, D), f8), ("v_tok_dt", v_tok_dt, (Hk, D, T_dt), f8),
                    ("sk_tok", sk_tok, (Hk, T), torch.float32), ("sv_tok", sv_tok, (Hk, T), torch.float32)]
+    if config.fuse_q_quant != (q_bf16 is not None):
+        raise ValueError("q_bf16 must be given exactly when config.fuse_q_quant is set "
+                         f"(fuse_q_quant={config.fuse_q_quant}, q_bf16 {'given' if q_bf16 is not None else 'None'})")
+    if q_bf16 is not None:
+        checks.append(("q_bf16", q_bf16, (T, H, D), torch.bfloat16))
     dev = q_td.device
     check_kernel_tensors(checks, dev)
     if T_dt != transposed_tokens(T, num_docs):
@@ -1560,7 +1723,8 @@ def flamia_fwd_sm90(
     launch_on_device(
         get_launcher(config), dev,
         q_td.data_ptr(), sq.data_ptr(), k_td.data_ptr(), sk.data_ptr(), v_dt.data_ptr(), sv.data_ptr(),
-        k_tok_td.data_ptr(), sk_tok.data_ptr(), v_tok_dt.data_ptr(), sv_tok.data_ptr(), cu.data_ptr(),
+        k_tok_td.data_ptr(), sk_tok.data_ptr(), v_tok_dt.data_ptr(), sv_tok.data_ptr(),
+        (q_bf16 if q_bf16 is not None else out).data_ptr(), cu.data_ptr(),
         out.data_ptr(), lse.data_ptr(), sched_ptr, T, T_dt, Hk, num_docs, grid_x, float(softmax_scale * LOG2E),
     )
     return out, lse

@@ -81,11 +81,14 @@ def launch_layouts(cfg, forward_only: bool = False, ds_bf16: bool = False):
     return forward_only_config(cfg) if forward_only or ds_bf16 else cfg
 
 
-def quantize_operands(q, k, v, cu, block: int, max_seqlen: int, forward_only: bool = False, ds_bf16: bool = False):
+def quantize_operands(q, k, v, cu, block: int, max_seqlen: int, forward_only: bool = False, ds_bf16: bool = False,
+                      with_q: bool = True):
     """Q, K, V in ONE fused launch: Q per token; K, V per block plus the per-token diagonal copies.
 
     forward_only: only the orientations the forward reads (quantize_sm90.forward_only); ds_bf16: the
-    same, all that the bf16-dS backward reads too. What is not written is None in the result."""
+    same, all that the bf16-dS backward reads too. What is not written is None in the result.
+    with_q=False: K and V only (the forward kernel quantizes Q itself: FwdConfig.fuse_q_quant); Q's
+    entry is then None."""
     from .quantize_sm90 import fused_quantize_multi_sm90, qkv_config
     from .tuning import tuned_quantize_config
 
@@ -93,6 +96,9 @@ def quantize_operands(q, k, v, cu, block: int, max_seqlen: int, forward_only: bo
     if block == PER_TENSOR:
         return _quantize_operands_per_tensor(q, k, v, cu, launch_layouts(cfg, forward_only, ds_bf16))
     cfg = launch_layouts(tuned_quantize_config(cfg, max_seqlen, q.shape[0], cu.numel() - 1), forward_only, ds_bf16)
+    if not with_q:
+        (kq, kt), (vq, vt) = fused_quantize_multi_sm90((k, v), cu, dataclasses.replace(cfg, parts=cfg.parts[1:]))
+        return None, (kq, kt), (vq, vt)
     (qq, _), (kq, kt), (vq, vt) = fused_quantize_multi_sm90((q, k, v), cu, cfg)
     return qq, (kq, kt), (vq, vt)
 
@@ -121,16 +127,28 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only:
     ds_bf16: the backward to come is the bf16-dS kernel (no Q^T, K^T: launch_layouts); row_sum: the
     recipe's (recipes.ROW_SUMS; "cast_p" runs the forward's row sum on the tensor core)."""
     from .attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
+    from .quant import QuantizedTHD
     from .tuning import tuned_fwd_config
 
-    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block, max_seqlen, forward_only, ds_bf16)
     cfg = FwdConfig(head_dim=q.shape[2], qhead_per_kvhead=q.shape[1] // k.shape[1], diagonal_copy=block > 1,
                     row_sum_mma=row_sum == "cast_p")
     cfg = tuned_fwd_config(cfg, max_seqlen, q.shape[0], cu.numel() - 1)
+    # Q quantized by the forward kernel (per token, as the launch would: same codes and scales)
+    fuse_q = (fused_q_quantization() and block != PER_TENSOR and q.dtype == torch.bfloat16
+              and cfg.stage_tile_inputs and not cfg.overlap_tiles)
+    cfg = dataclasses.replace(cfg, fuse_q_quant=fuse_q)
+    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block, max_seqlen, forward_only, ds_bf16,
+                                               with_q=not fuse_q)
+    q_bf16 = None
+    if fuse_q:
+        T, H, D = q.shape
+        q_bf16 = q.contiguous()
+        qq = QuantizedTHD(torch.empty(T, H, D, dtype=torch.float8_e4m3fn, device=q.device), None,
+                          torch.empty(H, T, dtype=torch.float32, device=q.device), 1, "e4m3", False)
     out, lse = flamia_fwd_sm90(
         qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale,
         kt.data_td if kt else None, kt.scale if kt else None, vt.data_dt if vt else None, vt.scale if vt else None,
-        cu, max_seqlen, softmax_scale, cfg,
+        cu, max_seqlen, softmax_scale, cfg, q_bf16=q_bf16,
     )
     return out, lse, (qq, (kq, kt), (vq, vt))
 
@@ -141,6 +159,12 @@ def _env_flag(name: str, default: bool) -> bool:
     if flag not in ("", "0", "1"):
         raise ValueError(f"{name} must be 0 or 1, got {flag!r}")
     return default if flag == "" else flag == "1"
+
+
+def fused_q_quantization() -> bool:
+    """The forward kernel quantizes Q itself (FwdConfig.fuse_q_quant; the Q/K/V launch then does K
+    and V only) when FLAMIA_CUTE_FUSE_Q=1 (opt-in until measured on the GPU)."""
+    return _env_flag("FLAMIA_CUTE_FUSE_Q", False)
 
 
 def forward_only_quantization() -> bool:

@@ -172,6 +172,12 @@ def st_global_v4(addr, w):
         result=None, side_effects=True)
 
 
+def st_global_v2(addr, w):
+    """One 8-byte global store of two u32 words (addr: Int64, 8-byte aligned)."""
+    ptx("st.global.v2.b32 [$0], {$1, $2};", "l,r,r,~{memory}", [Int64(addr)] + [Uint32(x) for x in w],
+        result=None, side_effects=True)
+
+
 def st_shared_v4(addr, w):
     """One 16-byte shared-memory store of four u32 words (addr: the 32-bit shared address, 16-byte
     aligned): the compiler does not merge word stores whose swizzled address it cannot prove aligned."""
@@ -318,21 +324,22 @@ ARG_I32 = ("ptr", Int32, 4)
 ARG_BF16 = ("ptr", cutlass.BFloat16, 16)
 
 
-def tma_pipeline(stages: int, tx_bytes: int, barrier_ptr):
-    """Shared-memory ring filled by TMA (one producer thread), drained by the 8 consumer warps."""
+def tma_pipeline(stages: int, tx_bytes: int, barrier_ptr, consumer_warps: int = 8):
+    """Shared-memory ring filled by TMA (one producer thread), drained by `consumer_warps` warps
+    (the 8 consumer warps by default; one release per warp)."""
     return pipeline.PipelineTmaAsync.create(
         num_stages=stages, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
         tx_count=tx_bytes, barrier_storage=barrier_ptr, defer_sync=True,
     )
 
 
-def warp_pipeline(stages: int, barrier_ptr, consumers: int = 256):
-    """Shared-memory ring filled by one producer warp's stores, read by `consumers` threads (the
-    two consumer warpgroups by default)."""
+def warp_pipeline(stages: int, barrier_ptr, consumers: int = 256, producers: int = 32):
+    """Shared-memory ring filled by the stores of `producers` threads (one warp by default), read
+    by `consumers` threads (the two consumer warpgroups by default)."""
     return pipeline.PipelineAsync.create(
         num_stages=stages,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
         barrier_storage=barrier_ptr, defer_sync=True,
     )

@@ -109,6 +109,10 @@ for stage in "$@"; do
       run mx_quant_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_quantize_mx_kernel.py \
         tests/test_codes_kernel.py
       run mx_quant_bench 240 env OUT="$OUT" python3 perf/bench_quantize_mx.py ;;
+    fuse-q)  # session 16: Q quantized in the forward kernel (FwdConfig.fuse_q_quant), tests then timing
+      run fuse_q_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py \
+        -k "fused_q and (matches_emulator or bit_identical or leakage or empty or beyond or many_documents or many_tiles)"
+      run fuse_q_bench 300 env OUT="$OUT" python3 perf/bench_fuse_q.py ;;
     fwd-tests-all) run fwd_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py ;;
     timeline) run kernel_timeline 200 python3 perf/kernel_timeline.py ${TIMELINE_WORKLOADS:-} ;;
     fwd-rounds)  # the forward's variants timed in rotated order over three rounds (medians): builds told

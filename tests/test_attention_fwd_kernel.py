@@ -133,6 +133,10 @@ VARIANTS = {
     "q_stages3": {"q_stages": 3},  # tile t+2's Q loads before tile t finishes (session 12)
     "exp2_poly3": {"exp2_poly_every": 3},  # a third of the off-diagonal exp2s on the FMA pipe
     "exp2_poly1": {"exp2_poly_every": 1},  # all of them: the polynomial everywhere it runs
+    # Q quantized in the kernel from bf16 by producer warps 2-3 (session 16); its codes and scales
+    # must equal the reference quantizer's bit for bit (_run_kernel checks them)
+    "fused_q": {"fuse_q_quant": True},
+    "fused_q_per_tile": {"fuse_q_quant": True, "persistent": False},
 }
 
 
@@ -149,7 +153,7 @@ VARIANTS = {
      ("pin_softmax", 1), ("drop_branch", "yes"), ("max_chains", 3), ("exp2_poly_every", -1),
      ("exp2_poly_every", 17), ("exp2_poly_every", 1.5), ("persistent", 1), ("tile_claim", "atomic"),
      ("tile_order", "lpt"), ("overlap_tiles", 1), ("stage_tile_inputs", 1),
-     ("claim_ahead", 1), ("q_stages", 1), ("q_stages", 4), ("row_sum_mma", 1)],
+     ("claim_ahead", 1), ("q_stages", 1), ("q_stages", 4), ("row_sum_mma", 1), ("fuse_q_quant", 1)],
 )
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"FwdConfig.{field}"):
@@ -340,6 +344,61 @@ def test_staged_tile_inputs_variant_compiles(artifacts, head_dim, diagonal_copy)
         # + 4 Q scales (scale warp) - 2 Q scales (consumers); persistent: - 2 cu_seqlens words in each
         # of the scale warp and the consumers, + 1 in the TMA warp (the document's end, published)
         assert n_art == n_base + 2 - (3 if persistent else 0), (persistent, n_base, n_art)
+
+
+@needs_dsl
+@pytest.mark.parametrize("head_dim, diagonal_copy", _configs())
+def test_fused_q_quant_variant_compiles(artifacts, head_dim, diagonal_copy):
+    """fuse_q_quant: spill-free, persistent and per tile; Q arrives in bf16 (no e4m3 Q box), warps
+    2-3 write the codes (8-byte global stores: 2 per row segment pass) and the per-token scales
+    with e4m3 RNE + satfinite conversions, and the scale warp no longer loads Q's scales."""
+    for persistent in (True, False):
+        base = artifacts(head_dim, diagonal_copy, persistent=persistent)
+        art = artifacts(head_dim, diagonal_copy, persistent=persistent, fuse_q_quant=True)
+        _check_artifacts(art, head_dim)
+        assert "st.global.v2.b32" in art.ptx and "st.global.v2.b32" not in base.ptx
+        # the scale warp's 4 Q-scale loads (stage_tile_inputs) are gone
+        n_base = len(re.findall(r"\bld\.global", base.ptx))
+        n_art = len(re.findall(r"\bld\.global", art.ptx))
+        assert n_art == n_base - 4, (persistent, n_base, n_art)
+        # warps 2-3 signal the Q stage after a proxy fence: generic stores, then wgmma reads
+        assert art.ptx.count("fence.proxy.async.shared::cta") > base.ptx.count("fence.proxy.async.shared::cta")
+
+
+@needs_dsl
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_q_stage_mapping_covers_every_byte_once(head_dim):
+    """quantize_q_tile's map (q_quant_lane) replayed on the e4m3 Q stage layout the consumers' wgmma
+    reads: warps 2-3 write every word of a stage's two slots exactly once, each lane 2 adjacent
+    words of one 16-byte swizzle chunk, row r's segment s holding columns 8s .. 8s + 7 of row r."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from flamia_cute.attention_fwd_sm90 import q_quant_lane, q_quant_steps, q_stage_layout
+    from flamia_cute.sm90_device import smem_word_index
+
+    got = {}
+
+    @cute.jit
+    def replay():
+        lay = q_stage_layout(head_dim, 2)
+        for q_index in cutlass.range_constexpr(2):
+            for warp in cutlass.range_constexpr(2):
+                for step in cutlass.range_constexpr(q_quant_steps(head_dim)):
+                    for lane in cutlass.range_constexpr(32):
+                        r_wg, r, seg = q_quant_lane(head_dim, warp, step, lane)
+                        w0 = int(smem_word_index(lay, (r_wg, 8 * seg, 2 * q_index + warp), 1))
+                        # where element (row, column 8 seg + 4) of the slot lives: the second word
+                        w1 = int(smem_word_index(lay, (r_wg, 8 * seg + 4, 2 * q_index + warp), 1))
+                        got.setdefault(q_index, []).append((r, seg, w0, w1))
+
+    replay()
+    per_slot = 64 * head_dim // 4
+    for q_index, rows in got.items():
+        assert sorted((r, s) for r, s, _, _ in rows) == [(r, s) for r in range(128) for s in range(head_dim // 8)]
+        words = sorted(w for _, _, w0, w1 in rows for w in (w0, w1))
+        assert words == list(range(2 * q_index * per_slot, (2 * q_index + 2) * per_slot))
+        assert all(w1 == w0 + 1 and w0 % 2 == 0 for _, _, w0, w1 in rows)
 
 
 @needs_dsl
@@ -869,11 +928,21 @@ def _run_kernel(q, k, v, cu, scale, recipe, poison=False, variant="default"):
     lens = (cu[1:] - cu[:-1]).tolist()
     cfg = FwdConfig(head_dim=q.shape[2], qhead_per_kvhead=q.shape[1] // k.shape[1], diagonal_copy=block > 1,
                     row_sum_mma=row_sum_mma, **VARIANTS[variant])
+    q_td, sq, q_bf16 = qq.data_td, qq.scale, None
+    if cfg.fuse_q_quant:
+        # the kernel's outputs now: poisoned (NaN codes, NaN scales) so a row it skips fails below
+        q_td = torch.full_like(qq.data_td.view(torch.uint8), 0x7F).view(qq.data_td.dtype)
+        sq = torch.full_like(qq.scale, float("nan"))
+        q_bf16 = q.to(torch.bfloat16).contiguous()
     out, lse = flamia_fwd_sm90(
-        qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale,
+        q_td, sq, kq.data_td, kq.scale, vq.data_dt, vq.scale,
         kt.data_td if kt else None, kt.scale if kt else None, vt.data_dt if vt else None, vt.scale if vt else None,
-        cu, max(lens) if lens else 0, scale, cfg, poison_outputs=poison,
+        cu, max(lens) if lens else 0, scale, cfg, poison_outputs=poison, q_bf16=q_bf16,
     )
+    if cfg.fuse_q_quant:
+        torch.cuda.synchronize()
+        assert torch.equal(q_td.view(torch.uint8), qq.data_td.view(torch.uint8)), "fused Q codes differ"
+        assert torch.equal(sq, qq.scale), "fused Q scales differ"
     return out, lse
 
 
@@ -924,7 +993,7 @@ def test_gpu_zero_v_tiles(recipe, variant):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("variant", ["default", "per_tile", "longest_documents", "unstaged_inputs"])
+@pytest.mark.parametrize("variant", ["default", "per_tile", "longest_documents", "unstaged_inputs", "fused_q"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_gpu_many_documents(recipe, variant):
     """More than 32 documents before some CTAs' own: the TMA warp's start-column scan loops (and
@@ -939,7 +1008,8 @@ def test_gpu_many_documents(recipe, variant):
                                                (64, "overlap_tiles"), (128, "overlap_tiles"),
                                                (128, "overlap_tiles_pingpong"), (64, "heavy_first"),
                                                (64, "longest_documents"), (64, "unstaged_inputs"),
-                                               (64, "claim_ahead"), (128, "claim_ahead"), (128, "q_stages3")])
+                                               (64, "claim_ahead"), (128, "claim_ahead"), (128, "q_stages3"),
+                                               (64, "fused_q"), (128, "fused_q")])
 def test_gpu_persistent_many_tiles_per_cta(head_dim, variant):
     """Hundreds of tiles per persistent CTA, with the ping-pong turns on (d64's default, and forced at
     d128): the turns run on across tile boundaries; restarted per tile they raced and could hang
@@ -951,7 +1021,7 @@ def test_gpu_persistent_many_tiles_per_cta(head_dim, variant):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("variant", ["default", "claim_ahead", "q_stages3"])
+@pytest.mark.parametrize("variant", ["default", "claim_ahead", "q_stages3", "fused_q"])
 def test_gpu_persistent_beyond_the_document_table(variant):
     """More documents than the persistent chunk table holds: the persistent launch falls back to one
     CTA per tile (same numbers as the emulator), its persistent-only options dropped."""
@@ -974,7 +1044,8 @@ def test_gpu_single_long_document(variant, recipe):
 @pytest.mark.gpu
 @needs_dsl
 @pytest.mark.parametrize("variant", ["default", "overlap", "serial", "per_tile", "per_tile_serial", "overlap_tiles",
-                                     "longest_documents", "unstaged_inputs", "unstaged_inputs_per_tile"])
+                                     "longest_documents", "unstaged_inputs", "unstaged_inputs_per_tile", "fused_q",
+                                     "fused_q_per_tile"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_gpu_leakage(recipe, variant):
     q, k, v, _, cu, scale = make_inputs([300, 700, 129, 1], heads_q=4, heads_kv=2, head_dim=128, seed=7)
@@ -992,7 +1063,22 @@ def test_gpu_leakage(recipe, variant):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("variant", ["default", "overlap", "per_tile"])
+@pytest.mark.parametrize("recipe, head_dim, H, Hk", [("fp8_tokenblock", 128, 4, 2), ("fp8_token", 64, 2, 2),
+                                                     ("fp8_tokenblock_dsbf16_castsum", 128, 2, 1)])
+@pytest.mark.parametrize("base", ["default", "per_tile"])
+def test_gpu_fused_q_is_bit_identical(recipe, head_dim, H, Hk, base):
+    """Q quantized in the kernel: O and LSE equal the build that reads the launch's Q codes, bit for bit
+    (the codes and scales themselves are checked in _run_kernel)."""
+    q, k, v, _, cu, scale = make_inputs([1, 700, 0, 129, 2500, 64, 33], heads_q=H, heads_kv=Hk, head_dim=head_dim,
+                                        seed=31, device="cuda")
+    ref = _run_kernel(q, k, v, cu, scale, recipe, variant=base)
+    got = _run_kernel(q, k, v, cu, scale, recipe, variant="fused_q" if base == "default" else "fused_q_per_tile")
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("variant", ["default", "overlap", "per_tile", "fused_q", "fused_q_per_tile"])
 def test_gpu_empty_and_tiny_batches(variant):
     for lengths in ([0, 1], [1], [0, 0, 5]):
         q, k, v, _, cu, scale = make_inputs(lengths, heads_q=2, heads_kv=2, head_dim=64, seed=2, device="cuda")
