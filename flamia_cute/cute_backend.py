@@ -133,9 +133,12 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only:
     cfg = FwdConfig(head_dim=q.shape[2], qhead_per_kvhead=q.shape[1] // k.shape[1], diagonal_copy=block > 1,
                     row_sum_mma=row_sum == "cast_p")
     cfg = tuned_fwd_config(cfg, max_seqlen, q.shape[0], cu.numel() - 1)
-    # Q quantized by the forward kernel (per token, as the launch would: same codes and scales)
+    # Q quantized by the forward kernel (per token, as the launch would: same codes and scales). It
+    # writes Q token-major only: enough for the forward and the bf16-dS backward, not for the e4m3-dS
+    # backward's Q^T
     fuse_q = (fused_q_quantization() and block != PER_TENSOR and q.dtype == torch.bfloat16
-              and cfg.stage_tile_inputs and not cfg.overlap_tiles)
+              and (forward_only or ds_bf16) and cfg.stage_tile_inputs and not cfg.overlap_tiles
+              and not cfg.claim_ahead)
     cfg = dataclasses.replace(cfg, fuse_q_quant=fuse_q)
     qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block, max_seqlen, forward_only, ds_bf16,
                                                with_q=not fuse_q)

@@ -82,6 +82,22 @@ def test_kernel_path_matches_emulator(recipe, heads):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16", "fp8_tokenblock", "fp8_token"])
+def test_fused_q_quantization_changes_no_bit(recipe, monkeypatch):
+    """FLAMIA_CUTE_FUSE_Q=1 (the forward kernel quantizes Q; opt-in, measured slower): the training
+    call's O and (deterministic) gradients are bitwise the default's; recipes whose backward needs
+    Q^T (e4m3 dS) keep the launch's Q."""
+    monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1")
+    q, k, v, do, cu, scale = make_inputs(LENGTHS, 4, 2, 128, device="cuda", seed=3)
+    monkeypatch.setenv("FLAMIA_CUTE_FUSE_Q", "0")
+    ref = attention_fn_for(recipe, scale, backend="cute")(q, k, v, cu, do)
+    monkeypatch.setenv("FLAMIA_CUTE_FUSE_Q", "1")
+    got = attention_fn_for(recipe, scale, backend="cute")(q, k, v, cu, do)
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        assert torch.equal(got[name], ref[name]), name
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("block", [128, 1])
 def test_bf16_ds_launch_writes_no_transposed_q_k(block):
     """The bf16-dS recipe's training launch: Q and K (and K's copy) token-major only, V (and its copy)
