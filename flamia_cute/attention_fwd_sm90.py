@@ -68,6 +68,7 @@ from .sm90_device import (
     ARG_I32,
     SHARED_SOURCE_FILES,
     as_f32,
+    bf16_abs_max_bits,
     claim_next_tile,
     cvt_bf16x2,
     cvt_e4m3x4,
@@ -77,7 +78,6 @@ from .sm90_device import (
     f32_bits,
     finish_tile_claim,
     fmax_chains,
-    imax,
     issue_tile_claim,
     locate_tile,
     pack_a_fragment_e4m3,
@@ -701,12 +701,7 @@ class FlamiaFwdSm90:
         publish each to the scale warp and consumers, issue its loads; an end mark (block -1) past
         the last tile. The tile order is locate_tile's (sHeavy: heavy_first; lpt_tables = (sOrder,
         sLpt): longest_documents, locate_tile over the ranked positions)."""
-        bidx, _, _ = cute.arch.block_idx()
-        num_docs = cute.size(mCu) - 1
-        total = heads * sCum[num_docs]
-        states = self.tma_states()
-        t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
-        t = Int32(bidx)
+        num_docs, total, states, t_state, t = self.producer_start(mCu, heads, sCum)
         claim_ahead = self.cfg.claim_ahead
         if cutlass.const_expr(claim_ahead):
             got = issue_tile_claim(mSched)  # the CTA's second tile, claimed before its first loads
@@ -727,6 +722,15 @@ class FlamiaFwdSm90:
         publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0), end_bounds)
 
     @cute.jit
+    def producer_start(self, mCu, heads, sCum):
+        """The persistent TMA warp's start: (documents, tiles in all, fresh Q/K/V ring states, tile
+        ring state, its first tile = the CTA index)."""
+        bidx, _, _ = cute.arch.block_idx()
+        num_docs = cute.size(mCu) - 1
+        t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
+        return num_docs, heads * sCum[num_docs], self.tma_states(), t_state, Int32(bidx)
+
+    @cute.jit
     def tile_at(self, t, sCum, num_docs, heads, sHeavy, lpt_tables):
         """Tile t of the order (locate_tile; lpt_tables: over the ranked positions): (doc, head, block)."""
         if cutlass.const_expr(lpt_tables is None):
@@ -742,12 +746,7 @@ class FlamiaFwdSm90:
         loaded BEFORE the tile's K/V loads, so warps 2-3 quantize it while the tile runs. In
         produce_tiles' order (the next Q loaded after this tile's last K/V load, ~2 steps before its
         end) the quantization sat on the path: +6..7 µs per tile on every workload (s16a)."""
-        bidx, _, _ = cute.arch.block_idx()
-        num_docs = cute.size(mCu) - 1
-        total = heads * sCum[num_docs]
-        states = self.tma_states()
-        t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
-        t = Int32(bidx)
+        num_docs, total, states, t_state, t = self.producer_start(mCu, heads, sCum)
         doc, head, m_block = self.tile_at(t, sCum, num_docs, heads, sHeavy, lpt_tables)
         doc_start = Int32(0)
         if t < total:
@@ -954,14 +953,7 @@ class FlamiaFwdSm90:
         for it in cutlass.range(q_quant_steps(D), unroll=2 if self.persistent else 1):
             r_wg, r, seg = q_quant_lane(D, warp, it, lane)
             x = [qb_words[(tm * qb_state.index + r) * (D // 2) + 4 * seg + j] for j in range(4)]
-            m = Uint32(0)
-            for j in cutlass.range_constexpr(4):
-                w = x[j] & Uint32(0x7FFF7FFF)
-                m = Uint32(cutlass.max(m, Uint32(cutlass.max(w & Uint32(0xFFFF), w >> 16))))
-            amax = Int32(m) << 16  # bf16 |x| bits -> fp32 |x| bits
-            for sh in cutlass.range_constexpr(int(math.log2(lanes_per_row))):
-                amax = imax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << sh))
-            sb, ib = pow2_scale_bits(amax)
+            sb, ib = pow2_scale_bits(bf16_abs_max_bits(x, lanes_per_row))
             inv = as_f32(ib)
             f = []
             for j in cutlass.range_constexpr(4):

@@ -73,6 +73,7 @@ from .sm90_device import (
     ARG_I32,
     SHARED_SOURCE_FILES,
     as_f32,
+    bf16_abs_max_bits,
     byte_transpose4x4,
     imax,
     pow2_scale_bits,
@@ -535,14 +536,7 @@ class FusedQuantizeSm90:
                     # ---- per-token amax on |x| bits (integer max: NaN > inf > finite) ---------------
                     for it in cutlass.range_constexpr(SPT * 4):
                         words = cute.recast_tensor(rx[it], Uint32)
-                        m = Uint32(0)
-                        for kk in cutlass.range_constexpr(8):
-                            w = words[kk] & Uint32(0x7FFF7FFF)
-                            m = Uint32(cutlass.max(m, Uint32(cutlass.max(w & Uint32(0xFFFF), w >> 16))))
-                        a = Int32(m) << 16  # bf16 |x| bits -> fp32 |x| bits
-                        for off in cutlass.range_constexpr(int(math.log2(L))):
-                            a = imax(a, cute.arch.shuffle_sync_bfly(a, offset=1 << off))
-                        tamax.append(a)
+                        tamax.append(bf16_abs_max_bits([words[kk] for kk in range(8)], L))
 
                     # ---- block amax: a warp's 16 tokens lie in one block (16 | B); warps meet in smem
                     blk_amax = Int32(0)

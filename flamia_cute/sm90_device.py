@@ -6,6 +6,7 @@ change here changes every kernel (each kernel lists this file in its compile-cac
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import cutlass
@@ -257,6 +258,19 @@ def imax(a, b):
 
 def select(cond, a, b):
     return type(a)(cutlass.select_(cond, a, b))
+
+
+def bf16_abs_max_bits(words, lanes: int):
+    """|x| max of the bf16 pairs in `words` (u32 each) over a group of `lanes` consecutive lanes
+    (a power of two; butterfly), as fp32 bits. Integer max on the |x| bits: NaN > inf > finite."""
+    m = Uint32(0)
+    for w in words:
+        w = w & Uint32(0x7FFF7FFF)
+        m = Uint32(cutlass.max(m, Uint32(cutlass.max(w & Uint32(0xFFFF), w >> 16))))
+    a = Int32(m) << 16  # bf16 |x| bits -> fp32 |x| bits
+    for off in range(int(math.log2(lanes))):  # plain Python: unrolled while tracing
+        a = imax(a, cute.arch.shuffle_sync_bfly(a, offset=1 << off))
+    return a
 
 
 def pow2_scale_bits(amax_bits):

@@ -19,7 +19,7 @@ import statistics
 import torch
 
 from flamia_cute.cute_backend import forward_kernels
-from flamia_cute.testing import cu_seqlens_from_lengths
+from flamia_cute.testing import make_inputs
 
 WORKLOADS = json.load(open(os.path.join(os.path.dirname(__file__), "..", "flamia_cute", "workloads.json")))["workloads"]
 HEADS, D, BLOCK, REPS, BUFFERS = 16, 128, 128, 20, 3
@@ -44,12 +44,10 @@ def timed(fuse, sets, cu, max_seqlen, scale, forward_only, i):
 def main():
     rows = []
     for name, lengths in WORKLOADS.items():
-        T = sum(lengths)
-        cu = cu_seqlens_from_lengths(lengths, "cuda")
-        g = torch.Generator(device="cuda").manual_seed(0)
-        sets = [tuple(torch.randn(T, HEADS, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
-                for _ in range(BUFFERS)]
-        scale = D ** -0.5
+        made = [make_inputs(lengths, heads_q=HEADS, heads_kv=HEADS, head_dim=D, seed=i, device="cuda")
+                for i in range(BUFFERS)]
+        sets = [m[:3] for m in made]
+        cu, scale = made[0][4], made[0][5]
         for forward_only in (True, False):
             a = call(False, sets[0], cu, max(lengths), scale, forward_only)
             b = call(True, sets[0], cu, max(lengths), scale, forward_only)
