@@ -311,12 +311,18 @@ class FwdConfig:
             bad("row_sum_mma", "must be a bool")
         if not isinstance(self.fuse_q_quant, bool):
             bad("fuse_q_quant", "must be a bool")
-        if self.fuse_q_quant and not (self.stage_tile_inputs and not self.overlap_tiles and not self.claim_ahead):
+        if self.fuse_q_quant and not fuse_q_quant_supported(self):
             bad("fuse_q_quant", "needs stage_tile_inputs=True, overlap_tiles=False and claim_ahead=False (it claims "
                 "each tile's successor before the tile's K/V loads itself)")
         if self.row_sum_mma and not (self.diagonal_copy and self.drop_branch and not self.overlap_tiles):
             bad("row_sum_mma", "needs diagonal_copy=True (uniform off-diagonal tiles), drop_branch=True and "
                 "overlap_tiles=False")
+
+
+def fuse_q_quant_supported(cfg) -> bool:
+    """Whether a forward config's schedule can take fuse_q_quant (its tile inputs staged, one tile at a
+    time, no claim ahead: produce_tiles_q_ahead claims each tile's successor itself)."""
+    return cfg.stage_tile_inputs and not cfg.overlap_tiles and not cfg.claim_ahead
 
 
 def q_quant_steps(head_dim: int) -> int:
@@ -665,13 +671,11 @@ class FlamiaFwdSm90:
             if warp_idx == 1:
                 s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 if cutlass.const_expr(self.persistent):
-                    t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-                    m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
-                    while m_block >= 0:
-                        doc_start, doc_len = self.tile_bounds(mCu, doc, start, length)
-                        s_state = self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, head // self.group,
-                                                   doc_start, doc_len, m_block, mSQ, head)
-                        m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
+                    def scales_step(s_state, head, doc_start, doc_len, m_block):
+                        return self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, head // self.group,
+                                                doc_start, doc_len, m_block, mSQ, head)
+
+                    self.for_each_published_tile(pipe_t, sSched, mCu, s_state, scales_step)
                 else:
                     self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len, m_block,
                                      mSQ, head)
@@ -916,13 +920,11 @@ class FlamiaFwdSm90:
         qb_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.tma_q_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         if cutlass.const_expr(self.persistent):
-            t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-            m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
-            while m_block >= 0:
-                doc_start, doc_len = self.tile_bounds(mCu, doc, start, length)
-                qb_state, q_state = self.quantize_q_tile(storage, sQ_layout, sQS, pipe_qb, pipe_q, qb_state, q_state,
-                                                         mQ, mSQ, heads, head, doc_start, doc_len, m_block)
-                m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
+            def quantize_step(rings, head, doc_start, doc_len, m_block):
+                return self.quantize_q_tile(storage, sQ_layout, sQS, pipe_qb, pipe_q, *rings, mQ, mSQ, heads, head,
+                                            doc_start, doc_len, m_block)
+
+            self.for_each_published_tile(pipe_t, sSched, mCu, (qb_state, q_state), quantize_step)
         else:
             self.quantize_q_tile(storage, sQ_layout, sQS, pipe_qb, pipe_q, qb_state, q_state, mQ, mSQ, heads, head,
                                  doc_start, doc_len, m_block)
@@ -1039,16 +1041,15 @@ class FlamiaFwdSm90:
                 self.consume_overlapped_tiles(frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states,
                                               mO, mLSE, mSQ, mCu, scale_log2, wg, pipe_t, sSched)
             else:
-                t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-                m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
-                while m_block >= 0:
-                    doc_start, doc_len = self.tile_bounds(mCu, doc, start, length)
+                def consume_step(states, head, doc_start, doc_len, m_block):
                     # the MMA atoms are not loop-carried here: every GEMM sets its ACCUMULATE field first
                     states, _, _ = self.consume_tile(
                         frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, sQS, pipes, states, mO, mLSE, mSQ,
                         scale_log2, head, doc_start, doc_len, m_block, wg,
                     )
-                    m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
+                    return states
+
+                self.for_each_published_tile(pipe_t, sSched, mCu, states, consume_step)
             if cutlass.const_expr(self.pingpong):
                 self.pingpong_end(wg)
 
@@ -1210,6 +1211,19 @@ class FlamiaFwdSm90:
             start = mCu[doc]
             length = mCu[doc + 1] - start
         return start, length
+
+    @cute.jit
+    def for_each_published_tile(self, pipe_t, sSched, mCu, state, step):
+        """A persistent role's loop over the tiles the TMA warp publishes, until its end mark: state =
+        step(state, head, doc_start, doc_len, m_block) per tile (step runs while tracing: inlined).
+        Returns the last state."""
+        t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
+        m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
+        while m_block >= 0:
+            doc_start, doc_len = self.tile_bounds(mCu, doc, start, length)
+            state = step(state, head, doc_start, doc_len, m_block)
+            m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
+        return state
 
     @cute.jit
     def init_rows(self, frags, rowst, row_in_blk, mSQ, scale_log2, head, doc_start, doc_len, m_block, wg):

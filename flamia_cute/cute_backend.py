@@ -126,7 +126,7 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only:
     forward_only: a call that needs no backward (the saved operands lack the backward's layouts);
     ds_bf16: the backward to come is the bf16-dS kernel (no Q^T, K^T: launch_layouts); row_sum: the
     recipe's (recipes.ROW_SUMS; "cast_p" runs the forward's row sum on the tensor core)."""
-    from .attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
+    from .attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90, fuse_q_quant_supported
     from .quant import QuantizedTHD
     from .tuning import tuned_fwd_config
 
@@ -137,8 +137,7 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only:
     # writes Q token-major only: enough for the forward and the bf16-dS backward, not for the e4m3-dS
     # backward's Q^T
     fuse_q = (fused_q_quantization() and block != PER_TENSOR and q.dtype == torch.bfloat16
-              and (forward_only or ds_bf16) and cfg.stage_tile_inputs and not cfg.overlap_tiles
-              and not cfg.claim_ahead)
+              and (forward_only or ds_bf16) and fuse_q_quant_supported(cfg))
     cfg = dataclasses.replace(cfg, fuse_q_quant=fuse_q)
     qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block, max_seqlen, forward_only, ds_bf16,
                                                with_q=not fuse_q)
@@ -166,7 +165,8 @@ def _env_flag(name: str, default: bool) -> bool:
 
 def fused_q_quantization() -> bool:
     """The forward kernel quantizes Q itself (FwdConfig.fuse_q_quant; the Q/K/V launch then does K
-    and V only) when FLAMIA_CUTE_FUSE_Q=1 (opt-in until measured on the GPU)."""
+    and V only) when FLAMIA_CUTE_FUSE_Q=1: opt-in, measured slower on every workload on the H200
+    (perf/NOTES.md, session 16)."""
     return _env_flag("FLAMIA_CUTE_FUSE_Q", False)
 
 
