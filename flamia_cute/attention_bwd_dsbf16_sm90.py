@@ -100,8 +100,10 @@ from .sm90_device import (
     cvt_bf16x2,
     document_dt_start,
     e4m3x2_to_bf16x2,
+    globaltimer_lo,
     pack_a_fragment_e4m3,
     select,
+    sm_id,
     smem_word_index,
     st_global_v4,
     st_shared_v4,
@@ -124,6 +126,10 @@ SMEM_LIMIT = 232448  # sm_90 dynamic shared memory per CTA (227 KB)
 N_VEC = 5  # per-query vectors per tile in shared memory (see load_vectors)
 KEY_BLOCK = 128
 QUERY_TILE = 64
+HEAD_WINDOWS = (1, 2, 4, 8, 16, 32, 64)  # BwdDsBf16Config.head_window
+# auto_head_window: the windows' documents hold at most this many tokens together, so that the Q,
+# dO and dQ accumulator rows their CTAs share stay a few MB per head (the plain order's locality)
+WINDOW_TOKENS = 16384
 # named barriers (1: dS and Q bf16 stored, 2: the phase change, 3: deterministic dQ turns)
 DQ_FULL, DQ_EMPTY = 4, 5  # dq_tma_reduce: consumers (256 threads) and the dQ warp (32)
 VT_BARRIER = 6  # + warpgroup: transpose_v's two barriers (128 threads)
@@ -177,6 +183,12 @@ class BwdDsBf16Config:
     # mixed16k -21%, 1x16k and 1x64k -3%, 4x4k -1%). None: blocks, but heads when deterministic
     # (the order the ordered dQ additions were GPU-tested in)
     raster: str | None = None
+    # "blocks" order in windows of this many KV heads (attention_bwd_sm90.backward_grid): a window's
+    # CTAs start longest first, so the last document's long key blocks are not issued last. A host
+    # model of the CTA queue (132 SMs, cost = query tiles) puts the plain order's makespan 6-7% over
+    # the ideal on 4x4k and 16x1k and 4% on longtail32k, the windowed one within 0.3-2%
+    # (perf/NOTES.md, session 18). 1: the plain order; default_config picks it by document length
+    head_window: int = 1
     # dQ tile stores: odd rows store column block i ^ 2 at the step even rows store block i, so a
     # half-warp's 4 rows hit 4 distinct 32-byte pairs of the swizzled tile (2 wavefronts per 64-bit
     # store instead of 4, ncu s7d) at 2 selects per store. Kernel -2..-7% (run s8a, 4x4k -6.8%)
@@ -207,6 +219,11 @@ class BwdDsBf16Config:
     # an acquire and a proxy fence (without them, unsafe, still +3.3% / +19%: s13e), and the dQ warp's
     # cycle outgrows the consumers' tile step (perf/NOTES.md, session 13). Needs dq_tma_reduce; off
     dq_first_store: bool = False
+    # Measurement only: each CTA writes (start, end) of %globaltimer_lo (ns), its SM and its query
+    # tiles into the int32 buffer that the semaphores use otherwise, 4 words per CTA of the grid in
+    # launch order (cta_timeline_words; perf/bwd_cta_timeline.py reads them). Not deterministic
+    # nor dq_first_store (their words)
+    cta_timeline: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -216,7 +233,8 @@ class BwdDsBf16Config:
             bad("head_dim", "must be 64 or 128")
         if not isinstance(self.qhead_per_kvhead, int) or self.qhead_per_kvhead < 1:
             bad("qhead_per_kvhead", "must be an int >= 1")
-        for name in ("diagonal_copy", "deterministic", "dq_store_swap", "transpose_v_under_s", "dq_first_store"):
+        for name in ("diagonal_copy", "deterministic", "dq_store_swap", "transpose_v_under_s", "dq_first_store",
+                     "cta_timeline"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
         for name in ("prefetch_sdp", "dq_tma_reduce", "exp_under_dp", "dk_under_dq_store"):
@@ -228,6 +246,8 @@ class BwdDsBf16Config:
             bad("raster", "must be None (auto), 'heads' or 'blocks'")
         if not isinstance(self.preload_vectors, int) or not 0 <= self.preload_vectors <= QUERY_TILE // 4:
             bad("preload_vectors", f"must be an int in 0..{QUERY_TILE // 4} (a thread's S^T columns)")
+        if not isinstance(self.head_window, int) or self.head_window not in HEAD_WINDOWS:
+            bad("head_window", f"must be one of {HEAD_WINDOWS}")
         if self.q_stages not in (1, 2, 3):
             bad("q_stages", "must be 1, 2 or 3")
         if self.vec_stages not in (1, 2, 3):
@@ -250,6 +270,10 @@ class BwdDsBf16Config:
             object.__setattr__(self, "dq_tma_reduce", not self.deterministic)
             if smem_bytes(self) > SMEM_LIMIT:
                 object.__setattr__(self, "dq_tma_reduce", False)
+        if self.cta_timeline and (self.deterministic or self.dq_first_store):
+            bad("cta_timeline", "writes the words the deterministic and dq_first_store modes use")
+        if self.head_window > 1 and self.raster != "blocks":
+            bad("head_window", "windows the 'blocks' CTA order only")
         if self.dq_tma_reduce and self.deterministic:
             bad("dq_tma_reduce", "the deterministic dQ order is kept by the atomics path only")
         if self.dq_first_store and not self.dq_tma_reduce:
@@ -515,6 +539,8 @@ class FlamiaBwdDsBf16Sm90:
         if cutlass.const_expr(self.cfg.dq_first_store):
             n_slots = dq_claim_slots(T, num_docs)  # (claim word, query head)
             mSem = cute.make_tensor(sem_ptr, cute.make_layout((n_slots, H), stride=(1, n_slots)))
+        if cutlass.const_expr(self.cfg.cta_timeline):
+            mSem = cute.make_tensor(sem_ptr, cute.make_layout(4 * max_n_blocks * num_kv_heads * num_docs))
         mdK = cute.make_tensor(dk_ptr, ktd)
         mdV = cute.make_tensor(dv_ptr, ktd)
 
@@ -582,7 +608,7 @@ class FlamiaBwdDsBf16Sm90:
             mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV, mSem,
             L["K"], L["Q"], L["dOt"], L["Qb"], L["Kb"], L["dS"], L["Vt"], softmax_scale,
         ).launch(
-            grid=backward_grid(self.cfg.raster, num_kv_heads, num_docs, max_n_blocks),
+            grid=backward_grid(self.cfg.raster, num_kv_heads, num_docs, max_n_blocks, self.cfg.head_window),
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -617,7 +643,15 @@ class FlamiaBwdDsBf16Sm90:
         softmax_scale: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        kv_head, doc, n_blk = backward_work_item(self.cfg.raster, cute.arch.block_idx())
+        cta_word = Int32(0)
+        if cutlass.const_expr(self.cfg.cta_timeline):
+            bx, by, bz = cute.arch.block_idx()
+            gx, gy, _ = cute.arch.grid_dim()
+            cta_word = 4 * ((bz * gy + by) * gx + bx)
+            if tidx == 0:
+                mSem[cta_word] = Int32(globaltimer_lo())
+                mSem[cta_word + 2] = Int32(sm_id())
+        kv_head, doc, n_blk = backward_work_item(self.cfg.raster, cute.arch.block_idx(), self.cfg.head_window)
         doc_start = mCu[doc]
         doc_len = mCu[doc + 1] - doc_start
         # V^T's (and dO^T's) first column, by every warp (only the TMA warp uses it): its loads go out
@@ -688,6 +722,10 @@ class FlamiaBwdDsBf16Sm90:
                     mRef[kv_head, doc], (mdQ, mSem, doc, sdQ_words, dq_plan), mdK, mdV, kv_head,
                     doc_start, doc_len, sched, softmax_scale, wg_idx - 1,
                 )
+                if cutlass.const_expr(self.cfg.cta_timeline):
+                    if tidx == 128:  # the first consumer warpgroup's epilogue is done
+                        mSem[cta_word + 1] = Int32(globaltimer_lo())
+                        mSem[cta_word + 3] = self._tile_count(n_diag, per)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -1417,7 +1455,7 @@ def kernel_artifacts(config: BwdDsBf16Config, arch: str = "sm_90a"):
 def flamia_bwd_dsbf16_sm90(
     dout, out, lse, q_td, sq, k_td, sk, v_dt, sv, k_tok_td, sk_tok, v_tok_dt, sv_tok,
     cu_seqlens, max_seqlen: int, softmax_scale: float, config: BwdDsBf16Config,
-    poison_outputs: bool = False, do_quantized=None, delta=None, dv_ref=None, q_bf16=None,
+    poison_outputs: bool = False, do_quantized=None, delta=None, dv_ref=None, q_bf16=None, timeline=None,
 ):
     """Causal FP8 attention backward of recipe fp8_tokenblock_dsbf16 on the current stream; returns
     (dq, dk, dv) bf16.
@@ -1433,7 +1471,8 @@ def flamia_bwd_dsbf16_sm90(
     dv_ref, the dv_fold_reference (perf/bench_fwd_breakdown.py times the kernel alone); when dO is
     quantized here, the same launch computes dv_ref (no torch launches). q_bf16 (T, H, D): q_td's
     codes times sq in bf16 for config.q_bf16_source "tma" (made here by codes_sm90 when not given;
-    exact: the scales are powers of two).
+    exact: the scales are powers of two). timeline: with config.cta_timeline, an int32 tensor of at
+    least cta_timeline_words(...) elements that receives each CTA's record (zeroed here first).
     """
     from .attention_bwd_sm90 import backward_grid_blocks, backward_outputs, preprocess_bwd
 
@@ -1481,6 +1520,8 @@ def flamia_bwd_dsbf16_sm90(
     # dq_first_store: the kernel initializes every row of the accumulator (so poison reaches it too)
     dq_acc, dk, dv = backward_outputs(T, H, Hk, D, dev, poison_outputs, zero_dq=not config.dq_first_store)
     max_n_blocks = backward_grid_blocks(T, H, D, T_dt, num_docs, max_seqlen, KEY_BLOCK)
+    if Hk % config.head_window:
+        raise ValueError(f"config.head_window {config.head_window} does not divide the {Hk} KV heads")
     if T > 0 and num_docs > 0 and max_n_blocks > 0:
         if dv_ref is None:
             dv_ref = dv_fold_reference(do_quantized.scale, cu, config.qhead_per_kvhead)
@@ -1493,6 +1534,13 @@ def flamia_bwd_dsbf16_sm90(
             sem = torch.zeros(H * num_docs * 2 * max_n_blocks, dtype=torch.int32, device=dev)
         elif config.dq_first_store:
             sem = torch.zeros(H * dq_claim_slots(T, num_docs), dtype=torch.int32, device=dev)
+        elif config.cta_timeline:
+            words = cta_timeline_words(Hk, num_docs, max_n_blocks)
+            if timeline is None or timeline.dtype != torch.int32 or timeline.numel() < words or timeline.device != dev:
+                raise ValueError(f"timeline must be an int32 tensor of at least {words} elements on {dev} "
+                                 "(config.cta_timeline)")
+            sem = timeline
+            sem.zero_()
         launch_on_device(get_launcher(config), dev, *(t.data_ptr() for t in ptrs),
                          sem.data_ptr() if sem is not None else 0,
                          T, T_dt, Hk, num_docs, max_n_blocks, float(softmax_scale))
@@ -1500,12 +1548,33 @@ def flamia_bwd_dsbf16_sm90(
     return dq, dk, dv
 
 
-def default_config(qq, kq, kt, deterministic: bool = False) -> BwdDsBf16Config:
+def cta_timeline_words(num_kv_heads: int, num_docs: int, max_n_blocks: int) -> int:
+    """int32 words of a cta_timeline record: (start ns, end ns, SM, query tiles) per CTA of the grid,
+    in launch order (x fastest; a CTA past its document's end leaves end and tiles 0)."""
+    return 4 * num_kv_heads * num_docs * max_n_blocks
+
+
+def auto_head_window(num_kv_heads: int, max_seqlen: int | None) -> int:
+    """BwdDsBf16Config.head_window for a workload: the largest power of two dividing num_kv_heads
+    whose window of documents of max_seqlen tokens holds at most WINDOW_TOKENS tokens (1 for 16k
+    and longer, 16 for 1k); 1 when max_seqlen is unknown."""
+    w = 1
+    if max_seqlen:
+        while (2 * w in HEAD_WINDOWS and num_kv_heads % (2 * w) == 0
+               and 2 * w * int(max_seqlen) <= WINDOW_TOKENS):
+            w *= 2
+    return w
+
+
+def default_config(qq, kq, kt, deterministic: bool = False, max_seqlen: int | None = None) -> BwdDsBf16Config:
     """The default BwdDsBf16Config for the forward's saved operands (kt: per-token K copy or None); the
     dQ path and the CTA order follow `deterministic` (atomics in key-block order, else the TMA
-    reduce-add; see BwdDsBf16Config.raster)."""
-    return BwdDsBf16Config(head_dim=qq.data_td.shape[2], qhead_per_kvhead=qq.data_td.shape[1] // kq.data_td.shape[1],
-                           diagonal_copy=kt is not None, deterministic=deterministic)
+    reduce-add; see BwdDsBf16Config.raster), the order's head window the longest document
+    (auto_head_window; not in the deterministic mode's order)."""
+    hk = kq.data_td.shape[1]
+    return BwdDsBf16Config(head_dim=qq.data_td.shape[2], qhead_per_kvhead=qq.data_td.shape[1] // hk,
+                           diagonal_copy=kt is not None, deterministic=deterministic,
+                           head_window=1 if deterministic else auto_head_window(hk, max_seqlen))
 
 
 def flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, cu_seqlens, max_seqlen, softmax_scale,
@@ -1517,7 +1586,7 @@ def flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, cu_seq
         if x is not None and (x.data_dt is None or not x.dt_pv_order):
             raise ValueError(f"{name}.data_dt must be V^T in P-fragment order (quantize with pv_order=True)")
     if config is None:
-        config = default_config(qq, kq, kt)
+        config = default_config(qq, kq, kt, max_seqlen=max_seqlen)
     return flamia_bwd_dsbf16_sm90(
         dout, out, lse, qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale,
         kt.data_td if block else None, kt.scale if block else None,

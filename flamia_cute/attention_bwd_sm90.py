@@ -330,20 +330,30 @@ def ds_byte_offset(w: int) -> int:
     return (w // 8) * 8192 + (w % 8) * 1024
 
 
-def backward_grid(raster: str, num_kv_heads, num_docs, max_n_blocks) -> list:
+def backward_grid(raster: str, num_kv_heads, num_docs, max_n_blocks, head_window: int = 1) -> list:
     """Launch grid (x fastest) of a backward kernel's CTA order: "heads" runs the KV head fastest and
     the key block slowest (key block 0, the most query tiles, of every head and document first);
     "blocks" runs the key block fastest (the CTAs of one (document, KV head) together, sharing its Q,
-    dO and dQ accumulator in L2). Trace time: `raster` is a config string."""
+    dO and dQ accumulator in L2). head_window W > 1 ("blocks" only): documents in order, and in each
+    the KV heads in windows of W, a window's key blocks in order with its W heads fastest, so each
+    window's CTAs start longest first (its block 0 of every head, then block 1, ...) and a long CTA
+    cannot be the last one issued (W = 1 is the plain "blocks" order). Trace time: `raster` and
+    `head_window` are config values; num_kv_heads % head_window == 0 (the host checks it)."""
     if raster == "blocks":
-        return [max_n_blocks, num_kv_heads, num_docs]
+        if head_window == 1:
+            return [max_n_blocks, num_kv_heads, num_docs]
+        return [max_n_blocks * head_window, num_kv_heads // head_window, num_docs]
     return [num_kv_heads, num_docs, max_n_blocks]
 
 
-def backward_work_item(raster: str, block_idx) -> tuple:
-    """(KV head, document, key block) of this CTA under backward_grid(raster, ...)."""
+def backward_work_item(raster: str, block_idx, head_window: int = 1) -> tuple:
+    """(KV head, document, key block) of this CTA under backward_grid(raster, ..., head_window)."""
     x, y, z = block_idx
-    return (y, z, x) if raster == "blocks" else (x, y, z)
+    if raster == "blocks":
+        if head_window == 1:
+            return y, z, x
+        return y * head_window + x % head_window, z, x // head_window
+    return x, y, z
 
 
 def tile_schedule(i, n, group, per):

@@ -190,7 +190,8 @@ def backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16: bool = False):
 
         if deterministic_backward():  # the ordered atomics path, untuned
             return bf16_ds_default(qq, kq, kt, deterministic=True)
-        return tuned_bwd_dsbf16_config(bf16_ds_default(qq, kq, kt), max_seqlen, qq.data_td.shape[0], cu.numel() - 1)
+        return tuned_bwd_dsbf16_config(bf16_ds_default(qq, kq, kt, max_seqlen=max_seqlen), max_seqlen,
+                                       qq.data_td.shape[0], cu.numel() - 1)
     from .attention_bwd_sm90 import default_config
     from .tuning import tuned_bwd_config
 

@@ -37,6 +37,16 @@ def ptx(text: str, constraints: str, operands, result=Uint32, side_effects: bool
     return result(value) if result is not None else None
 
 
+def globaltimer_lo():
+    """The low 32 bits of the GPU's nanosecond timer (measurement builds; volatile: not moved or merged)."""
+    return ptx("mov.u32 $0, %globaltimer_lo;", "=r", [], side_effects=True)
+
+
+def sm_id():
+    """The SM this thread runs on (measurement builds)."""
+    return ptx("mov.u32 $0, %smid;", "=r", [], side_effects=True)
+
+
 def prmt(a, b, sel: int):
     return ptx("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [Uint32(a), Uint32(b), Uint32(sel)])
 

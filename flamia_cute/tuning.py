@@ -150,16 +150,17 @@ def bwd_space(head_dim: int, group: int, diagonal_copy: bool):
     return keep, pruned
 
 
-def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool):
+def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool, num_kv_heads: int = 1):
     """Every bf16-dS backward config (recipe fp8_tokenblock_dsbf16) by effective fields: query and
     vector stages, the dQ path, the S^T/dP^T prefetch (each with its automatic exp_under_dp), and the
-    default with one S^T/dP^T wait, with the heads CTA order, with Q's bf16 codes the other way and
-    with dK and dQ waited for together; the pruned ones with the reason."""
-    from .attention_bwd_dsbf16_sm90 import BwdDsBf16Config
+    default with one S^T/dP^T wait, with the heads CTA order, with each head window of the blocks
+    order that divides num_kv_heads, with Q's bf16 codes the other way and with dK and dQ waited for
+    together; the pruned ones with the reason."""
+    from .attention_bwd_dsbf16_sm90 import HEAD_WINDOWS, BwdDsBf16Config
 
     def effective(cfg):  # the config resolves its automatic fields
         return (cfg.q_stages, cfg.vec_stages, cfg.dq_tma_reduce, cfg.prefetch_sdp, cfg.exp_under_dp, cfg.raster,
-                cfg.q_bf16_source, cfg.dk_under_dq_store)
+                cfg.q_bf16_source, cfg.dk_under_dq_store, cfg.head_window)
 
     default = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
     keep, pruned, seen = [(default, "default")], [], {effective(default)}
@@ -187,6 +188,9 @@ def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool):
     if default.exp_under_dp:
         keep.append((dataclasses.replace(default, exp_under_dp=False), "variant"))
     keep.append((dataclasses.replace(default, raster="heads"), "variant"))  # the other CTA order
+    for w in HEAD_WINDOWS[1:]:  # the blocks order in windows of w KV heads
+        if w <= num_kv_heads and num_kv_heads % w == 0:
+            keep.append((dataclasses.replace(default, head_window=w), "variant"))
     # Q's bf16 codes the other way (the timed call includes the copy's launch when it is "tma")
     other = "convert" if default.q_bf16_source == "tma" else "tma"
     keep.append((dataclasses.replace(default, q_bf16_source=other), "variant"))
@@ -208,8 +212,9 @@ def search_space(kernel: str, head_dim: int, heads_q: int, heads_kv: int, block_
         return quantize_space(head_dim, heads_q, heads_kv, block_tokens)
     if kernel == "fwd":
         return fwd_space(head_dim, heads_q // heads_kv, block_tokens > 1, row_sum == "cast_p")
-    space = {"bwd": bwd_space, "bwd_dsbf16": bwd_dsbf16_space}[kernel]
-    return space(head_dim, heads_q // heads_kv, block_tokens > 1)
+    if kernel == "bwd_dsbf16":
+        return bwd_dsbf16_space(head_dim, heads_q // heads_kv, block_tokens > 1, heads_kv)
+    return bwd_space(head_dim, heads_q // heads_kv, block_tokens > 1)
 
 
 def config_fields(kernel: str, cfg) -> dict:
@@ -221,7 +226,7 @@ def config_fields(kernel: str, cfg) -> dict:
                      "tile_order", "q_stages"),
              "bwd": ("q_stages", "qt_stages", "vec_stages", "raster"),
              "bwd_dsbf16": ("q_stages", "vec_stages", "dq_tma_reduce", "prefetch_sdp", "exp_under_dp", "raster",
-                            "q_bf16_source", "dk_under_dq_store")}
+                            "q_bf16_source", "dk_under_dq_store", "head_window")}
     return {n: getattr(cfg, n) for n in names[kernel]}
 
 
@@ -236,6 +241,8 @@ def config_from_fields(kernel: str, default, fields: dict):
     # take the default
     if kernel == "bwd_dsbf16":  # records from before session 8's fields: their automatic choices
         fields = {"q_bf16_source": None, "dk_under_dq_store": None, **fields}
+        if "head_window" not in fields:  # before session 18: the default's window, in its order only
+            fields["head_window"] = default.head_window if fields.get("raster", default.raster) == "blocks" else 1
     if kernel == "fwd":  # records from before session 11's q_stages: the stages their persistence implies
         fields = {"q_stages": None, **fields}
     return dataclasses.replace(default, **fields)

@@ -248,7 +248,9 @@ def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
                 ("transpose V under S^T", BwdDsBf16Config(128, diagonal_copy=True, transpose_v_under_s=True)),
                 # no zero fill of the dQ accumulator: the first CTA at a tile stores it (the timed call
                 # includes the default's fill, and this one's claim words' zeroing; s13b-s13d: slower)
-                ("dQ first store", BwdDsBf16Config(128, diagonal_copy=True, dq_first_store=True)))
+                ("dQ first store", BwdDsBf16Config(128, diagonal_copy=True, dq_first_store=True)),
+                # the blocks order in windows of w heads (session 18: the CTA queue's tail)
+                *((f"window {w}", BwdDsBf16Config(128, diagonal_copy=True, head_window=w)) for w in (2, 4, 8, 16)))
 
     def run(cfg):
         return flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,

@@ -129,6 +129,29 @@ def test_cta_order_is_blocks_unless_deterministic(monkeypatch):
 
 
 @needs_dsl
+def test_head_window_config_and_auto_choice():
+    """head_window: the blocks order only, a power of two dividing the KV heads (the host checks that);
+    auto_head_window keeps 16k-token documents in the plain order and windows short ones."""
+    from flamia_cute.attention_bwd_dsbf16_sm90 import auto_head_window
+    from flamia_cute.attention_bwd_sm90 import backward_grid, backward_work_item
+
+    with pytest.raises(ValueError, match="head_window"):
+        BwdDsBf16Config(head_dim=128, head_window=3)
+    with pytest.raises(ValueError, match="head_window"):
+        BwdDsBf16Config(head_dim=128, head_window=2, raster="heads")
+    with pytest.raises(ValueError, match="cta_timeline"):
+        BwdDsBf16Config(head_dim=128, cta_timeline=True, deterministic=True)
+    assert [auto_head_window(16, n) for n in (16384, 65536, 8192, 4096, 1024, 512, None)] == [1, 1, 2, 4, 16, 16, 1]
+    assert auto_head_window(8, 1024) == 8 and auto_head_window(6, 1024) == 2 and auto_head_window(1, 64) == 1
+    # the grid mapping visits every (KV head, document, key block) once, in windows of W heads
+    for w in (1, 2, 4):
+        gx, gy, gz = backward_grid("blocks", 8, 3, 5, w)
+        seen = [backward_work_item("blocks", (x, y, z), w) for z in range(gz) for y in range(gy) for x in range(gx)]
+        assert sorted(seen) == sorted((h, d, b) for h in range(8) for d in range(3) for b in range(5))
+        assert [s[2] for s in seen[:2 * w]] == [0] * w + [1] * w  # a window's heads fastest, blocks in order
+
+
+@needs_dsl
 def test_config_smem_fits(monkeypatch):
     import flamia_cute.attention_bwd_dsbf16_sm90 as mod
 
@@ -710,6 +733,61 @@ def test_gpu_cta_orders_match_emulator(raster):
     """Both CTA orders (BwdDsBf16Config.raster) on a mix with a long document, GQA 2: the same
     gradients as the emulator (the order changes which CTA runs when, nothing else)."""
     _check_config(128, 4, 2, 7, raster=raster)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("H, Hk, window", [(4, 2, 2), (8, 8, 8), (16, 16, 16)])
+def test_gpu_head_windows_match_plain_order(H, Hk, window):
+    """The blocks order in windows of KV heads (BwdDsBf16Config.head_window) runs every CTA once with
+    the same work: the emulator's gradients, dK and dV bitwise those of the plain order (each is one
+    CTA's register sum), dQ within fp32 reassociation (its reduce-adds land in another order). A
+    mapping that skipped or repeated a CTA moves dK/dV of whole key blocks and fails."""
+    st = _setup(LENGTHS + [3000], H, Hk, 128, RECIPES["fp8_tokenblock_dsbf16"], seed=12, device="cuda")
+    plain = _run(st, config=BwdDsBf16Config(head_dim=128, qhead_per_kvhead=H // Hk, diagonal_copy=True))
+    res = _run(st, config=BwdDsBf16Config(head_dim=128, qhead_per_kvhead=H // Hk, diagonal_copy=True,
+                                          head_window=window))
+    torch.cuda.synchronize()
+    assert torch.equal(res[1], plain[1]) and torch.equal(res[2], plain[2])
+    dq, ref = res[0].float(), plain[0].float()
+    assert float((dq - ref).norm() / ref.norm()) < 1e-3
+    err = _grad_errors(res, st["emu"], st["cu"].cpu())
+    assert not _violations(err), err
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+def test_gpu_cta_timeline_records_every_cta():
+    """cta_timeline (measurement): one record per CTA of the grid, in launch order; the CTAs with work
+    hold their query-tile count (tile_schedule's), an end after the start, an SM id below the SM
+    count; the gradients stay the plain build's (dK, dV bitwise)."""
+    from flamia_cute.attention_bwd_dsbf16_sm90 import cta_timeline_words
+
+    H = Hk = 4
+    lengths = [1, 127, 300, 0, 700]
+    st = _setup(lengths, H, Hk, 128, RECIPES["fp8_tokenblock_dsbf16"], seed=13, device="cuda")
+    n_blocks = (max(lengths) + 127) // 128
+    buf = torch.full((cta_timeline_words(Hk, len(lengths), n_blocks),), -1, dtype=torch.int32, device="cuda")
+    plain = _run(st, config=BwdDsBf16Config(head_dim=128, diagonal_copy=True, head_window=2))
+    res = _run(st, config=BwdDsBf16Config(head_dim=128, diagonal_copy=True, head_window=2, cta_timeline=True),
+               timeline=buf)
+    torch.cuda.synchronize()
+    assert torch.equal(res[1], plain[1]) and torch.equal(res[2], plain[2])
+    rec = buf.view(-1, 4).cpu().to(torch.int64) & 0xFFFFFFFF
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # grid order with windows of 2: document, window, key block, head in the window (tiles per head alike)
+    want = [(n + 63) // 64 - 2 * b if b * 128 < n else 0
+            for n in lengths for _window in range(Hk // 2) for b in range(n_blocks) for _head in range(2)]
+    assert rec.shape[0] == len(want)
+    for i, tiles in enumerate(want):
+        start, end, sm, got = rec[i].tolist()
+        assert sm < sms, (i, rec[i])
+        if tiles:
+            assert got == tiles and end != 0 and ((end - start) & 0xFFFFFFFF) < 10**9, (i, rec[i], tiles)
+        else:
+            assert end == 0 and got == 0, (i, rec[i])
 
 
 @pytest.mark.gpu

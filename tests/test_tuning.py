@@ -145,7 +145,7 @@ TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "p
          "bwd": {"q_stages": 1, "qt_stages": 1, "vec_stages": 3, "raster": "blocks"},
          "bwd_dsbf16": {"q_stages": 1, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": True,
                         "exp_under_dp": False, "raster": "heads", "q_bf16_source": "convert",
-                        "dk_under_dq_store": False},
+                        "dk_under_dq_store": False, "head_window": 1},
          "quant": {"raster": "chunks", "min_ctas_per_sm": 0, "heads_per_cta": [2, 2, 2]}}
 
 
