@@ -219,6 +219,12 @@ class BwdDsBf16Config:
     # an acquire and a proxy fence (without them, unsafe, still +3.3% / +19%: s13e), and the dQ warp's
     # cycle outgrows the consumers' tile step (perf/NOTES.md, session 13). Needs dq_tma_reduce; off
     dq_first_store: bool = False
+    # The change from the diagonal tiles' per-token K/V to the block-scaled ones prepared early: the
+    # stage is released once the last diagonal tile's S^T and dP^T are done (not with prefetch_sdp),
+    # so the block-scaled copies load under the rest of that tile, and their row scales are loaded
+    # at the CTA's start. False: released after the tile, scales loaded then (before session 18).
+    # None: on, except with dq_first_store (its build would keep 16 bytes on the stack)
+    phase_prefetch: bool | None = None
     # Measurement only: each CTA writes (start, end) of %globaltimer_lo (ns), its SM and its query
     # tiles into the int32 buffer that the semaphores use otherwise, 4 words per CTA of the grid in
     # launch order (cta_timeline_words; perf/bwd_cta_timeline.py reads them). Not deterministic
@@ -237,7 +243,7 @@ class BwdDsBf16Config:
                      "cta_timeline"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
-        for name in ("prefetch_sdp", "dq_tma_reduce", "exp_under_dp", "dk_under_dq_store"):
+        for name in ("prefetch_sdp", "dq_tma_reduce", "exp_under_dp", "dk_under_dq_store", "phase_prefetch"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 bad(name, "must be None (auto) or a bool")
         if self.q_bf16_source not in (None, "convert", "tma"):
@@ -270,6 +276,8 @@ class BwdDsBf16Config:
             object.__setattr__(self, "dq_tma_reduce", not self.deterministic)
             if smem_bytes(self) > SMEM_LIMIT:
                 object.__setattr__(self, "dq_tma_reduce", False)
+        if self.phase_prefetch is None:
+            object.__setattr__(self, "phase_prefetch", not self.dq_first_store)
         if self.cta_timeline and (self.deterministic or self.dq_first_store):
             bad("cta_timeline", "writes the words the deterministic and dq_first_store modes use")
         if self.head_window > 1 and self.raster != "blocks":
@@ -1027,6 +1035,10 @@ class FlamiaBwdDsBf16Sm90:
         lim = doc_len - n_blk * kb  # keys >= lim lie past the document end
         load_row_scales(rsc, krow, mSKtok if self.diag_copy else mSK, mSVtok if self.diag_copy else mSV, kv_head,
                         doc_start, doc_len, n_blk * kb)
+        rsc_blk = None  # phase 1's block scales, loaded now: their latency is off the phase change
+        if cutlass.const_expr(self.diag_copy and self.cfg.phase_prefetch):
+            rsc_blk = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            load_row_scales(rsc_blk, krow, mSK, mSV, kv_head, doc_start, doc_len, n_blk * kb)
 
         # ---- phase 0: diagonal tiles
         self.share_key_scales(sKs, rsc, krow)
@@ -1038,20 +1050,29 @@ class FlamiaBwdDsBf16Sm90:
             self.transpose_v(bufs, wg)
         if cutlass.const_expr(self.prefetch):
             self.issue_sdp(frags, pipe_a, a_state, wg)
+        # the per-token copies' stage goes back inside the last diagonal tile, once its S^T and dP^T are
+        # done, so the block-scaled K/V load while that tile finishes (not with prefetch: its dummy
+        # S^T, dP^T after the phase's last tile still reads sK and sV)
+        early_kv = self.diag_copy and self.cfg.phase_prefetch and not self.prefetch
         for i in cutlass.range(self.group * n_diag, unroll=1):
             a_state, b_state, v_state = self.tile_step(
                 True, i, i + 1 < self.group * n_diag, kv_head * self.group + i // n_diag, 2 * n_blk + i % n_diag,
                 frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out,
                 doc_start, doc_len, lim, n_blk, softmax_scale, wg, i == 0 if late_v else None,
+                (pipe_kv, kv_state, i + 1 == self.group * n_diag) if early_kv else None,
             )
         if cutlass.const_expr(self.prefetch and self.dq_tma):
             warpgroup.wait_group(0)  # the dummy S^T, dP^T issued after the phase's last tile
         # ---- phase 1: off-diagonal tiles
         if cutlass.const_expr(self.diag_copy):
-            pipe_kv.consumer_release(kv_state)  # the per-token copies are done
+            if cutlass.const_expr(not early_kv):
+                pipe_kv.consumer_release(kv_state)  # the per-token copies are done
             kv_state.advance()
         if per > 0:
-            if cutlass.const_expr(self.diag_copy):
+            if cutlass.const_expr(self.diag_copy and self.cfg.phase_prefetch):
+                for v in cutlass.range_constexpr(4):
+                    rsc[v] = rsc_blk[v]
+            if cutlass.const_expr(self.diag_copy and not self.cfg.phase_prefetch):
                 load_row_scales(rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, n_blk * kb)
                 # (phase 0's convert_k read sKs before the diagonal tiles' barriers)
                 self.share_key_scales(sKs, rsc, krow)
@@ -1244,9 +1265,13 @@ class FlamiaBwdDsBf16Sm90:
     def tile_step(
         self, diag: cutlass.Constexpr, i, has_next, hq, m, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v,
         a_state, b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg, transpose_first=None,
+        release_kv=None,
     ):
         """One 64-query tile m of query head hq (tile number i of the CTA). diag: m in {2n, 2n+1}.
         transpose_first (transpose_v_under_s): a runtime flag, set on the phase's first tile.
+        release_kv (pipe_kv, its state, a runtime flag): when the flag is set, the K/V stage is released
+        as soon as this tile's S^T and dP^T have read it (the phase's last tile: the next phase's copies
+        load under the rest of the tile).
 
         With prefetch, its S^T and dP^T were issued before (issue_sdp: by the previous tile of the
         phase, or before the phase) and has_next issues the next tile's after this tile's dQ
@@ -1295,6 +1320,10 @@ class FlamiaBwdDsBf16Sm90:
             warpgroup.wait_group(0)
         pipe_a.consumer_release(a_state)
         a_state.advance()
+        if cutlass.const_expr(release_kv is not None):
+            pipe_kv, kv_state, last = release_kv
+            if last:  # S^T and dP^T were the phase's last readers of sK and sV (K bf16 is apart)
+                pipe_kv.consumer_release(kv_state)
 
         # ---- dS^T = P^T (dP^T sv sdo - D) into acc_dp, the dV fold of P^T into acc_s
         for c, rows in walk:

@@ -160,7 +160,7 @@ def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool, num_kv_head
 
     def effective(cfg):  # the config resolves its automatic fields
         return (cfg.q_stages, cfg.vec_stages, cfg.dq_tma_reduce, cfg.prefetch_sdp, cfg.exp_under_dp, cfg.raster,
-                cfg.q_bf16_source, cfg.dk_under_dq_store, cfg.head_window)
+                cfg.q_bf16_source, cfg.dk_under_dq_store, cfg.head_window, cfg.phase_prefetch)
 
     default = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
     keep, pruned, seen = [(default, "default")], [], {effective(default)}
@@ -188,6 +188,8 @@ def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool, num_kv_head
     if default.exp_under_dp:
         keep.append((dataclasses.replace(default, exp_under_dp=False), "variant"))
     keep.append((dataclasses.replace(default, raster="heads"), "variant"))  # the other CTA order
+    if default.phase_prefetch:  # the phase change prepared after the last diagonal tile only
+        keep.append((dataclasses.replace(default, phase_prefetch=False), "variant"))
     for w in HEAD_WINDOWS[1:]:  # the blocks order in windows of w KV heads
         if w <= num_kv_heads and num_kv_heads % w == 0:
             keep.append((dataclasses.replace(default, head_window=w), "variant"))
@@ -226,7 +228,7 @@ def config_fields(kernel: str, cfg) -> dict:
                      "tile_order", "q_stages"),
              "bwd": ("q_stages", "qt_stages", "vec_stages", "raster"),
              "bwd_dsbf16": ("q_stages", "vec_stages", "dq_tma_reduce", "prefetch_sdp", "exp_under_dp", "raster",
-                            "q_bf16_source", "dk_under_dq_store", "head_window")}
+                            "q_bf16_source", "dk_under_dq_store", "head_window", "phase_prefetch")}
     return {n: getattr(cfg, n) for n in names[kernel]}
 
 

@@ -249,6 +249,9 @@ def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
                 # no zero fill of the dQ accumulator: the first CTA at a tile stores it (the timed call
                 # includes the default's fill, and this one's claim words' zeroing; s13b-s13d: slower)
                 ("dQ first store", BwdDsBf16Config(128, diagonal_copy=True, dq_first_store=True)),
+                # the phase change as before session 18: the per-token K/V released after the last
+                # diagonal tile, the block scales loaded then
+                ("late phase change", BwdDsBf16Config(128, diagonal_copy=True, phase_prefetch=False)),
                 # the blocks order in windows of w heads (session 18: the CTA queue's tail)
                 *((f"window {w}", BwdDsBf16Config(128, diagonal_copy=True, head_window=w)) for w in (2, 4, 8, 16)))
 

@@ -173,6 +173,14 @@ for stage in "$@"; do
         BREAKDOWN_DS_VARIANTS="default,dQ first store" python3 perf/bench_fwd_breakdown.py
       first_store_fences ;;
     ds-first-store-fences) first_store_fences ;;
+    ds-phase)  # session 18: the early phase change (BwdDsBf16Config.phase_prefetch, default) and the auto head
+      # window: the whole bf16-dS GPU suite, the CTA timeline, then rotated rounds against the late phase
+      # change and the plain order (kernel alone; "default" there is window 1)
+      run ds_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py
+      run ds_timeline 240 env OUT="$OUT" python3 perf/bwd_cta_timeline.py
+      run ds_phase_rounds 300 env OUT="$OUT" BREAKDOWN_ONLY=ds BREAKDOWN_ROUNDS=3 \
+        BREAKDOWN_DS_VARIANTS="default,late phase change,window 4,window 16" \
+        BREAKDOWN_WORKLOADS="16x1k,4x4k,longtail32k,1x16k" python3 perf/bench_fwd_breakdown.py ;;
     ds-windows)  # session 18: the blocks order in windows of KV heads (BwdDsBf16Config.head_window): its GPU
       # tests and the emulator suites on the auto window, each CTA's time on its SM (cta_timeline), then
       # every window against the plain order in three rotated rounds (kernel alone)
@@ -180,7 +188,7 @@ for stage in "$@"; do
         -k "head_windows or cta_timeline or matches_emulator"
       run ds_timeline 240 env OUT="$OUT" python3 perf/bwd_cta_timeline.py
       run ds_window_rounds 400 env OUT="$OUT" BREAKDOWN_ONLY=ds BREAKDOWN_ROUNDS=3 \
-        BREAKDOWN_DS_VARIANTS="default,window 2,window 4,window 8,window 16" \
+        BREAKDOWN_DS_VARIANTS="${WINDOW_VARIANTS:-default,window 2,window 4,window 8,window 16}" \
         BREAKDOWN_WORKLOADS="${WINDOW_WORKLOADS:-16x1k,4x4k,longtail32k,mixed16k,1x16k}" python3 perf/bench_fwd_breakdown.py ;;
     fwd-ablations) run fwd_ablations 300 env FLAMIA_CUTE_DISK_CACHE=0 python3 perf/experiments/fwd_ablations.py ${ABLATION_WORKLOADS:-} ;;
     bwd-ablations) run bwd_ablations 300 env FLAMIA_CUTE_DISK_CACHE=0 python3 perf/experiments/bwd_ablations.py ${ABLATION_WORKLOADS:-} ;;

@@ -759,6 +759,27 @@ def test_gpu_head_windows_match_plain_order(H, Hk, window):
 @pytest.mark.gpu
 @needs_dsl
 @_needs_sm90()
+@pytest.mark.parametrize("D, H, Hk", [(128, 4, 2), (64, 2, 2)])
+def test_gpu_late_phase_change_matches_default(D, H, Hk):
+    """phase_prefetch=False (the schedule before session 18: the per-token K/V released after the last
+    diagonal tile, the block scales loaded then) gives the default's dK and dV bitwise, its dQ within
+    fp32 reassociation, and the emulator's gradients. A K/V stage released before its last reader
+    would change the diagonal tiles' dK/dV (the TMA overwriting sK, sV under S^T or dP^T)."""
+    st = _setup(LENGTHS + [3000], H, Hk, D, RECIPES["fp8_tokenblock_dsbf16"], seed=14, device="cuda")
+    fields = dict(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=True)
+    res = _run(st, config=BwdDsBf16Config(**fields))
+    late = _run(st, config=BwdDsBf16Config(**fields, phase_prefetch=False))
+    torch.cuda.synchronize()
+    assert torch.equal(res[1], late[1]) and torch.equal(res[2], late[2])
+    assert float((res[0].float() - late[0].float()).norm() / late[0].float().norm()) < 1e-3
+    for r in (res, late):
+        err = _grad_errors(r, st["emu"], st["cu"].cpu())
+        assert not _violations(err), err
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
 def test_gpu_cta_timeline_records_every_cta():
     """cta_timeline (measurement): one record per CTA of the grid, in launch order; the CTAs with work
     hold their query-tile count (tile_schedule's), an end after the start, an SM id below the SM

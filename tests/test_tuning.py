@@ -145,7 +145,7 @@ TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "p
          "bwd": {"q_stages": 1, "qt_stages": 1, "vec_stages": 3, "raster": "blocks"},
          "bwd_dsbf16": {"q_stages": 1, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": True,
                         "exp_under_dp": False, "raster": "heads", "q_bf16_source": "convert",
-                        "dk_under_dq_store": False, "head_window": 1},
+                        "dk_under_dq_store": False, "head_window": 1, "phase_prefetch": False},
          "quant": {"raster": "chunks", "min_ctas_per_sm": 0, "heads_per_cta": [2, 2, 2]}}
 
 
@@ -337,20 +337,23 @@ def test_bwd_dsbf16_space(head_dim):
     default = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=2, diagonal_copy=True)
     assert keep[0] == (default, "default")
     eff = [(c.q_stages, c.vec_stages, c.dq_tma_reduce, c.prefetch_sdp, c.exp_under_dp, c.raster, c.q_bf16_source,
-            c.dk_under_dq_store) for c, _ in keep]
+            c.dk_under_dq_store, c.head_window, c.phase_prefetch) for c, _ in keep]
     assert len(set(eff)) == len(eff) and all(smem_bytes(c) <= SMEM_LIMIT for c, _ in keep)
     assert {e[2] for e in eff} == {True, False} and {e[0] for e in eff} == {1, 2, 3}
-    assert not any(p and split for *_, p, split, _, _, _ in eff)
+    assert not any(e[3] and e[4] for e in eff)  # the prefetch with split S^T/dP^T waits
+    assert [c for c, _ in keep if not c.phase_prefetch] == [dataclasses.replace(default, phase_prefetch=False)]
+    windows = [c.head_window for c, _ in tuning.bwd_dsbf16_space(head_dim, 2, True, num_kv_heads=8)[0]]
+    assert sorted(set(windows)) == [1, 2, 4, 8] and windows.count(8) == 1
     assert [c for c, _ in keep if c.q_bf16_source != default.q_bf16_source and c.q_stages == default.q_stages] \
         == [dataclasses.replace(default, q_bf16_source="convert")]
     assert [c for c, _ in keep if c.raster == "heads"] == [dataclasses.replace(default, raster="heads")]
     for c, _ in keep:
         assert tuning.config_from_fields("bwd_dsbf16", default, tuning.config_fields("bwd_dsbf16", c)) == c
     if head_dim == 128:
-        assert (2, 2, True, False, False, "blocks", "tma", True) in eff
-        assert (2, 2, True, False, True, "blocks", "tma", True) in eff
-        assert (2, 2, True, False, True, "blocks", "tma", False) in eff
-        assert not any(p for _, _, _, p, *_ in eff)
+        assert (2, 2, True, False, False, "blocks", "tma", True, 1, True) in eff
+        assert (2, 2, True, False, True, "blocks", "tma", True, 1, True) in eff
+        assert (2, 2, True, False, True, "blocks", "tma", False, 1, True) in eff
+        assert not any(e[3] for e in eff)
         assert any("slower at d128" in why for _, why in pruned) and any("shared memory" in why for _, why in pruned)
 
 
