@@ -10,7 +10,8 @@ and auto_head_window's). Per workload it prints and writes to $OUT/bwd_cta_timel
 - the fit duration = per_tile * tiles + per_cta over the CTAs (least squares, µs): per_cta is what
   a CTA costs besides its tiles (prologue, two K/V phases, diagonal tiles, epilogue);
 - gap: the mean time an SM waits between the end of one CTA and the start of its next;
-- tail: span minus the time at which the first SM ran out of CTAs (the last wave's imbalance).
+- tail: span minus the time at which the first SM ran out of CTAs (the last wave's imbalance);
+- by_tiles: CTAs and their mean duration per query-tile count.
 """
 
 import json
@@ -51,7 +52,11 @@ def summarize(rec: torch.Tensor) -> dict:
         st, en = start[order], end[order]
         gaps += ((st[1:] - en[:-1]).double() / 1e3).tolist()
         last_ends.append(float(en.max()) / 1e3)
-    return {"ctas": int(rec.shape[0]), "sms": sms, "span_us": span,
+    by_tiles = {}  # query tiles -> (CTAs, mean µs): what a CTA of n tiles costs, n = 1, 2 (diagonal only), ...
+    for n in tiles.unique().tolist()[:64]:
+        sel = tiles == n
+        by_tiles[int(n)] = (int(sel.sum()), round(float(dur[sel].mean()), 3))
+    return {"ctas": int(rec.shape[0]), "sms": sms, "span_us": span, "by_tiles": by_tiles,
             "busy": float(dur.sum()) / (span * sms), "per_tile_us": per_tile, "per_cta_us": per_cta,
             "gap_us": sum(gaps) / max(1, len(gaps)), "tail_us": span - min(last_ends),
             "tiles_mean": float(tiles.double().mean())}
