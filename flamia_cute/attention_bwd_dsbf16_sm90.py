@@ -220,10 +220,11 @@ class BwdDsBf16Config:
     # cycle outgrows the consumers' tile step (perf/NOTES.md, session 13). Needs dq_tma_reduce; off
     dq_first_store: bool = False
     # The change from the diagonal tiles' per-token K/V to the block-scaled ones prepared early: the
-    # stage is released once the last diagonal tile's S^T and dP^T are done (not with prefetch_sdp),
-    # so the block-scaled copies load under the rest of that tile, and their row scales are loaded
-    # at the CTA's start. False: released after the tile, scales loaded then (before session 18).
-    # None: on, except with dq_first_store (its build would keep 16 bytes on the stack)
+    # stage is released once the last diagonal tile's S^T and dP^T are done (not with prefetch_sdp,
+    # whose dummy S^T, dP^T reads it after the tile), so the block-scaled copies load under the rest
+    # of that tile. False: released after the tile (before session 18). None: on, except with
+    # dq_first_store (kept as it was measured). (Their row scales loaded at the CTA's start too
+    # gave wrong gradients on the GPU, d64 and d128 alike, run s18b: not kept.)
     phase_prefetch: bool | None = None
     # Measurement only: each CTA writes (start, end) of %globaltimer_lo (ns), its SM and its query
     # tiles into the int32 buffer that the semaphores use otherwise, 4 words per CTA of the grid in
@@ -1035,10 +1036,6 @@ class FlamiaBwdDsBf16Sm90:
         lim = doc_len - n_blk * kb  # keys >= lim lie past the document end
         load_row_scales(rsc, krow, mSKtok if self.diag_copy else mSK, mSVtok if self.diag_copy else mSV, kv_head,
                         doc_start, doc_len, n_blk * kb)
-        rsc_blk = None  # phase 1's block scales, loaded now: their latency is off the phase change
-        if cutlass.const_expr(self.diag_copy and self.cfg.phase_prefetch):
-            rsc_blk = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-            load_row_scales(rsc_blk, krow, mSK, mSV, kv_head, doc_start, doc_len, n_blk * kb)
 
         # ---- phase 0: diagonal tiles
         self.share_key_scales(sKs, rsc, krow)
@@ -1069,10 +1066,7 @@ class FlamiaBwdDsBf16Sm90:
                 pipe_kv.consumer_release(kv_state)  # the per-token copies are done
             kv_state.advance()
         if per > 0:
-            if cutlass.const_expr(self.diag_copy and self.cfg.phase_prefetch):
-                for v in cutlass.range_constexpr(4):
-                    rsc[v] = rsc_blk[v]
-            if cutlass.const_expr(self.diag_copy and not self.cfg.phase_prefetch):
+            if cutlass.const_expr(self.diag_copy):
                 load_row_scales(rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, n_blk * kb)
                 # (phase 0's convert_k read sKs before the diagonal tiles' barriers)
                 self.share_key_scales(sKs, rsc, krow)

@@ -176,7 +176,8 @@ for stage in "$@"; do
     ds-phase)  # session 18: the early phase change (BwdDsBf16Config.phase_prefetch, default) and the auto head
       # window: the whole bf16-dS GPU suite, the CTA timeline, then rotated rounds against the late phase
       # change and the plain order (kernel alone; "default" there is window 1)
-      run ds_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py
+      run ds_tests 420 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py \
+        ${DS_TESTS_K:+-k "$DS_TESTS_K"}
       run ds_timeline 240 env OUT="$OUT" python3 perf/bwd_cta_timeline.py
       run ds_phase_rounds 300 env OUT="$OUT" BREAKDOWN_ONLY=ds BREAKDOWN_ROUNDS=3 \
         BREAKDOWN_DS_VARIANTS="default,late phase change,window 4,window 16" \
