@@ -223,9 +223,13 @@ class BwdDsBf16Config:
     # stage is released once the last diagonal tile's S^T and dP^T are done (not with prefetch_sdp,
     # whose dummy S^T, dP^T reads it after the tile), so the block-scaled copies load under the rest
     # of that tile. False: released after the tile (before session 18). None: on, except with
-    # dq_first_store (kept as it was measured). (Their row scales loaded at the CTA's start too
-    # gave wrong gradients on the GPU, d64 and d128 alike, run s18b: not kept.)
+    # dq_first_store (kept as it was measured)
     phase_prefetch: bool | None = None
+    # The block-scaled row scales of phase 1 loaded at the CTA's start (4 registers held through the
+    # diagonal tiles), not at the phase change. Built in session 18 and checked on the CPU only (its
+    # first build, run s18b, had lost the phase-1 prologue to an editing slip: wrong gradients); off
+    # until its GPU tests and timing run
+    early_block_scales: bool = False
     # Measurement only: each CTA writes (start, end) of %globaltimer_lo (ns), its SM and its query
     # tiles into the int32 buffer that the semaphores use otherwise, 4 words per CTA of the grid in
     # launch order (cta_timeline_words; perf/bwd_cta_timeline.py reads them). Not deterministic
@@ -241,7 +245,7 @@ class BwdDsBf16Config:
         if not isinstance(self.qhead_per_kvhead, int) or self.qhead_per_kvhead < 1:
             bad("qhead_per_kvhead", "must be an int >= 1")
         for name in ("diagonal_copy", "deterministic", "dq_store_swap", "transpose_v_under_s", "dq_first_store",
-                     "cta_timeline"):
+                     "cta_timeline", "early_block_scales"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
         for name in ("prefetch_sdp", "dq_tma_reduce", "exp_under_dp", "dk_under_dq_store", "phase_prefetch"):
@@ -279,6 +283,8 @@ class BwdDsBf16Config:
                 object.__setattr__(self, "dq_tma_reduce", False)
         if self.phase_prefetch is None:
             object.__setattr__(self, "phase_prefetch", not self.dq_first_store)
+        if self.early_block_scales and not self.diagonal_copy:
+            bad("early_block_scales", "needs diagonal_copy (without copies there is no phase change)")
         if self.cta_timeline and (self.deterministic or self.dq_first_store):
             bad("cta_timeline", "writes the words the deterministic and dq_first_store modes use")
         if self.head_window > 1 and self.raster != "blocks":
@@ -1036,6 +1042,10 @@ class FlamiaBwdDsBf16Sm90:
         lim = doc_len - n_blk * kb  # keys >= lim lie past the document end
         load_row_scales(rsc, krow, mSKtok if self.diag_copy else mSK, mSVtok if self.diag_copy else mSV, kv_head,
                         doc_start, doc_len, n_blk * kb)
+        rsc_blk = None
+        if cutlass.const_expr(self.cfg.early_block_scales):  # phase 1's, off the phase change's path
+            rsc_blk = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            load_row_scales(rsc_blk, krow, mSK, mSV, kv_head, doc_start, doc_len, n_blk * kb)
 
         # ---- phase 0: diagonal tiles
         self.share_key_scales(sKs, rsc, krow)
@@ -1067,7 +1077,11 @@ class FlamiaBwdDsBf16Sm90:
             kv_state.advance()
         if per > 0:
             if cutlass.const_expr(self.diag_copy):
-                load_row_scales(rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, n_blk * kb)
+                if cutlass.const_expr(self.cfg.early_block_scales):
+                    for v in cutlass.range_constexpr(4):
+                        rsc[v] = rsc_blk[v]
+                else:
+                    load_row_scales(rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, n_blk * kb)
                 # (phase 0's convert_k read sKs before the diagonal tiles' barriers)
                 self.share_key_scales(sKs, rsc, krow)
                 # the other warpgroup's last diagonal dQ product has read K bf16: overwrite it; and

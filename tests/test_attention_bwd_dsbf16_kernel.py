@@ -61,7 +61,8 @@ RECIPES = {
                                           ("prefetch_sdp", 1), ("dq_tma_reduce", 1), ("exp_under_dp", 1),
                                           ("raster", "rows"), ("dq_store_swap", 1), ("q_bf16_source", "gmem"),
                                           ("dk_under_dq_store", 1), ("preload_vectors", 17),
-                                          ("transpose_v_under_s", 1), ("dq_first_store", 1)])
+                                          ("transpose_v_under_s", 1), ("dq_first_store", 1), ("early_block_scales", 1),
+                                          ("head_window", 3), ("cta_timeline", 1)])
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"BwdDsBf16Config.{field}"):
         BwdDsBf16Config(**{"head_dim": 128, field: value})
@@ -501,7 +502,8 @@ def test_dv_fold_reference_is_the_emulators():
 
 # config fields of the kernel's build variants that the compile tests cover besides the default
 VARIANTS = {"": {}, "q-convert": dict(q_bf16_source="convert"), "dk-with-dq": dict(dk_under_dq_store=False),
-            "transpose-under-s": dict(transpose_v_under_s=True), "first-store": dict(dq_first_store=True)}
+            "transpose-under-s": dict(transpose_v_under_s=True), "first-store": dict(dq_first_store=True),
+            "late-phase": dict(phase_prefetch=False), "early-scales": dict(early_block_scales=True)}
 
 
 @pytest.fixture(scope="module")
@@ -610,6 +612,21 @@ def test_deterministic_variant_orders_dq(artifacts):
     for m in (r"ld\.acquire\.gpu\.global\.u32", r"red\.release\.gpu\.global\.add\.u32", r"fence\.acq_rel\.gpu"):
         assert len(re.findall(m, det.ptx)) >= 2, m
         assert not re.search(m, plain.ptx), m
+
+
+@needs_dsl
+@pytest.mark.parametrize("variant", ["", "early-scales"])
+def test_phase_change_builds_keep_both_prologues(artifacts, variant):
+    """The phase-change schedules (phase_prefetch, the default; early_block_scales) move where the
+    stage is released and the scales are loaded, nothing else: each phase still has its barrier,
+    K/V wait, K conversion and V transpose, as in the late build. (A slip that nested phase 1's
+    prologue under the late build's branch compiled without spills and gave wrong gradients on the
+    GPU, run s18b: this is the CPU check that sees it.)"""
+    art, late = artifacts(128, True, variant=variant), artifacts(128, True, variant="late-phase")
+    for pat in (r"bar\.sync\s+2,", r"mbarrier\.try_wait", r"st\.shared\.v4", r"cvt\.rn\.bf16x2"):
+        assert len(re.findall(pat, art.ptx)) == len(re.findall(pat, late.ptx)), pat
+    assert len(re.findall(r"bar\.sync\s+2,", art.ptx)) == 2  # phase 0 and phase 1
+    assert "STL" not in art.sass and art.frame_bytes in (None, 0)
 
 
 @needs_dsl
@@ -766,15 +783,17 @@ def test_gpu_head_windows_match_plain_order(H, Hk, window):
 @pytest.mark.gpu
 @needs_dsl
 @_needs_sm90()
+@pytest.mark.parametrize("variant", ["", "early-scales"])
 @pytest.mark.parametrize("D, H, Hk", [(128, 4, 2), (64, 2, 2)])
-def test_gpu_late_phase_change_matches_default(D, H, Hk):
+def test_gpu_late_phase_change_matches_default(D, H, Hk, variant):
     """phase_prefetch=False (the schedule before session 18: the per-token K/V released after the last
-    diagonal tile, the block scales loaded then) gives the default's dK and dV bitwise, its dQ within
-    fp32 reassociation, and the emulator's gradients. A K/V stage released before its last reader
-    would change the diagonal tiles' dK/dV (the TMA overwriting sK, sV under S^T or dP^T)."""
+    diagonal tile, the block scales loaded then) gives the default's dK and dV bitwise (and those of
+    early_block_scales), its dQ within fp32 reassociation, and the emulator's gradients. A K/V stage
+    released before its last reader would change the diagonal tiles' dK/dV (the TMA overwriting sK,
+    sV under S^T or dP^T)."""
     st = _setup(LENGTHS + [3000], H, Hk, D, RECIPES["fp8_tokenblock_dsbf16"], seed=14, device="cuda")
     fields = dict(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=True)
-    res = _run(st, config=BwdDsBf16Config(**fields))
+    res = _run(st, config=BwdDsBf16Config(**fields, **VARIANTS[variant]))
     late = _run(st, config=BwdDsBf16Config(**fields, phase_prefetch=False))
     _assert_same_gradients(st, res, late)
     err = _grad_errors(late, st["emu"], st["cu"].cpu())
