@@ -1,4 +1,4 @@
-"""Host model of the persistent forward's tile orders: makespan over 132 CTAs against the ideal.
+"""Host models of the CTA schedules: the persistent forward's tile orders and the backward's CTA queue.
 
     python perf/schedule_model.py
 
@@ -13,6 +13,8 @@ read twice).
 
 import json
 
+from flamia_cute.attention_bwd_dsbf16_sm90 import auto_head_window
+from flamia_cute.attention_bwd_sm90 import backward_grid, backward_work_item
 from flamia_cute.bench import DEFAULT_WORKLOADS
 from flamia_cute.schedules.ordering import simulate
 from flamia_cute.schedules.varlen_tiles import persistent_order
@@ -34,12 +36,40 @@ def makespans(lengths) -> list[float]:
     return [m / ideal - 1 for m in runs]
 
 
+def backward_makespans(lengths, windows=(1, 2, 4, 8, 16), per_cta: float = 4.0) -> dict:
+    """The bf16-dS backward's CTA queue (session 18): CTAs in launch order (backward_grid's "blocks"
+    order in windows of W KV heads, through backward_work_item), taken by 132 SMs as they free up
+    (the hardware's queue: `simulate`'s dynamic policy); cost = the CTA's 64-query tiles + per_cta
+    (the measured ~7 µs per CTA is ~4 tiles). Makespan over the ideal, minus 1, per window."""
+    max_blocks = (max(lengths) + 127) // 128
+    out = {}
+    for w in windows:
+        if HEADS % w:
+            continue
+        gx, gy, gz = backward_grid("blocks", HEADS, len(lengths), max_blocks, w)
+        costs = []
+        for z in range(gz):
+            for y in range(gy):
+                for x in range(gx):
+                    _, doc, blk = backward_work_item("blocks", (x, y, z), w)
+                    n = lengths[doc]
+                    if blk * 128 < n:
+                        costs.append((n + 63) // 64 - 2 * blk + per_cta)
+        out[w] = simulate(costs, range(len(costs)), CTAS) / (sum(costs) / CTAS) - 1
+    return out
+
+
 def main() -> None:
     workloads = json.loads(DEFAULT_WORKLOADS.read_text())["workloads"]
     print(f"{'workload':12s} {'counter':>8s} {'stride':>8s} {'docs-LPT':>9s} {'heavy_first':>12s}   (makespan over ideal)")
     for name, lengths in workloads.items():
         c, s, d, h = makespans(lengths)
         print(f"{name:12s} {c:+8.1%} {s:+8.1%} {d:+9.1%} {h:+12.1%}")
+    print("\nbackward CTA queue, makespan over ideal per head window (* = auto_head_window)")
+    for name, lengths in workloads.items():
+        auto = auto_head_window(HEADS, max(lengths))
+        cells = "  ".join(f"W{w}{'*' if w == auto else ' '} {m:+6.1%}" for w, m in backward_makespans(lengths).items())
+        print(f"{name:12s} {cells}")
 
 
 if __name__ == "__main__":
