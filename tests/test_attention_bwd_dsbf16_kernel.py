@@ -123,10 +123,15 @@ def test_cta_order_is_blocks_unless_deterministic(monkeypatch):
     qq = QuantizedTHD(torch.zeros(T, H, D, dtype=torch.float8_e4m3fn), None, torch.ones(H, T), 1, "e4m3")
     kq = QuantizedTHD(torch.zeros(T, Hk, D, dtype=torch.float8_e4m3fn), None, torch.ones(Hk, T), 128, "e4m3")
     monkeypatch.setenv("FLAMIA_CUTE_NO_TUNING", "1")
-    for env, length, want in (("0", 1024, "blocks"), ("0", 4096, "blocks"), ("1", 1024, "heads")):
+    # (raster, head window): the window by document length (2 KV heads here), none when deterministic
+    for env, length, want in (("0", 1024, ("blocks", 2)), ("0", 4096, ("blocks", 2)), ("1", 1024, ("heads", 1))):
         monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", env)
         cu = torch.tensor(list(range(0, T + 1, length)), dtype=torch.int32)
-        assert backward_config(qq, kq, kq, cu, length, ds_bf16=True).raster == want, (env, length)
+        cfg = backward_config(qq, kq, kq, cu, length, ds_bf16=True)
+        assert (cfg.raster, cfg.head_window) == want, (env, length)
+    monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "0")
+    assert backward_config(qq, kq, kq, torch.tensor([0, T], dtype=torch.int32), 16384,
+                           ds_bf16=True).head_window == 1  # long documents keep the plain order
 
 
 @needs_dsl
