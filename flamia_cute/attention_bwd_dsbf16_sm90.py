@@ -22,7 +22,8 @@ memory, and the dQ scale needs a cross-warpgroup amax per tile. Here nothing is 
 Organization (one CTA per (128-key block n, KV head, document), GQA query heads looped inside the
 CTA, so dK and dV are summed over the group in registers: deterministic):
 - producer warp 0 (TMA): K and V^T (e4m3; two 64-key slabs) once per phase (the per-token copies
-  for the diagonal tiles when `diagonal_copy`, then the block-scaled ones); V^T is the forward's
+  for the diagonal tiles when `diagonal_copy`, then the block-scaled ones, which load under the
+  last diagonal tile with `phase_prefetch`); V^T is the forward's
   P V operand, and each consumer warpgroup transposes its slab in place into V [key, d], dP^T's A
   operand (transpose_v), so the quantization writes no token-major V;
   per 64-query tile, Q and dO (e4m3 [t, d]: the B operands of S^T and dP^T, pipeline a) and dO^T
@@ -46,7 +47,9 @@ CTA, so dK and dV are summed over the group in registers: deterministic):
 
 CTA order (`raster`): key block fastest by default, so the CTAs of one (document, KV head) run
 together and share its Q, dO and dQ accumulator in L2 (the heads-fastest order, kept for the
-deterministic mode, hit L2 30% of the time on 16 documents of 1k).
+deterministic mode, hit L2 30% of the time on 16 documents of 1k); for short documents in windows of
+`head_window` KV heads of one document, each window's CTAs longest first, so that the last
+document's long key blocks are not the last CTAs issued (auto_head_window picks it by length).
 
 Tile order inside a CTA: the diagonal tiles (query tiles 2n and 2n + 1, the second only when it
 holds queries) of every head first, then every head's off-diagonal tiles. Only diagonal tiles
