@@ -219,6 +219,18 @@ def search_space(kernel: str, head_dim: int, heads_q: int, heads_kv: int, block_
     return bwd_space(head_dim, heads_q // heads_kv, block_tokens > 1)
 
 
+def workload_space(kernel: str, keep: list, heads_kv: int, max_seqlen: int) -> list:
+    """A kernel's kept configs for one workload: the bf16-dS backward's default takes the head window
+    that an untuned call picks for this document length (auto_head_window), so that "default ms" is
+    what runs without tuning; the plain order stays in the space as a variant."""
+    if kernel != "bwd_dsbf16":
+        return keep
+    from .attention_bwd_dsbf16_sm90 import auto_head_window
+
+    default = dataclasses.replace(keep[0][0], head_window=auto_head_window(heads_kv, max_seqlen))
+    return [(default, "default")] + [(c, "variant" if why == "default" else why) for c, why in keep if c != default]
+
+
 def config_fields(kernel: str, cfg) -> dict:
     """The fields the search varies, as the plain JSON dict the cache stores."""
     if kernel == "quant":
@@ -509,7 +521,7 @@ def run_tune(args) -> int:
         case = Case(w, lengths, head["heads_q"], head["heads_kv"], head["head_dim"], "cuda").build()
         calls = _kernel_calls(case, block, todo, bf16_ds_backward(args.recipe))
         for k in todo:
-            rec = _tune_one(k, spaces[k][0], *calls[k], args.reps)
+            rec = _tune_one(k, workload_space(k, spaces[k][0], head["heads_kv"], max(lengths)), *calls[k], args.reps)
             rec["workload"] = w
             tuned_now.add((k, wclass))
             if rec["config"] is None:

@@ -391,3 +391,14 @@ def test_bwd_dsbf16_records_from_before_q_bf16_source_still_load():
     assert (cfg.q_stages, cfg.q_bf16_source) == (3, "convert")
     assert tuning.config_from_fields("bwd_dsbf16", default, dict(old, q_stages=2)).q_bf16_source == "tma"
     assert {c.q_bf16_source for c, _ in keep} == {"tma", "convert"}
+
+
+def test_workload_space_starts_from_the_untuned_default():
+    """The bf16-dS backward's space for one workload starts from the config an untuned call runs (its
+    head window by document length), keeps the plain order as a variant, and holds no config twice."""
+    keep, _ = tuning.search_space("bwd_dsbf16", 128, 16, 16, 128)
+    short = tuning.workload_space("bwd_dsbf16", keep, 16, 1024)
+    assert short[0][0].head_window == 16 and short[0][1] == "default"
+    assert keep[0][0] in [c for c, _ in short[1:]] and len({c for c, _ in short}) == len(short) == len(keep)
+    assert tuning.workload_space("bwd_dsbf16", keep, 16, 16384)[0][0] == keep[0][0]
+    assert tuning.workload_space("fwd", keep, 16, 1024) is keep
