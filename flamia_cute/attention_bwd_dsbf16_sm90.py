@@ -233,6 +233,12 @@ class BwdDsBf16Config:
     # first build, run s18b, had lost the phase-1 prologue to an editing slip: wrong gradients); off
     # until its GPU tests and timing run
     early_block_scales: bool = False
+    # bf16 dS tiles in shared memory: 2 (a warpgroup may write the next tile's while the other still
+    # reads this one) or 1, which the dQ path's DQ_EMPTY barrier already orders (both warpgroups'
+    # dQ products of a tile are done before either stores the dQ tile, and so before the next
+    # tile's dS): 16 KB less, toward a second K/V stage (perf/NOTES.md, session 18). Needs
+    # dq_tma_reduce. Built in session 18, CPU-checked only; off until its GPU tests run
+    ds_buffers: int = 2
     # Measurement only: each CTA writes (start, end) of %globaltimer_lo (ns), its SM and its query
     # tiles into the int32 buffer that the semaphores use otherwise, 4 words per CTA of the grid in
     # launch order (cta_timeline_words; perf/bwd_cta_timeline.py reads them). Not deterministic
@@ -260,8 +266,10 @@ class BwdDsBf16Config:
             bad("raster", "must be None (auto), 'heads' or 'blocks'")
         if not isinstance(self.preload_vectors, int) or not 0 <= self.preload_vectors <= QUERY_TILE // 4:
             bad("preload_vectors", f"must be an int in 0..{QUERY_TILE // 4} (a thread's S^T columns)")
-        if not isinstance(self.head_window, int) or self.head_window not in HEAD_WINDOWS:
+        if type(self.head_window) is not int or self.head_window not in HEAD_WINDOWS:
             bad("head_window", f"must be one of {HEAD_WINDOWS}")
+        if type(self.ds_buffers) is not int or self.ds_buffers not in (1, 2):
+            bad("ds_buffers", "must be 1 or 2")
         if self.q_stages not in (1, 2, 3):
             bad("q_stages", "must be 1, 2 or 3")
         if self.vec_stages not in (1, 2, 3):
@@ -286,6 +294,8 @@ class BwdDsBf16Config:
                 object.__setattr__(self, "dq_tma_reduce", False)
         if self.phase_prefetch is None:
             object.__setattr__(self, "phase_prefetch", not self.dq_first_store)
+        if self.ds_buffers == 1 and not self.dq_tma_reduce:
+            bad("ds_buffers", "1 needs dq_tma_reduce (its DQ_EMPTY barrier orders the dS tile's reuse)")
         if self.early_block_scales and not self.diagonal_copy:
             bad("early_block_scales", "needs diagonal_copy (without copies there is no phase change)")
         if self.cta_timeline and (self.deterministic or self.dq_first_store):
@@ -312,7 +322,7 @@ def smem_bytes(cfg: BwdDsBf16Config) -> int:
     kv = 2 * KEY_BLOCK * D + 2 * KEY_BLOCK * D  # K, V e4m3 + K bf16 (converted in the kernel)
     qb_tma = cfg.q_bf16_source == "tma"
     per_stage = 2 * tq * D + tq * D + (2 * tq * D if qb_tma else 0)  # Q, dO e4m3 | dO^T e4m3 (+ Q bf16)
-    ds = 2 * 2 * tq * KEY_BLOCK + (0 if qb_tma else 2 * 2 * tq * D)  # bf16 dS [q, key] (+ Q bf16), 2 buffers
+    ds = cfg.ds_buffers * 2 * tq * KEY_BLOCK + (0 if qb_tma else 2 * 2 * tq * D)  # bf16 dS [q, key] (+ Q bf16)
     vec = N_VEC * tq * 4 * cfg.vec_stages + KEY_BLOCK * 4  # + the phase's key scales
     bars = 8 * 2 * (1 + 2 * cfg.q_stages + cfg.vec_stages)
     dq = tq * D * 4 + 1024 if cfg.dq_tma_reduce else 0  # the fp32 dQ tile
@@ -616,7 +626,9 @@ class FlamiaBwdDsBf16Sm90:
             sdO: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["Q"])], 1024]
             sdOt: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["dOt"])], 1024]
             sQb: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["Qb"])], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["dS"])], 1024]
+            # DS_LAYOUT's two buffer slots; with ds_buffers=1 only slot 0 is allocated and used
+            sdS: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["dS"]) * self.cfg.ds_buffers // 2],
+                                   1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout) if self.dq_tma else 4], 1024]
 
         self.shared_storage = SharedStorage
@@ -1302,6 +1314,7 @@ class FlamiaBwdDsBf16Sm90:
         # ---- P^T = exp2(S^T sk sq scale log2e - lse log2e) into acc_s (masked on the diagonal tiles);
         # column-outer: each query's vectors loaded once. With exp_under_dp, while dP^T still runs
         dbuf = i % 2
+        ds_buf = dbuf if cutlass.const_expr(self.cfg.ds_buffers == 2) else 0
         pipe_v.consumer_wait(v_state)
         vs = v_state.index
         # the first columns' vectors loaded while S^T is still on the tensor cores (preload_vectors)
@@ -1359,7 +1372,7 @@ class FlamiaBwdDsBf16Sm90:
                 a0 = 4 * w_ + 2 * v1
                 pair = cvt_bf16x2(acc_dp[a0], acc_dp[a0 + 1])
                 tKrdS32[2 * w_ + v1] = pair
-                sdS_words[ds_word(w_, dsk[v1], dsk[2 + v1], dbuf)] = pair
+                sdS_words[ds_word(w_, dsk[v1], dsk[2 + v1], ds_buf)] = pair
 
         # ---- dV += e4m3(P^T fold) . dO^T (accumulates in place)
         pipe_b.consumer_wait(b_state)
@@ -1380,14 +1393,14 @@ class FlamiaBwdDsBf16Sm90:
         if cutlass.const_expr(dk_late):  # dQ first, in its own group: its store runs while dK computes
             for k in cutlass.range_constexpr(self.kb // 16):
                 dq_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
-                cute.gemm(dq_mma, acc_dq, tQrdS[None, None, k, dbuf], tQrKb[None, None, k, 0], acc_dq)
+                cute.gemm(dq_mma, acc_dq, tQrdS[None, None, k, ds_buf], tQrKb[None, None, k, 0], acc_dq)
             warpgroup.commit_group()
         for k in cutlass.range_constexpr(tq // 16):
             cute.gemm(dk_mma, acc_dk, tKrdS[None, None, k], tKrQb[None, None, k, qbuf], acc_dk)
         if cutlass.const_expr(not dk_late):
             for k in cutlass.range_constexpr(self.kb // 16):
                 dq_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
-                cute.gemm(dq_mma, acc_dq, tQrdS[None, None, k, dbuf], tQrKb[None, None, k, 0], acc_dq)
+                cute.gemm(dq_mma, acc_dq, tQrdS[None, None, k, ds_buf], tQrKb[None, None, k, 0], acc_dq)
         warpgroup.commit_group()
         if cutlass.const_expr(dk_late):
             warpgroup.wait_group(1)  # dV and dQ done; dK still running (its B stage is released below)

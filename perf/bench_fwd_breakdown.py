@@ -254,6 +254,8 @@ def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
                 ("late phase change", BwdDsBf16Config(128, diagonal_copy=True, phase_prefetch=False)),
                 # and phase 1's block scales loaded at the CTA's start (built in session 18, not yet run)
                 ("early block scales", BwdDsBf16Config(128, diagonal_copy=True, early_block_scales=True)),
+                # one dS tile (-16 KB; built in session 18, not yet run)
+                ("one dS buffer", BwdDsBf16Config(128, diagonal_copy=True, ds_buffers=1)),
                 # one Q/dO stage (-40 KB of shared memory: the room a second K/V stage would need)
                 ("1 query stage", BwdDsBf16Config(128, diagonal_copy=True, q_stages=1)),
                 # the blocks order in windows of w heads (session 18: the CTA queue's tail)

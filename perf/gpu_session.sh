@@ -173,12 +173,12 @@ for stage in "$@"; do
         BREAKDOWN_DS_VARIANTS="default,dQ first store" python3 perf/bench_fwd_breakdown.py
       first_store_fences ;;
     ds-first-store-fences) first_store_fences ;;
-    ds-early-scales)  # session 19's first call: early_block_scales (built in session 18, CPU-checked only): its
-      # GPU tests beside the default's, then it against the default and the late phase change in rounds
+    ds-early-scales)  # session 19's first call: early_block_scales and ds_buffers=1 (built in session 18,
+      # CPU-checked only): their GPU tests beside the default's, then both against the default in rounds
       run ds_tests 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py \
-        -k "late_phase or matches_emulator"
+        -k "late_phase or one_ds_buffer or matches_emulator"
       run ds_early_scales_rounds 300 env OUT="$OUT" BREAKDOWN_ONLY=ds BREAKDOWN_ROUNDS=3 \
-        BREAKDOWN_DS_VARIANTS="default,early block scales,late phase change" \
+        BREAKDOWN_DS_VARIANTS="default,early block scales,late phase change,one dS buffer" \
         BREAKDOWN_WORKLOADS="16x1k,4x4k,longtail32k,1x16k" python3 perf/bench_fwd_breakdown.py ;;
     ds-phase)  # session 18: the early phase change (BwdDsBf16Config.phase_prefetch, default) and the auto head
       # window: the whole bf16-dS GPU suite, the CTA timeline, then rotated rounds against the late phase

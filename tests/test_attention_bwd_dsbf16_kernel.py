@@ -62,7 +62,7 @@ RECIPES = {
                                           ("raster", "rows"), ("dq_store_swap", 1), ("q_bf16_source", "gmem"),
                                           ("dk_under_dq_store", 1), ("preload_vectors", 17),
                                           ("transpose_v_under_s", 1), ("dq_first_store", 1), ("early_block_scales", 1),
-                                          ("head_window", 3), ("cta_timeline", 1)])
+                                          ("head_window", 3), ("cta_timeline", 1), ("ds_buffers", 3)])
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"BwdDsBf16Config.{field}"):
         BwdDsBf16Config(**{"head_dim": 128, field: value})
@@ -508,7 +508,8 @@ def test_dv_fold_reference_is_the_emulators():
 # config fields of the kernel's build variants that the compile tests cover besides the default
 VARIANTS = {"": {}, "q-convert": dict(q_bf16_source="convert"), "dk-with-dq": dict(dk_under_dq_store=False),
             "transpose-under-s": dict(transpose_v_under_s=True), "first-store": dict(dq_first_store=True),
-            "late-phase": dict(phase_prefetch=False), "early-scales": dict(early_block_scales=True)}
+            "late-phase": dict(phase_prefetch=False), "early-scales": dict(early_block_scales=True),
+            "one-ds-buffer": dict(ds_buffers=1)}
 
 
 @pytest.fixture(scope="module")
@@ -531,7 +532,8 @@ def artifacts():
                                                                 (128, True, "q-convert"), (64, False, "q-convert"),
                                                                 (128, True, "dk-with-dq"),
                                                                 (128, True, "transpose-under-s"),
-                                                                (128, False, "transpose-under-s")])
+                                                                (128, False, "transpose-under-s"),
+                                                                (128, True, "one-ds-buffer")])
 def test_compiles_with_fp8_and_bf16_wgmma(artifacts, head_dim, diagonal_copy, variant):
     art = artifacts(head_dim, diagonal_copy, variant=variant)
     ops = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+\.f32\.\w+\.\w+)", art.ptx))
@@ -617,6 +619,23 @@ def test_deterministic_variant_orders_dq(artifacts):
     for m in (r"ld\.acquire\.gpu\.global\.u32", r"red\.release\.gpu\.global\.add\.u32", r"fence\.acq_rel\.gpu"):
         assert len(re.findall(m, det.ptx)) >= 2, m
         assert not re.search(m, plain.ptx), m
+
+
+@needs_dsl
+def test_one_ds_buffer_saves_its_tile(artifacts):
+    """ds_buffers=1 (opt-in): 16 KB less shared memory, the same MMAs and no spills; only with the
+    TMA dQ path, whose DQ_EMPTY barrier orders the tile's reuse (the atomics path has none)."""
+    from flamia_cute.attention_bwd_dsbf16_sm90 import KEY_BLOCK, QUERY_TILE, smem_bytes
+
+    one = BwdDsBf16Config(head_dim=128, diagonal_copy=True, ds_buffers=1)
+    two = BwdDsBf16Config(head_dim=128, diagonal_copy=True)
+    assert smem_bytes(two) - smem_bytes(one) == 2 * QUERY_TILE * KEY_BLOCK  # one bf16 [64 q, 128 keys] tile
+    with pytest.raises(ValueError, match="ds_buffers"):
+        BwdDsBf16Config(head_dim=128, ds_buffers=1, dq_tma_reduce=False)
+    art, ref = artifacts(128, True, variant="one-ds-buffer"), artifacts(128, True)
+    wgmma = r"wgmma\.mma_async\.sync\.aligned\.\S+"
+    assert Counter(re.findall(wgmma, art.ptx)) == Counter(re.findall(wgmma, ref.ptx))
+    assert "STL" not in art.sass and art.frame_bytes in (None, 0)
 
 
 @needs_dsl
@@ -803,6 +822,20 @@ def test_gpu_late_phase_change_matches_default(D, H, Hk, variant):
     _assert_same_gradients(st, res, late)
     err = _grad_errors(late, st["emu"], st["cu"].cpu())
     assert not _violations(err), err
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("D, H, Hk", [(128, 4, 2), (64, 2, 2)])
+def test_gpu_one_ds_buffer_matches_default(D, H, Hk):
+    """ds_buffers=1 (opt-in, session 18: not yet run): one dS tile reused across tiles gives the
+    default's dK and dV bitwise and its dQ within reassociation. Reuse before both warpgroups' dQ
+    products had read the tile would change dQ and dK."""
+    st = _setup(LENGTHS + [3000], H, Hk, D, RECIPES["fp8_tokenblock_dsbf16"], seed=16, device="cuda")
+    fields = dict(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=True)
+    _assert_same_gradients(st, _run(st, config=BwdDsBf16Config(**fields, ds_buffers=1)),
+                           _run(st, config=BwdDsBf16Config(**fields)))
 
 
 @pytest.mark.gpu
