@@ -226,7 +226,7 @@ class BwdDsBf16Config:
     # stage is released once the last diagonal tile's S^T and dP^T are done (not with prefetch_sdp,
     # whose dummy S^T, dP^T reads it after the tile), so the block-scaled copies load under the rest
     # of that tile. False: released after the tile (before session 18). None: on, except with
-    # dq_first_store (kept as it was measured)
+    # prefetch_sdp (d64's default) or dq_first_store (kept as it was measured)
     phase_prefetch: bool | None = None
     # The block-scaled row scales of phase 1 loaded at the CTA's start (4 registers held through the
     # diagonal tiles), not at the phase change. Built in session 18 and checked on the CPU only (its
@@ -293,7 +293,9 @@ class BwdDsBf16Config:
             if smem_bytes(self) > SMEM_LIMIT:
                 object.__setattr__(self, "dq_tma_reduce", False)
         if self.phase_prefetch is None:
-            object.__setattr__(self, "phase_prefetch", not self.dq_first_store)
+            object.__setattr__(self, "phase_prefetch", not (self.dq_first_store or self.prefetch_sdp))
+        if self.phase_prefetch and self.prefetch_sdp:
+            bad("phase_prefetch", "not with prefetch_sdp: its dummy S^T, dP^T after the phase's last tile reads sK, sV")
         if self.ds_buffers == 1 and not self.dq_tma_reduce:
             bad("ds_buffers", "1 needs dq_tma_reduce (its DQ_EMPTY barrier orders the dS tile's reuse)")
         if self.early_block_scales and not self.diagonal_copy:
@@ -1073,9 +1075,8 @@ class FlamiaBwdDsBf16Sm90:
         if cutlass.const_expr(self.prefetch):
             self.issue_sdp(frags, pipe_a, a_state, wg)
         # the per-token copies' stage goes back inside the last diagonal tile, once its S^T and dP^T are
-        # done, so the block-scaled K/V load while that tile finishes (not with prefetch: its dummy
-        # S^T, dP^T after the phase's last tile still reads sK and sV)
-        early_kv = self.diag_copy and self.cfg.phase_prefetch and not self.prefetch
+        # done, so the block-scaled K/V load while that tile finishes (phase_prefetch)
+        early_kv = self.diag_copy and self.cfg.phase_prefetch
         for i in cutlass.range(self.group * n_diag, unroll=1):
             a_state, b_state, v_state = self.tile_step(
                 True, i, i + 1 < self.group * n_diag, kv_head * self.group + i // n_diag, 2 * n_blk + i % n_diag,

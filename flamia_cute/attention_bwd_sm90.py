@@ -340,7 +340,7 @@ def backward_grid(raster: str, num_kv_heads, num_docs, max_n_blocks, head_window
     cannot be the last one issued (W = 1 is the plain "blocks" order). Trace time: `raster` and
     `head_window` are config values; num_kv_heads % head_window == 0 (the host checks it)."""
     if raster == "blocks":
-        if head_window == 1:
+        if head_window == 1:  # apart from the general form, so the plain order's code stays as it was
             return [max_n_blocks, num_kv_heads, num_docs]
         return [max_n_blocks * head_window, num_kv_heads // head_window, num_docs]
     return [num_kv_heads, num_docs, max_n_blocks]
@@ -350,7 +350,7 @@ def backward_work_item(raster: str, block_idx, head_window: int = 1) -> tuple:
     """(KV head, document, key block) of this CTA under backward_grid(raster, ..., head_window)."""
     x, y, z = block_idx
     if raster == "blocks":
-        if head_window == 1:
+        if head_window == 1:  # the plain order without the window's index math (its SASS unchanged)
             return y, z, x
         return y * head_window + x % head_window, z, x // head_window
     return x, y, z

@@ -147,6 +147,11 @@ def test_head_window_config_and_auto_choice():
         BwdDsBf16Config(head_dim=128, head_window=2, raster="heads")
     with pytest.raises(ValueError, match="cta_timeline"):
         BwdDsBf16Config(head_dim=128, cta_timeline=True, deterministic=True)
+    # the early phase change resolves on where it is built: not beside d64's S^T/dP^T prefetch
+    with pytest.raises(ValueError, match="phase_prefetch"):
+        BwdDsBf16Config(head_dim=64, phase_prefetch=True)
+    assert BwdDsBf16Config(head_dim=128, diagonal_copy=True).phase_prefetch
+    assert not BwdDsBf16Config(head_dim=64, diagonal_copy=True).phase_prefetch
     assert [auto_head_window(16, n) for n in (16384, 65536, 8192, 4096, 1024, 512, None)] == [1, 1, 2, 4, 16, 16, 1]
     assert auto_head_window(8, 1024) == 8 and auto_head_window(6, 1024) == 2 and auto_head_window(1, 64) == 1
     # the grid mapping visits every (KV head, document, key block) once, in windows of W heads

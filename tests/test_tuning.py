@@ -341,7 +341,10 @@ def test_bwd_dsbf16_space(head_dim):
     assert len(set(eff)) == len(eff) and all(smem_bytes(c) <= SMEM_LIMIT for c, _ in keep)
     assert {e[2] for e in eff} == {True, False} and {e[0] for e in eff} == {1, 2, 3}
     assert not any(e[3] and e[4] for e in eff)  # the prefetch with split S^T/dP^T waits
-    assert [c for c, _ in keep if not c.phase_prefetch] == [dataclasses.replace(default, phase_prefetch=False)]
+    if head_dim == 128:  # the late phase change once, beside the default's early one
+        assert [c for c, _ in keep if not c.phase_prefetch] == [dataclasses.replace(default, phase_prefetch=False)]
+    else:  # d64's S^T/dP^T prefetch reads the stage after the last diagonal tile: no early release
+        assert not default.phase_prefetch and not any(c.phase_prefetch and c.prefetch_sdp for c, _ in keep)
     windows = [c.head_window for c, _ in tuning.bwd_dsbf16_space(head_dim, 2, True, num_kv_heads=8)[0]]
     assert sorted(set(windows)) == [1, 2, 4, 8] and windows.count(8) == 1
     assert [c for c, _ in keep if c.q_bf16_source != default.q_bf16_source and c.q_stages == default.q_stages] \
