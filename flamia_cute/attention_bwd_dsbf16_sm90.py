@@ -28,6 +28,8 @@ CTA, so dK and dV are summed over the group in registers: deterministic):
   operand (transpose_v), so the quantization writes no token-major V;
   per 64-query tile, Q and dO (e4m3 [t, d]: the B operands of S^T and dP^T, pipeline a) and dO^T
   (e4m3 [d, t], dV's B, pipeline b, with Q in bf16 [t, d], dK's B, by default);
+- phase 1's block scales are loaded at the CTA's start (`early_block_scales`, the default with
+  diagonal copies), off the phase change's path;
 - producer warp 1: per query tile, sq * softmax_scale * log2e, lse * log2e (+inf past the
   document end, so P = 0 there), D = rowsum(dO * O), the dO scale (0 past the end) and sq;
 - producer warp 2, with `dq_tma_reduce` (the default unless deterministic): the dQ tiles' TMA
@@ -50,6 +52,10 @@ together and share its Q, dO and dQ accumulator in L2 (the heads-fastest order, 
 deterministic mode, hit L2 30% of the time on 16 documents of 1k); for short documents in windows of
 `head_window` KV heads of one document, each window's CTAs longest first, so that the last
 document's long key blocks are not the last CTAs issued (auto_head_window picks it by length).
+`persistent` (opt-in, a tuner variant): one CTA per SM takes the same items in the same order from a
+counter (produce_items, locate_key_block), every role keeping its pipeline states across items, the
+K/V stage released inside each item's last tile so the next item's copies load under it; measured
+-0.8..-1.2% kernel on 16x1k and +3..+9% on 4x4k and 1x16k (runs s19b, s19c), so not the default.
 
 Tile order inside a CTA: the diagonal tiles (query tiles 2n and 2n + 1, the second only when it
 holds queries) of every head first, then every head's off-diagonal tiles. Only diagonal tiles
@@ -59,6 +65,7 @@ tile) exactly as the e4m3-dS kernel does per 128-query tile.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +76,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
-from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint32
+from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from . import recipes as _recipes
@@ -90,9 +97,10 @@ from .attention_bwd_sm90 import (
     store_key_rows_bf16,
     store_query_vectors,
 )
-from .compile_cache import compile_entry, launch_on_device
+from .compile_cache import compile_entry, launch_on_device, sm_count
 from .quant import PV_ORDER16, transposed_tokens
 from .recipes import FOLD_REF_MIN
+from .schedules.varlen_chunks import max_chunks
 from .sm90_device import (
     ARG_BF16,
     ARG_F8,
@@ -100,11 +108,16 @@ from .sm90_device import (
     ARG_I32,
     SHARED_SOURCE_FILES,
     byte_transpose4x4,
+    claim_next_tile,
     cvt_bf16x2,
+    doc_chunk_cumsum,
     document_dt_start,
     e4m3x2_to_bf16x2,
     globaltimer_lo,
+    locate_key_block,
     pack_a_fragment_e4m3,
+    publish_tile,
+    read_tile,
     select,
     sm_id,
     smem_word_index,
@@ -136,6 +149,14 @@ WINDOW_TOKENS = 16384
 # named barriers (1: dS and Q bf16 stored, 2: the phase change, 3: deterministic dQ turns)
 DQ_FULL, DQ_EMPTY = 4, 5  # dq_tma_reduce: consumers (256 threads) and the dQ warp (32)
 VT_BARRIER = 6  # + warpgroup: transpose_v's two barriers (128 threads)
+SCAN_BARRIER = 8  # persistent: the producer warpgroup's scan of cu_seqlens (doc_chunk_cumsum)
+# persistent: documents the shared-memory tables hold (4 KB of the 6 KB left beside the kernel's
+# 226 KB); more fall back to the grid build
+PERSISTENT_MAX_DOCS = 512
+# persistent: items published ahead by the TMA warp. One is enough (every reader takes its item at the
+# item's start; the TMA warp publishes the next one only after issuing this one's loads) and keeps the
+# ring state a phase bit in the consumers, whose item loop is at the register limit
+SCHED_STAGES = 1
 # bf16 dS [q, key] for dQ's A operand (queries contiguous), two buffers; stored by hand (ds_word_index)
 DS_LAYOUT = "S<3,4,3> o 0 o ((64,1),(8,16),(1,2)):((1,0),(64,512),(0,8192))"
 # dq_first_store: one claim word per (query head, 64-query tile). Its low bits count the CTAs that
@@ -229,16 +250,29 @@ class BwdDsBf16Config:
     # prefetch_sdp (d64's default) or dq_first_store (kept as it was measured)
     phase_prefetch: bool | None = None
     # The block-scaled row scales of phase 1 loaded at the CTA's start (4 registers held through the
-    # diagonal tiles), not at the phase change. Built in session 18 and checked on the CPU only (its
-    # first build, run s18b, had lost the phase-1 prologue to an editing slip: wrong gradients); off
-    # until its GPU tests and timing run
-    early_block_scales: bool = False
+    # diagonal tiles), not at the phase change: kernel 16x1k -2.1% / -1.7% (runs s19a, s19b), the
+    # others within +-0.4% (mixed16k -4%, noisy). None: on with diagonal copies, except beside the
+    # S^T/dP^T prefetch (d64, not measured there) and in the persistent build (24 bytes of spills)
+    early_block_scales: bool | None = None
     # bf16 dS tiles in shared memory: 2 (a warpgroup may write the next tile's while the other still
     # reads this one) or 1, which the dQ path's DQ_EMPTY barrier already orders (both warpgroups'
     # dQ products of a tile are done before either stores the dQ tile, and so before the next
     # tile's dS): 16 KB less, toward a second K/V stage (perf/NOTES.md, session 18). Needs
     # dq_tma_reduce. Built in session 18, CPU-checked only; off until its GPU tests run
     ds_buffers: int = 2
+    # One CTA per SM taking (document, KV head, key block) items in backward_persistent_order (the
+    # grid's windowed blocks order without its empty CTAs), so the next item's K/V load once this
+    # item's last S^T, dP^T have read the stage and its Q/dO tiles queue behind this item's: the
+    # ~5.7 us of prologue and epilogue per CTA that the timeline measured (perf/NOTES.md, session 18)
+    # overlap the neighbouring items. More than PERSISTENT_MAX_DOCS documents: the grid build.
+    # Needs dq_tma_reduce, the early phase change with diagonal copies, not deterministic
+    persistent: bool = False
+    # persistent: "counter" (the next item from a global atomic counter, as the hardware queue would
+    # hand out CTAs) or "stride" (items c, c + grid, ...: no counter)
+    item_claim: str = "counter"
+    # persistent: the K/V stage released inside the item's last tile, once its S^T and dP^T are done
+    # (True), or after the tile (False: no release under a runtime branch in the hot loop)
+    release_in_last_tile: bool = True
     # Measurement only: each CTA writes (start, end) of %globaltimer_lo (ns), its SM and its query
     # tiles into the int32 buffer that the semaphores use otherwise, 4 words per CTA of the grid in
     # launch order (cta_timeline_words; perf/bwd_cta_timeline.py reads them). Not deterministic
@@ -254,10 +288,11 @@ class BwdDsBf16Config:
         if not isinstance(self.qhead_per_kvhead, int) or self.qhead_per_kvhead < 1:
             bad("qhead_per_kvhead", "must be an int >= 1")
         for name in ("diagonal_copy", "deterministic", "dq_store_swap", "transpose_v_under_s", "dq_first_store",
-                     "cta_timeline", "early_block_scales"):
+                     "cta_timeline", "persistent", "release_in_last_tile"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
-        for name in ("prefetch_sdp", "dq_tma_reduce", "exp_under_dp", "dk_under_dq_store", "phase_prefetch"):
+        for name in ("prefetch_sdp", "dq_tma_reduce", "exp_under_dp", "dk_under_dq_store", "phase_prefetch",
+                     "early_block_scales"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 bad(name, "must be None (auto) or a bool")
         if self.q_bf16_source not in (None, "convert", "tma"):
@@ -270,6 +305,8 @@ class BwdDsBf16Config:
             bad("head_window", f"must be one of {HEAD_WINDOWS}")
         if type(self.ds_buffers) is not int or self.ds_buffers not in (1, 2):
             bad("ds_buffers", "must be 1 or 2")
+        if self.item_claim not in ("counter", "stride"):
+            bad("item_claim", "must be 'counter' or 'stride'")
         if self.q_stages not in (1, 2, 3):
             bad("q_stages", "must be 1, 2 or 3")
         if self.vec_stages not in (1, 2, 3):
@@ -298,6 +335,9 @@ class BwdDsBf16Config:
             bad("phase_prefetch", "not with prefetch_sdp: its dummy S^T, dP^T after the phase's last tile reads sK, sV")
         if self.ds_buffers == 1 and not self.dq_tma_reduce:
             bad("ds_buffers", "1 needs dq_tma_reduce (its DQ_EMPTY barrier orders the dS tile's reuse)")
+        if self.early_block_scales is None:
+            object.__setattr__(self, "early_block_scales",
+                               self.diagonal_copy and not self.prefetch_sdp and not self.persistent)
         if self.early_block_scales and not self.diagonal_copy:
             bad("early_block_scales", "needs diagonal_copy (without copies there is no phase change)")
         if self.cta_timeline and (self.deterministic or self.dq_first_store):
@@ -312,6 +352,14 @@ class BwdDsBf16Config:
             object.__setattr__(self, "dk_under_dq_store", bool(self.dq_tma_reduce and not self.prefetch_sdp))
         if self.dk_under_dq_store and (not self.dq_tma_reduce or self.prefetch_sdp):
             bad("dk_under_dq_store", "needs dq_tma_reduce and no prefetch_sdp")
+        if self.persistent:
+            # the dQ warp's and the phase change's protocols are the ones carried across items
+            if not self.dq_tma_reduce or self.deterministic or self.dq_first_store or self.cta_timeline:
+                bad("persistent", "needs dq_tma_reduce, and not deterministic, dq_first_store nor cta_timeline")
+            if self.diagonal_copy and not self.phase_prefetch:
+                bad("persistent", "needs phase_prefetch with diagonal_copy (the stage released inside the tile)")
+            if self.prefetch_sdp:
+                bad("persistent", "not with prefetch_sdp (its dummy S^T, dP^T read the stage after the item)")
         if self.transpose_v_under_s and not self.exp_under_dp:
             bad("transpose_v_under_s", "needs exp_under_dp (S^T in its own commit group; not with prefetch_sdp)")
         if smem_bytes(self) > SMEM_LIMIT:
@@ -328,7 +376,9 @@ def smem_bytes(cfg: BwdDsBf16Config) -> int:
     vec = N_VEC * tq * 4 * cfg.vec_stages + KEY_BLOCK * 4  # + the phase's key scales
     bars = 8 * 2 * (1 + 2 * cfg.q_stages + cfg.vec_stages)
     dq = tq * D * 4 + 1024 if cfg.dq_tma_reduce else 0  # the fp32 dQ tile
-    return kv + per_stage * cfg.q_stages + ds + vec + bars + dq + 9 * 1024
+    # persistent: the key-block and V^T-column tables, their scan's warp totals, the item ring
+    tables = 2 * 4 * (PERSISTENT_MAX_DOCS + 1) + 32 + 8 * 4 * SCHED_STAGES + 16 if cfg.persistent else 0
+    return kv + per_stage * cfg.q_stages + ds + vec + bars + dq + tables + 9 * 1024
 
 
 def _pv_order_key(m, b: int):
@@ -571,6 +621,8 @@ class FlamiaBwdDsBf16Sm90:
             mSem = cute.make_tensor(sem_ptr, cute.make_layout((n_slots, H), stride=(1, n_slots)))
         if cutlass.const_expr(self.cfg.cta_timeline):
             mSem = cute.make_tensor(sem_ptr, cute.make_layout(4 * max_n_blocks * num_kv_heads * num_docs))
+        if cutlass.const_expr(self.cfg.persistent):  # the item counter (item_claim "counter")
+            mSem = cute.make_tensor(sem_ptr, cute.make_layout(1))
         mdK = cute.make_tensor(dk_ptr, ktd)
         mdV = cute.make_tensor(dv_ptr, ktd)
 
@@ -612,6 +664,7 @@ class FlamiaBwdDsBf16Sm90:
         self.b_bytes = tq * D + (2 * tq * D if self.qb_tma else 0)
 
         st, sv = self.stages, self.sv
+        n_tab = PERSISTENT_MAX_DOCS + 1 if self.cfg.persistent else 4
 
         @cute.struct
         class SharedStorage:
@@ -632,6 +685,12 @@ class FlamiaBwdDsBf16Sm90:
             sdS: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["dS"]) * self.cfg.ds_buffers // 2],
                                    1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout) if self.dq_tma else 4], 1024]
+            # persistent: the item ring and the tables of produce_items (a few words otherwise)
+            t_mbar: cute.struct.MemRange[cutlass.Int64, 2 * SCHED_STAGES]
+            sSched: cute.struct.Align[cute.struct.MemRange[Int32, 5 * SCHED_STAGES], 16]
+            sWarp: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]
+            sCum: cute.struct.Align[cute.struct.MemRange[Int32, n_tab], 16]
+            sDt: cute.struct.Align[cute.struct.MemRange[Int32, n_tab], 16]
 
         self.shared_storage = SharedStorage
         tmas = (tma_k, tK, tma_v, tV, tma_ktok, tKtok, tma_vtok, tVtok, tma_q, tQ, tma_do, tdO, tma_dot, tdOt, tma_dq,
@@ -640,7 +699,9 @@ class FlamiaBwdDsBf16Sm90:
             mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV, mSem,
             L["K"], L["Q"], L["dOt"], L["Qb"], L["Kb"], L["dS"], L["Vt"], softmax_scale,
         ).launch(
-            grid=backward_grid(self.cfg.raster, num_kv_heads, num_docs, max_n_blocks, self.cfg.head_window),
+            # persistent: max_n_blocks is the number of CTAs (flamia_bwd_dsbf16_sm90)
+            grid=[max_n_blocks, 1, 1] if self.cfg.persistent else
+            backward_grid(self.cfg.raster, num_kv_heads, num_docs, max_n_blocks, self.cfg.head_window),
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -675,6 +736,7 @@ class FlamiaBwdDsBf16Sm90:
         softmax_scale: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
+        layouts = (sK_layout, sQ_layout, sdOt_layout, sQb_layout, sKb_layout, sdS_layout, sVt_layout)
         cta_word = Int32(0)
         if cutlass.const_expr(self.cfg.cta_timeline):
             bx, by, bz = cute.arch.block_idx()
@@ -683,6 +745,58 @@ class FlamiaBwdDsBf16Sm90:
             if tidx == 0:
                 mSem[cta_word] = Int32(globaltimer_lo())
                 mSem[cta_word + 2] = Int32(sm_id())
+        if cutlass.const_expr(self.cfg.persistent):
+            self.kernel_persistent(mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK,
+                                   mdV, mSem, layouts, softmax_scale)
+        else:
+            self.kernel_grid(mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV,
+                             mSem, layouts, softmax_scale, cta_word)
+
+    @cute.jit
+    def shared_buffers(self, layouts, tmas):
+        """The CTA's shared memory: (storage, bufs, sVec, sdQ, sdQ_words, dq_plan, (pipe_kv, pipe_a, pipe_b,
+        pipe_v)), the barriers initialized (the caller fences and syncs)."""
+        sK_layout, sQ_layout, sdOt_layout, sQb_layout, sKb_layout, sdS_layout, sVt_layout = layouts
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        def buf(mem, layout):
+            return mem.get_tensor(layout.outer, swizzle=layout.inner)
+
+        bufs = (
+            buf(storage.sK, sK_layout), buf(storage.sV, sK_layout), buf(storage.sKb, sKb_layout),
+            buf(storage.sQ, sQ_layout), buf(storage.sdO, sQ_layout), buf(storage.sdOt, sdOt_layout),
+            buf(storage.sQb, sQb_layout), buf(storage.sdS, sdS_layout),
+            storage.sdS.get_tensor(cute.make_layout(cute.cosize(sdS_layout) // 2), dtype=Uint32),  # by hand
+            # 32-bit word views for the in-kernel e4m3 -> bf16 conversions of Q and K
+            storage.sQ.get_tensor(cute.make_layout(cute.cosize(sQ_layout) // 4), dtype=Uint32),
+            storage.sK.get_tensor(cute.make_layout(cute.cosize(sK_layout) // 4), dtype=Uint32),
+            storage.sQb.get_tensor(cute.make_layout(cute.cosize(sQb_layout) // 2), dtype=Uint32),
+            storage.sKb.get_tensor(cute.make_layout(cute.cosize(sKb_layout) // 2), dtype=Uint32),
+            self._conversion_plans(sQ_layout, sK_layout, sQb_layout, sKb_layout),
+            (sQ_layout, sK_layout, sQb_layout, sKb_layout),
+            storage.sKs.get_tensor(cute.make_layout(self.kb)),  # the phase's key scales (convert_k)
+            buf(storage.sV, sVt_layout),  # the TMA's view of sV: V^T slabs (transpose_v)
+            storage.sV.get_tensor(cute.make_layout(cute.cosize(sK_layout) // 4), dtype=Uint32),
+            sVt_layout,
+        )
+        sVec = storage.sVec.get_tensor(cute.make_layout((self.tq, N_VEC, self.sv)))
+        sdQ, sdQ_words, dq_plan = None, None, None
+        if cutlass.const_expr(self.dq_tma):
+            sdQ = buf(storage.sdQ, tmas[16])  # the TMA's view
+            sdQ_words = storage.sdQ.get_tensor(cute.make_layout(cute.cosize(tmas[16])))  # stored by hand
+            dq_plan = self._dq_store_plan(tmas[16])  # trace time, once per build
+        pipe_kv = tma_pipeline(1, self.kv_bytes, storage.kv_mbar.data_ptr())
+        pipe_a = tma_pipeline(self.stages, self.a_bytes, storage.a_mbar.data_ptr())
+        pipe_b = tma_pipeline(self.stages, self.b_bytes, storage.b_mbar.data_ptr())
+        pipe_v = warp_pipeline(self.sv, storage.v_mbar.data_ptr())
+        return storage, bufs, sVec, sdQ, sdQ_words, dq_plan, (pipe_kv, pipe_a, pipe_b, pipe_v)
+
+    @cute.jit
+    def kernel_grid(self, mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV,
+                    mSem, layouts, softmax_scale, cta_word):
+        """One CTA per (document, KV head, key block) of backward_grid."""
+        tidx, _, _ = cute.arch.thread_idx()
         kv_head, doc, n_blk = backward_work_item(self.cfg.raster, cute.arch.block_idx(), self.cfg.head_window)
         doc_start = mCu[doc]
         doc_len = mCu[doc + 1] - doc_start
@@ -692,48 +806,15 @@ class FlamiaBwdDsBf16Sm90:
         dt_start = document_dt_start(mCu, doc, 4)
 
         if n_blk * self.kb < doc_len:
-            n_q = (doc_len + self.tq - 1) // self.tq  # 64-query tiles of the document
-            n_diag = cutlass.min(n_q - 2 * n_blk, 2)
-            per = n_q - 2 * n_blk - 2  # off-diagonal tiles per head (may be <= 0)
-            smem = cutlass.memory.SmemAllocator()
-            storage = smem.allocate(self.shared_storage)
-
-            def buf(mem, layout):
-                return mem.get_tensor(layout.outer, swizzle=layout.inner)
-
-            bufs = (
-                buf(storage.sK, sK_layout), buf(storage.sV, sK_layout), buf(storage.sKb, sKb_layout),
-                buf(storage.sQ, sQ_layout), buf(storage.sdO, sQ_layout), buf(storage.sdOt, sdOt_layout),
-                buf(storage.sQb, sQb_layout), buf(storage.sdS, sdS_layout),
-                storage.sdS.get_tensor(cute.make_layout(cute.cosize(sdS_layout) // 2), dtype=Uint32),  # by hand
-                # 32-bit word views for the in-kernel e4m3 -> bf16 conversions of Q and K
-                storage.sQ.get_tensor(cute.make_layout(cute.cosize(sQ_layout) // 4), dtype=Uint32),
-                storage.sK.get_tensor(cute.make_layout(cute.cosize(sK_layout) // 4), dtype=Uint32),
-                storage.sQb.get_tensor(cute.make_layout(cute.cosize(sQb_layout) // 2), dtype=Uint32),
-                storage.sKb.get_tensor(cute.make_layout(cute.cosize(sKb_layout) // 2), dtype=Uint32),
-                self._conversion_plans(sQ_layout, sK_layout, sQb_layout, sKb_layout),
-                (sQ_layout, sK_layout, sQb_layout, sKb_layout),
-                storage.sKs.get_tensor(cute.make_layout(self.kb)),  # the phase's key scales (convert_k)
-                buf(storage.sV, sVt_layout),  # the TMA's view of sV: V^T slabs (transpose_v)
-                storage.sV.get_tensor(cute.make_layout(cute.cosize(sK_layout) // 4), dtype=Uint32),
-                sVt_layout,
-            )
-            sVec = storage.sVec.get_tensor(cute.make_layout((self.tq, N_VEC, self.sv)))
-            sdQ, sdQ_words, dq_plan = None, None, None
-            if cutlass.const_expr(self.dq_tma):
-                sdQ = buf(storage.sdQ, tmas[16])  # the TMA's view
-                sdQ_words = storage.sdQ.get_tensor(cute.make_layout(cute.cosize(tmas[16])))  # stored by hand
-                dq_plan = self._dq_store_plan(tmas[16])  # trace time, once per build
-            pipe_kv = tma_pipeline(1, self.kv_bytes, storage.kv_mbar.data_ptr())
-            pipe_a = tma_pipeline(self.stages, self.a_bytes, storage.a_mbar.data_ptr())
-            pipe_b = tma_pipeline(self.stages, self.b_bytes, storage.b_mbar.data_ptr())
-            pipe_v = warp_pipeline(self.sv, storage.v_mbar.data_ptr())
+            sched = self._item_sched(n_blk, doc_len)
+            n_diag, per = sched[1], sched[2]
+            _, bufs, sVec, sdQ, sdQ_words, dq_plan, pipes = self.shared_buffers(layouts, tmas)
+            pipe_kv, pipe_a, pipe_b, pipe_v = pipes
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
 
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             wg_idx = cute.arch.make_warp_uniform(tidx // 128)
-            sched = (n_blk, n_diag, per)
             if wg_idx == 0:
                 cute.arch.setmaxregister_decrease(self.regs_producer)
                 if warp_idx == 0:
@@ -758,6 +839,71 @@ class FlamiaBwdDsBf16Sm90:
                     if tidx == 128:  # the first consumer warpgroup's epilogue is done
                         mSem[cta_word + 1] = Int32(globaltimer_lo())
                         mSem[cta_word + 3] = self._tile_count(n_diag, per)
+
+    @cute.jit
+    def kernel_persistent(self, mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK,
+                          mdV, mSem, layouts, softmax_scale):
+        """One CTA per SM over the items the TMA warp takes (produce_items); every role keeps its
+        pipeline states from item to item."""
+        tidx, _, _ = cute.arch.thread_idx()
+        storage, bufs, sVec, sdQ, sdQ_words, dq_plan, pipes = self.shared_buffers(layouts, tmas)
+        pipe_kv, pipe_a, pipe_b, pipe_v = pipes
+        # the item hand-off from the TMA warp to the vector and dQ warps and the consumers
+        pipe_t = warp_pipeline(SCHED_STAGES, storage.t_mbar.data_ptr(), consumers=320)
+        sSched = storage.sSched.get_tensor(cute.make_layout((5, SCHED_STAGES)))
+        sCum = storage.sCum.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
+        sDt = storage.sDt.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if wg_idx == 0:
+            # each document's first key block (locate_key_block) and V^T column, by the producer warpgroup
+            sWarp = storage.sWarp.get_tensor(cute.make_layout((4, 2), stride=(2, 1)))
+            doc_chunk_cumsum(mCu, cute.size(mCu) - 1, sCum, sDt, sWarp, tidx, 128, SCAN_BARRIER, self.kb)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        heads = mdK.shape[2]
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.regs_producer)
+            if warp_idx == 0:
+                self.produce_items(tmas, bufs, pipe_kv, pipe_a, pipe_b, pipe_t, sSched, sCum, sDt, mCu, mSem, heads)
+            if warp_idx == 1:
+                def vectors_step(v_state, n_blk, kv_head, doc, doc_start, doc_len):
+                    return self.load_vectors(mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, kv_head, doc_start, doc_len,
+                                             self._item_sched(n_blk, doc_len), softmax_scale, v_state)
+
+                self.for_each_item(pipe_t, sSched, pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.sv), vectors_step)
+            if warp_idx == 2:
+                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)  # the buffer starts free
+
+                def dq_step(owed, n_blk, kv_head, doc, doc_start, doc_len):
+                    self.reduce_dq(tmas[14], tmas[15], sdQ, kv_head, doc_start, self._item_sched(n_blk, doc_len),
+                                   owed=owed)
+                    return Boolean(True)
+
+                self.for_each_item(pipe_t, sSched, Boolean(False), dq_step)
+                cute.arch.cp_async_bulk_wait_group(0)  # the last adds complete before the CTA retires
+        else:
+            cute.arch.setmaxregister_increase(self.regs_consumer)
+            wg = wg_idx - 1
+            frags, krow = self.consumer_fragments(mmas, bufs, wg)
+
+            count_tiles = self.stages != 2  # (two stages: the Q stage index is the dS buffer's parity)
+
+            def consume_step(state, n_blk, kv_head, doc, doc_start, doc_len):
+                states, tiles = state
+                sched = self._item_sched(n_blk, doc_len)
+                states = self.consume_item(
+                    frags, krow, bufs, sVec, pipes, states, mSK, mSV, mSKtok, mSVtok, mRef[kv_head, doc],
+                    (mdQ, mSem, doc, sdQ_words, dq_plan), mdK, mdV, kv_head, doc_start, doc_len, sched,
+                    softmax_scale, wg, tiles if count_tiles else None,
+                )
+                if cutlass.const_expr(count_tiles):
+                    tiles = tiles + self._tile_count(sched[1], sched[2])
+                return states, tiles
+
+            self.for_each_item(pipe_t, sSched, (self.consumer_states(), Int32(0)), consume_step)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -809,12 +955,20 @@ class FlamiaBwdDsBf16Sm90:
         b_state.advance()
         return a_state, b_state
 
+    def producer_states(self):
+        """The TMA warp's fresh producer states of the K/V and the two query-tile pipelines."""
+        return (
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
+        )
+
     @cute.jit
-    def load_tma(self, tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, doc_start, dt_start, sched):
+    def load_tma(self, tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, doc_start, dt_start, sched, states=None):
+        """Warp 0: one item's K/V and query tiles, both phases; returns the producer states after it
+        (states: the previous item's, persistent; else fresh)."""
         n_blk, n_diag, per = sched
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        a_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        b_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        kv_state, a_state, b_state = self.producer_states() if cutlass.const_expr(states is None) else states
         # phase 0: the diagonal tiles of every head (per-token K/V when diag_copy)
         if cutlass.const_expr(self.diag_copy):
             kv_state = self._load_kv(tmas[4:8], bufs, pipe_kv, kv_state, kv_head, doc_start, dt_start, n_blk)
@@ -832,6 +986,50 @@ class FlamiaBwdDsBf16Sm90:
                 a_state, b_state = self._load_q(tmas, bufs, pipe_a, pipe_b, a_state, b_state,
                                                 kv_head * self.group + j // per, 2 * n_blk + 2 + j % per,
                                                 doc_start, dt_start)
+        return kv_state, a_state, b_state
+
+    @cute.jit
+    def produce_items(self, tmas, bufs, pipe_kv, pipe_a, pipe_b, pipe_t, sSched, sCum, sDt, mCu, mSem, heads):
+        """Persistent TMA warp: take items (the first by CTA index, then from the global counter
+        mSem[0], which the host zeroes per call, or every grid-th with item_claim="stride") in
+        locate_key_block's order, publish each (key block, KV head, document, its start and length)
+        to the vector, dQ and consumer warps, issue its loads; an end mark (block -1) after the last."""
+        num_docs = cute.size(mCu) - 1
+        total = heads * sCum[num_docs]
+        t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
+        states = self.producer_states()
+        bidx, _, _ = cute.arch.block_idx()
+        t = Int32(bidx)
+        while t < total:
+            doc, kv_head, n_blk = locate_key_block(t, sCum, num_docs, heads, self.cfg.head_window)
+            doc_start = mCu[doc]
+            doc_len = mCu[doc + 1] - doc_start
+            t_state = publish_tile(pipe_t, sSched, t_state, n_blk, kv_head, doc, (doc_start, doc_len))
+            states = self.load_tma(tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, doc_start, sDt[doc],
+                                   self._item_sched(n_blk, doc_len), states)
+            if cutlass.const_expr(self.cfg.item_claim == "stride"):
+                t = t + cute.arch.grid_dim()[0]
+            else:
+                t = claim_next_tile(mSem)
+        publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0), (Int32(0), Int32(0)))
+
+    @cute.jit
+    def for_each_item(self, pipe_t, sSched, state, step):
+        """A persistent role's loop over the items the TMA warp publishes, until its end mark: state =
+        step(state, n_blk, kv_head, doc, doc_start, doc_len) per item (inlined while tracing)."""
+        t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
+        n_blk, kv_head, doc, doc_start, doc_len, t_state = read_tile(pipe_t, sSched, t_state, True)
+        while n_blk >= 0:
+            state = step(state, n_blk, kv_head, doc, doc_start, doc_len)
+            n_blk, kv_head, doc, doc_start, doc_len, t_state = read_tile(pipe_t, sSched, t_state, True)
+        return state
+
+    @cute.jit
+    def _item_sched(self, n_blk, doc_len):
+        """(key block, its diagonal 64-query tiles per head, its off-diagonal ones per head: may be
+        <= 0) of an item of a document of doc_len tokens."""
+        n_q = (doc_len + self.tq - 1) // self.tq  # 64-query tiles of the document
+        return n_blk, cutlass.min(n_q - 2 * n_blk, 2), n_q - 2 * n_blk - 2
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -856,7 +1054,7 @@ class FlamiaBwdDsBf16Sm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def reduce_dq(self, atom, t_dq, sdQ, kv_head, doc_start, sched, first_store=None):
+    def reduce_dq(self, atom, t_dq, sdQ, kv_head, doc_start, sched, first_store=None, owed=None):
         """Producer warp 2 (dq_tma_reduce): per tile, wait until both consumer warpgroups stored the
         tile's dQ (named barrier DQ_FULL), add it to the fp32 accumulator with one TMA reduce-add, and
         hand the buffer back once the TMA has read it (DQ_EMPTY). Rows past the document end are 0
@@ -867,10 +1065,17 @@ class FlamiaBwdDsBf16Sm90:
         it with a plain TMA store; a tile reaching past the document end would overwrite the next
         document's rows that way, so there the first CTA zeroes its own document's rows and reduce-adds
         (adding 0 to the other rows commutes with whatever their own first CTA does). Either way it then
-        raises DQ_STORED, and every later CTA reduce-adds only once it sees that flag."""
+        raises DQ_STORED, and every later CTA reduce-adds only once it sees that flag.
+
+        owed (persistent, a runtime flag: not the CTA's first item): the previous item's last tile owes
+        the DQ_EMPTY arrive that the grid build leaves out after a CTA's last tile; it is made before
+        this item's first tile, so no arrive is left over when the CTA ends."""
         n_blk, n_diag, per = sched
         total = self._tile_count(n_diag, per)
-        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)  # the buffer starts free
+        if cutlass.const_expr(owed is None):
+            cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)  # the buffer starts free
+        elif owed:
+            cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)  # the last item's last add read it
         if cutlass.const_expr(first_store is not None):
             self._reduce_dq_first_store(atom, t_dq, sdQ, kv_head, doc_start, sched, total, *first_store)
         else:
@@ -885,7 +1090,8 @@ class FlamiaBwdDsBf16Sm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 if i + 1 < total:
                     cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)
-        cute.arch.cp_async_bulk_wait_group(0)  # the last adds complete before the CTA retires
+        if cutlass.const_expr(owed is None):  # (persistent: once, after the CTA's last item)
+            cute.arch.cp_async_bulk_wait_group(0)  # the last adds complete before the CTA retires
 
     @cute.jit
     def _claim_dq_tile(self, mSem, kv_head, doc_start, doc, sched, i):
@@ -982,11 +1188,13 @@ class FlamiaBwdDsBf16Sm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def load_vectors(self, mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, kv_head, doc_start, doc_len, sched,
-                     softmax_scale):
-        """Warp 1: per query tile, the five per-query vectors (store_query_vectors)."""
+                     softmax_scale, v_state=None):
+        """Warp 1: per query tile of an item, the five per-query vectors (store_query_vectors); returns
+        the state after it (v_state: the previous item's, persistent; else fresh)."""
         n_blk, n_diag, per = sched
         lane = cute.arch.lane_idx()
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sv)
+        if cutlass.const_expr(v_state is None):
+            v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sv)
         scale_log2 = softmax_scale * Float32(LOG2E)
         total = self._tile_count(n_diag, per)
         for i in cutlass.range(total, unroll=1):
@@ -1000,6 +1208,7 @@ class FlamiaBwdDsBf16Sm90:
                                     scale_log2)
             pipe_v.producer_commit(v_state)
             v_state.advance()
+        return v_state
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -1007,10 +1216,28 @@ class FlamiaBwdDsBf16Sm90:
         self, mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok, dv_ref, dq_out, mdK,
         mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg,
     ):
-        n_blk, n_diag, per = sched
-        D, wm, tq, kb = self.D, self.wm, self.tq, self.kb
+        """The consumer warpgroups of the grid build: the CTA's one item."""
+        frags, krow = self.consumer_fragments(mmas, bufs, wg)
+        self.consume_item(
+            frags, krow, bufs, sVec, (pipe_kv, pipe_a, pipe_b, pipe_v), self.consumer_states(), mSK, mSV, mSKtok,
+            mSVtok, dv_ref, dq_out, mdK, mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg,
+        )
+
+    def consumer_states(self):
+        """Fresh consumer states of the K/V, Q/dO, dO^T and vector pipelines."""
+        return (
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages),
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages),
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sv),
+        )
+
+    @cute.jit
+    def consumer_fragments(self, mmas, bufs, wg):
+        """The consumer warpgroup's MMA fragments and accumulators (tile_step's frags), and its two
+        key rows in the 128-key block (krow): the same for every item."""
+        D, wm, tq = self.D, self.wm, self.tq
         sK, sV, sKb, sQ, sdO, sdOt, sQb, sdS = bufs[:8]
-        sKs = bufs[15]
         tidx, _, _ = cute.arch.thread_idx()
         ctid = tidx % 128
         sd_mma, dv_mma, dk_mma, dq_mma = mmas
@@ -1043,18 +1270,37 @@ class FlamiaBwdDsBf16Sm90:
         for v1 in cutlass.range_constexpr(2):
             krow[v1] = wg * wm + tScS[2 * v1][0]
             dsk[v1], dsk[2 + v1] = ds_key_parts(krow[v1], cute.arch.lane_idx() % 4)
+        frags = (tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQb, tQrdS, tQrKb, acc_s, acc_dp, acc_dv, acc_dk, acc_dq,
+                 tVrP, tVrP32, tKrdS, tKrdS32, tScS, tScQ, dsk)
+        return frags, krow
+
+    @cute.jit
+    def consume_item(
+        self, frags, krow, bufs, sVec, pipes, states, mSK, mSV, mSKtok, mSVtok, dv_ref, dq_out, mdK, mdV, kv_head,
+        doc_start, doc_len, sched, softmax_scale, wg, tile_base=None,
+    ):
+        """One item (key block n_blk of KV head kv_head in the document): both phases' tiles, then dK and
+        dV to global memory; returns the pipeline states after it. tile_base (persistent, not two query
+        stages): the tiles the CTA ran before, so the dS buffers keep alternating across items.
+        Persistent: the K/V stage is released inside the item's last tile as well (the next item's
+        copies load under it)."""
+        n_blk, n_diag, per = sched
+        kb = self.kb
+        pipe_kv, pipe_a, pipe_b, pipe_v = pipes
+        kv_state, a_state, b_state, v_state = states
+        D = self.D
+        sKs = bufs[15]
+        persistent = self.cfg.persistent
+        in_tile = self.cfg.release_in_last_tile
+        acc_dv, acc_dk = frags[10], frags[11]
+        # (0: the grid build's SASS as it was, and with two query stages, whose index is the parity)
+        base = tile_base if cutlass.const_expr(tile_base is not None) else 0
         acc_dv.fill(0.0)
         acc_dk.fill(0.0)
         # the dV fold: P^T * sdo * (256 / r), one r per (KV head, document) (a power of two)
         r = cute.arch.fmax(dv_ref, Float32(FOLD_REF_MIN))
         cf = Float32(P_SCALE) / r
 
-        frags = (tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQb, tQrdS, tQrKb, acc_s, acc_dp, acc_dv, acc_dk, acc_dq,
-                 tVrP, tVrP32, tKrdS, tKrdS32, tScS, tScQ, dsk)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        a_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        b_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sv)
         rsc = cute.make_rmem_tensor(cute.make_layout(4), Float32)  # sk(row 0), sk(row 1), sv(row 0), sv(row 1)
         lim = doc_len - n_blk * kb  # keys >= lim lie past the document end
         load_row_scales(rsc, krow, mSKtok if self.diag_copy else mSK, mSVtok if self.diag_copy else mSV, kv_head,
@@ -1078,11 +1324,14 @@ class FlamiaBwdDsBf16Sm90:
         # done, so the block-scaled K/V load while that tile finishes (phase_prefetch)
         early_kv = self.diag_copy and self.cfg.phase_prefetch
         for i in cutlass.range(self.group * n_diag, unroll=1):
+            # the stage's last reader: the last diagonal tile, or (persistent, one stage for the whole
+            # item) the item's last tile
+            last_diag = i + 1 == (self.group * n_diag if early_kv else self._tile_count(n_diag, per))
             a_state, b_state, v_state = self.tile_step(
-                True, i, i + 1 < self.group * n_diag, kv_head * self.group + i // n_diag, 2 * n_blk + i % n_diag,
-                frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out,
-                doc_start, doc_len, lim, n_blk, softmax_scale, wg, i == 0 if late_v else None,
-                (pipe_kv, kv_state, i + 1 == self.group * n_diag) if early_kv else None,
+                True, i + base, i + 1 < self.group * n_diag, kv_head * self.group + i // n_diag,
+                2 * n_blk + i % n_diag, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state,
+                v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg, i == 0 if late_v else None,
+                (pipe_kv, kv_state, last_diag) if early_kv or (persistent and in_tile) else None,
             )
         if cutlass.const_expr(self.prefetch and self.dq_tma):
             warpgroup.wait_group(0)  # the dummy S^T, dP^T issued after the phase's last tile
@@ -1111,11 +1360,20 @@ class FlamiaBwdDsBf16Sm90:
                 self.issue_sdp(frags, pipe_a, a_state, wg)
             for j in cutlass.range(self.group * per, unroll=1):
                 a_state, b_state, v_state = self.tile_step(
-                    False, self.group * n_diag + j, j + 1 < self.group * per, kv_head * self.group + j // per,
+                    False, self.group * n_diag + j + base, j + 1 < self.group * per, kv_head * self.group + j // per,
                     2 * n_blk + 2 + j % per, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state,
                     b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg,
                     j == 0 if late_v and self.diag_copy else None,  # without copies V stays from phase 0
+                    (pipe_kv, kv_state, j + 1 == self.group * per) if persistent and in_tile else None,
                 )
+            if cutlass.const_expr(persistent and self.diag_copy):
+                if cutlass.const_expr(not in_tile):
+                    pipe_kv.consumer_release(kv_state)
+                kv_state.advance()  # the block-scaled copies' stage
+        if cutlass.const_expr(persistent and not self.diag_copy):
+            if cutlass.const_expr(not in_tile):
+                pipe_kv.consumer_release(kv_state)
+            kv_state.advance()  # the item's one stage
 
         if cutlass.const_expr(self.prefetch and self.dq_tma):
             warpgroup.wait_group(0)  # the dummy after phase 1's last tile
@@ -1125,6 +1383,7 @@ class FlamiaBwdDsBf16Sm90:
                             doc_start, doc_len, kv_head, D, cute.size(acc_dv))
         store_key_rows_bf16(mdK, lambda i0: (acc_dk[i0] * softmax_scale, acc_dk[i0 + 1] * softmax_scale), krow,
                             n_blk * kb, doc_start, doc_len, kv_head, D, cute.size(acc_dk))
+        return kv_state, a_state, b_state, v_state
 
     # ------------------------------------------------------------------------------------------
     def _conversion_plans(self, sQ_layout, sK_layout, sQb_layout, sKb_layout):
@@ -1315,6 +1574,8 @@ class FlamiaBwdDsBf16Sm90:
         # ---- P^T = exp2(S^T sk sq scale log2e - lse log2e) into acc_s (masked on the diagonal tiles);
         # column-outer: each query's vectors loaded once. With exp_under_dp, while dP^T still runs
         dbuf = i % 2
+        if cutlass.const_expr(self.cfg.persistent and self.stages == 2):
+            dbuf = a_state.index  # the CTA's tile count mod 2, in no extra register across items
         ds_buf = dbuf if cutlass.const_expr(self.cfg.ds_buffers == 2) else 0
         pipe_v.consumer_wait(v_state)
         vs = v_state.index
@@ -1538,6 +1799,8 @@ def flamia_bwd_dsbf16_sm90(
         if config.diagonal_copy:
             raise ValueError("config.diagonal_copy needs k_tok_td, sk_tok, v_tok_dt, sv_tok")
         k_tok_td, sk_tok, v_tok_dt, sv_tok = k_td, sk, v_dt, sv
+    if config.persistent and cu_seqlens.numel() - 1 > PERSISTENT_MAX_DOCS:
+        config = dataclasses.replace(config, persistent=False)  # the tables would not fit in shared memory
     dev = q_td.device
     cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
     num_docs = cu.numel() - 1
@@ -1584,6 +1847,10 @@ def flamia_bwd_dsbf16_sm90(
         # deterministic dQ: one turn counter per (query head, document, 64-query tile); dq_first_store:
         # one claim word per (query head, dq_claim_slot)
         sem = None
+        grid_arg = max_n_blocks
+        if config.persistent:  # one CTA per SM (at most one per item); the item counter starts at 0
+            grid_arg = min(sm_count(dev), Hk * min(max_chunks(T, num_docs, KEY_BLOCK), num_docs * max_n_blocks))
+            sem = torch.zeros(1, dtype=torch.int32, device=dev)
         if config.deterministic:
             sem = torch.zeros(H * num_docs * 2 * max_n_blocks, dtype=torch.int32, device=dev)
         elif config.dq_first_store:
@@ -1597,7 +1864,7 @@ def flamia_bwd_dsbf16_sm90(
             sem.zero_()
         launch_on_device(get_launcher(config), dev, *(t.data_ptr() for t in ptrs),
                          sem.data_ptr() if sem is not None else 0,
-                         T, T_dt, Hk, num_docs, max_n_blocks, float(softmax_scale))
+                         T, T_dt, Hk, num_docs, grid_arg, float(softmax_scale))
     dq = dq_acc.to(torch.bfloat16)  # softmax_scale is already applied
     return dq, dk, dv
 

@@ -570,6 +570,25 @@ def locate_tile(t, sCum: cute.Tensor, num_docs, heads, sHeavy=None):
 
 
 @cute.jit
+def locate_key_block(t, sCum: cute.Tensor, num_docs, heads, window: cutlass.Constexpr = 1):
+    """Item t of the persistent backward's order -> (document, KV head, key block): documents in
+    order, in each the heads in windows of `window`, a window's key blocks first to last (the most
+    query tiles first) with its heads fastest. sCum: doc_chunk_cumsum's table over key blocks
+    (schedules.varlen_tiles.locate_key_block_model is the same arithmetic)."""
+    doc = last_doc_at_or_before(t, lambda i: sCum[i], num_docs, heads)
+    nblk = sCum[doc + 1] - sCum[doc]
+    local = t - heads * sCum[doc]
+    head = local // nblk
+    block = local - head * nblk
+    if cutlass.const_expr(window > 1):
+        win = local // (window * nblk)
+        r = local - win * (window * nblk)
+        head = win * window + r % window
+        block = r // window
+    return doc, head, block
+
+
+@cute.jit
 def publish_tile(pipe_t, sSched, t_state, m_block, head, doc, bounds=None):
     """Persistent kernels' TMA warp: hand the next tile (m_block -1: no more) to the other roles,
     with bounds = (document start, length) when given (rows 3 and 4: the readers then load nothing

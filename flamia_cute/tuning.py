@@ -160,7 +160,8 @@ def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool, num_kv_head
 
     def effective(cfg):  # the config resolves its automatic fields
         return (cfg.q_stages, cfg.vec_stages, cfg.dq_tma_reduce, cfg.prefetch_sdp, cfg.exp_under_dp, cfg.raster,
-                cfg.q_bf16_source, cfg.dk_under_dq_store, cfg.head_window, cfg.phase_prefetch)
+                cfg.q_bf16_source, cfg.dk_under_dq_store, cfg.head_window, cfg.phase_prefetch, cfg.persistent,
+                cfg.early_block_scales)
 
     default = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
     keep, pruned, seen = [(default, "default")], [], {effective(default)}
@@ -198,6 +199,12 @@ def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool, num_kv_head
     keep.append((dataclasses.replace(default, q_bf16_source=other), "variant"))
     if default.dk_under_dq_store:  # dK and dQ waited for together
         keep.append((dataclasses.replace(default, dk_under_dq_store=False), "variant"))
+    if default.early_block_scales:  # phase 1's block scales loaded at the phase change
+        keep.append((dataclasses.replace(default, early_block_scales=False), "variant"))
+    if default.dq_tma_reduce and not default.prefetch_sdp and (default.phase_prefetch or not diagonal_copy):
+        # the persistent build (items from the counter; the stride claim measured 1.4-1.6x slower, s19b;
+        # without the early block scales, which spill there)
+        keep.append((dataclasses.replace(default, persistent=True, early_block_scales=False), "variant"))
     return keep, pruned
 
 
@@ -227,7 +234,10 @@ def workload_space(kernel: str, keep: list, heads_kv: int, max_seqlen: int) -> l
         return keep
     from .attention_bwd_dsbf16_sm90 import auto_head_window
 
-    default = dataclasses.replace(keep[0][0], head_window=auto_head_window(heads_kv, max_seqlen))
+    window = auto_head_window(heads_kv, max_seqlen)
+    default = dataclasses.replace(keep[0][0], head_window=window)
+    # the persistent build takes items in the same windowed order
+    keep = [(dataclasses.replace(c, head_window=window) if c.persistent else c, why) for c, why in keep]
     return [(default, "default")] + [(c, "variant" if why == "default" else why) for c, why in keep if c != default]
 
 
@@ -240,7 +250,8 @@ def config_fields(kernel: str, cfg) -> dict:
                      "tile_order", "q_stages"),
              "bwd": ("q_stages", "qt_stages", "vec_stages", "raster"),
              "bwd_dsbf16": ("q_stages", "vec_stages", "dq_tma_reduce", "prefetch_sdp", "exp_under_dp", "raster",
-                            "q_bf16_source", "dk_under_dq_store", "head_window", "phase_prefetch")}
+                            "q_bf16_source", "dk_under_dq_store", "head_window", "phase_prefetch", "persistent",
+                            "early_block_scales")}
     return {n: getattr(cfg, n) for n in names[kernel]}
 
 

@@ -11,7 +11,12 @@ import statistics
 import torch
 
 from flamia_cute import flamia_attn_varlen_func
-from flamia_cute.attention_bwd_dsbf16_sm90 import BwdDsBf16Config, dv_fold_reference, flamia_bwd_dsbf16_sm90_from_saved
+from flamia_cute.attention_bwd_dsbf16_sm90 import (
+    BwdDsBf16Config,
+    auto_head_window,
+    dv_fold_reference,
+    flamia_bwd_dsbf16_sm90_from_saved,
+)
 from flamia_cute.attention_bwd_sm90 import BwdConfig, flamia_bwd_sm90_from_saved, preprocess_bwd
 from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case
@@ -235,6 +240,7 @@ def measure_fwd_variants(case, qq, kq, kt, vq, vt, row, flops):
 def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
     dout, out, lse, delta, doq, dv_ref = backward_inputs(case, qq, kq, kt, vq, vt)
     q_bf16 = e4m3_codes_to_bf16(qq.data_td, qq.scale)  # what the host wrapper makes for q_bf16_source="tma"
+    auto = auto_head_window(kq.data_td.shape[1], case.max_len)
     variants = (("default", BwdDsBf16Config(128, diagonal_copy=True)),
                 ("dK with dQ", BwdDsBf16Config(128, diagonal_copy=True, dk_under_dq_store=False)),
                 ("Q bf16 converted", BwdDsBf16Config(128, diagonal_copy=True, q_bf16_source="convert")),
@@ -251,7 +257,8 @@ def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
                 ("dQ first store", BwdDsBf16Config(128, diagonal_copy=True, dq_first_store=True)),
                 # the phase change as before session 18: the per-token K/V released after the last
                 # diagonal tile, the block scales loaded then
-                ("late phase change", BwdDsBf16Config(128, diagonal_copy=True, phase_prefetch=False)),
+                ("late phase change", BwdDsBf16Config(128, diagonal_copy=True, phase_prefetch=False,
+                                                       early_block_scales=False)),
                 # and phase 1's block scales loaded at the CTA's start (built in session 18, not yet run)
                 ("early block scales", BwdDsBf16Config(128, diagonal_copy=True, early_block_scales=True)),
                 # one dS tile (-16 KB; built in session 18, not yet run)
@@ -259,7 +266,20 @@ def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
                 # one Q/dO stage (-40 KB of shared memory: the room a second K/V stage would need)
                 ("1 query stage", BwdDsBf16Config(128, diagonal_copy=True, q_stages=1)),
                 # the blocks order in windows of w heads (session 18: the CTA queue's tail)
-                *((f"window {w}", BwdDsBf16Config(128, diagonal_copy=True, head_window=w)) for w in (2, 4, 8, 16)))
+                *((f"window {w}", BwdDsBf16Config(128, diagonal_copy=True, head_window=w)) for w in (2, 4, 8, 16)),
+                # the untuned call's config (its window by document length), and the persistent build on
+                # the same order (session 19): items from the counter, or every grid-th item
+                ("auto window", BwdDsBf16Config(128, diagonal_copy=True, head_window=auto)),
+                ("auto window early scales", BwdDsBf16Config(128, diagonal_copy=True, head_window=auto,
+                                                             early_block_scales=True)),
+                ("persistent", BwdDsBf16Config(128, diagonal_copy=True, head_window=auto, persistent=True)),
+                ("persistent stride", BwdDsBf16Config(128, diagonal_copy=True, head_window=auto, persistent=True,
+                                                      item_claim="stride")),
+                ("persistent window 1", BwdDsBf16Config(128, diagonal_copy=True, persistent=True)),
+                ("persistent end release", BwdDsBf16Config(128, diagonal_copy=True, head_window=auto, persistent=True,
+                                                           release_in_last_tile=False)),
+                ("auto window late scales", BwdDsBf16Config(128, diagonal_copy=True, head_window=auto,
+                                                            early_block_scales=False)))
 
     def run(cfg):
         return flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,

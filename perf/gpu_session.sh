@@ -180,6 +180,13 @@ for stage in "$@"; do
       run ds_early_scales_rounds 300 env OUT="$OUT" BREAKDOWN_ONLY=ds BREAKDOWN_ROUNDS=3 \
         BREAKDOWN_DS_VARIANTS="default,early block scales,late phase change,one dS buffer" \
         BREAKDOWN_WORKLOADS="16x1k,4x4k,longtail32k,1x16k" python3 perf/bench_fwd_breakdown.py ;;
+    ds-persistent)  # session 19: the persistent bf16-dS backward (BwdDsBf16Config.persistent): its GPU tests, then
+      # both item claims against the untuned call's grid build (its window by document length) in rotated rounds
+      run ds_persistent_tests 330 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py \
+        -k "${DS_TESTS_K:-persistent}"
+      run ds_persistent_rounds 400 env OUT="$OUT" BREAKDOWN_ONLY=ds BREAKDOWN_ROUNDS=3 \
+        BREAKDOWN_DS_VARIANTS="${ROUND_VARIANTS:-auto window,persistent,persistent stride,auto window early scales}" \
+        BREAKDOWN_WORKLOADS="${ROUND_WORKLOADS:-16x1k,4x4k,longtail32k,mixed16k,1x16k}" python3 perf/bench_fwd_breakdown.py ;;
     ds-phase)  # session 18: the early phase change (BwdDsBf16Config.phase_prefetch, default) and the auto head
       # window: the whole bf16-dS GPU suite, the CTA timeline, then rotated rounds against the late phase
       # change and the plain order (kernel alone; "default" there is window 1)

@@ -62,7 +62,8 @@ RECIPES = {
                                           ("raster", "rows"), ("dq_store_swap", 1), ("q_bf16_source", "gmem"),
                                           ("dk_under_dq_store", 1), ("preload_vectors", 17),
                                           ("transpose_v_under_s", 1), ("dq_first_store", 1), ("early_block_scales", 1),
-                                          ("head_window", 3), ("cta_timeline", 1), ("ds_buffers", 3)])
+                                          ("head_window", 3), ("cta_timeline", 1), ("ds_buffers", 3),
+                                          ("persistent", 1), ("item_claim", "queue"), ("release_in_last_tile", 1)])
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"BwdDsBf16Config.{field}"):
         BwdDsBf16Config(**{"head_dim": 128, field: value})
@@ -513,8 +514,9 @@ def test_dv_fold_reference_is_the_emulators():
 # config fields of the kernel's build variants that the compile tests cover besides the default
 VARIANTS = {"": {}, "q-convert": dict(q_bf16_source="convert"), "dk-with-dq": dict(dk_under_dq_store=False),
             "transpose-under-s": dict(transpose_v_under_s=True), "first-store": dict(dq_first_store=True),
-            "late-phase": dict(phase_prefetch=False), "early-scales": dict(early_block_scales=True),
-            "one-ds-buffer": dict(ds_buffers=1)}
+            "late-phase": dict(phase_prefetch=False, early_block_scales=False), "early-scales": dict(early_block_scales=True),
+            "one-ds-buffer": dict(ds_buffers=1), "persistent": dict(persistent=True),
+            "persistent-stride": dict(persistent=True, item_claim="stride", head_window=2)}
 
 
 @pytest.fixture(scope="module")
@@ -641,6 +643,46 @@ def test_one_ds_buffer_saves_its_tile(artifacts):
     wgmma = r"wgmma\.mma_async\.sync\.aligned\.\S+"
     assert Counter(re.findall(wgmma, art.ptx)) == Counter(re.findall(wgmma, ref.ptx))
     assert "STL" not in art.sass and art.frame_bytes in (None, 0)
+
+
+@needs_dsl
+@pytest.mark.parametrize("fields", [dict(deterministic=True), dict(dq_tma_reduce=False), dict(prefetch_sdp=True),
+                                    dict(phase_prefetch=False), dict(dq_first_store=True), dict(cta_timeline=True)])
+def test_persistent_config_rejects(fields):
+    """The persistent build carries the TMA dQ path's and the early phase change's protocols across
+    items; the modes it does not carry are refused by name."""
+    with pytest.raises(ValueError, match="BwdDsBf16Config.persistent"):
+        BwdDsBf16Config(head_dim=128, diagonal_copy=True, persistent=True, **fields)
+
+
+@needs_dsl
+@pytest.mark.parametrize("variant", ["persistent", "persistent-stride"])
+def test_persistent_build_keeps_the_grid_builds_tile(artifacts, variant):
+    """persistent=True (opt-in): the grid build's MMAs, phase changes and dQ reduce-adds inside an item
+    loop; items from the counter (one relaxed atomic by the TMA warp) or by stride (no atomic); the
+    ring's collectives by whole warps; shared memory within the limit. ptxas keeps 8 bytes of the
+    loop's per-item state in local memory at d128 (stored once per item, outside the tile loop)."""
+    from flamia_cute.attention_bwd_dsbf16_sm90 import SMEM_LIMIT
+
+    art, grid = artifacts(128, True, variant=variant), artifacts(128, True)
+    wgmma = r"wgmma\.mma_async\.sync\.aligned\.\S+"
+    assert Counter(re.findall(wgmma, art.ptx)) == Counter(re.findall(wgmma, grid.ptx))
+    for pat in (r"bar\.sync\s+2,", r"cp\.reduce\.async\.bulk\.tensor", r"cvt\.rn\.bf16x2"):
+        assert len(re.findall(pat, art.ptx)) == len(re.findall(pat, grid.ptx)), pat
+    atomics = len(re.findall(r"atom\.\S*add", art.ptx))
+    assert atomics == (1 if variant == "persistent" else 0)
+    assert lane_divergent_collectives(art.ptx) == []
+    assert smem_bytes(BwdDsBf16Config(head_dim=128, diagonal_copy=True, **VARIANTS[variant])) <= SMEM_LIMIT
+    assert art.frame_bytes in (None, 0, 8, 16)
+    if art.sass is not None:
+        assert len(re.findall(r"\bWARPGROUP\.ARRIVE\b", art.sass)) <= 8
+        assert len(re.findall(r"\bLDL\b", art.sass)) <= 8  # refills per item, not per tile
+    # d64 (without its S^T/dP^T prefetch, which the persistent build refuses) and the per-token build: no spills
+    for kw in (dict(head_dim=64, diagonal_copy=True, prefetch_sdp=False), dict(head_dim=128, diagonal_copy=False)):
+        other = kernel_artifacts(BwdDsBf16Config(persistent=True, **kw), "sm_90a")
+        assert other.frame_bytes in (None, 0), kw
+        if other.sass is not None:
+            assert not re.search(r"\b(STL|LDL)\b", other.sass), kw
 
 
 @needs_dsl
@@ -846,6 +888,55 @@ def test_gpu_one_ds_buffer_matches_default(D, H, Hk):
 @pytest.mark.gpu
 @needs_dsl
 @_needs_sm90()
+@pytest.mark.parametrize("D, H, Hk, claim, window", [(128, 4, 2, "counter", 1), (128, 4, 2, "stride", 2),
+                                                     (128, 8, 8, "counter", 8), (64, 2, 2, "counter", 1)])
+def test_gpu_persistent_matches_grid_build(D, H, Hk, claim, window):
+    """persistent=True: every item once, with the grid build's work: the emulator's gradients, dK and dV
+    bitwise the grid build's (one item's register sum each), dQ within reassociation. An item skipped,
+    repeated or given another item's K/V (the stage released too early, the next item's copies landing
+    under this one's S^T) moves dK/dV of whole key blocks and fails."""
+    st = _setup(LENGTHS + [3000], H, Hk, D, RECIPES["fp8_tokenblock_dsbf16"], seed=17, device="cuda")
+    fields = dict(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=True, head_window=window,
+                  prefetch_sdp=False if D == 64 else None)
+    grid = _run(st, config=BwdDsBf16Config(**fields))
+    _assert_same_gradients(st, _run(st, config=BwdDsBf16Config(**fields, persistent=True, item_claim=claim)), grid)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("claim", ["counter", "stride"])
+def test_gpu_persistent_many_items_per_cta(claim):
+    """Hundreds of short documents and one long one, 8 KV heads: ~20 items per CTA, so the ring, the
+    K/V stage's early release, the DQ_EMPTY arrive owed across items and the dS buffers' parity all
+    turn over many times; the per-token build (diagonal_copy=False: one K/V stage per item) as well."""
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(1, 400, (300,), generator=g).tolist() + [2500]
+    for dc in (True, False):
+        recipe = RECIPES["fp8_tokenblock_dsbf16" if dc else "fp8_token_dsbf16"]
+        st = _setup(lengths, 8, 8, 128, recipe, seed=18, device="cuda")
+        grid = _run(st, config=BwdDsBf16Config(head_dim=128, diagonal_copy=dc))
+        res = _run(st, config=BwdDsBf16Config(head_dim=128, diagonal_copy=dc, persistent=True, item_claim=claim))
+        _assert_same_gradients(st, res, grid)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+def test_gpu_persistent_beyond_the_document_table():
+    """More documents than the persistent tables hold: the grid build runs instead, same gradients."""
+    from flamia_cute.attention_bwd_dsbf16_sm90 import PERSISTENT_MAX_DOCS
+
+    lengths = [3, 70, 1] * (PERSISTENT_MAX_DOCS // 3 + 2)
+    st = _setup(lengths, 2, 2, 128, RECIPES["fp8_tokenblock_dsbf16"], seed=19, device="cuda")
+    grid = _run(st, config=BwdDsBf16Config(head_dim=128, diagonal_copy=True))
+    _assert_same_gradients(st, _run(st, config=BwdDsBf16Config(head_dim=128, diagonal_copy=True, persistent=True)),
+                           grid)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
 def test_gpu_cta_timeline_records_every_cta():
     """cta_timeline (measurement): one record per CTA of the grid, in launch order; the CTAs with work
     hold their query-tile count (tile_schedule's), an end after the start, an SM id below the SM
@@ -965,7 +1056,8 @@ def test_gpu_dq_first_store_on_tiny_documents(D, H, Hk):
 @pytest.mark.gpu
 @needs_dsl
 @_needs_sm90()
-@pytest.mark.parametrize("fields", [{}, {"q_bf16_source": "convert"}], ids=["default", "q-convert"])
+@pytest.mark.parametrize("fields", [{}, {"q_bf16_source": "convert"}, {"persistent": True}],
+                         ids=["default", "q-convert", "persistent"])
 def test_gpu_leakage(fields, monkeypatch):
     """Quantize + forward kernel + this backward: nothing after a cut (or in another document)
     reaches dQ, dK, dV before it, within the fp32 atomics' run-to-run spread (the default build,

@@ -102,3 +102,34 @@ def test_simulate_policies():
 
     assert simulate([4, 3, 3, 2], range(4), 2, "dynamic") == 6  # 4 + 2 | 3 + 3
     assert simulate([4, 3, 3, 2], range(4), 2, "static") == 7  # worker 0 gets tiles 0 and 2
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 1200), min_size=1, max_size=10),
+    kv_heads=st.sampled_from([1, 2, 4, 8]),
+    window=st.sampled_from([1, 2, 4, 8]),
+)
+def test_backward_persistent_order_is_the_grid_order_without_empty_ctas(lengths, kv_heads, window):
+    """The persistent backward's items (schedules.backward_persistent_order, located by the arithmetic of
+    sm90_device.locate_key_block) are the grid build's non-empty CTAs in launch order: every (document,
+    KV head, key block) with keys exactly once, each window's key blocks longest first."""
+    from flamia_cute.attention_bwd_sm90 import backward_grid, backward_work_item
+    from flamia_cute.schedules.varlen_tiles import backward_persistent_order, chunk_table, locate_key_block_model
+
+    if kv_heads % window:
+        window = 1
+    order = backward_persistent_order(lengths, kv_heads, window)
+    cum = chunk_table(lengths, 128)
+    assert [locate_key_block_model(t, cum, kv_heads, window) for t in range(len(order))] == order
+    n_blocks = max((n + 127) // 128 for n in lengths)
+    gx, gy, gz = backward_grid("blocks", kv_heads, len(lengths), n_blocks, window)
+    launched = []
+    for z in range(gz):
+        for y in range(gy):
+            for x in range(gx):
+                head, doc, blk = backward_work_item("blocks", (x, y, z), window)
+                if blk * 128 < lengths[doc]:
+                    launched.append((doc, head, blk))
+    assert order == launched
+    assert len(set(order)) == len(order) == kv_heads * cum[-1]

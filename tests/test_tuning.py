@@ -145,7 +145,8 @@ TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "p
          "bwd": {"q_stages": 1, "qt_stages": 1, "vec_stages": 3, "raster": "blocks"},
          "bwd_dsbf16": {"q_stages": 1, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": True,
                         "exp_under_dp": False, "raster": "heads", "q_bf16_source": "convert",
-                        "dk_under_dq_store": False, "head_window": 1, "phase_prefetch": False},
+                        "dk_under_dq_store": False, "head_window": 1, "phase_prefetch": False,
+                        "persistent": False, "early_block_scales": False},
          "quant": {"raster": "chunks", "min_ctas_per_sm": 0, "heads_per_cta": [2, 2, 2]}}
 
 
@@ -337,7 +338,7 @@ def test_bwd_dsbf16_space(head_dim):
     default = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=2, diagonal_copy=True)
     assert keep[0] == (default, "default")
     eff = [(c.q_stages, c.vec_stages, c.dq_tma_reduce, c.prefetch_sdp, c.exp_under_dp, c.raster, c.q_bf16_source,
-            c.dk_under_dq_store, c.head_window, c.phase_prefetch) for c, _ in keep]
+            c.dk_under_dq_store, c.head_window, c.phase_prefetch, c.persistent, c.early_block_scales) for c, _ in keep]
     assert len(set(eff)) == len(eff) and all(smem_bytes(c) <= SMEM_LIMIT for c, _ in keep)
     assert {e[2] for e in eff} == {True, False} and {e[0] for e in eff} == {1, 2, 3}
     assert not any(e[3] and e[4] for e in eff)  # the prefetch with split S^T/dP^T waits
@@ -353,11 +354,18 @@ def test_bwd_dsbf16_space(head_dim):
     for c, _ in keep:
         assert tuning.config_from_fields("bwd_dsbf16", default, tuning.config_fields("bwd_dsbf16", c)) == c
     if head_dim == 128:
-        assert (2, 2, True, False, False, "blocks", "tma", True, 1, True) in eff
-        assert (2, 2, True, False, True, "blocks", "tma", True, 1, True) in eff
-        assert (2, 2, True, False, True, "blocks", "tma", False, 1, True) in eff
+        assert (2, 2, True, False, False, "blocks", "tma", True, 1, True, False, True) in eff
+        assert (2, 2, True, False, True, "blocks", "tma", True, 1, True, False, True) in eff
+        assert (2, 2, True, False, True, "blocks", "tma", False, 1, True, False, True) in eff
+        # the persistent build once, and the default with phase 1's block scales loaded late
+        assert [c for c, _ in keep if c.persistent] == [dataclasses.replace(default, persistent=True,
+                                                                            early_block_scales=False)]
+        assert default.early_block_scales and dataclasses.replace(default, early_block_scales=False) in [
+            c for c, _ in keep]
         assert not any(e[3] for e in eff)
         assert any("slower at d128" in why for _, why in pruned) and any("shared memory" in why for _, why in pruned)
+    else:  # d64's prefetch: no persistent build, and the block scales at the phase change
+        assert not default.early_block_scales and not any(c.persistent for c, _ in keep)
 
 
 def test_api_backward_config_follows_the_tuned_bwd_dsbf16_entry(tmp_path, monkeypatch):
@@ -405,3 +413,4 @@ def test_workload_space_starts_from_the_untuned_default():
     assert keep[0][0] in [c for c, _ in short[1:]] and len({c for c, _ in short}) == len(short) == len(keep)
     assert tuning.workload_space("bwd_dsbf16", keep, 16, 16384)[0][0] == keep[0][0]
     assert tuning.workload_space("fwd", keep, 16, 1024) is keep
+    assert [c.head_window for c, _ in short if c.persistent] == [16]  # the persistent build in the same order
