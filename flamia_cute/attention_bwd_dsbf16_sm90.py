@@ -150,6 +150,13 @@ WINDOW_TOKENS = 16384
 DQ_FULL, DQ_EMPTY = 4, 5  # dq_tma_reduce: consumers (256 threads) and the dQ warp (32)
 VT_BARRIER = 6  # + warpgroup: transpose_v's two barriers (128 threads)
 SCAN_BARRIER = 8  # persistent: the producer warpgroup's scan of cu_seqlens (doc_chunk_cumsum)
+# cta_timeline's record per CTA: the kernel's start and the consumers' end, SM and query tiles, then
+# the first consumer warpgroup's stamps: its start (shared memory set up), phase 0's scales shared,
+# its K/V arrived, K converted and V transposed, the diagonal tiles done, phase 1 ready (0 without
+# it), every tile done (the epilogue's start); one spare word
+TIMELINE_FIELDS = ("start", "end", "sm", "tiles", "consumer_start", "scales0", "kv0", "ready0", "diagonal_done",
+                   "ready1", "tiles_done", "spare")
+TIMELINE_WORDS = len(TIMELINE_FIELDS)
 # persistent: documents the shared-memory tables hold (4 KB of the 6 KB left beside the kernel's
 # 226 KB); more fall back to the grid build
 PERSISTENT_MAX_DOCS = 512
@@ -273,10 +280,10 @@ class BwdDsBf16Config:
     # persistent: the K/V stage released inside the item's last tile, once its S^T and dP^T are done
     # (True), or after the tile (False: no release under a runtime branch in the hot loop)
     release_in_last_tile: bool = True
-    # Measurement only: each CTA writes (start, end) of %globaltimer_lo (ns), its SM and its query
-    # tiles into the int32 buffer that the semaphores use otherwise, 4 words per CTA of the grid in
-    # launch order (cta_timeline_words; perf/bwd_cta_timeline.py reads them). Not deterministic
-    # nor dq_first_store (their words)
+    # Measurement only: each CTA writes a record of TIMELINE_FIELDS (%globaltimer_lo in ns at its start,
+    # its end and the first consumer warpgroup's phase boundaries; its SM and query tiles) into the
+    # int32 buffer that the semaphores use otherwise, in launch order (cta_timeline_words;
+    # perf/bwd_cta_timeline.py reads them). Not deterministic nor dq_first_store (their words)
     cta_timeline: bool = False
 
     def __post_init__(self):
@@ -620,7 +627,7 @@ class FlamiaBwdDsBf16Sm90:
             n_slots = dq_claim_slots(T, num_docs)  # (claim word, query head)
             mSem = cute.make_tensor(sem_ptr, cute.make_layout((n_slots, H), stride=(1, n_slots)))
         if cutlass.const_expr(self.cfg.cta_timeline):
-            mSem = cute.make_tensor(sem_ptr, cute.make_layout(4 * max_n_blocks * num_kv_heads * num_docs))
+            mSem = cute.make_tensor(sem_ptr, cute.make_layout(TIMELINE_WORDS * max_n_blocks * num_kv_heads * num_docs))
         if cutlass.const_expr(self.cfg.persistent):  # the item counter (item_claim "counter")
             mSem = cute.make_tensor(sem_ptr, cute.make_layout(1))
         mdK = cute.make_tensor(dk_ptr, ktd)
@@ -741,7 +748,7 @@ class FlamiaBwdDsBf16Sm90:
         if cutlass.const_expr(self.cfg.cta_timeline):
             bx, by, bz = cute.arch.block_idx()
             gx, gy, _ = cute.arch.grid_dim()
-            cta_word = 4 * ((bz * gy + by) * gx + bx)
+            cta_word = TIMELINE_WORDS * ((bz * gy + by) * gx + bx)
             if tidx == 0:
                 mSem[cta_word] = Int32(globaltimer_lo())
                 mSem[cta_word + 2] = Int32(sm_id())
@@ -834,6 +841,7 @@ class FlamiaBwdDsBf16Sm90:
                     mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok,
                     mRef[kv_head, doc], (mdQ, mSem, doc, sdQ_words, dq_plan), mdK, mdV, kv_head,
                     doc_start, doc_len, sched, softmax_scale, wg_idx - 1,
+                    (mSem, cta_word) if cutlass.const_expr(self.cfg.cta_timeline) else None,
                 )
                 if cutlass.const_expr(self.cfg.cta_timeline):
                     if tidx == 128:  # the first consumer warpgroup's epilogue is done
@@ -1214,14 +1222,24 @@ class FlamiaBwdDsBf16Sm90:
     @cute.jit
     def consume(
         self, mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok, dv_ref, dq_out, mdK,
-        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg,
+        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, stamps=None,
     ):
-        """The consumer warpgroups of the grid build: the CTA's one item."""
+        """The consumer warpgroups of the grid build: the CTA's one item (stamps: cta_timeline's)."""
+        self.stamp(stamps, 4)
         frags, krow = self.consumer_fragments(mmas, bufs, wg)
         self.consume_item(
             frags, krow, bufs, sVec, (pipe_kv, pipe_a, pipe_b, pipe_v), self.consumer_states(), mSK, mSV, mSKtok,
-            mSVtok, dv_ref, dq_out, mdK, mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg,
+            mSVtok, dv_ref, dq_out, mdK, mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, stamps=stamps,
         )
+
+    @cute.jit
+    def stamp(self, stamps, word: cutlass.Constexpr):
+        """cta_timeline (stamps = (the record buffer, the CTA's first word)): %globaltimer_lo into word
+        `word` of the CTA's record, by the first consumer thread; nothing otherwise."""
+        if cutlass.const_expr(stamps is not None):
+            tidx, _, _ = cute.arch.thread_idx()
+            if tidx == 128:
+                stamps[0][stamps[1] + word] = Int32(globaltimer_lo())
 
     def consumer_states(self):
         """Fresh consumer states of the K/V, Q/dO, dO^T and vector pipelines."""
@@ -1277,7 +1295,7 @@ class FlamiaBwdDsBf16Sm90:
     @cute.jit
     def consume_item(
         self, frags, krow, bufs, sVec, pipes, states, mSK, mSV, mSKtok, mSVtok, dv_ref, dq_out, mdK, mdV, kv_head,
-        doc_start, doc_len, sched, softmax_scale, wg, tile_base=None,
+        doc_start, doc_len, sched, softmax_scale, wg, tile_base=None, stamps=None,
     ):
         """One item (key block n_blk of KV head kv_head in the document): both phases' tiles, then dK and
         dV to global memory; returns the pipeline states after it. tile_base (persistent, not two query
@@ -1313,11 +1331,14 @@ class FlamiaBwdDsBf16Sm90:
         # ---- phase 0: diagonal tiles
         self.share_key_scales(sKs, rsc, krow)
         cute.arch.barrier(barrier_id=2, number_of_threads=256)  # every key's scale is in sKs
+        self.stamp(stamps, 5)
         pipe_kv.consumer_wait(kv_state)
+        self.stamp(stamps, 6)
         self.convert_k(bufs, sKs)
         late_v = self.cfg.transpose_v_under_s  # then the phase's first tile step transposes V
         if cutlass.const_expr(not late_v):
             self.transpose_v(bufs, wg)
+        self.stamp(stamps, 7)
         if cutlass.const_expr(self.prefetch):
             self.issue_sdp(frags, pipe_a, a_state, wg)
         # the per-token copies' stage goes back inside the last diagonal tile, once its S^T and dP^T are
@@ -1335,6 +1356,7 @@ class FlamiaBwdDsBf16Sm90:
             )
         if cutlass.const_expr(self.prefetch and self.dq_tma):
             warpgroup.wait_group(0)  # the dummy S^T, dP^T issued after the phase's last tile
+        self.stamp(stamps, 8)
         # ---- phase 1: off-diagonal tiles
         if cutlass.const_expr(self.diag_copy):
             if cutlass.const_expr(not early_kv):
@@ -1356,6 +1378,7 @@ class FlamiaBwdDsBf16Sm90:
                 self.convert_k(bufs, sKs)
                 if cutlass.const_expr(not late_v):
                     self.transpose_v(bufs, wg)
+            self.stamp(stamps, 9)
             if cutlass.const_expr(self.prefetch):
                 self.issue_sdp(frags, pipe_a, a_state, wg)
             for j in cutlass.range(self.group * per, unroll=1):
@@ -1377,6 +1400,7 @@ class FlamiaBwdDsBf16Sm90:
 
         if cutlass.const_expr(self.prefetch and self.dq_tma):
             warpgroup.wait_group(0)  # the dummy after phase 1's last tile
+        self.stamp(stamps, 10)
         # ---- epilogue: dV * r / 256 and dK * softmax_scale to bf16
         rfac = r / Float32(P_SCALE)
         store_key_rows_bf16(mdV, lambda i0: (acc_dv[i0] * rfac, acc_dv[i0 + 1] * rfac), krow, n_blk * kb,
@@ -1870,9 +1894,9 @@ def flamia_bwd_dsbf16_sm90(
 
 
 def cta_timeline_words(num_kv_heads: int, num_docs: int, max_n_blocks: int) -> int:
-    """int32 words of a cta_timeline record: (start ns, end ns, SM, query tiles) per CTA of the grid,
-    in launch order (x fastest; a CTA past its document's end leaves end and tiles 0)."""
-    return 4 * num_kv_heads * num_docs * max_n_blocks
+    """int32 words of the cta_timeline records: TIMELINE_WORDS per CTA of the grid, in launch order (x
+    fastest; a CTA past its document's end leaves all but its start and SM 0)."""
+    return TIMELINE_WORDS * num_kv_heads * num_docs * max_n_blocks
 
 
 def auto_head_window(num_kv_heads: int, max_seqlen: int | None) -> int:

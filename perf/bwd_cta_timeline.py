@@ -11,7 +11,11 @@ and auto_head_window's). Per workload it prints and writes to $OUT/bwd_cta_timel
   a CTA costs besides its tiles (prologue, two K/V phases, diagonal tiles, epilogue);
 - gap: the mean time an SM waits between the end of one CTA and the start of its next;
 - tail: span minus the time at which the first SM ran out of CTAs (the last wave's imbalance);
-- by_tiles: CTAs and their mean duration per query-tile count.
+- by_tiles: CTAs and their mean duration per query-tile count;
+- segments: the mean µs of each step of the first consumer warpgroup's CTA (TIMELINE_FIELDS' stamps,
+  session 19): launch to consumer start, phase 0's scales, its K/V wait, its K conversion and V
+  transpose, the diagonal tiles, the phase change (CTAs with off-diagonal tiles), the off-diagonal
+  tiles, the epilogue; with the CTAs of each tile count apart (segments_by_tiles, the first 8).
 """
 
 import json
@@ -22,6 +26,8 @@ from bench_fwd_breakdown import backward_inputs  # noqa: E402  (perf/ is the scr
 
 from flamia_cute.attention_bwd_dsbf16_sm90 import (
     KEY_BLOCK,
+    TIMELINE_FIELDS,
+    TIMELINE_WORDS,
     BwdDsBf16Config,
     auto_head_window,
     cta_timeline_words,
@@ -31,9 +37,36 @@ from flamia_cute.bench import DEFAULT_WORKLOADS, Case
 from flamia_cute.codes_sm90 import e4m3_codes_to_bf16
 from flamia_cute.cute_backend import quantize_operands
 
+SEGMENTS = (("launch to consumers", "start", "consumer_start"), ("phase 0 scales", "consumer_start", "scales0"),
+            ("phase 0 K/V wait", "scales0", "kv0"), ("phase 0 K, V in shared memory", "kv0", "ready0"),
+            ("diagonal tiles", "ready0", "diagonal_done"), ("phase change", "diagonal_done", "ready1"),
+            ("off-diagonal tiles", "ready1", "tiles_done"), ("epilogue", "tiles_done", "end"))
+
+
+def segments(rec: torch.Tensor) -> dict:
+    """Mean µs of each SEGMENTS step over the CTAs of rec (wrapped stamps unwrapped against start);
+    the phase change and off-diagonal tiles over the CTAs that have them (ready1 != 0)."""
+    f = {name: i for i, name in enumerate(TIMELINE_FIELDS)}
+    t = {name: (rec[:, f[name]] - rec[:, 0]) & 0xFFFFFFFF for name in f if name not in ("sm", "tiles", "spare")}
+    has1 = rec[:, f["ready1"]] != 0
+    out = {}
+    for label, a, b in SEGMENTS:
+        if a == "diagonal_done" and b == "ready1":
+            sel = has1
+        elif a == "ready1":
+            sel, a = torch.ones_like(has1), None
+        else:
+            sel = torch.ones_like(has1)
+        if a is None:  # off-diagonal tiles: from phase 1 ready, or nothing without phase 1
+            d = torch.where(has1, t["tiles_done"] - t["ready1"], torch.zeros_like(t["ready1"]))
+        else:
+            d = t[b] - t[a]
+        out[label] = round(float(d[sel].double().mean()) / 1e3, 3) if bool(sel.any()) else None
+    return out
+
 
 def summarize(rec: torch.Tensor) -> dict:
-    """rec (CTAs, 4) int64: start, end, SM, tiles of the CTAs that ran (end > 0)."""
+    """rec (CTAs, TIMELINE_WORDS) int64: the records of the CTAs that ran (end > 0)."""
     rec = rec[rec[:, 1] != 0]
     start, end, sm, tiles = (rec[:, i] for i in range(4))
     t0 = int(start.min())
@@ -56,7 +89,9 @@ def summarize(rec: torch.Tensor) -> dict:
     for n in tiles.unique().tolist()[:64]:
         sel = tiles == n
         by_tiles[int(n)] = (int(sel.sum()), round(float(dur[sel].mean()), 3))
+    segs_by_tiles = {int(n): segments(rec[tiles == n]) for n in tiles.unique().tolist()[:8]}
     return {"ctas": int(rec.shape[0]), "sms": sms, "span_us": span, "by_tiles": by_tiles,
+            "segments": segments(rec), "segments_by_tiles": segs_by_tiles,
             "busy": float(dur.sum()) / (span * sms), "per_tile_us": per_tile, "per_cta_us": per_cta,
             "gap_us": sum(gaps) / max(1, len(gaps)), "tail_us": span - min(last_ends),
             "tiles_mean": float(tiles.double().mean())}
@@ -79,7 +114,7 @@ def run(name, lengths):
                                               config=cfg, do_quantized=doq, delta=delta, dv_ref=dv_ref,
                                               q_bf16=q_bf16, timeline=buf)
         torch.cuda.synchronize()
-        rec = buf.view(-1, 4).to(torch.int64).cpu() & 0xFFFFFFFF
+        rec = buf.view(-1, TIMELINE_WORDS).to(torch.int64).cpu() & 0xFFFFFFFF
         row[f"window {w}"] = summarize(rec)
     print(json.dumps(row), flush=True)
     return row

@@ -187,6 +187,19 @@ for stage in "$@"; do
       run ds_persistent_rounds 400 env OUT="$OUT" BREAKDOWN_ONLY=ds BREAKDOWN_ROUNDS=3 \
         BREAKDOWN_DS_VARIANTS="${ROUND_VARIANTS:-auto window,persistent,persistent stride,auto window early scales}" \
         BREAKDOWN_WORKLOADS="${ROUND_WORKLOADS:-16x1k,4x4k,longtail32k,mixed16k,1x16k}" python3 perf/bench_fwd_breakdown.py ;;
+    ds-stamps)  # session 19: where a backward CTA's fixed time goes: the stamped timeline build's GPU test, the
+      # per-step means (perf/bwd_cta_timeline.py's segments), then ncu of the grid and persistent builds on
+      # 1x16k (the persistent build's +3..+9% there), the summary sections only
+      run ds_timeline_test 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py \
+        -k cta_timeline
+      run ds_timeline 240 env OUT="$OUT" BREAKDOWN_WORKLOADS="${TIMELINE_WORKLOADS:-16x1k,4x4k,1x16k}" python3 perf/bwd_cta_timeline.py
+      for spec in "grid {}" "persistent {\"persistent\":true}"; do
+        read -r tag json <<<"$spec"
+        env BWD_DSBF16_CONFIG="$json" timeout 150 ncu -k regex:BwdDsBf16 --launch-skip 1 --launch-count 1 \
+          --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+          --section Occupancy python3 perf/profile_kernels.py bwd_dsbf16 1x16k > "$OUT/ncu_ds_${tag}_1x16k.txt" 2>&1
+        echo "=== ncu $tag rc=$?" | tee -a "$OUT/session.log"
+      done ;;
     ds-phase)  # session 18: the early phase change (BwdDsBf16Config.phase_prefetch, default) and the auto head
       # window: the whole bf16-dS GPU suite, the CTA timeline, then rotated rounds against the late phase
       # change and the plain order (kernel alone; "default" there is window 1)

@@ -940,8 +940,9 @@ def test_gpu_persistent_beyond_the_document_table():
 def test_gpu_cta_timeline_records_every_cta():
     """cta_timeline (measurement): one record per CTA of the grid, in launch order; the CTAs with work
     hold their query-tile count (tile_schedule's), an end after the start, an SM id below the SM
-    count; the gradients stay the plain build's (dK, dV bitwise)."""
-    from flamia_cute.attention_bwd_dsbf16_sm90 import cta_timeline_words
+    count, the consumer stamps in order between them (phase 1's only with off-diagonal tiles); the
+    gradients stay the plain build's (dK, dV bitwise)."""
+    from flamia_cute.attention_bwd_dsbf16_sm90 import TIMELINE_FIELDS, TIMELINE_WORDS, cta_timeline_words
 
     H = Hk = 4
     lengths = [1, 127, 300, 0, 700]
@@ -952,17 +953,24 @@ def test_gpu_cta_timeline_records_every_cta():
     res = _run(st, config=BwdDsBf16Config(head_dim=128, diagonal_copy=True, head_window=2, cta_timeline=True),
                timeline=buf)
     _assert_same_gradients(st, res, plain, emulator=False)
-    rec = buf.view(-1, 4).cpu().to(torch.int64) & 0xFFFFFFFF
+    rec = buf.view(-1, TIMELINE_WORDS).cpu().to(torch.int64) & 0xFFFFFFFF
+    f = {name: i for i, name in enumerate(TIMELINE_FIELDS)}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     # grid order with windows of 2: document, window, key block, head in the window (tiles per head alike)
     want = [(n + 63) // 64 - 2 * b if b * 128 < n else 0
             for n in lengths for _window in range(Hk // 2) for b in range(n_blocks) for _head in range(2)]
     assert rec.shape[0] == len(want)
     for i, tiles in enumerate(want):
-        start, end, sm, got = rec[i].tolist()
+        start, end, sm, got = rec[i, :4].tolist()
         assert sm < sms, (i, rec[i])
         if tiles:
             assert got == tiles and end != 0 and ((end - start) & 0xFFFFFFFF) < 10**9, (i, rec[i], tiles)
+            steps = ["consumer_start", "scales0", "kv0", "ready0", "diagonal_done"]
+            steps += ["ready1"] if tiles > 2 else []  # off-diagonal tiles: a phase change
+            steps += ["tiles_done", "end"]
+            since = [(int(rec[i, f[name]]) - start) & 0xFFFFFFFF for name in steps]
+            assert since == sorted(since) and since[-1] < 10**9, (i, rec[i])
+            assert (rec[i, f["ready1"]] == 0) == (tiles <= 2), (i, rec[i])
         else:
             assert end == 0 and got == 0, (i, rec[i])
 
