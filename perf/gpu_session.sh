@@ -193,7 +193,7 @@ for stage in "$@"; do
       run ds_timeline_test 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py \
         -k cta_timeline
       run ds_timeline 240 env OUT="$OUT" BREAKDOWN_WORKLOADS="${TIMELINE_WORKLOADS:-16x1k,4x4k,1x16k}" python3 perf/bwd_cta_timeline.py
-      for spec in "grid {}" "persistent {\"persistent\":true}"; do
+      for spec in "grid {}" "persistent {\"persistent\":true,\"early_block_scales\":false}"; do
         read -r tag json <<<"$spec"
         env BWD_DSBF16_CONFIG="$json" timeout 150 ncu -k regex:BwdDsBf16 --launch-skip 1 --launch-count 1 \
           --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
