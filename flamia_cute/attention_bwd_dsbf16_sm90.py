@@ -261,6 +261,11 @@ class BwdDsBf16Config:
     # others within +-0.4% (mixed16k -4%, noisy). None: on with diagonal copies, except beside the
     # S^T/dP^T prefetch (d64, not measured there) and in the persistent build (24 bytes of spills)
     early_block_scales: bool | None = None
+    # Phase 0's row scales (each consumer thread's two key rows) loaded at the kernel's entry, before the
+    # shared-memory setup and the barriers, so their global-load latency runs under it (the stamped
+    # timeline, s19e: launch to the consumers 0.8 us, then the scales 1.1 us, one after the other).
+    # Grid build only. Built late in session 19, CPU-checked
+    scales_at_entry: bool = False
     # bf16 dS tiles in shared memory: 2 (a warpgroup may write the next tile's while the other still
     # reads this one) or 1, which the dQ path's DQ_EMPTY barrier already orders (both warpgroups'
     # dQ products of a tile are done before either stores the dQ tile, and so before the next
@@ -295,7 +300,7 @@ class BwdDsBf16Config:
         if not isinstance(self.qhead_per_kvhead, int) or self.qhead_per_kvhead < 1:
             bad("qhead_per_kvhead", "must be an int >= 1")
         for name in ("diagonal_copy", "deterministic", "dq_store_swap", "transpose_v_under_s", "dq_first_store",
-                     "cta_timeline", "persistent", "release_in_last_tile"):
+                     "cta_timeline", "persistent", "release_in_last_tile", "scales_at_entry"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
         for name in ("prefetch_sdp", "dq_tma_reduce", "exp_under_dp", "dk_under_dq_store", "phase_prefetch",
@@ -345,6 +350,8 @@ class BwdDsBf16Config:
         if self.early_block_scales is None:
             object.__setattr__(self, "early_block_scales",
                                self.diagonal_copy and not self.prefetch_sdp and not self.persistent)
+        if self.scales_at_entry and self.persistent:
+            bad("scales_at_entry", "the grid build's (the persistent build loads them per item)")
         if self.early_block_scales and not self.diagonal_copy:
             bad("early_block_scales", "needs diagonal_copy (without copies there is no phase change)")
         if self.cta_timeline and (self.deterministic or self.dq_first_store):
@@ -815,6 +822,12 @@ class FlamiaBwdDsBf16Sm90:
         if n_blk * self.kb < doc_len:
             sched = self._item_sched(n_blk, doc_len)
             n_diag, per = sched[1], sched[2]
+            rsc0 = None
+            if cutlass.const_expr(self.cfg.scales_at_entry):  # issued before the setup below (its latency under it)
+                rsc0 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+                if tidx >= 128:
+                    load_row_scales(rsc0, self.key_rows(mmas, tidx), mSKtok if self.diag_copy else mSK,
+                                    mSVtok if self.diag_copy else mSV, kv_head, doc_start, doc_len, n_blk * self.kb)
             _, bufs, sVec, sdQ, sdQ_words, dq_plan, pipes = self.shared_buffers(layouts, tmas)
             pipe_kv, pipe_a, pipe_b, pipe_v = pipes
             cute.arch.mbarrier_init_fence()
@@ -841,7 +854,7 @@ class FlamiaBwdDsBf16Sm90:
                     mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok,
                     mRef[kv_head, doc], (mdQ, mSem, doc, sdQ_words, dq_plan), mdK, mdV, kv_head,
                     doc_start, doc_len, sched, softmax_scale, wg_idx - 1,
-                    (mSem, cta_word) if cutlass.const_expr(self.cfg.cta_timeline) else None,
+                    (mSem, cta_word) if cutlass.const_expr(self.cfg.cta_timeline) else None, rsc0,
                 )
                 if cutlass.const_expr(self.cfg.cta_timeline):
                     if tidx == 128:  # the first consumer warpgroup's epilogue is done
@@ -1222,15 +1235,28 @@ class FlamiaBwdDsBf16Sm90:
     @cute.jit
     def consume(
         self, mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok, dv_ref, dq_out, mdK,
-        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, stamps=None,
+        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, stamps=None, rsc0=None,
     ):
-        """The consumer warpgroups of the grid build: the CTA's one item (stamps: cta_timeline's)."""
+        """The consumer warpgroups of the grid build: the CTA's one item (stamps: cta_timeline's; rsc0:
+        phase 0's row scales when loaded at the entry, scales_at_entry)."""
         self.stamp(stamps, 4)
         frags, krow = self.consumer_fragments(mmas, bufs, wg)
         self.consume_item(
             frags, krow, bufs, sVec, (pipe_kv, pipe_a, pipe_b, pipe_v), self.consumer_states(), mSK, mSV, mSKtok,
             mSVtok, dv_ref, dq_out, mdK, mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, stamps=stamps,
+            rsc0=rsc0,
         )
+
+    @cute.jit
+    def key_rows(self, mmas, tidx):
+        """A consumer thread's two key rows in the 128-key block (krow): its warpgroup's 64-key half and
+        its rows in the S^T accumulator (consumer_fragments' krow, from the thread index alone)."""
+        sd_thr = mmas[0].get_slice(tidx % 128)
+        tScS = sd_thr.partition_C(cute.make_identity_tensor((self.wm, self.tq)))
+        krow = cute.make_rmem_tensor(cute.make_layout(2), Int32)
+        for v1 in cutlass.range_constexpr(2):
+            krow[v1] = (tidx // 128 - 1) * self.wm + tScS[2 * v1][0]
+        return krow
 
     @cute.jit
     def stamp(self, stamps, word: cutlass.Constexpr):
@@ -1295,7 +1321,7 @@ class FlamiaBwdDsBf16Sm90:
     @cute.jit
     def consume_item(
         self, frags, krow, bufs, sVec, pipes, states, mSK, mSV, mSKtok, mSVtok, dv_ref, dq_out, mdK, mdV, kv_head,
-        doc_start, doc_len, sched, softmax_scale, wg, tile_base=None, stamps=None,
+        doc_start, doc_len, sched, softmax_scale, wg, tile_base=None, stamps=None, rsc0=None,
     ):
         """One item (key block n_blk of KV head kv_head in the document): both phases' tiles, then dK and
         dV to global memory; returns the pipeline states after it. tile_base (persistent, not two query
@@ -1319,10 +1345,13 @@ class FlamiaBwdDsBf16Sm90:
         r = cute.arch.fmax(dv_ref, Float32(FOLD_REF_MIN))
         cf = Float32(P_SCALE) / r
 
-        rsc = cute.make_rmem_tensor(cute.make_layout(4), Float32)  # sk(row 0), sk(row 1), sv(row 0), sv(row 1)
         lim = doc_len - n_blk * kb  # keys >= lim lie past the document end
-        load_row_scales(rsc, krow, mSKtok if self.diag_copy else mSK, mSVtok if self.diag_copy else mSV, kv_head,
-                        doc_start, doc_len, n_blk * kb)
+        if cutlass.const_expr(rsc0 is not None):
+            rsc = rsc0  # loaded at the kernel's entry (scales_at_entry)
+        else:
+            rsc = cute.make_rmem_tensor(cute.make_layout(4), Float32)  # sk(row 0), sk(row 1), sv(row 0), sv(row 1)
+            load_row_scales(rsc, krow, mSKtok if self.diag_copy else mSK, mSVtok if self.diag_copy else mSV, kv_head,
+                            doc_start, doc_len, n_blk * kb)
         rsc_blk = None
         if cutlass.const_expr(self.cfg.early_block_scales):  # phase 1's, off the phase change's path
             rsc_blk = cute.make_rmem_tensor(cute.make_layout(4), Float32)

@@ -200,6 +200,12 @@ for stage in "$@"; do
           --section Occupancy python3 perf/profile_kernels.py bwd_dsbf16 1x16k > "$OUT/ncu_ds_${tag}_1x16k.txt" 2>&1
         echo "=== ncu $tag rc=$?" | tee -a "$OUT/session.log"
       done ;;
+    ds-entry)  # session 19's last call: scales_at_entry's GPU tests, then it against the default in rounds
+      run ds_entry_tests 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py \
+        -k "scales_at_entry"
+      run ds_entry_rounds 200 env OUT="$OUT" BREAKDOWN_ONLY=ds BREAKDOWN_ROUNDS=3 \
+        BREAKDOWN_DS_VARIANTS="auto window,auto window scales at entry" \
+        BREAKDOWN_WORKLOADS="${ROUND_WORKLOADS:-16x1k,4x4k,1x16k}" python3 perf/bench_fwd_breakdown.py ;;
     ds-phase)  # session 18: the early phase change (BwdDsBf16Config.phase_prefetch, default) and the auto head
       # window: the whole bf16-dS GPU suite, the CTA timeline, then rotated rounds against the late phase
       # change and the plain order (kernel alone; "default" there is window 1)

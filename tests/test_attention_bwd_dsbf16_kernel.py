@@ -63,7 +63,8 @@ RECIPES = {
                                           ("dk_under_dq_store", 1), ("preload_vectors", 17),
                                           ("transpose_v_under_s", 1), ("dq_first_store", 1), ("early_block_scales", 1),
                                           ("head_window", 3), ("cta_timeline", 1), ("ds_buffers", 3),
-                                          ("persistent", 1), ("item_claim", "queue"), ("release_in_last_tile", 1)])
+                                          ("persistent", 1), ("item_claim", "queue"), ("release_in_last_tile", 1),
+                                          ("scales_at_entry", 1)])
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"BwdDsBf16Config.{field}"):
         BwdDsBf16Config(**{"head_dim": 128, field: value})
@@ -516,7 +517,8 @@ VARIANTS = {"": {}, "q-convert": dict(q_bf16_source="convert"), "dk-with-dq": di
             "transpose-under-s": dict(transpose_v_under_s=True), "first-store": dict(dq_first_store=True),
             "late-phase": dict(phase_prefetch=False, early_block_scales=False), "early-scales": dict(early_block_scales=True),
             "one-ds-buffer": dict(ds_buffers=1), "persistent": dict(persistent=True),
-            "persistent-stride": dict(persistent=True, item_claim="stride", head_window=2)}
+            "persistent-stride": dict(persistent=True, item_claim="stride", head_window=2),
+            "scales-at-entry": dict(scales_at_entry=True)}
 
 
 @pytest.fixture(scope="module")
@@ -540,7 +542,8 @@ def artifacts():
                                                                 (128, True, "dk-with-dq"),
                                                                 (128, True, "transpose-under-s"),
                                                                 (128, False, "transpose-under-s"),
-                                                                (128, True, "one-ds-buffer")])
+                                                                (128, True, "one-ds-buffer"), (128, True, "scales-at-entry"),
+                                                                (64, False, "scales-at-entry")])
 def test_compiles_with_fp8_and_bf16_wgmma(artifacts, head_dim, diagonal_copy, variant):
     art = artifacts(head_dim, diagonal_copy, variant=variant)
     ops = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+\.f32\.\w+\.\w+)", art.ptx))
@@ -869,6 +872,22 @@ def test_gpu_late_phase_change_matches_default(D, H, Hk, variant):
     _assert_same_gradients(st, res, late)
     err = _grad_errors(late, st["emu"], st["cu"].cpu())
     assert not _violations(err), err
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("D, H, Hk, dc", [(128, 4, 2, True), (64, 2, 2, True), (128, 2, 2, False)])
+def test_gpu_scales_at_entry_matches_default(D, H, Hk, dc):
+    """scales_at_entry (session 19, opt-in): phase 0's row scales loaded before the shared-memory setup
+    give the default's dK and dV bitwise (the same values, read earlier) and its dQ within
+    reassociation, and the emulator's gradients; with and without the diagonal copies. Scales of the
+    wrong rows, or loaded where the document ends, move whole key rows and fail."""
+    recipe = RECIPES["fp8_tokenblock_dsbf16" if dc else "fp8_token_dsbf16"]
+    st = _setup(LENGTHS + [3000], H, Hk, D, recipe, seed=20, device="cuda")
+    fields = dict(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=dc)
+    _assert_same_gradients(st, _run(st, config=BwdDsBf16Config(**fields, scales_at_entry=True)),
+                           _run(st, config=BwdDsBf16Config(**fields)))
 
 
 @pytest.mark.gpu
