@@ -14,10 +14,9 @@ read twice).
 import json
 
 from flamia_cute.attention_bwd_dsbf16_sm90 import auto_head_window
-from flamia_cute.attention_bwd_sm90 import backward_grid, backward_work_item
 from flamia_cute.bench import DEFAULT_WORKLOADS
 from flamia_cute.schedules.ordering import simulate
-from flamia_cute.schedules.varlen_tiles import persistent_order
+from flamia_cute.schedules.varlen_tiles import backward_persistent_order, persistent_order
 
 CTAS = 132
 HEADS = 16
@@ -41,20 +40,13 @@ def backward_makespans(lengths, windows=(1, 2, 4, 8, 16), per_cta: float = 4.0) 
     order in windows of W KV heads, through backward_work_item), taken by 132 SMs as they free up
     (the hardware's queue: `simulate`'s dynamic policy); cost = the CTA's 64-query tiles + per_cta
     (the measured ~7 µs per CTA is ~4 tiles). Makespan over the ideal, minus 1, per window."""
-    max_blocks = (max(lengths) + 127) // 128
     out = {}
     for w in windows:
         if HEADS % w:
             continue
-        gx, gy, gz = backward_grid("blocks", HEADS, len(lengths), max_blocks, w)
-        costs = []
-        for z in range(gz):
-            for y in range(gy):
-                for x in range(gx):
-                    _, doc, blk = backward_work_item("blocks", (x, y, z), w)
-                    n = lengths[doc]
-                    if blk * 128 < n:
-                        costs.append((n + 63) // 64 - 2 * blk + per_cta)
+        # the grid's CTAs with keys, in launch order (tests/test_schedules.py checks it against the grid)
+        costs = [(lengths[doc] + 63) // 64 - 2 * blk + per_cta
+                 for doc, _, blk in backward_persistent_order(lengths, HEADS, w)]
         out[w] = simulate(costs, range(len(costs)), CTAS) / (sum(costs) / CTAS) - 1
     return out
 
