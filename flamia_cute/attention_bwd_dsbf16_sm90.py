@@ -368,8 +368,9 @@ class BwdDsBf16Config:
             bad("dk_under_dq_store", "needs dq_tma_reduce and no prefetch_sdp")
         if self.persistent:
             # the dQ warp's and the phase change's protocols are the ones carried across items
-            if not self.dq_tma_reduce or self.deterministic or self.dq_first_store or self.cta_timeline:
-                bad("persistent", "needs dq_tma_reduce, and not deterministic, dq_first_store nor cta_timeline")
+            # (deterministic resolves dq_tma_reduce off, or refuses it on)
+            if not self.dq_tma_reduce or self.dq_first_store or self.cta_timeline:
+                bad("persistent", "needs dq_tma_reduce (so not deterministic), and not dq_first_store nor cta_timeline")
             if self.diagonal_copy and not self.phase_prefetch:
                 bad("persistent", "needs phase_prefetch with diagonal_copy (the stage released inside the tile)")
             if self.prefetch_sdp:
@@ -826,8 +827,8 @@ class FlamiaBwdDsBf16Sm90:
             if cutlass.const_expr(self.cfg.scales_at_entry):  # issued before the setup below (its latency under it)
                 rsc0 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
                 if tidx >= 128:
-                    load_row_scales(rsc0, self.key_rows(mmas, tidx), mSKtok if self.diag_copy else mSK,
-                                    mSVtok if self.diag_copy else mSV, kv_head, doc_start, doc_len, n_blk * self.kb)
+                    self.load_phase0_scales(rsc0, self.key_rows(mmas, tidx, tidx // 128 - 1), (mSK, mSV, mSKtok, mSVtok), kv_head,
+                                            doc_start, doc_len, n_blk)
             _, bufs, sVec, sdQ, sdQ_words, dq_plan, pipes = self.shared_buffers(layouts, tmas)
             pipe_kv, pipe_a, pipe_b, pipe_v = pipes
             cute.arch.mbarrier_init_fence()
@@ -1248,14 +1249,24 @@ class FlamiaBwdDsBf16Sm90:
         )
 
     @cute.jit
-    def key_rows(self, mmas, tidx):
-        """A consumer thread's two key rows in the 128-key block (krow): its warpgroup's 64-key half and
-        its rows in the S^T accumulator (consumer_fragments' krow, from the thread index alone)."""
+    def load_phase0_scales(self, rsc, krow, scales, kv_head, doc_start, doc_len, n_blk):
+        """Phase 0's row scales of the thread's key rows into rsc (load_row_scales): the per-token
+        copies' with diagonal copies, else the only ones. scales: (mSK, mSV, mSKtok, mSVtok)."""
+        mSK, mSV, mSKtok, mSVtok = scales
+        load_row_scales(rsc, krow, mSKtok if self.diag_copy else mSK, mSVtok if self.diag_copy else mSV, kv_head,
+                        doc_start, doc_len, n_blk * self.kb)
+
+    @cute.jit
+    def key_rows(self, mmas, tidx, wg):
+        """A consumer thread's two key rows in the 128-key block (krow): its warpgroup wg's 64-key half
+        and its rows in the S^T accumulator. consumer_fragments computes the same rows in its own loop
+        beside their ds_key_parts: calling this there reorders the default build's prologue (SASS no
+        longer the GPU-tested one), so the two stay apart."""
         sd_thr = mmas[0].get_slice(tidx % 128)
         tScS = sd_thr.partition_C(cute.make_identity_tensor((self.wm, self.tq)))
         krow = cute.make_rmem_tensor(cute.make_layout(2), Int32)
         for v1 in cutlass.range_constexpr(2):
-            krow[v1] = (tidx // 128 - 1) * self.wm + tScS[2 * v1][0]
+            krow[v1] = wg * self.wm + tScS[2 * v1][0]
         return krow
 
     @cute.jit
@@ -1350,8 +1361,7 @@ class FlamiaBwdDsBf16Sm90:
             rsc = rsc0  # loaded at the kernel's entry (scales_at_entry)
         else:
             rsc = cute.make_rmem_tensor(cute.make_layout(4), Float32)  # sk(row 0), sk(row 1), sv(row 0), sv(row 1)
-            load_row_scales(rsc, krow, mSKtok if self.diag_copy else mSK, mSVtok if self.diag_copy else mSV, kv_head,
-                            doc_start, doc_len, n_blk * kb)
+            self.load_phase0_scales(rsc, krow, (mSK, mSV, mSKtok, mSVtok), kv_head, doc_start, doc_len, n_blk)
         rsc_blk = None
         if cutlass.const_expr(self.cfg.early_block_scales):  # phase 1's, off the phase change's path
             rsc_blk = cute.make_rmem_tensor(cute.make_layout(4), Float32)
