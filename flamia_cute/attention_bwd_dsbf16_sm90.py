@@ -65,7 +65,9 @@ tile) exactly as the e4m3-dS kernel does per 128-query tile.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -1834,6 +1836,7 @@ def flamia_bwd_dsbf16_sm90(
     dout, out, lse, q_td, sq, k_td, sk, v_dt, sv, k_tok_td, sk_tok, v_tok_dt, sv_tok,
     cu_seqlens, max_seqlen: int, softmax_scale: float, config: BwdDsBf16Config,
     poison_outputs: bool = False, do_quantized=None, delta=None, dv_ref=None, q_bf16=None, timeline=None,
+    overlap_passes: bool | None = None,
 ):
     """Causal FP8 attention backward of recipe fp8_tokenblock_dsbf16 on the current stream; returns
     (dq, dk, dv) bf16.
@@ -1851,6 +1854,9 @@ def flamia_bwd_dsbf16_sm90(
     codes times sq in bf16 for config.q_bf16_source "tma" (made here by codes_sm90 when not given;
     exact: the scales are powers of two). timeline: with config.cta_timeline, an int32 tensor of at
     least cta_timeline_words(...) elements that receives each CTA's record (zeroed here first).
+    overlap_passes: Q's bf16 copy and the dQ accumulator's zero fill run on a side stream while the
+    dO preprocess runs on the current one (all three are memory-bound and independent; the kernel
+    waits for both streams). None: OVERLAP_PASSES.
     """
     from .attention_bwd_sm90 import backward_grid_blocks, backward_outputs, preprocess_bwd
 
@@ -1868,6 +1874,25 @@ def flamia_bwd_dsbf16_sm90(
     cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
     num_docs = cu.numel() - 1
     T_dt = transposed_tokens(T, num_docs)
+    f8 = torch.float8_e4m3fn
+    main = torch.cuda.current_stream(dev)
+    side = side_stream(dev) if (OVERLAP_PASSES if overlap_passes is None else overlap_passes) else None
+    if side is not None:
+        side.wait_stream(main)  # the forward's operands are ready before the side passes read them
+    # allocated here on the current stream (its memory pool), filled on the side stream when overlapped.
+    # dq_first_store: the kernel initializes every row of the accumulator (so poison reaches it too)
+    zero_dq = not config.dq_first_store
+    dq_acc, dk, dv = backward_outputs(T, H, Hk, D, dev, poison_outputs, zero_dq=zero_dq and side is None)
+    make_q_bf16 = config.q_bf16_source == "tma" and q_bf16 is None
+    if make_q_bf16:
+        q_bf16 = torch.empty(T, H, D, dtype=torch.bfloat16, device=dev)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        if make_q_bf16:
+            from .codes_sm90 import e4m3_codes_to_bf16
+
+            e4m3_codes_to_bf16(q_td, sq, out=q_bf16)
+        if zero_dq and side is not None:
+            dq_acc.zero_()
     if do_quantized is None or delta is None:
         # the dV fold references come from the same launch when it also quantizes dO
         delta_, doq, ref_ = preprocess_bwd(dout, out, cu, dv_ref_group=config.qhead_per_kvhead)
@@ -1875,12 +1900,9 @@ def flamia_bwd_dsbf16_sm90(
         if do_quantized is None:
             do_quantized = doq
             dv_ref = dv_ref if dv_ref is not None else ref_
-    f8 = torch.float8_e4m3fn
+    if side is not None:
+        main.wait_stream(side)
     if config.q_bf16_source == "tma":
-        if q_bf16 is None:
-            from .codes_sm90 import e4m3_codes_to_bf16
-
-            q_bf16 = e4m3_codes_to_bf16(q_td, sq)
         check_kernel_tensors((("q_bf16", q_bf16, (T, H, D), torch.bfloat16),), dev)
     else:
         q_bf16 = q_td  # not read: any valid pointer
@@ -1897,8 +1919,6 @@ def flamia_bwd_dsbf16_sm90(
         raise ValueError("do_quantized.data_dt must be in P-fragment order (quantize with pv_order=True)")
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
-    # dq_first_store: the kernel initializes every row of the accumulator (so poison reaches it too)
-    dq_acc, dk, dv = backward_outputs(T, H, Hk, D, dev, poison_outputs, zero_dq=not config.dq_first_store)
     max_n_blocks = backward_grid_blocks(T, H, D, T_dt, num_docs, max_seqlen, KEY_BLOCK)
     if Hk % config.head_window:
         raise ValueError(f"config.head_window {config.head_window} does not divide the {Hk} KV heads")
@@ -1930,6 +1950,16 @@ def flamia_bwd_dsbf16_sm90(
                          T, T_dt, Hk, num_docs, grid_arg, float(softmax_scale))
     dq = dq_acc.to(torch.bfloat16)  # softmax_scale is already applied
     return dq, dk, dv
+
+
+# flamia_bwd_dsbf16_sm90's overlap_passes default (measured: perf/RESULTS.md, session 20)
+OVERLAP_PASSES = False
+
+
+@functools.cache
+def side_stream(device) -> torch.cuda.Stream:
+    """One side stream per device for the passes that overlap the dO preprocess (overlap_passes)."""
+    return torch.cuda.Stream(device=device)
 
 
 def cta_timeline_words(num_kv_heads: int, num_docs: int, max_n_blocks: int) -> int:

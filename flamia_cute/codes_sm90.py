@@ -103,12 +103,13 @@ def kernel_artifacts(config: CodesConfig, arch: str = "sm_90a"):
 
 
 def e4m3_codes_to_bf16(codes: torch.Tensor, scale: torch.Tensor | None = None,
-                       config: CodesConfig | None = None) -> torch.Tensor:
+                       config: CodesConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 copy of an e4m3 tensor's values (same shape), on its device's current stream: one launch.
     `codes` must be a contiguous float8_e4m3fn CUDA tensor, 16-byte aligned, of a multiple of 16
     elements (every THD operand at head dim 64 or 128 is). scale: (H, T) fp32 for THD codes
     (T, H, D) with D a multiple of 16: each (token, head) row times its scale (exact when the scales
-    are powers of two, as the recipes' are: quant.formats.pow2_scale_from_amax)."""
+    are powers of two, as the recipes' are: quant.formats.pow2_scale_from_amax). out: a contiguous
+    bf16 tensor of codes' shape on its device to write (allocated here when None)."""
     from .compile_cache import compile_launcher, target_arch
 
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.float8_e4m3fn:
@@ -124,7 +125,10 @@ def e4m3_codes_to_bf16(codes: torch.Tensor, scale: torch.Tensor | None = None,
                              f"{tuple(codes.shape)}")
         tokens, heads, per_row = codes.shape[0], codes.shape[1], codes.shape[2] // CHUNK
         check_kernel_tensors((("scale", scale, (heads, tokens), torch.float32),), codes.device)
-    out = torch.empty(codes.shape, dtype=torch.bfloat16, device=codes.device)
+    if out is None:
+        out = torch.empty(codes.shape, dtype=torch.bfloat16, device=codes.device)
+    else:
+        check_kernel_tensors((("out", out, tuple(codes.shape), torch.bfloat16),), codes.device)
     if codes.numel():
         cfg = config or CodesConfig(row_scale=scale is not None)
         if cfg.row_scale != (scale is not None):

@@ -200,6 +200,10 @@ for stage in "$@"; do
           --section Occupancy python3 perf/profile_kernels.py bwd_dsbf16 1x16k > "$OUT/ncu_ds_${tag}_1x16k.txt" 2>&1
         echo "=== ncu $tag rc=$?" | tee -a "$OUT/session.log"
       done ;;
+    bwd-passes)  # session 20: the passes around the bf16-dS kernel on two streams, and the dO launch's settings
+      run bwd_passes_tests 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py \
+        -k "overlapped"
+      run bwd_passes 300 env OUT="$OUT" python3 perf/bench_bwd_passes.py ;;
     ds-entry)  # session 19's last call: scales_at_entry's GPU tests, then it against the default in rounds
       run ds_entry_tests 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py \
         -k "scales_at_entry"

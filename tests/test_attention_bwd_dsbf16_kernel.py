@@ -894,6 +894,30 @@ def test_gpu_scales_at_entry_matches_default(D, H, Hk, dc):
 @needs_dsl
 @_needs_sm90()
 @pytest.mark.parametrize("D, H, Hk", [(128, 4, 2), (64, 2, 2)])
+def test_gpu_overlapped_passes_match_sequential(D, H, Hk):
+    """overlap_passes: Q's bf16 copy and the dQ zero fill on the side stream give the sequential call's
+    gradients. The side stream is held ~0.1 s by a sleep queued first, and the cached blocks that the
+    call's Q copy and accumulator will reuse hold NaN, so a kernel that did not wait for the side
+    stream would read them unwritten: NaN gradients, which fail."""
+    from flamia_cute.attention_bwd_dsbf16_sm90 import side_stream
+
+    st = _setup(LENGTHS + [3000], H, Hk, D, RECIPES["fp8_tokenblock_dsbf16"], seed=21, device="cuda")
+    ref = _run(st, overlap_passes=False)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # then every cached block holds NaN: the call's allocations reuse them
+    shape = st["qq"].data_td.shape
+    nan = [torch.full(shape, float("nan"), dtype=dt, device="cuda") for dt in [torch.float32] * 4 + [torch.bfloat16] * 8]
+    del nan
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side_stream(st["qq"].data_td.device)):
+        torch.cuda._sleep(200_000_000)
+    _assert_same_gradients(st, _run(st, overlap_passes=True), ref)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("D, H, Hk", [(128, 4, 2), (64, 2, 2)])
 def test_gpu_one_ds_buffer_matches_default(D, H, Hk):
     """ds_buffers=1 (opt-in, session 18: not yet run): one dS tile reused across tiles gives the
     default's dK and dV bitwise and its dQ within reassociation. Reuse before both warpgroups' dQ
