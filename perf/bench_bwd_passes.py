@@ -54,7 +54,7 @@ def dout_variants(H: int, D: int) -> dict:
     part = base.parts[0]
     out = {"default": base}
     for hg in (1, 2, 4, 8):
-        if hg != part.heads_per_cta:
+        if hg != part.heads_per_cta and hg * D <= 512:
             out[f"heads per CTA {hg}"] = dataclasses.replace(base, parts=(dataclasses.replace(part, heads_per_cta=hg),))
     for bound in (0, 2, 4):
         if bound != base.min_ctas_per_sm:
