@@ -1886,22 +1886,24 @@ def flamia_bwd_dsbf16_sm90(
     make_q_bf16 = config.q_bf16_source == "tma" and q_bf16 is None
     if make_q_bf16:
         q_bf16 = torch.empty(T, H, D, dtype=torch.bfloat16, device=dev)
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        if make_q_bf16:
-            from .codes_sm90 import e4m3_codes_to_bf16
+    try:
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if make_q_bf16:
+                from .codes_sm90 import e4m3_codes_to_bf16
 
-            e4m3_codes_to_bf16(q_td, sq, out=q_bf16)
-        if zero_dq and side is not None:
-            dq_acc.zero_()
-    if do_quantized is None or delta is None:
-        # the dV fold references come from the same launch when it also quantizes dO
-        delta_, doq, ref_ = preprocess_bwd(dout, out, cu, dv_ref_group=config.qhead_per_kvhead)
-        delta = delta if delta is not None else delta_
-        if do_quantized is None:
-            do_quantized = doq
-            dv_ref = dv_ref if dv_ref is not None else ref_
-    if side is not None:
-        main.wait_stream(side)
+                e4m3_codes_to_bf16(q_td, sq, out=q_bf16)
+            if zero_dq and side is not None:
+                dq_acc.zero_()
+        if do_quantized is None or delta is None:
+            # the dV fold references come from the same launch when it also quantizes dO
+            delta_, doq, ref_ = preprocess_bwd(dout, out, cu, dv_ref_group=config.qhead_per_kvhead)
+            delta = delta if delta is not None else delta_
+            if do_quantized is None:
+                do_quantized = doq
+                dv_ref = dv_ref if dv_ref is not None else ref_
+    finally:  # joined even when an argument check raises: the side writes finish before the buffers are freed
+        if side is not None:
+            main.wait_stream(side)
     if config.q_bf16_source == "tma":
         check_kernel_tensors((("q_bf16", q_bf16, (T, H, D), torch.bfloat16),), dev)
     else:
