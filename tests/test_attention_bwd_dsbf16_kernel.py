@@ -917,6 +917,29 @@ def test_gpu_overlapped_passes_match_sequential(D, H, Hk):
 @pytest.mark.gpu
 @needs_dsl
 @_needs_sm90()
+def test_gpu_overlapped_passes_joined_when_an_argument_is_refused():
+    """An argument refused after the side stream has its passes (O of the wrong shape, refused by the dO
+    preprocess): the error names it, and the current stream still waits for the side stream (a sleep
+    queued there first keeps an event recorded after the call pending), so the Q copy and the dQ
+    accumulator are not freed under the side stream's writes. Without the join the event completes at once."""
+    from flamia_cute.attention_bwd_dsbf16_sm90 import side_stream
+
+    st = _setup(LENGTHS, 2, 2, 128, RECIPES["fp8_tokenblock_dsbf16"], seed=22, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side_stream(st["qq"].data_td.device)):
+        torch.cuda._sleep(200_000_000)
+    bad = dict(st, out=st["out"][:-1])
+    with pytest.raises(ValueError, match="y must be"):
+        _run(bad, overlap_passes=True)
+    done = torch.cuda.Event()
+    done.record()
+    assert not done.query()
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
 @pytest.mark.parametrize("D, H, Hk", [(128, 4, 2), (64, 2, 2)])
 def test_gpu_one_ds_buffer_matches_default(D, H, Hk):
     """ds_buffers=1 (opt-in, session 18: not yet run): one dS tile reused across tiles gives the
