@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fwd_breakdown import backward_inputs, graph_ms  # noqa: E402
 
 from flamia_cute.attention_bwd_dsbf16_sm90 import flamia_bwd_dsbf16_sm90_from_saved, side_stream  # noqa: E402
+from flamia_cute.attention_bwd_sm90 import preprocess_bwd  # noqa: E402
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case  # noqa: E402
 from flamia_cute.codes_sm90 import e4m3_codes_to_bf16  # noqa: E402
 from flamia_cute.cute_backend import quantize_operands  # noqa: E402
@@ -80,16 +81,17 @@ def measure(name: str, lengths) -> dict:
     for n, a, b in zip(("dq", "dk", "dv"), ref, alt, strict=True):
         row[f"rel diff {n}, overlapped"] = float((a.float() - b.float()).norm() / b.float().norm())
 
-    def passes(overlap):
+    def passes(overlap):  # as flamia_bwd_dsbf16_sm90 runs them: buffers from this stream, filled on the side one
         main = torch.cuda.current_stream()
         side = side_stream(q.device) if overlap else None
         if side is not None:
             side.wait_stream(main)
+        q_bf16 = torch.empty(T, H, D, dtype=torch.bfloat16, device=q.device)
+        dq_acc = torch.empty(T, H, D, dtype=torch.float32, device=q.device)
         with torch.cuda.stream(side) if side is not None else torch.cuda.stream(main):
-            e4m3_codes_to_bf16(qq.data_td, qq.scale)
-            torch.zeros(T, H, D, dtype=torch.float32, device=q.device)
-        docmax = torch.zeros(H, case.cu.numel() - 1, dtype=torch.int32, device=q.device)
-        quantize_with_rowdot_sm90(dout, out, case.cu, dout_delta_config(D, H, 1), docmax=docmax)
+            e4m3_codes_to_bf16(qq.data_td, qq.scale, out=q_bf16)
+            dq_acc.zero_()
+        preprocess_bwd(dout, out, case.cu, dv_ref_group=1)
         if side is not None:
             main.wait_stream(side)
 
