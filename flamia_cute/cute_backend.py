@@ -22,7 +22,7 @@ from .recipes import NAMED_RECIPES, Recipe
 # at kernel speed so that training can compare it).
 PER_TENSOR = 0
 KERNEL_RECIPES = {"fp8_token": 1, "fp8_tokenblock": 128, "fp8_tensor_current": PER_TENSOR, "fp8_tokenblock_dsbf16": 128,
-                  "fp8_tokenblock_dsbf16_castsum": 128}
+                  "fp8_token_dsbf16": 1, "fp8_tokenblock_dsbf16_castsum": 128}
 
 
 def bf16_ds_backward(recipe_name: str) -> bool:

@@ -173,6 +173,11 @@ NAMED_RECIPES: dict[str, Recipe] = {
         # The planned backward (perf/NOTES.md, session 4): S, dP, dV in FP8 with dV folded per
         # document, dS in bf16 for dK and dQ. The default since session 6 (attention_bwd_dsbf16_sm90).
         Recipe("fp8_tokenblock_dsbf16", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, ds_cast="bf16", dv_fold="document"),
+        # The same backward with per-token K and V (block size 1): no diagonal copies to quantize,
+        # and no change of K/V copies inside a backward CTA; the forward folds V's scale into P on
+        # every tile instead of the diagonal only. As accurate as the block-scaled twin (power-of-two
+        # scales on a floating-point format: the granularity changes only what under- or overflows)
+        Recipe("fp8_token_dsbf16", _TOKEN, _TOKEN, _TOKEN, _TOKEN, ds_cast="bf16", dv_fold="document"),
         # The same with the forward's row sum of the cast P off the diagonal (row_sum "cast_p"): the
         # kernel sums on the tensor core instead of 64 FADDs per thread and tile. Same accuracy against
         # fp64 (within 0.01 dB), forward 1..6% slower on the H200 (perf/RESULTS.md, session 14): opt-in

@@ -124,6 +124,14 @@ for stage in "$@"; do
       run fwd_next_tests 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py \
         -k "claim_ahead or longest_documents or q_stages3 or beyond_the_document_table or unstaged"
       fwd_rounds fwd_next_rounds "default,claim ahead,3 q stages,longest documents" ;;
+    accum)  # session 21: what the e4m3 wgmma keeps when it adds into a running accumulator (Triton probe)
+      run fp8_accumulation 200 python3 perf/experiments/fp8_accumulation_gpu.py --out "$OUT/fp8_accumulation.json" ;;
+    token-ds-tests)  # session 21: the named per-token bf16-dS recipe through the API (emulator, fp64, leakage)
+      run token_ds_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cute_backend.py \
+        tests/test_kernel_accuracy.py -k "token_dsbf16" ;;
+    token-ds-bench)  # session 21: the per-token recipe beside the block-scaled default, FA4 in the same run (GPU time)
+      run bench_token_ds 480 python3 -m flamia_cute.cli bench --modes fwd,bwd,fwdbwd --impls flamia,fa4 --reps 15 \
+        --gpu-time --recipe fp8_tokenblock_dsbf16,fp8_token_dsbf16 --out "$OUT/token_ds" ;;
     bench-short)  # packs of documents at or below one tile (issue 7's short documents), GPU time, against FA4
       run bench_short 300 python3 -m flamia_cute.cli bench --workloads perf/workloads_short.json --modes fwd,fwdbwd \
         --impls flamia,fa4 --reps 15 --gpu-time ;;

@@ -30,7 +30,8 @@ def measure(recipe, kind, mix, heads_kv=2):
 
 
 @pytest.mark.parametrize("mix", list(DOC_MIXES))
-@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tokenblock_dsbf16", "fp8_tokenblock_dsbf16_castsum"])
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tokenblock_dsbf16", "fp8_token_dsbf16",
+                                    "fp8_tokenblock_dsbf16_castsum"])
 def test_normal_floors(recipe, mix):
     got = measure(recipe, "normal", mix)
     for name, floor in NORMAL_FLOORS.items():

@@ -42,12 +42,8 @@ except Exception:  # pragma: no cover
 
 needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl not importable")
 
-# the named recipe (token-block K/V) and its per-token twin (the kernel's diagonal_copy=False build)
-RECIPES = {
-    "fp8_tokenblock_dsbf16": Recipe.from_name("fp8_tokenblock_dsbf16"),
-    "fp8_token_dsbf16": Recipe.from_name("fp8_token").with_(name="fp8_token_dsbf16", ds_cast="bf16",
-                                                             dv_fold="document"),
-}
+# the named recipes: token-block K/V and the per-token twin (the kernel's diagonal_copy=False build)
+RECIPES = {name: Recipe.from_name(name) for name in ("fp8_tokenblock_dsbf16", "fp8_token_dsbf16")}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -68,7 +68,8 @@ def test_per_tensor_operands_fill_one_fused_layout(forward_only):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tensor_current", "fp8_tokenblock_dsbf16"])
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tensor_current", "fp8_tokenblock_dsbf16",
+                                    "fp8_token_dsbf16"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 1)])
 def test_kernel_path_matches_emulator(recipe, heads):
     q, k, v, do, cu, scale = make_inputs(LENGTHS, *heads, 128, device="cuda", seed=2)
@@ -132,7 +133,7 @@ def test_auto_routes_to_the_kernels_on_sm90(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tokenblock_dsbf16"])
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tokenblock_dsbf16", "fp8_token_dsbf16"])
 def test_kernel_path_is_leak_free(recipe):
     q, k, v, do, cu, scale = make_inputs(LENGTHS, 2, 2, 128, device="cuda", seed=4)
     # O and LSE bit-identical; gradients within the run-to-run spread of the backward's fp32 dQ atomics

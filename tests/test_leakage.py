@@ -6,8 +6,8 @@ import torch
 from flamia_cute.testing import LeakageReport, attention_fn_for, check_leakage, make_inputs
 
 LENGTHS = [300, 517, 1, 0, 130]
-LEAK_FREE = ["bf16", "fp8_token", "fp8_tokenblock", "fp8_tokenblock_dsbf16", "fp8_tokenblock_dsbf16_castsum", "mxfp8",
-             "nvfp4_fp8"]
+LEAK_FREE = ["bf16", "fp8_token", "fp8_tokenblock", "fp8_tokenblock_dsbf16", "fp8_token_dsbf16", "fp8_tokenblock_dsbf16_castsum",
+             "mxfp8", "nvfp4_fp8"]
 
 
 @pytest.fixture(scope="module")
