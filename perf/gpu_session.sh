@@ -132,6 +132,15 @@ for stage in "$@"; do
     token-ds-bench)  # session 21: the per-token recipe beside the block-scaled default, FA4 in the same run (GPU time)
       run bench_token_ds 480 python3 -m flamia_cute.cli bench --modes fwd,bwd,fwdbwd --impls flamia,fa4 --reps 15 \
         --gpu-time --recipe fp8_tokenblock_dsbf16,fp8_token_dsbf16 --out "$OUT/token_ds" ;;
+    tune-fq)  # session 21: the forward and the Q/K/V launch tuned on one workload of each class (the first named)
+      run tune_fq 480 python3 -m flamia_cute.cli tune --only 16x1k,1x16k,longtail32k,mixed16k --kernels fwd,quant --reps 10 ;;
+    tune-b) run tune_b 480 python3 -m flamia_cute.cli tune --only 16x1k,1x16k,longtail32k,mixed16k --kernels bwd --reps 10 ;;
+    bench-tuned)  # session 21: GPU time with the tuning file, then with it ignored, FA4 in each run
+      run bench_tuned 300 python3 -m flamia_cute.cli bench --modes fwd,bwd,fwdbwd --impls flamia,fa4 --reps 15 \
+        --gpu-time --out "$OUT/tuned"
+      run bench_untuned 300 env FLAMIA_CUTE_NO_TUNING=1 python3 -m flamia_cute.cli bench --modes fwd,bwd,fwdbwd \
+        --impls flamia,fa4 --reps 15 --gpu-time --out "$OUT/untuned"
+      run tune_print 60 python3 -m flamia_cute.cli tune --print ;;
     bench-short)  # packs of documents at or below one tile (issue 7's short documents), GPU time, against FA4
       run bench_short 300 python3 -m flamia_cute.cli bench --workloads perf/workloads_short.json --modes fwd,fwdbwd \
         --impls flamia,fa4 --reps 15 --gpu-time ;;
