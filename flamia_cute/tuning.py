@@ -241,6 +241,25 @@ def workload_space(kernel: str, keep: list, heads_kv: int, max_seqlen: int) -> l
     return [(default, "default")] + [(c, "variant" if why == "default" else why) for c, why in keep if c != default]
 
 
+# A bf16-dS record's head_window when the window that the tuned workload's length picks
+# (auto_head_window) won: the lookup then picks it again by each call's length. A class holds
+# documents of 1k to 4k tokens (mid-uniform: 16x1k and 4x4k), whose automatic windows differ (16, 4);
+# a number tuned on 16x1k cost 4x4k's backward +4.5% (run s21c).
+AUTO_WINDOW = "auto"
+
+
+def record_fields(kernel: str, cfg, heads_kv: int, max_seqlen: int) -> dict:
+    """config_fields as a tuned record stores them: the bf16-dS head window as AUTO_WINDOW where it is
+    the one auto_head_window picks for the tuned workload."""
+    fields = config_fields(kernel, cfg)
+    if kernel == "bwd_dsbf16":
+        from .attention_bwd_dsbf16_sm90 import auto_head_window
+
+        if fields["head_window"] == auto_head_window(heads_kv, max_seqlen):
+            fields["head_window"] = AUTO_WINDOW
+    return fields
+
+
 def config_fields(kernel: str, cfg) -> dict:
     """The fields the search varies, as the plain JSON dict the cache stores."""
     if kernel == "quant":
@@ -268,6 +287,8 @@ def config_from_fields(kernel: str, default, fields: dict):
         fields = {"q_bf16_source": None, "dk_under_dq_store": None, **fields}
         if "head_window" not in fields:  # before session 18: the default's window, in its order only
             fields["head_window"] = default.head_window if fields.get("raster", default.raster) == "blocks" else 1
+        elif fields["head_window"] == AUTO_WINDOW:  # the call's own (default_config picks it by length)
+            fields["head_window"] = default.head_window
     if kernel == "fwd":  # records from before session 11's q_stages: the stages their persistence implies
         fields = {"q_stages": None, **fields}
     return dataclasses.replace(default, **fields)
@@ -435,8 +456,9 @@ def _kernel_calls(case, block: int, kernels, ds_bf16: bool) -> dict:
     return calls
 
 
-def _tune_one(kernel, keep, call, n_sets, reps) -> dict:
-    """Time every kept config; the cache record ("config" None when every config failed)."""
+def _tune_one(kernel, keep, call, n_sets, reps, heads_kv: int, max_seqlen: int) -> dict:
+    """Time every kept config; the cache record ("config" None when every config failed; record_fields
+    of the fastest for this workload's KV heads and longest document)."""
     import sys
 
     from .bench import _time_calls
@@ -453,7 +475,7 @@ def _tune_one(kernel, keep, call, n_sets, reps) -> dict:
             failed[label] = f"{type(e).__name__}: {e}"[:300]
             print(f"tune: {kernel} {label} failed: {failed[label]}", file=sys.stderr)
     best = min(times, key=times.get) if times else None
-    return {"config": config_fields(kernel, best) if times else None, "ms": times.get(best),
+    return {"config": record_fields(kernel, best, heads_kv, max_seqlen) if times else None, "ms": times.get(best),
             "default_ms": times.get(keep[0][0]),
             "all": {config_label(kernel, c): round(t, 4) for c, t in times.items()}, "failed": failed}
 
@@ -532,7 +554,8 @@ def run_tune(args) -> int:
         case = Case(w, lengths, head["heads_q"], head["heads_kv"], head["head_dim"], "cuda").build()
         calls = _kernel_calls(case, block, todo, bf16_ds_backward(args.recipe))
         for k in todo:
-            rec = _tune_one(k, workload_space(k, spaces[k][0], head["heads_kv"], max(lengths)), *calls[k], args.reps)
+            rec = _tune_one(k, workload_space(k, spaces[k][0], head["heads_kv"], max(lengths)), *calls[k], args.reps,
+                            head["heads_kv"], max(lengths))
             rec["workload"] = w
             tuned_now.add((k, wclass))
             if rec["config"] is None:

@@ -414,3 +414,54 @@ def test_workload_space_starts_from_the_untuned_default():
     assert tuning.workload_space("bwd_dsbf16", keep, 16, 16384)[0][0] == keep[0][0]
     assert tuning.workload_space("fwd", keep, 16, 1024) is keep
     assert [c.head_window for c, _ in short if c.persistent] == [16]  # the persistent build in the same order
+
+
+def test_bwd_dsbf16_auto_window_stays_per_call(tmp_path, monkeypatch):
+    """A bf16-dS record whose head window is the one its tuned workload's length picks stores it as
+    "auto", and each call of the class then gets its own length's window (16x1k: 16, 4x4k: 4; one
+    class, mid-uniform: a stored 16 cost 4x4k's backward +4.5%, run s21c); any other window is kept."""
+    pytest.importorskip("cutlass")
+    from flamia_cute.attention_bwd_dsbf16_sm90 import BwdDsBf16Config
+
+    keep, _ = tuning.search_space("bwd_dsbf16", 128, 16, 16, 128)
+    space = tuning.workload_space("bwd_dsbf16", keep, 16, 1024)
+    auto_cfg = space[0][0]
+    assert auto_cfg.head_window == 16
+    rec = tuning.record_fields("bwd_dsbf16", auto_cfg, 16, 1024)
+    assert rec["head_window"] == tuning.AUTO_WINDOW
+    plain = next(c for c, _ in space if c.head_window == 1 and not c.persistent)
+    assert tuning.record_fields("bwd_dsbf16", plain, 16, 1024)["head_window"] == 1
+    assert tuning.record_fields("fwd", _defaults()["fwd"], 16, 1024) == tuning.config_fields("fwd", _defaults()["fwd"])
+    rec = dict(rec, vec_stages=3)  # a tuned field besides the window: the record is applied, not ignored
+    cache = TuningCache(KEY, tmp_path / "t.json")
+    cache.put("bwd_dsbf16", "mid-uniform", "d128_g1_tokenblock", {"config": rec, "ms": 1.0, "default_ms": 1.0})
+    monkeypatch.setattr(tuning, "_loaded", {"cache": TuningCache(KEY, cache.path)})
+    monkeypatch.delenv("FLAMIA_CUTE_NO_TUNING", raising=False)
+    for max_seqlen, docs, window in ((1024, 16, 16), (4096, 4, 4)):
+        default = BwdDsBf16Config(head_dim=128, diagonal_copy=True, head_window=window)
+        assert tuning.workload_class(max_seqlen, 16384, docs) == "mid-uniform"
+        tuned = tuning.tuned_bwd_dsbf16_config(default, max_seqlen, 16384, docs)
+        assert (tuned.head_window, tuned.vec_stages) == (window, 3)
+    fixed = dict(rec, head_window=2)
+    assert tuning.config_from_fields("bwd_dsbf16", auto_cfg, fixed).head_window == 2
+
+
+def test_tune_loop_records_the_automatic_window(tmp_path, monkeypatch, capsys):
+    """The tune command (timings faked) stores the bf16-dS backward's winning automatic window as "auto"."""
+    pytest.importorskip("cutlass")
+    import torch
+
+    from flamia_cute import bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(TuningKey, "current", classmethod(lambda cls: KEY))
+    monkeypatch.setenv("FLAMIA_CUTE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(bench.Case, "build", lambda self, seed=0: self)
+    # the untuned default (the automatic window) is the fastest
+    monkeypatch.setattr(tuning, "_kernel_calls", lambda case, block, kernels, ds_bf16: {
+        k: ((lambda cfg, i: 1.0 if cfg.head_window == 16 and not cfg.persistent else 2.0), 1) for k in kernels})
+    monkeypatch.setattr(bench, "_time_calls", lambda fn, n_sets, device, reps, **kw: fn(0))
+    assert main(["tune", "--only", "16x1k", "--reps", "1", "--kernels", "bwd"]) == 0
+    entries = json.loads(next((tmp_path / "tuning").glob("*.json")).read_text())["entries"]
+    assert entries["bwd_dsbf16"]["d128_g1_tokenblock/mid-uniform"]["config"]["head_window"] == tuning.AUTO_WINDOW
+    assert "head_window=auto" in capsys.readouterr().out
