@@ -141,6 +141,12 @@ for stage in "$@"; do
       run bench_untuned 300 env FLAMIA_CUTE_NO_TUNING=1 python3 -m flamia_cute.cli bench --modes fwd,bwd,fwdbwd \
         --impls flamia,fa4 --reps 15 --gpu-time --out "$OUT/untuned"
       run tune_print 60 python3 -m flamia_cute.cli tune --print ;;
+    tune-window-check)  # session 21: the bf16-dS record's automatic window, re-tuned on 16x1k, applied to 4x4k
+      run tune_window 300 python3 -m flamia_cute.cli tune --only 16x1k --kernels bwd --reps 10 --force
+      run bench_window_tuned 200 python3 -m flamia_cute.cli bench --only 16x1k,4x4k --modes bwd --impls flamia,fa4 \
+        --reps 15 --gpu-time --out "$OUT/window_tuned"
+      run bench_window_untuned 200 env FLAMIA_CUTE_NO_TUNING=1 python3 -m flamia_cute.cli bench --only 16x1k,4x4k \
+        --modes bwd --impls flamia,fa4 --reps 15 --gpu-time --out "$OUT/window_untuned" ;;
     bench-short)  # packs of documents at or below one tile (issue 7's short documents), GPU time, against FA4
       run bench_short 300 python3 -m flamia_cute.cli bench --workloads perf/workloads_short.json --modes fwd,fwdbwd \
         --impls flamia,fa4 --reps 15 --gpu-time ;;
