@@ -66,6 +66,21 @@ def fp8_dot(a: torch.Tensor, bt: torch.Tensor, build: str) -> torch.Tensor:
     return c
 
 
+# k32 instructions per chain of each build (None: the whole reduction)
+CHAIN_INSTRUCTIONS = {"k32": 1, "chain128": 4, "chain512": 16, "default": None}
+
+
+def model_dot(a: torch.Tensor, bt: torch.Tensor, build: str, bits: int = 14) -> torch.Tensor:
+    """fp8_dot as the tests' error model has it (testing.fp8_mma_truncated: each chain starts from
+    zero, its accumulator truncated with every instruction's products; chains added exactly)."""
+    from flamia_cute.testing import fp8_mma_truncated
+
+    a, b = a.cpu().float(), bt.cpu().float().T
+    chain = 32 * (CHAIN_INSTRUCTIONS[build] or a.shape[1] // 32)
+    return sum(fp8_mma_truncated(a[:, k : k + chain], b[k : k + chain], bits).double()
+               for k in range(0, a.shape[1], chain)).float()
+
+
 def exact(a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
     return a.cpu().double() @ bt.cpu().double().T
 
@@ -136,7 +151,9 @@ def bits_kept(rows: list[dict], build: str | None = None, big: str = "log2_C") -
     return max(ok) if ok else None
 
 
-def attention_like(device, tokens: int = 16384, v_mean: float = 0.0, seed: int = 0) -> dict:
+def attention_like(device, tokens: int = 16384, v_mean: float = 0.0, seed: int = 0, dot=None) -> dict:
+    """dot: fp8_dot (default) or model_dot (the same operands through the error model)."""
+    dot = dot or fp8_dot
     g = torch.Generator().manual_seed(seed)
     s = torch.randn(BM, tokens, generator=g, dtype=torch.float64) * 2.0
     p = torch.exp(s - s.amax(1, keepdim=True)) * 256.0
@@ -146,7 +163,7 @@ def attention_like(device, tokens: int = 16384, v_mean: float = 0.0, seed: int =
     ref = exact(p8, vt8)  # the same e4m3 operands in fp64: only the accumulation differs
     out = {"tokens": tokens, "v_mean": v_mean}
     for build in BUILDS:
-        err = fp8_dot(p8, vt8, build).double().cpu() - ref
+        err = dot(p8, vt8, build).double().cpu() - ref
         out[build] = {"rel_l2": float(err.norm() / ref.norm()),
                       "sqnr_db": float(10 * torch.log10(ref.pow(2).sum() / err.pow(2).sum().clamp_min(1e-300))),
                       "bias": float(err.mean() / ref.abs().mean())}
