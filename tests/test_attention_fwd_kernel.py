@@ -55,7 +55,8 @@ needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl not impo
 # products are accumulated, and every such difference is amplified by the P cast:
 # 1. Hopper's fp8 wgmma does not accumulate in full fp32: inside one MMA k-chain the addends are
 #    aligned to the largest exponent and low bits are dropped, ~14 significant bits retained
-#    (DeepSeek-V3 report, sec. 3.3.2). `fp8_mma_truncated` models this per k32 step. S = Q K^T (D/32
+#    (DeepSeek-V3 report, sec. 3.3.2), the running accumulator with them (measured on the H200:
+#    tests/test_fp8_accumulation_model.py). `fp8_mma_truncated` models this per k32 step. S = Q K^T (D/32
 #    steps) gets relative errors ~2^-13 of the largest product: ~1e-4 in the logits.
 # 2. ex2.approx.ftz vs exp: ~2^-22 relative, negligible; fp32 order of the row sums: ~1e-7.
 # 3. P e4m3 flips: the ~1e-4 logit perturbation moves a P value across an e4m3 rounding boundary
