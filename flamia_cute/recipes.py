@@ -176,7 +176,9 @@ NAMED_RECIPES: dict[str, Recipe] = {
         # The same backward with per-token K and V (block size 1): no diagonal copies to quantize,
         # and no change of K/V copies inside a backward CTA; the forward folds V's scale into P on
         # every tile instead of the diagonal only. As accurate as the block-scaled twin (power-of-two
-        # scales on a floating-point format: the granularity changes only what under- or overflows)
+        # scales on a floating-point format: the granularity changes only what under- or overflows).
+        # H200 (perf/RESULTS.md, session 21): backward 0..2% faster, forward 15..31% slower wherever a
+        # query block has more than one key tile (16x1k +3%): opt-in
         Recipe("fp8_token_dsbf16", _TOKEN, _TOKEN, _TOKEN, _TOKEN, ds_cast="bf16", dv_fold="document"),
         # The same with the forward's row sum of the cast P off the diagonal (row_sum "cast_p"): the
         # kernel sums on the tensor core instead of 64 FADDs per thread and tile. Same accuracy against
