@@ -66,17 +66,14 @@ def fp8_dot(a: torch.Tensor, bt: torch.Tensor, build: str) -> torch.Tensor:
     return c
 
 
-# k32 instructions per chain of each build (None: the whole reduction)
-CHAIN_INSTRUCTIONS = {"k32": 1, "chain128": 4, "chain512": 16, "default": None}
-
-
 def model_dot(a: torch.Tensor, bt: torch.Tensor, build: str, bits: int = 14) -> torch.Tensor:
     """fp8_dot as the tests' error model has it (testing.fp8_mma_truncated: each chain starts from
     zero, its accumulator truncated with every instruction's products; chains added exactly)."""
     from flamia_cute.testing import fp8_mma_truncated
 
     a, b = a.cpu().float(), bt.cpu().float().T
-    chain = 32 * (CHAIN_INSTRUCTIONS[build] or a.shape[1] // 32)
+    maxacc = BUILDS[build][1]
+    chain = maxacc if maxacc > 0 else a.shape[1]  # the default chains the whole reduction
     return sum(fp8_mma_truncated(a[:, k : k + chain], b[k : k + chain], bits).double()
                for k in range(0, a.shape[1], chain)).float()
 
