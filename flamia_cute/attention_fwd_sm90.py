@@ -89,6 +89,8 @@ from .sm90_device import (
     quad_transpose4,
     rank_documents_longest_first,
     read_tile,
+    select,
+    short_pair_len,
     smem_word_index,
     st_global_v2,
     st_global_v4,
@@ -122,7 +124,7 @@ if LPT_MAX_DOCS != 128:  # rank_documents_longest_first: one document per produc
 def per_tile_fallback(cfg):
     """The one-CTA-per-tile build of a persistent config (more documents than its tables hold): the
     persistent-only options off, the Q stages back to their per-tile default."""
-    return replace(cfg, persistent=False, overlap_tiles=False, claim_ahead=False, q_stages=None)
+    return replace(cfg, persistent=False, overlap_tiles=False, claim_ahead=False, q_stages=None, short_pairs=False)
 
 
 def smem_bytes(cfg) -> int:
@@ -252,6 +254,12 @@ class FwdConfig:
     # (2 bytes) and writing its codes (1 byte) per element, ~27% of its bytes. Needs the staged
     # tile inputs and one tile at a time (no overlap_tiles). Inputs: flamia_fwd_sm90(q_bf16=...).
     fuse_q_quant: bool = False
+    # Persistent: two short documents share one query tile, one per consumer warpgroup (schedules.
+    # varlen_tiles.short_pair_partner: documents 2i and 2i + 1 when 2i fills exactly 64 V^T columns
+    # and 2i + 1 holds at most 64 tokens). The tile's K is two 64-row boxes, one per document; the
+    # V^T box already holds both; the second warpgroup masks the first document's keys. A paired
+    # document's rows see exactly the keys and scales of its own tile: O and LSE bit-identical.
+    short_pairs: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -314,6 +322,12 @@ class FwdConfig:
         if self.fuse_q_quant and not fuse_q_quant_supported(self):
             bad("fuse_q_quant", "needs stage_tile_inputs=True, overlap_tiles=False and claim_ahead=False (it claims "
                 "each tile's successor before the tile's K/V loads itself)")
+        if not isinstance(self.short_pairs, bool):
+            bad("short_pairs", "must be a bool")
+        if self.short_pairs and not (self.persistent and self.stage_tile_inputs and not self.overlap_tiles
+                                     and not self.fuse_q_quant):
+            bad("short_pairs", "needs persistent=True, stage_tile_inputs=True, overlap_tiles=False and "
+                "fuse_q_quant=False (the pair's bounds travel with the published tile)")
         if self.row_sum_mma and not (self.diagonal_copy and self.drop_branch and not self.overlap_tiles):
             bad("row_sum_mma", "needs diagonal_copy=True (uniform off-diagonal tiles), drop_branch=True and "
                 "overlap_tiles=False")
@@ -374,6 +388,7 @@ class FlamiaFwdSm90:
         self.scale_rows = 2 * config.tile_n + (config.tile_m if config.stage_tile_inputs else 0)
         self.sched_rows = 6 if config.stage_tile_inputs else 4
         self.fuse_q = config.fuse_q_quant
+        self.short_pairs = config.short_pairs
         # the TMA warp's Q ring: the e4m3 Q stages, or with fuse_q_quant one bf16 tile (warps 2-3
         # quantize it into an e4m3 stage; persistent: two, so the next tile's Q loads while this
         # tile's is being quantized: produce_tiles_q_ahead)
@@ -458,6 +473,10 @@ class FlamiaFwdSm90:
         tma_v, tV = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mV, sV1, (D, tn))
         tma_kt, tKt = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mKt, sK1, (tn, D))
         tma_vt, tVt = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mVt, sV1, (D, tn))
+        # short_pairs: the diagonal K tile as two 64-row boxes (rows are whole 128-byte swizzle rows,
+        # so a stage's first 64 rows are laid out as a 64-row tile)
+        sKh = cute.slice_(sm90_utils.make_smem_layout_b(row_major, (wm, wm, D), Float8E4M3FN, 1), (None, None, 0))
+        tma_kh, tKh = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mKt if self.diag_copy else mK, sKh, (wm, D))
         # bf16 Q for fuse_q_quant: two 64-row boxes, rows dense (no swizzle: only warps 2-3 read it,
         # a warp two whole rows at a time)
         sQb_layout = cute.make_layout((wm, D, 2 * self.tma_q_stages), stride=(D, 1, wm * D))
@@ -504,7 +523,7 @@ class FlamiaFwdSm90:
 
         self.kernel(
             qk_mma, pv_mma,
-            tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, tma_qb, tQb,
+            tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, tma_qb, tQb, tma_kh, tKh,
             mQ, mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched,
             sQ_layout, sK_layout, sV_layout, sQb_layout, scale_log2,
         ).launch(
@@ -533,6 +552,8 @@ class FlamiaFwdSm90:
         tVt: cute.Tensor,
         tma_qb: cute.CopyAtom,
         tQb: cute.Tensor,
+        tma_kh: cute.CopyAtom,
+        tKh: cute.Tensor,
         mQ: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
@@ -557,7 +578,7 @@ class FlamiaFwdSm90:
         # in flight at once no longer fit in L2 (perf/NOTES.md, session 3).
         bidx, head, doc = cute.arch.block_idx()
         roles = (
-            qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, tma_qb, tQb,
+            qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, tma_qb, tQb, tma_kh, tKh,
             mQ, mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, sQb_layout,
             scale_log2,
         )
@@ -577,7 +598,7 @@ class FlamiaFwdSm90:
     def run_cta(self, roles, head, doc, doc_start, doc_len, m_block):
         """Shared memory, pipelines and the warp roles of one CTA: the tile (head, doc, m_block), or
         when persistent the scheduler's tiles."""
-        (qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, tma_qb, tQb,
+        (qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, tma_qb, tQb, tma_kh, tKh,
          mQ, mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, sQb_layout,
          scale_log2) = roles
         tn = self.tile_n
@@ -645,7 +666,8 @@ class FlamiaFwdSm90:
                     sWarp = storage.sWarp.get_tensor(cute.make_layout((4, 2), stride=(2, 1)))
                 else:
                     sWarp = storage.sWarp.get_tensor(cute.make_layout((4, 3), stride=(3, 1)))
-                doc_chunk_cumsum(mCu, cute.size(mCu) - 1, sCum, sDt, sWarp, tidx, 128, SCAN_BARRIER, tn, sHeavy)
+                doc_chunk_cumsum(mCu, cute.size(mCu) - 1, sCum, sDt, sWarp, tidx, 128, SCAN_BARRIER, tn, sHeavy,
+                                 self.short_pairs)
                 if cutlass.const_expr(lpt_tables is not None):
                     cute.arch.barrier(barrier_id=SCAN_BARRIER, number_of_threads=128)  # sCum complete
                     rank_documents_longest_first(sCum, cute.size(mCu) - 1, *lpt_tables, sWarp, tidx, 128, SCAN_BARRIER)
@@ -656,10 +678,10 @@ class FlamiaFwdSm90:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             if warp_idx == 0:
                 tma_args = (tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, sQ, sK, sV_tma, pipe_q, pipe_k,
-                            pipe_v)
+                            pipe_v, (tma_kh, tKh))
                 if cutlass.const_expr(self.fuse_q):  # Q comes in bf16
                     tma_args = (tma_qb, tQb, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
-                                storage.sQb.get_tensor(sQb_layout), sK, sV_tma, pipe_qb, pipe_k, pipe_v)
+                                storage.sQb.get_tensor(sQb_layout), sK, sV_tma, pipe_qb, pipe_k, pipe_v, (tma_kh, tKh))
                 if cutlass.const_expr(self.persistent and self.fuse_q):
                     self.produce_tiles_q_ahead(tma_args, mCu, mSched, mO.shape[2], pipe_t, sSched, sCum, sDt, sHeavy,
                                                lpt_tables)
@@ -671,9 +693,9 @@ class FlamiaFwdSm90:
             if warp_idx == 1:
                 s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 if cutlass.const_expr(self.persistent):
-                    def scales_step(s_state, head, doc_start, doc_len, m_block):
+                    def scales_step(s_state, head, doc_start, doc_len, m_block, *pair):
                         return self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, head // self.group,
-                                                doc_start, doc_len, m_block, mSQ, head)
+                                                doc_start, doc_len, m_block, mSQ, head, *pair)
 
                     self.for_each_published_tile(pipe_t, sSched, mCu, s_state, scales_step)
                 else:
@@ -713,8 +735,15 @@ class FlamiaFwdSm90:
             doc, head, m_block = self.tile_at(t, sCum, num_docs, heads, sHeavy, lpt_tables)
             doc_start = mCu[doc]
             bounds = (doc_start, mCu[doc + 1] - doc_start) if cutlass.const_expr(self.cfg.stage_tile_inputs) else None
+            pair_len = None
+            if cutlass.const_expr(self.short_pairs):
+                pair_len = Int32(0)
+                if m_block == 0:  # (a paired document has one block)
+                    pair_len = short_pair_len(mCu, doc, num_docs)
+                bounds = (*bounds, pair_len)
             t_state = publish_tile(pipe_t, sSched, t_state, m_block, head, doc, bounds)
-            states = self.load_tma(*tma_args, states, head, head // self.group, doc_start, mCu, doc, sDt[doc], m_block)
+            states = self.load_tma(*tma_args, states, head, head // self.group, doc_start, mCu, doc, sDt[doc], m_block,
+                                   pair_len=pair_len)
             if cutlass.const_expr(self.cfg.tile_claim == "stride"):
                 t = t + cute.arch.grid_dim()[0]
             elif cutlass.const_expr(claim_ahead):
@@ -723,6 +752,8 @@ class FlamiaFwdSm90:
             else:
                 t = claim_next_tile(mSched)
         end_bounds = (Int32(0), Int32(0)) if cutlass.const_expr(self.cfg.stage_tile_inputs) else None
+        if cutlass.const_expr(self.short_pairs):
+            end_bounds = (*end_bounds, Int32(0))
         publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0), end_bounds)
 
     @cute.jit
@@ -784,12 +815,14 @@ class FlamiaFwdSm90:
     @cute.jit
     def load_tma(
         self, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
-        sQ, sK, sV, pipe_q, pipe_k, pipe_v, states, head, kv_head, doc_start, mCu, doc, dt_start, m_block,
-        part: cutlass.Constexpr = "all",
+        sQ, sK, sV, pipe_q, pipe_k, pipe_v, k_half, states, head, kv_head, doc_start, mCu, doc, dt_start, m_block,
+        part: cutlass.Constexpr = "all", pair_len=None,
     ):
         """Warp 0: TMA loads of query block m_block's Q and its key tiles, diagonal first. dt_start:
         the document's first V^T column, or None to sum it from cu_seqlens here. part: "all", or
-        only "q" or "kv" (produce_tiles_q_ahead). Returns the (q, k, v) pipeline states."""
+        only "q" or "kv" (produce_tiles_q_ahead). pair_len (short_pairs): > 0 when the next document
+        shares the tile: its Q rows and diagonal K rows are the second 64-row boxes (k_half: the
+        64-row K atom). Returns the (q, k, v) pipeline states."""
         D, tn, wm = self.D, self.tile_n, self.wg_m
         q_state, k_state, v_state = states
         n_tiles = m_block + 1
@@ -811,25 +844,47 @@ class FlamiaFwdSm90:
             g = cute.local_tile(cute.domain_offset((0, dt_start), t[None, None, kv_head]), (D, tn), (0, None))
             return cute.nvgpu.cpasync.tma_partition(atom, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(g, 0, 2))
 
+        paired = None
+        pair_start = None  # the second document's start, 64 rows back (its rows are the block's 64..127)
+        if cutlass.const_expr(pair_len is not None):
+            paired = pair_len > 0
+            pair_start = mCu[doc + 1] - wm
         if cutlass.const_expr(part != "kv"):
             pipe_q.producer_acquire(q_state)
             for w in cutlass.range_constexpr(2):
                 slot = w
                 if cutlass.const_expr(self.persistent):
                     slot = w + 2 * q_state.index
-                cute.copy(tma_q, tQg[None, 2 * m_block + w], tQs[None, slot],
-                          tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                if cutlass.const_expr(pair_len is not None and w == 1):
+                    gQp = cute.local_tile(cute.domain_offset((pair_start, 0), tQ[None, None, head]), (wm, D), (None, 0))
+                    _, tQgp = cute.nvgpu.cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2),
+                                                               cute.group_modes(gQp, 0, 2))
+                    if paired:  # the second document's first 64 rows
+                        cute.copy(tma_q, tQgp[None, 1], tQs[None, slot], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                    else:
+                        cute.copy(tma_q, tQg[None, 2 * m_block + w], tQs[None, slot],
+                                  tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                else:
+                    cute.copy(tma_q, tQg[None, 2 * m_block + w], tQs[None, slot],
+                              tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
         if cutlass.const_expr(part == "q"):
             return q_state, k_state, v_state
         # diagonal K tile first: from the per-token copy when the recipe has block scales
         tKs, tKg = k_part(tma_k, tK)
-        pipe_k.producer_acquire(k_state)
+        tma_kd, tKds, tKdg = tma_k, tKs, tKg
         if cutlass.const_expr(self.diag_copy):
-            tKts, tKtg = k_part(tma_kt, tKt)
-            cute.copy(tma_kt, tKtg[None, m_block], tKts[None, k_state.index], tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+            tKds, tKdg = k_part(tma_kt, tKt)
+            tma_kd = tma_kt
+        pipe_k.producer_acquire(k_state)
+        if cutlass.const_expr(pair_len is None):
+            cute.copy(tma_kd, tKdg[None, m_block], tKds[None, k_state.index], tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
         else:
-            cute.copy(tma_k, tKg[None, m_block], tKs[None, k_state.index], tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+            if paired:
+                self.load_pair_k(k_half, sK, pipe_k, k_state, kv_head, doc_start, pair_start)
+            else:
+                cute.copy(tma_kd, tKdg[None, m_block], tKds[None, k_state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
         k_state.advance()
 
         if cutlass.const_expr(dt_start is None):
@@ -854,43 +909,109 @@ class FlamiaFwdSm90:
             v_state.advance()
         return q_state, k_state, v_state
 
+    @cute.jit
+    def load_pair_k(self, k_half, sK, pipe_k, k_state, kv_head, doc_start, pair_start):
+        """A short pair's diagonal K tile: rows 0..63 from the first document, 64..127 from the second
+        (pair_start: its start 64 rows back), into K stage k_state as two 64-row boxes."""
+        tma_kh, tKh = k_half
+        wm, D = self.wg_m, self.D
+        one = cute.make_layout(1)
+        # the stage's two 64-row halves: (64, D, half, stage)
+        sKh = cute.flat_divide(sK, (wm, D))
+        for w in cutlass.range_constexpr(2):
+            start = doc_start if w == 0 else pair_start
+            g = cute.local_tile(cute.domain_offset((start, 0), tKh[None, None, kv_head]), (wm, D), (None, 0))
+            s_half = sKh[None, None, w, 0, None]
+            tKs, tKg = cute.nvgpu.cpasync.tma_partition(tma_kh, 0, one, cute.group_modes(s_half, 0, 2),
+                                                        cute.group_modes(g, 0, 2))
+            cute.copy(tma_kh, tKg[None, w], tKs[None, k_state.index], tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def load_scales(self, mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len, m_block,
-                    mSQ, head):
+                    mSQ, head, pair_len=None):
         """Warp 1: the K and V scales of each key tile of query block m_block into shared memory (0
         past the document end). With stage_tile_inputs also the block's per-row Q scales into the
         diagonal (first) step's stage (1 past the end), and a step's K/V loads in two halves, each
         issued before its stores (two global round trips per step; a whole step's loads at once spill
         in the producers' 24 registers); without (sessions 1-10), one 32-key chunk at a time.
+        pair_len (short_pairs): rows and keys 64..127 of a paired tile are the second document's.
         Returns the pipeline state."""
         tn, tm = self.tile_n, self.cfg.tile_m
         staged = self.cfg.stage_tile_inputs
         lane = cute.arch.lane_idx()
+        # the bounds of the block's second half (rows / keys 64..127): a short pair's second document
+        # as if it started 64 tokens before its start, else the tile's own document
+        hi_bounds = (doc_start, doc_len)
+        if cutlass.const_expr(pair_len is not None):
+            hi_bounds = self.pair_bounds(doc_start, doc_len, pair_len)
         per_group = tn // 64 if staged else 1  # 32-key chunks loaded before their stores
+        pairs = pair_len is not None
         for i in cutlass.range(m_block + 1, unroll=1):
             n = m_block - i
             pipe_s.producer_acquire(s_state)
             if cutlass.const_expr(staged and not self.fuse_q):  # fused: warps 2-3 stage Q's scales
                 if i == 0:
-                    for c in cutlass.range_constexpr(tm // 32):
-                        row = m_block * tn + lane + 32 * c
-                        sq = Float32(1.0)  # rows past the end: any finite positive scale (never stored)
-                        if row < doc_len:
-                            sq = mSQ[doc_start + row, head]
-                        sScale[2 * tn + lane + 32 * c, s_state.index] = sq
-            for g in cutlass.range_constexpr(tn // 32 // per_group):
-                loaded = []
-                for c in cutlass.range_constexpr(g * per_group, (g + 1) * per_group):
-                    sk, sv = self.key_scales(mSK, mSV, mSKt, mSVt, i, n * tn + lane + 32 * c, kv_head, doc_start,
-                                             doc_len)
-                    loaded.append((c, sk, sv))
-                for c, sk, sv in loaded:
-                    sScale[lane + 32 * c, s_state.index] = sk
-                    sScale[tn + lane + 32 * c, s_state.index] = sv
+                    if cutlass.const_expr(pairs):
+                        # a runtime loop over the halves: one half's addresses live at a time (unrolled,
+                        # the second document's bases spill in the producers' 24 registers)
+                        for h in cutlass.range(2, unroll=1):
+                            start = select(h == 0, doc_start, hi_bounds[0])
+                            length = select(h == 0, doc_len, hi_bounds[1])
+                            for cc in cutlass.range_constexpr(tm // 64):
+                                r = lane + 32 * cc + (tm // 2) * h
+                                self.stage_q_scale(mSQ, sScale, s_state, head, m_block * tn + r, 2 * tn + r, start,
+                                                   length)
+                    else:
+                        for c in cutlass.range_constexpr(tm // 32):
+                            self.stage_q_scale(mSQ, sScale, s_state, head, m_block * tn + lane + 32 * c,
+                                               2 * tn + lane + 32 * c, doc_start, doc_len)
+            if cutlass.const_expr(pairs):
+                for h in cutlass.range(2, unroll=1):  # (per_group == 2: a group is a half)
+                    start = select(h == 0, doc_start, hi_bounds[0])
+                    length = select(h == 0, doc_len, hi_bounds[1])
+                    loaded = []
+                    for cc in cutlass.range_constexpr(per_group):
+                        key = lane + 32 * cc + (tn // 2) * h
+                        sk, sv = self.key_scales(mSK, mSV, mSKt, mSVt, i, n * tn + key, kv_head, start, length)
+                        loaded.append((key, sk, sv))
+                    for key, sk, sv in loaded:
+                        sScale[key, s_state.index] = sk
+                        sScale[tn + key, s_state.index] = sv
+            else:
+                for g in cutlass.range_constexpr(tn // 32 // per_group):
+                    loaded = []
+                    for c in cutlass.range_constexpr(g * per_group, (g + 1) * per_group):
+                        sk, sv = self.key_scales(mSK, mSV, mSKt, mSVt, i, n * tn + lane + 32 * c, kv_head, doc_start,
+                                                 doc_len)
+                        loaded.append((c, sk, sv))
+                    for c, sk, sv in loaded:
+                        sScale[lane + 32 * c, s_state.index] = sk
+                        sScale[tn + lane + 32 * c, s_state.index] = sv
             pipe_s.producer_commit(s_state)  # every lane arrives: releases its own stores
             s_state.advance()
         return s_state
+
+    @cute.jit
+    def stage_q_scale(self, mSQ, sScale, s_state, head, row, slot, start, length):
+        """Row `row` of the block's document (start, length): its Q scale into the scale stage's word
+        `slot` (1 past the end: any finite positive scale, never stored)."""
+        sq = Float32(1.0)
+        if row < length:
+            sq = mSQ[start + row, head]
+        sScale[slot, s_state.index] = sq
+
+    @cute.jit
+    def pair_bounds(self, doc_start, doc_len, pair_len):
+        """(start, length) of a tile's second 64 rows and keys: with pair_len > 0 (short_pairs) the
+        second document, which starts where the first ends, shifted 64 back so that row or key
+        64 + j is its token j; else the tile's own document's."""
+        start = doc_start
+        length = doc_len
+        if pair_len > 0:
+            start = doc_start + doc_len - self.wg_m
+            length = self.wg_m + pair_len
+        return start, length
 
     @cute.jit
     def key_scales(self, mSK, mSV, mSKt, mSVt, i, key, kv_head, doc_start, doc_len):
@@ -1041,11 +1162,11 @@ class FlamiaFwdSm90:
                 self.consume_overlapped_tiles(frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states,
                                               mO, mLSE, mSQ, mCu, scale_log2, wg, pipe_t, sSched)
             else:
-                def consume_step(states, head, doc_start, doc_len, m_block):
+                def consume_step(states, head, doc_start, doc_len, m_block, *pair):
                     # the MMA atoms are not loop-carried here: every GEMM sets its ACCUMULATE field first
                     states, _, _ = self.consume_tile(
                         frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, sQS, pipes, states, mO, mLSE, mSQ,
-                        scale_log2, head, doc_start, doc_len, m_block, wg,
+                        scale_log2, head, doc_start, doc_len, m_block, wg, *pair,
                     )
                     return states
 
@@ -1056,15 +1177,24 @@ class FlamiaFwdSm90:
     @cute.jit
     def consume_tile(
         self, frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, sQS, pipes, states, mO, mLSE, mSQ, scale_log2,
-        head, doc_start, doc_len, m_block, wg,
+        head, doc_start, doc_len, m_block, wg, pair_len=None,
     ):
         """Query block m_block of one (document, head): the key tiles from the diagonal down, then the
-        epilogue. Returns the pipeline states and MMA atoms (loop-carried when persistent)."""
+        epilogue. Returns the pipeline states and MMA atoms (loop-carried when persistent).
+        pair_len (short_pairs) > 0: warpgroup 1's rows are the next document's (pair_bounds), and it
+        masks the first document's keys 0..63."""
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
         rs, m_run, l_run, r_run, c_pend = rowst
         pipe_q, pipe_k, pipe_v, pipe_s = pipes
         q_state, k_state, v_state, s_state = states
         n_tiles = m_block + 1  # key tiles 0..m_block; tiles past the diagonal are skipped
+        key_lo = None  # the diagonal tile's first visible key column
+        if cutlass.const_expr(pair_len is not None):
+            key_lo = Int32(0)
+            if wg == 1:
+                doc_start, doc_len = self.pair_bounds(doc_start, doc_len, pair_len)
+                if pair_len > 0:
+                    key_lo = Int32(self.wg_m)
         self.init_rows(frags, rowst, row_in_blk, mSQ, scale_log2, head, doc_start, doc_len, m_block, wg)
         acc_o.fill(0.0)
 
@@ -1085,6 +1215,7 @@ class FlamiaFwdSm90:
             # the diagonal tile: S, softmax, P (its P V is issued with the next tile's S)
             k_state, s_state = self.s_softmax_p(
                 True, m_block, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len, wg, q_slot,
+                key_lo,
             )
             row_sum_mma = self.cfg.row_sum_mma
             for i in cutlass.range(1, n_tiles, unroll=1):
@@ -1108,7 +1239,7 @@ class FlamiaFwdSm90:
         else:
             k_state, v_state, s_state = self.tile_step(
                 True, m_block, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
-                k_state, v_state, s_state, doc_len, wg, q_slot,
+                k_state, v_state, s_state, doc_len, wg, q_slot, key_lo,
             )
             for i in cutlass.range(1, n_tiles, unroll=1):
                 k_state, v_state, s_state = self.tile_step(
@@ -1215,14 +1346,20 @@ class FlamiaFwdSm90:
     @cute.jit
     def for_each_published_tile(self, pipe_t, sSched, mCu, state, step):
         """A persistent role's loop over the tiles the TMA warp publishes, until its end mark: state =
-        step(state, head, doc_start, doc_len, m_block) per tile (step runs while tracing: inlined).
-        Returns the last state."""
+        step(state, head, doc_start, doc_len, m_block) per tile, with short_pairs also the pair length
+        (step runs while tracing: inlined). Returns the last state."""
         t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-        m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
-        while m_block >= 0:
-            doc_start, doc_len = self.tile_bounds(mCu, doc, start, length)
-            state = step(state, head, doc_start, doc_len, m_block)
+        if cutlass.const_expr(self.short_pairs):
+            m_block, head, doc, start, length, pair_len, t_state = read_tile(pipe_t, sSched, t_state, 3)
+            while m_block >= 0:
+                state = step(state, head, start, length, m_block, pair_len)
+                m_block, head, doc, start, length, pair_len, t_state = read_tile(pipe_t, sSched, t_state, 3)
+        else:
             m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
+            while m_block >= 0:
+                doc_start, doc_len = self.tile_bounds(mCu, doc, start, length)
+                state = step(state, head, doc_start, doc_len, m_block)
+                m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
         return state
 
     @cute.jit
@@ -1310,7 +1447,7 @@ class FlamiaFwdSm90:
             cute.gemm(pv_mma, acc_t, tOrP[None, None, k], tOrV[None, None, k, v_state.index], acc_t)
 
     @cute.jit
-    def softmax(self, diag: cutlass.Constexpr, n, frags, rowst, sScale, s_state, doc_len, wg):
+    def softmax(self, diag: cutlass.Constexpr, n, frags, rowst, sScale, s_state, doc_len, wg, key_lo=None):
         """Online softmax (log2 domain) of acc_s = S and the P values with the V scale folded in.
 
         Leaves p * sV * 256 / r (fp32) in acc_s and updates the row statistics. The running
@@ -1319,7 +1456,8 @@ class FlamiaFwdSm90:
         fold reference r (the max V scale of its visible keys) is below
         max(r_prev * FOLD_DROP, FOLD_REF_MIN) is dropped from P V (P = 0 there, the reference stays):
         an all-zero V tile (scale 2^-126) would make 256 / r and r_prev / r overflow.
-        diag: the diagonal tile (first), the only one with a mask. The caller waits for and
+        diag: the diagonal tile (first), the only one with a mask; key_lo (short_pairs): its columns
+        below key_lo are masked too (the other document's keys). The caller waits for and
         releases the scale stage s_state. Returns the rows' alpha (exp2(m_prev - m)).
         row_sum_mma, uniform tiles: l is only rescaled here; the tile's sum lands with its P V.
         """
@@ -1362,6 +1500,10 @@ class FlamiaFwdSm90:
                             if col >= lim:
                                 s = -Float32.inf
                                 w = Float32(0.0)
+                            if cutlass.const_expr(key_lo is not None):
+                                if col < key_lo:
+                                    s = -Float32.inf
+                                    w = Float32(0.0)
                         acc_s[a] = s
                         row_s[v1].append(s)
                         row_w[v1].append(w)
@@ -1487,11 +1629,11 @@ class FlamiaFwdSm90:
     @cute.jit
     def tile_step(
         self, diag: cutlass.Constexpr, n, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
-        k_state, v_state, s_state, doc_len, wg, q_slot,
+        k_state, v_state, s_state, doc_len, wg, q_slot, key_lo=None,
     ):
         """One key tile n, serially: S, softmax, P, P V. diag: the diagonal tile (first)."""
         k_state, s_state = self.s_softmax_p(diag, n, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state,
-                                            doc_len, wg, q_slot)
+                                            doc_len, wg, q_slot, key_lo)
 
         # ---- O_tile = P V in a fresh accumulator, promoted into the fp32 running output
         pipe_v.consumer_wait(v_state)
@@ -1553,7 +1695,7 @@ class FlamiaFwdSm90:
     @cute.jit
     def s_softmax_p(
         self, diag: cutlass.Constexpr, n, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len,
-        wg, q_slot,
+        wg, q_slot, key_lo=None,
     ):
         """S = Q K^T for key tile n, its online softmax (log2 domain) and P cast to the A registers
         with the V scale folded in; the factor c for O goes to c_pend (applied when P V lands)."""
@@ -1567,7 +1709,7 @@ class FlamiaFwdSm90:
         warpgroup.wait_group(0)
         pipe_k.consumer_release(k_state)
         k_state.advance()
-        self.softmax(diag, n, frags, rowst, sScale, s_state, doc_len, wg)
+        self.softmax(diag, n, frags, rowst, sScale, s_state, doc_len, wg, key_lo)
         pipe_s.consumer_release(s_state)
         s_state.advance()
         self.convert_p(frags, rowst[3], (not diag) and self.diag_copy, rowst[2])

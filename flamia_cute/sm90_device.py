@@ -16,10 +16,13 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import arith, llvm
 
 from .quant import quantize as _quant_layout
+from .schedules import varlen_tiles as _tiles
+from .schedules.varlen_tiles import SHORT_PAIR_ROWS
 
-# What every kernel's compile-cache key hashes besides its own file: these helpers, and the quant
-# layout module whose constants (DT_DOC_ALIGN, TOKEN_PAD) are baked into the kernels at trace time.
-SHARED_SOURCE_FILES = (Path(__file__).resolve(), Path(_quant_layout.__file__).resolve())
+# What every kernel's compile-cache key hashes besides its own file: these helpers, the quant
+# layout module whose constants (DT_DOC_ALIGN, TOKEN_PAD) are baked into the kernels at trace time,
+# and the tile rules (SHORT_PAIR_ROWS).
+SHARED_SOURCE_FILES = (Path(__file__).resolve(), Path(_quant_layout.__file__).resolve(), Path(_tiles.__file__).resolve())
 
 
 def ptx(text: str, constraints: str, operands, result=Uint32, side_effects: bool = False):
@@ -398,7 +401,7 @@ def document_aligned_starts(mCu: cute.Tensor, doc, aligns: cutlass.Constexpr, un
 @cute.jit
 def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Tensor, sWarp: cute.Tensor, tid,
                      threads: cutlass.Constexpr, barrier_id: cutlass.Constexpr, tile: cutlass.Constexpr,
-                     sHeavy=None):
+                     sHeavy=None, short_pairs: cutlass.Constexpr = False):
     """Per-document tables in shared memory, for d in 0..num_docs: sCum[d] = sum over documents
     b < d of ceil(len_b / tile) (chunks), sDt[d] = document d's first data_dt column (the same sum
     of lengths rounded up to DT_DOC_ALIGN: quant.dt_cu_seqlens), and when sHeavy is given
@@ -408,6 +411,7 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
     `barrier_id`; the caller syncs before anyone reads the tables. Thread t owns documents
     [t*k, t*k + k): a serial sum, a warp scan (shfl.up), the warp totals through sWarp (a row of
     2, or 3 with sHeavy, per warp).
+    short_pairs: a document that shares its predecessor's tile (paired_with_previous) counts 0 chunks.
     """
     heavy = cutlass.const_expr(sHeavy is not None)
     k = (num_docs + threads - 1) // threads
@@ -418,7 +422,7 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
     for i in cutlass.range(k, unroll=1):
         b = d0 + i
         if b < num_docs:
-            c, p = _doc_chunks_and_columns(mCu, b, tile)
+            c, p = _doc_chunks_and_columns(mCu, b, tile, num_docs, short_pairs)
             my_c = my_c + c
             my_p = my_p + p
             if cutlass.const_expr(heavy):
@@ -435,7 +439,7 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
     for i in cutlass.range(k, unroll=1):
         b = d0 + i
         if b < num_docs:
-            c, p = _doc_chunks_and_columns(mCu, b, tile)
+            c, p = _doc_chunks_and_columns(mCu, b, tile, num_docs, short_pairs)
             run_c = run_c + c
             run_p = run_p + p
             sCum[b + 1] = run_c
@@ -445,11 +449,37 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
                 sHeavy[b + 1] = run_h
 
 
-def _doc_chunks_and_columns(mCu: cute.Tensor, b, tile: int):
-    """Document b's chunks of `tile` tokens and its data_dt columns (length rounded up to DT_DOC_ALIGN)."""
+@cute.jit
+def _doc_chunks_and_columns(mCu: cute.Tensor, b, tile: cutlass.Constexpr, num_docs=None,
+                            short_pairs: cutlass.Constexpr = False):
+    """Document b's chunks of `tile` tokens and its data_dt columns (length rounded up to DT_DOC_ALIGN);
+    short_pairs: 0 chunks when b shares its predecessor's tile."""
     align = _quant_layout.DT_DOC_ALIGN
     n = mCu[b + 1] - mCu[b]
-    return (n + (tile - 1)) // tile, (n + (align - 1)) & -align
+    c = (n + (tile - 1)) // tile
+    if cutlass.const_expr(short_pairs):
+        if b % 2 == 1:
+            if short_pair_len(mCu, b - 1, num_docs) > 0:
+                c = Int32(0)
+    return c, (n + (align - 1)) & -align
+
+
+@cute.jit
+def short_pair_len(mCu: cute.Tensor, a, num_docs):
+    """The length of document a + 1 when it shares document a's query tile (schedules.varlen_tiles.
+    short_pair_partner: a even, a's data_dt columns exactly SHORT_PAIR_ROWS, a + 1 holding 1 to
+    SHORT_PAIR_ROWS tokens), else 0."""
+    align = _quant_layout.DT_DOC_ALIGN
+    rows = SHORT_PAIR_ROWS
+    got = Int32(0)
+    if a % 2 == 0:
+        if a + 1 < num_docs:
+            n_a = mCu[a + 1] - mCu[a]
+            n_b = mCu[a + 2] - mCu[a + 1]
+            if ((n_a + (align - 1)) & -align) == rows:
+                if n_b <= rows:
+                    got = n_b
+    return got
 
 
 def warp_scan_up(lane, *values):
@@ -598,8 +628,8 @@ def publish_tile(pipe_t, sSched, t_state, m_block, head, doc, bounds=None):
     sSched[1, t_state.index] = head
     sSched[2, t_state.index] = doc
     if cutlass.const_expr(bounds is not None):
-        sSched[3, t_state.index] = bounds[0]
-        sSched[4, t_state.index] = bounds[1]
+        for i, word in enumerate(bounds):  # start, length (and a short pair's second length)
+            sSched[3 + i, t_state.index] = word
     pipe_t.producer_commit(t_state)
     t_state.advance()
     return t_state
@@ -608,12 +638,14 @@ def publish_tile(pipe_t, sSched, t_state, m_block, head, doc, bounds=None):
 @cute.jit
 def read_tile(pipe_t, sSched, t_state, bounds: cutlass.Constexpr = False):
     """The other roles' side of publish_tile: (block, head, doc, next state), or with bounds
-    (block, head, doc, document start, length, next state)."""
+    (block, head, doc, document start, length, next state); bounds=3: also the third bounds word
+    (block, head, doc, start, length, pair length, next state)."""
     pipe_t.consumer_wait(t_state)
     m_block = sSched[0, t_state.index]
     head = sSched[1, t_state.index]
     doc = sSched[2, t_state.index]
-    extra = (sSched[3, t_state.index], sSched[4, t_state.index]) if cutlass.const_expr(bounds) else ()
+    n_bounds = 0 if not bounds else (2 if bounds is True else bounds)
+    extra = tuple(sSched[3 + i, t_state.index] for i in range(n_bounds))
     pipe_t.consumer_release(t_state)
     t_state.advance()
     return (m_block, head, doc, *extra, t_state)

@@ -7,6 +7,7 @@ Kernel-only times replay a CUDA graph of 10 launches, so host launch overhead is
 import json
 import os
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -194,6 +195,9 @@ FWD_VARIANTS = {
     # per thread off the issue slots); with exp2 poly 1/8 on top (issue slots freed for the FMA pipe's exp2)
     "row sum mma": FwdConfig(128, diagonal_copy=True, row_sum_mma=True),
     "row sum mma + poly 1/8": FwdConfig(128, diagonal_copy=True, row_sum_mma=True, exp2_poly_every=8),
+    # two short documents per query tile (session 22)
+    "short pairs": FwdConfig(128, diagonal_copy=True, short_pairs=True),
+    "short pairs longest": FwdConfig(128, diagonal_copy=True, short_pairs=True, tile_order="longest_documents"),
 }
 
 
@@ -298,6 +302,8 @@ def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
 
 def main():
     wl = json.loads(DEFAULT_WORKLOADS.read_text())["workloads"]
+    # and the short-document packs (issue 7), by name in BREAKDOWN_WORKLOADS
+    wl.update(json.loads((Path(__file__).with_name("workloads_short.json")).read_text())["workloads"])
     rows = []
     default = ("1x16k", "16x1k", "4x4k", "longtail32k", "1x64k") + (("mixed16k",) if (ONLY_DS or ONLY_FWD) else ())
     for name in WORKLOADS or default:

@@ -147,6 +147,22 @@ for stage in "$@"; do
         --reps 15 --gpu-time --out "$OUT/window_tuned"
       run bench_window_untuned 200 env FLAMIA_CUTE_NO_TUNING=1 python3 -m flamia_cute.cli bench --only 16x1k,4x4k \
         --modes bwd --impls flamia,fa4 --reps 15 --gpu-time --out "$OUT/window_untuned" ;;
+    short-pairs-tests)  # session 22: two short documents per forward query tile (FwdConfig.short_pairs)
+      run short_pairs_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py \
+        -k "short_pairs or short_mix" ;;
+    short-pairs-mutant)  # the same tests with the second warpgroup's mask of the first document's keys removed:
+      # the leakage and bit-identity tests must fail (rc != 0 expected)
+      cp flamia_cute/attention_fwd_sm90.py /tmp/fwd_keep.py
+      sed -i 's/if col < key_lo:/if col < key_lo - 1000:/' flamia_cute/attention_fwd_sm90.py
+      grep -c "key_lo - 1000" flamia_cute/attention_fwd_sm90.py | tee "$OUT/mutant_applied.txt"
+      run short_pairs_mutant 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py \
+        -k "short_pairs_bit_identical and fp8_tokenblock- and 128 or short_pairs_leakage and fp8_tokenblock]"
+      cp /tmp/fwd_keep.py flamia_cute/attention_fwd_sm90.py ;;
+    short-pairs-rounds)  # the forward kernel alone, default against short pairs, rotated rounds
+      run short_pairs_rounds 420 env OUT="$OUT" BREAKDOWN_ONLY=fwd BREAKDOWN_ROUNDS=3 \
+        BREAKDOWN_DS_VARIANTS="default,short pairs,short pairs longest" \
+        BREAKDOWN_WORKLOADS="${PAIR_WORKLOADS:-256x64,128x128,16x1k,4x4k,longtail32k,mixed16k,1x16k}" \
+        python3 perf/bench_fwd_breakdown.py ;;
     bench-short)  # packs of documents at or below one tile (issue 7's short documents), GPU time, against FA4
       run bench_short 300 python3 -m flamia_cute.cli bench --workloads perf/workloads_short.json --modes fwd,fwdbwd \
         --impls flamia,fa4 --reps 15 --gpu-time ;;

@@ -73,12 +73,35 @@ def causal_flops(lengths, heads: int, head_dim: int, backward: bool = False) -> 
 # ----------------------------------------------------------------------------------------------
 
 
-def chunk_table(lengths, tile: int = 128, heavy: bool = False) -> list[int]:
+# Short documents sharing a forward query tile (FwdConfig.short_pairs): each consumer warpgroup's 64
+# query rows come from its own document, so two documents of at most this many tokens run as one
+# 128-query tile. The diagonal V^T tile is one 128-column TMA box from the first document's column,
+# so the first must fill exactly this many data_dt columns (its length rounded up to DT_DOC_ALIGN)
+# for the second to start at column SHORT_PAIR_ROWS of the box.
+SHORT_PAIR_ROWS = 64
+
+
+def short_pair_partner(lengths, a: int, dt_align: int = 32) -> int:
+    """The length of document a + 1 when it shares document a's forward query tile, else 0:
+    a is even (pairs (0, 1), (2, 3), ...: no scan over runs of short documents, so the kernel tests
+    a document in O(1)), a's data_dt columns are exactly SHORT_PAIR_ROWS, a + 1 exists and holds at
+    most SHORT_PAIR_ROWS tokens (sm90_device.short_pair_len)."""
+    if a % 2 or a + 1 >= len(lengths):
+        return 0
+    cols = -(-lengths[a] // dt_align) * dt_align
+    n_b = lengths[a + 1]
+    return n_b if cols == SHORT_PAIR_ROWS and n_b <= SHORT_PAIR_ROWS else 0
+
+
+def chunk_table(lengths, tile: int = 128, heavy: bool = False, short_pairs: bool = False) -> list[int]:
     """cum[d] = chunks of documents before d (len num_docs + 1): sm90_device.doc_chunk_cumsum's table;
-    heavy: the same sum of each document's heavier half, ceil(chunks / 2) (its sHeavy table)."""
+    heavy: the same sum of each document's heavier half, ceil(chunks / 2) (its sHeavy table);
+    short_pairs: a document that shares its predecessor's tile counts 0 chunks."""
     cum = [0]
-    for n in lengths:
+    for d, n in enumerate(lengths):
         c = (n + tile - 1) // tile
+        if short_pairs and d % 2 and short_pair_partner(lengths, d - 1) > 0:
+            c = 0
         cum.append(cum[-1] + ((c + 1) // 2 if heavy else c))
     return cum
 
@@ -89,27 +112,33 @@ LPT_MAX_DOCS = 128
 TILE_ORDERS = ("documents", "heavy_first", "longest_documents")
 
 
-def lpt_document_order(lengths, tile: int = 128) -> list[int]:
-    """Documents by chunk count, most first, ties in index order: document d's position is the
-    number of documents with more chunks, or as many and a smaller index (the kernel's rank). More
-    than LPT_MAX_DOCS documents: the given order."""
+def lpt_document_order(lengths, tile: int = 128, short_pairs: bool = False) -> list[int]:
+    """Documents by chunk count (chunk_table's), most first, ties in index order: document d's
+    position is the number of documents with more chunks, or as many and a smaller index (the
+    kernel's rank). More than LPT_MAX_DOCS documents: the given order."""
     if len(lengths) > LPT_MAX_DOCS:
         return list(range(len(lengths)))
-    chunks = [(n + tile - 1) // tile for n in lengths]
+    cum = chunk_table(lengths, tile, short_pairs=short_pairs)
+    chunks = [cum[d + 1] - cum[d] for d in range(len(lengths))]
     return sorted(range(len(lengths)), key=lambda d: (-chunks[d], d))
 
 
-def persistent_order(lengths, heads: int, tile: int = 128, order: str = "documents") -> list[tuple[int, int, int]]:
+def persistent_order(lengths, heads: int, tile: int = 128, order: str = "documents",
+                     short_pairs: bool = False) -> list[tuple[int, int, int]]:
     """(document, head, query block) of every tile in the order the persistent CTAs take them:
     documents in order, then heads, then the document's blocks from the last (the longest causal
     row) to the first. order="heavy_first": that order over every (document, head)'s heavier half
     of blocks (the last ceil(n/2)), then over the lighter halves. order="longest_documents": the
-    documents by chunk count, most first (lpt_document_order), then as "documents"."""
+    documents by chunk count, most first (lpt_document_order), then as "documents". short_pairs: a
+    document sharing its predecessor's tile (short_pair_partner) has no tile of its own; its
+    predecessor's tile (d, h, 0) runs both."""
     if order not in TILE_ORDERS:
         raise ValueError(f"order must be one of {TILE_ORDERS}, got {order!r}")
-    blocks = [list(reversed(range((n + tile - 1) // tile))) for n in lengths]
+    cum = chunk_table(lengths, tile, short_pairs=short_pairs)
+    blocks = [list(reversed(range(cum[d + 1] - cum[d]))) for d in range(len(lengths))]
     if order != "heavy_first":
-        docs = lpt_document_order(lengths, tile) if order == "longest_documents" else range(len(lengths))
+        docs = (lpt_document_order(lengths, tile, short_pairs) if order == "longest_documents"
+                else range(len(lengths)))
         return [(d, h, b) for d in docs for h in range(heads) for b in blocks[d]]
     half = [(len(bs) + 1) // 2 for bs in blocks]
     return ([(d, h, b) for d, bs in enumerate(blocks) for h in range(heads) for b in bs[:half[d]]]

@@ -138,6 +138,10 @@ VARIANTS = {
     # must equal the reference quantizer's bit for bit (_run_kernel checks them)
     "fused_q": {"fuse_q_quant": True},
     "fused_q_per_tile": {"fuse_q_quant": True, "persistent": False},
+    # two short documents per query tile, one per consumer warpgroup (session 22)
+    "short_pairs": {"short_pairs": True},
+    "short_pairs_serial": {"short_pairs": True, "intra_wg_overlap": False},
+    "short_pairs_longest": {"short_pairs": True, "tile_order": "longest_documents"},
 }
 
 
@@ -154,7 +158,8 @@ VARIANTS = {
      ("pin_softmax", 1), ("drop_branch", "yes"), ("max_chains", 3), ("exp2_poly_every", -1),
      ("exp2_poly_every", 17), ("exp2_poly_every", 1.5), ("persistent", 1), ("tile_claim", "atomic"),
      ("tile_order", "lpt"), ("overlap_tiles", 1), ("stage_tile_inputs", 1),
-     ("claim_ahead", 1), ("q_stages", 1), ("q_stages", 4), ("row_sum_mma", 1), ("fuse_q_quant", 1)],
+     ("claim_ahead", 1), ("q_stages", 1), ("q_stages", 4), ("row_sum_mma", 1), ("fuse_q_quant", 1),
+     ("short_pairs", 1)],
 )
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"FwdConfig.{field}"):
@@ -410,9 +415,34 @@ def test_per_tile_fallback_is_valid_for_every_persistent_option():
     from flamia_cute.attention_fwd_sm90 import per_tile_fallback
 
     for fields in ({}, {"claim_ahead": True}, {"q_stages": 3}, {"overlap_tiles": True, "intra_wg_overlap": True},
-                   {"tile_claim": "stride", "tile_order": "heavy_first"}):
+                   {"tile_claim": "stride", "tile_order": "heavy_first"}, {"short_pairs": True}):
         cfg = per_tile_fallback(FwdConfig(head_dim=128, diagonal_copy=True, **fields))
         assert not cfg.persistent and cfg.q_stages == 1 and not cfg.claim_ahead and not cfg.overlap_tiles
+        assert not cfg.short_pairs
+
+
+@needs_dsl
+@pytest.mark.parametrize("fields", [{"persistent": False}, {"stage_tile_inputs": False},
+                                    {"overlap_tiles": True, "intra_wg_overlap": True}, {"fuse_q_quant": True}])
+def test_short_pairs_needs_the_staged_persistent_schedule(fields):
+    with pytest.raises(ValueError, match="FwdConfig.short_pairs"):
+        FwdConfig(head_dim=128, diagonal_copy=True, short_pairs=True, **fields)
+
+
+@needs_dsl
+@pytest.mark.parametrize("head_dim, diagonal_copy", _configs())
+def test_short_pairs_variant_compiles(artifacts, head_dim, diagonal_copy):
+    """short_pairs: spill-free in both tile schedules; the TMA warp has the pair's extra boxes (Q's
+    second 64 rows from the second document, the diagonal K as two 64-row boxes: 3 more than the
+    default's loads), and the diagonal softmax one more mask (the first document's keys)."""
+    for overlap in (True, False):
+        if overlap and not overlap_default(head_dim, diagonal_copy):
+            continue
+        base = artifacts(head_dim, diagonal_copy, intra_wg_overlap=overlap)
+        art = artifacts(head_dim, diagonal_copy, intra_wg_overlap=overlap, short_pairs=True)
+        _check_artifacts(art, head_dim)
+        loads = lambda a: len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", a.ptx))
+        assert loads(art) == loads(base) + 3, (loads(base), loads(art))
 
 
 @needs_dsl
@@ -1076,6 +1106,59 @@ def test_gpu_fused_q_is_bit_identical(recipe, head_dim, H, Hk, base):
     ref = _run_kernel(q, k, v, cu, scale, recipe, variant=base)
     got = _run_kernel(q, k, v, cu, scale, recipe, variant="fused_q" if base == "default" else "fused_q_per_tile")
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+# Short documents in every pairing case (schedules.varlen_tiles.short_pair_partner): leaders of 33..64
+# tokens with partners of 1..64 (64 + 64 fills the tile), leaders of <= 32 tokens (never paired), an
+# odd-indexed run (no pair across 2i + 1, 2i + 2), an empty partner, a partner longer than 64, a long
+# document between, and a trailing leader without a partner
+SHORT_MIX = [64, 64, 40, 1, 50, 0, 33, 64, 20, 64, 64, 17, 63, 65, 45, 30, 700, 64, 64, 2, 5, 64, 129, 48, 64, 31,
+             64, 64, 36]
+
+
+def test_short_mix_has_every_pairing_case():
+    from flamia_cute.schedules.varlen_tiles import short_pair_partner
+
+    partners = [short_pair_partner(SHORT_MIX, a) for a in range(0, len(SHORT_MIX), 2)]
+    assert 64 in partners and 1 in partners and 0 in partners and sum(p > 0 for p in partners) >= 8
+    assert short_pair_partner(SHORT_MIX, 4) == 0  # (50, 0): the empty partner
+    assert short_pair_partner(SHORT_MIX, 12) == 0  # (63, 65): the partner is too long
+    assert short_pair_partner(SHORT_MIX, 8) == 0  # (20, 64): the leader fills 32 V^T columns, not 64
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("variant", ["short_pairs", "short_pairs_serial", "short_pairs_longest"])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("head_dim, H, Hk", [(128, 4, 2), (64, 2, 1)])
+def test_gpu_short_pairs_bit_identical(recipe, variant, head_dim, H, Hk):
+    """Two short documents per query tile: every element written (NaN-poisoned outputs), within the
+    emulator's bounds, and O and LSE bit-identical to the unpaired build (a paired row sees exactly
+    its own document's keys and scales)."""
+    _check_gpu(SHORT_MIX, recipe, head_dim, H, Hk, seed=41, variant=variant)
+    q, k, v, _, cu, scale = make_inputs(SHORT_MIX, heads_q=H, heads_kv=Hk, head_dim=head_dim, seed=42, device="cuda")
+    base = "default" if variant != "short_pairs_serial" else "serial"
+    ref = _run_kernel(q, k, v, cu, scale, recipe, variant=base)
+    got = _run_kernel(q, k, v, cu, scale, recipe, poison=True, variant=variant)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("doc, cut", [(2, 21), (7, 33), (14, 20), (25, 11)])
+def test_gpu_short_pairs_leakage(recipe, doc, cut):
+    """Leakage through a shared query tile: the first (2: 40 tokens beside 1; 14: 45 beside 30) or
+    second (7: 64 after 33; 25: 31 after 64) document of a pair perturbed; nothing outside it, and
+    nothing of it before the cut, may change."""
+    q, k, v, _, cu, scale = make_inputs(SHORT_MIX, heads_q=4, heads_kv=2, head_dim=128, seed=43)
+
+    def fn(q_, k_, v_, cu_, dout=None):
+        out, lse = _run_kernel(q_.cuda(), k_.cuda(), v_.cuda(), cu_.cuda(), scale, recipe, variant="short_pairs")
+        return {"out": out.cpu(), "lse": lse.cpu()}
+
+    rep = check_leakage(fn, q, k, v, cu, doc=doc, cut=cut)
+    assert rep.ok, str(rep)
 
 
 @pytest.mark.gpu

@@ -133,3 +133,50 @@ def test_backward_persistent_order_is_the_grid_order_without_empty_ctas(lengths,
                     launched.append((doc, head, blk))
     assert order == launched
     assert len(set(order)) == len(order) == kv_heads * cum[-1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lengths=st.lists(st.one_of(st.integers(0, 70), st.integers(0, 600)), min_size=1, max_size=40),
+    heads=st.sampled_from([1, 3, 16]),
+    order=st.sampled_from(["documents", "heavy_first", "longest_documents"]),
+)
+def test_short_pairs_cover_every_query_row_once(lengths, heads, order):
+    """The forward's short pairs (FwdConfig.short_pairs): every (document, head, query block) with
+    queries runs exactly once, as its own tile or as the second half of its predecessor's block 0;
+    only (2i, 2i + 1) pair, only when 2i fills 64 V^T columns (33..64 tokens) and 2i + 1 holds 1..64;
+    the tile table (locate_tile's arithmetic over chunk_table) is the order's."""
+    from flamia_cute.schedules.varlen_tiles import (
+        SHORT_PAIR_ROWS,
+        chunk_table,
+        locate_tile_model,
+        persistent_order,
+        short_pair_partner,
+    )
+
+    paired = persistent_order(lengths, heads, order=order, short_pairs=True)
+    plain = persistent_order(lengths, heads, order=order)
+    covered = []
+    for d, h, b in paired:
+        covered.append((d, h, b))
+        n_b = short_pair_partner(lengths, d)
+        if n_b:
+            assert b == 0 and d % 2 == 0 and 32 < lengths[d] <= SHORT_PAIR_ROWS and 0 < n_b <= SHORT_PAIR_ROWS
+            assert n_b == lengths[d + 1]
+            covered.append((d + 1, h, 0))
+    assert sorted(covered) == sorted(plain) and len(set(covered)) == len(covered)
+    n_pairs = sum(short_pair_partner(lengths, a) > 0 for a in range(0, len(lengths), 2))
+    assert len(paired) == len(plain) - heads * n_pairs
+    if order == "documents":
+        cum = chunk_table(lengths, short_pairs=True)
+        assert [locate_tile_model(t, cum, heads) for t in range(len(paired))] == paired
+
+
+def test_short_pairs_rule_examples():
+    from flamia_cute.schedules.varlen_tiles import chunk_table, short_pair_partner
+
+    assert [short_pair_partner([64] * 5, a) for a in range(5)] == [64, 0, 64, 0, 0]
+    assert short_pair_partner([33, 64], 0) == 64 and short_pair_partner([32, 64], 0) == 0  # 32 V^T columns
+    assert short_pair_partner([64, 65], 0) == 0 and short_pair_partner([64, 0], 0) == 0
+    assert short_pair_partner([100, 64, 64], 1) == 0  # odd documents lead no pair
+    assert chunk_table([64, 64, 64, 64, 300], short_pairs=True) == [0, 1, 1, 2, 2, 5]
