@@ -90,7 +90,6 @@ from .sm90_device import (
     rank_documents_longest_first,
     read_tile,
     select,
-    short_pair_len,
     smem_word_index,
     st_global_v2,
     st_global_v4,
@@ -131,7 +130,7 @@ def smem_bytes(cfg) -> int:
     """Shared memory of one CTA (upper bound): Q tile, K and V stages, their scale vectors, the
     pin_softmax stores, barriers and alignment."""
     tile = cfg.tile_m * cfg.head_dim * cfg.q_stages
-    tables = {"documents": 2, "heavy_first": 3, "longest_documents": 4}[cfg.tile_order]
+    tables = {"documents": 2, "heavy_first": 3, "longest_documents": 4}[cfg.tile_order] + int(cfg.short_pairs)
     table = tables * 4 * (PERSISTENT_MAX_DOCS + 1) + 128 if cfg.persistent else 0
     scales = (2 * cfg.tile_n + (cfg.tile_m if cfg.stage_tile_inputs else 0)) * 4 * cfg.kv_stages
     ones = cfg.kv_stages * cfg.tile_n * ONES_ROWS if cfg.row_sum_mma else 0
@@ -320,8 +319,8 @@ class FwdConfig:
         if not isinstance(self.fuse_q_quant, bool):
             bad("fuse_q_quant", "must be a bool")
         if self.fuse_q_quant and not fuse_q_quant_supported(self):
-            bad("fuse_q_quant", "needs stage_tile_inputs=True, overlap_tiles=False and claim_ahead=False (it claims "
-                "each tile's successor before the tile's K/V loads itself)")
+            bad("fuse_q_quant", "needs stage_tile_inputs=True, overlap_tiles=False, claim_ahead=False (it claims "
+                "each tile's successor before the tile's K/V loads itself) and short_pairs=False")
         if not isinstance(self.short_pairs, bool):
             bad("short_pairs", "must be a bool")
         if self.short_pairs and not (self.persistent and self.stage_tile_inputs and not self.overlap_tiles
@@ -333,10 +332,22 @@ class FwdConfig:
                 "overlap_tiles=False")
 
 
+# short_pairs_default: pair short documents when the mean document length is at most this (packs whose
+# documents mostly fit half a query tile; the pair build costs a few % where nothing pairs, run s22b)
+SHORT_PAIRS_MEAN_TOKENS = 96
+
+
+def short_pairs_default(total_tokens: int, num_docs: int) -> bool:
+    """FwdConfig.short_pairs for a call, from what the host knows without a sync: on for packs of
+    short documents (mean length <= SHORT_PAIRS_MEAN_TOKENS) that the persistent tables hold."""
+    return 0 < num_docs <= PERSISTENT_MAX_DOCS and total_tokens <= SHORT_PAIRS_MEAN_TOKENS * num_docs
+
+
 def fuse_q_quant_supported(cfg) -> bool:
     """Whether a forward config's schedule can take fuse_q_quant (its tile inputs staged, one tile at a
-    time, no claim ahead: produce_tiles_q_ahead claims each tile's successor itself)."""
-    return cfg.stage_tile_inputs and not cfg.overlap_tiles and not cfg.claim_ahead
+    time, no claim ahead: produce_tiles_q_ahead claims each tile's successor itself; no short pairs:
+    that producer publishes no pair lengths)."""
+    return cfg.stage_tile_inputs and not cfg.overlap_tiles and not cfg.claim_ahead and not cfg.short_pairs
 
 
 def q_quant_steps(head_dim: int) -> int:
@@ -492,6 +503,7 @@ class FlamiaFwdSm90:
         n_cum = PERSISTENT_MAX_DOCS + 1 if persistent else 4
         n_heavy = n_cum if self.cfg.tile_order == "heavy_first" else 4
         n_lpt = n_cum if self.cfg.tile_order == "longest_documents" else 4
+        n_pair = n_cum if self.short_pairs else 4
         n_warp = 12 if self.cfg.tile_order == "heavy_first" else 8  # the scan's warp totals
         n_qb = 2 * wm * D * self.tma_q_stages if self.fuse_q else 8
         n_qs = 2 * wm * q_stages if self.fuse_q else 4
@@ -515,6 +527,7 @@ class FlamiaFwdSm90:
             sHeavy: cute.struct.Align[cute.struct.MemRange[Int32, n_heavy], 16]
             sLpt: cute.struct.Align[cute.struct.MemRange[Int32, n_lpt], 16]
             sOrder: cute.struct.Align[cute.struct.MemRange[Int32, n_lpt], 16]
+            sPair: cute.struct.Align[cute.struct.MemRange[Int32, n_pair], 16]  # short_pairs: the partner lengths
             qb_mbar: cute.struct.MemRange[cutlass.Int64, 4]
             sQS: cute.struct.Align[cute.struct.MemRange[Float32, n_qs], 16]  # fused Q: each stage's row scales
             sQb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, n_qb], 128]
@@ -646,6 +659,7 @@ class FlamiaFwdSm90:
         sCum = None
         sDt = None
         sHeavy = None
+        sPair = None
         lpt_tables = None
         if cutlass.const_expr(self.persistent):
             # tile hand-off from the TMA warp to the scale warp and the consumers (32 + 256 threads)
@@ -656,6 +670,8 @@ class FlamiaFwdSm90:
             sDt = storage.sDt.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
             if cutlass.const_expr(self.cfg.tile_order == "heavy_first"):
                 sHeavy = storage.sHeavy.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
+            if cutlass.const_expr(self.short_pairs):
+                sPair = storage.sPair.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
             if cutlass.const_expr(self.cfg.tile_order == "longest_documents"):
                 # (sOrder, sLpt): the position -> document map and the chunk prefix in that order
                 lpt_tables = (storage.sOrder.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1)),
@@ -667,7 +683,7 @@ class FlamiaFwdSm90:
                 else:
                     sWarp = storage.sWarp.get_tensor(cute.make_layout((4, 3), stride=(3, 1)))
                 doc_chunk_cumsum(mCu, cute.size(mCu) - 1, sCum, sDt, sWarp, tidx, 128, SCAN_BARRIER, tn, sHeavy,
-                                 self.short_pairs)
+                                 sPair)
                 if cutlass.const_expr(lpt_tables is not None):
                     cute.arch.barrier(barrier_id=SCAN_BARRIER, number_of_threads=128)  # sCum complete
                     rank_documents_longest_first(sCum, cute.size(mCu) - 1, *lpt_tables, sWarp, tidx, 128, SCAN_BARRIER)
@@ -687,7 +703,7 @@ class FlamiaFwdSm90:
                                                lpt_tables)
                 elif cutlass.const_expr(self.persistent):
                     self.produce_tiles(tma_args, mCu, mSched, mO.shape[2], pipe_t, sSched, sCum, sDt, sHeavy,
-                                       lpt_tables)
+                                       lpt_tables, sPair)
                 else:
                     self.load_tma(*tma_args, self.tma_states(), head, kv_head, doc_start, mCu, doc, None, m_block)
             if warp_idx == 1:
@@ -721,7 +737,7 @@ class FlamiaFwdSm90:
         )
 
     @cute.jit
-    def produce_tiles(self, tma_args, mCu, mSched, heads, pipe_t, sSched, sCum, sDt, sHeavy, lpt_tables):
+    def produce_tiles(self, tma_args, mCu, mSched, heads, pipe_t, sSched, sCum, sDt, sHeavy, lpt_tables, sPair=None):
         """Persistent TMA warp: take tiles (the first by CTA index, then from the global counter
         mSched[0], which the host zeroes per call, or every grid-th with tile_claim="stride"),
         publish each to the scale warp and consumers, issue its loads; an end mark (block -1) past
@@ -737,9 +753,7 @@ class FlamiaFwdSm90:
             bounds = (doc_start, mCu[doc + 1] - doc_start) if cutlass.const_expr(self.cfg.stage_tile_inputs) else None
             pair_len = None
             if cutlass.const_expr(self.short_pairs):
-                pair_len = Int32(0)
-                if m_block == 0:  # (a paired document has one block)
-                    pair_len = short_pair_len(mCu, doc, num_docs)
+                pair_len = sPair[doc]  # (> 0 only for a document of one block)
                 bounds = (*bounds, pair_len)
             t_state = publish_tile(pipe_t, sSched, t_state, m_block, head, doc, bounds)
             states = self.load_tma(*tma_args, states, head, head // self.group, doc_start, mCu, doc, sDt[doc], m_block,
@@ -950,35 +964,37 @@ class FlamiaFwdSm90:
         for i in cutlass.range(m_block + 1, unroll=1):
             n = m_block - i
             pipe_s.producer_acquire(s_state)
-            if cutlass.const_expr(staged and not self.fuse_q):  # fused: warps 2-3 stage Q's scales
-                if i == 0:
-                    if cutlass.const_expr(pairs):
-                        # a runtime loop over the halves: one half's addresses live at a time (unrolled,
-                        # the second document's bases spill in the producers' 24 registers)
-                        for h in cutlass.range(2, unroll=1):
-                            start = select(h == 0, doc_start, hi_bounds[0])
-                            length = select(h == 0, doc_len, hi_bounds[1])
-                            for cc in cutlass.range_constexpr(tm // 64):
-                                r = lane + 32 * cc + (tm // 2) * h
-                                self.stage_q_scale(mSQ, sScale, s_state, head, m_block * tn + r, 2 * tn + r, start,
-                                                   length)
-                    else:
-                        for c in cutlass.range_constexpr(tm // 32):
-                            self.stage_q_scale(mSQ, sScale, s_state, head, m_block * tn + lane + 32 * c,
-                                               2 * tn + lane + 32 * c, doc_start, doc_len)
             if cutlass.const_expr(pairs):
+                # a runtime loop over the block's halves, each one round trip: its Q scales (diagonal
+                # step) with its K/V scales, from the half's own document. One half's addresses live at
+                # a time (unrolled, the second document's bases spill in the producers' 24 registers)
                 for h in cutlass.range(2, unroll=1):  # (per_group == 2: a group is a half)
                     start = select(h == 0, doc_start, hi_bounds[0])
                     length = select(h == 0, doc_len, hi_bounds[1])
                     loaded = []
                     for cc in cutlass.range_constexpr(per_group):
                         key = lane + 32 * cc + (tn // 2) * h
+                        sq = Float32(1.0)  # rows past the end: any finite positive scale (never stored)
+                        row = m_block * tn + key  # (tile_m == tile_n)
+                        if i == 0:
+                            if row < length:
+                                sq = mSQ[start + row, head]
                         sk, sv = self.key_scales(mSK, mSV, mSKt, mSVt, i, n * tn + key, kv_head, start, length)
-                        loaded.append((key, sk, sv))
-                    for key, sk, sv in loaded:
+                        loaded.append((key, sq, sk, sv))
+                    for key, sq, sk, sv in loaded:
+                        if i == 0:
+                            sScale[2 * tn + key, s_state.index] = sq
                         sScale[key, s_state.index] = sk
                         sScale[tn + key, s_state.index] = sv
             else:
+                if cutlass.const_expr(staged and not self.fuse_q):  # fused: warps 2-3 stage Q's scales
+                    if i == 0:
+                        for c in cutlass.range_constexpr(tm // 32):
+                            row = m_block * tn + lane + 32 * c
+                            sq = Float32(1.0)  # rows past the end: any finite positive scale (never stored)
+                            if row < doc_len:
+                                sq = mSQ[doc_start + row, head]
+                            sScale[2 * tn + lane + 32 * c, s_state.index] = sq
                 for g in cutlass.range_constexpr(tn // 32 // per_group):
                     loaded = []
                     for c in cutlass.range_constexpr(g * per_group, (g + 1) * per_group):
@@ -991,15 +1007,6 @@ class FlamiaFwdSm90:
             pipe_s.producer_commit(s_state)  # every lane arrives: releases its own stores
             s_state.advance()
         return s_state
-
-    @cute.jit
-    def stage_q_scale(self, mSQ, sScale, s_state, head, row, slot, start, length):
-        """Row `row` of the block's document (start, length): its Q scale into the scale stage's word
-        `slot` (1 past the end: any finite positive scale, never stored)."""
-        sq = Float32(1.0)
-        if row < length:
-            sq = mSQ[start + row, head]
-        sScale[slot, s_state.index] = sq
 
     @cute.jit
     def pair_bounds(self, doc_start, doc_len, pair_len):

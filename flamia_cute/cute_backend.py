@@ -126,12 +126,12 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only:
     forward_only: a call that needs no backward (the saved operands lack the backward's layouts);
     ds_bf16: the backward to come is the bf16-dS kernel (no Q^T, K^T: launch_layouts); row_sum: the
     recipe's (recipes.ROW_SUMS; "cast_p" runs the forward's row sum on the tensor core)."""
-    from .attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90, fuse_q_quant_supported
+    from .attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90, fuse_q_quant_supported, short_pairs_default
     from .quant import QuantizedTHD
     from .tuning import tuned_fwd_config
 
     cfg = FwdConfig(head_dim=q.shape[2], qhead_per_kvhead=q.shape[1] // k.shape[1], diagonal_copy=block > 1,
-                    row_sum_mma=row_sum == "cast_p")
+                    row_sum_mma=row_sum == "cast_p", short_pairs=short_pairs_default(q.shape[0], cu.numel() - 1))
     cfg = tuned_fwd_config(cfg, max_seqlen, q.shape[0], cu.numel() - 1)
     # Q quantized by the forward kernel (per token, as the launch would: same codes and scales). It
     # writes Q token-major only: enough for the forward and the bf16-dS backward, not for the e4m3-dS

@@ -401,7 +401,7 @@ def document_aligned_starts(mCu: cute.Tensor, doc, aligns: cutlass.Constexpr, un
 @cute.jit
 def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Tensor, sWarp: cute.Tensor, tid,
                      threads: cutlass.Constexpr, barrier_id: cutlass.Constexpr, tile: cutlass.Constexpr,
-                     sHeavy=None, short_pairs: cutlass.Constexpr = False):
+                     sHeavy=None, sPair=None):
     """Per-document tables in shared memory, for d in 0..num_docs: sCum[d] = sum over documents
     b < d of ceil(len_b / tile) (chunks), sDt[d] = document d's first data_dt column (the same sum
     of lengths rounded up to DT_DOC_ALIGN: quant.dt_cu_seqlens), and when sHeavy is given
@@ -411,9 +411,11 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
     `barrier_id`; the caller syncs before anyone reads the tables. Thread t owns documents
     [t*k, t*k + k): a serial sum, a warp scan (shfl.up), the warp totals through sWarp (a row of
     2, or 3 with sHeavy, per warp).
-    short_pairs: a document that shares its predecessor's tile (paired_with_previous) counts 0 chunks.
+    sPair (the forward's short pairs): sPair[d] = short_pair_len(d) (the length of document d + 1 when
+    it shares d's query tile, else 0), and such a document d + 1 counts 0 chunks.
     """
     heavy = cutlass.const_expr(sHeavy is not None)
+    short_pairs = sPair is not None
     k = (num_docs + threads - 1) // threads
     d0 = tid * k
     my_c = Int32(0)
@@ -444,6 +446,8 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
             run_p = run_p + p
             sCum[b + 1] = run_c
             sDt[b + 1] = run_p
+            if cutlass.const_expr(short_pairs):
+                sPair[b] = short_pair_len(mCu, b, num_docs)
             if cutlass.const_expr(heavy):
                 run_h = run_h + (c + 1) // 2
                 sHeavy[b + 1] = run_h

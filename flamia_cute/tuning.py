@@ -94,6 +94,9 @@ def fwd_space(head_dim: int, group: int, diagonal_copy: bool, row_sum_mma: bool 
         keep.append((dataclasses.replace(base, tile_claim="stride"), "static stride claim"))
         keep.append((dataclasses.replace(base, tile_order="heavy_first"), "heavy halves first"))
         keep.append((dataclasses.replace(base, tile_order="longest_documents"), "documents longest first"))
+        # two short documents per query tile (session 22): on by default only for packs of short
+        # documents (short_pairs_default), searched for every class
+        keep.append((dataclasses.replace(base, short_pairs=not base.short_pairs), "short pairs toggled"))
         if base.intra_wg_overlap and not row_sum_mma:  # (overlap_tiles has no row_sum_mma build)
             pruned.append((dataclasses.replace(base, overlap_tiles=True),
                            "slower on every workload: +5..+16% (run s11a)"))

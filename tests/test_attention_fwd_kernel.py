@@ -425,8 +425,18 @@ def test_per_tile_fallback_is_valid_for_every_persistent_option():
 @pytest.mark.parametrize("fields", [{"persistent": False}, {"stage_tile_inputs": False},
                                     {"overlap_tiles": True, "intra_wg_overlap": True}, {"fuse_q_quant": True}])
 def test_short_pairs_needs_the_staged_persistent_schedule(fields):
-    with pytest.raises(ValueError, match="FwdConfig.short_pairs"):
+    field = "fuse_q_quant" if "fuse_q_quant" in fields else "short_pairs"
+    with pytest.raises(ValueError, match=f"FwdConfig.{field}"):
         FwdConfig(head_dim=128, diagonal_copy=True, short_pairs=True, **fields)
+
+
+def test_short_pairs_default_rule():
+    """On for packs of short documents only (mean length <= 96 tokens), never past the tables."""
+    from flamia_cute.attention_fwd_sm90 import PERSISTENT_MAX_DOCS, short_pairs_default
+
+    assert short_pairs_default(16384, 256) and short_pairs_default(96 * 10, 10)
+    assert not short_pairs_default(16384, 128) and not short_pairs_default(97 * 10, 10)
+    assert not short_pairs_default(0, 0) and not short_pairs_default(64 * 2000, PERSISTENT_MAX_DOCS + 1)
 
 
 @needs_dsl

@@ -63,8 +63,9 @@ def test_fwd_space_times_each_effective_config_once(diagonal_copy):
 
     keep, _ = fwd_space(128, 1, diagonal_copy)
     effective = [(c.kv_stages, c.pingpong, c.intra_wg_overlap, c.pin_softmax if c.intra_wg_overlap else None,
-                  c.persistent, c.tile_claim, c.tile_order) for c, _ in keep]
+                  c.persistent, c.tile_claim, c.tile_order, c.short_pairs) for c, _ in keep]
     assert len(effective) == len(set(effective))
+    assert sum(c.short_pairs for c, _ in keep) == 1  # the default with short pairs toggled
 
 
 def test_fwd_space_searches_the_tile_claim_and_order_but_not_overlap_tiles():
