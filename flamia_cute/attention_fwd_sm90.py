@@ -959,33 +959,16 @@ class FlamiaFwdSm90:
         hi_bounds = (doc_start, doc_len)
         if cutlass.const_expr(pair_len is not None):
             hi_bounds = self.pair_bounds(doc_start, doc_len, pair_len)
-        per_group = tn // 64 if staged else 1  # 32-key chunks loaded before their stores
         pairs = pair_len is not None
         for i in cutlass.range(m_block + 1, unroll=1):
             n = m_block - i
             pipe_s.producer_acquire(s_state)
             if cutlass.const_expr(pairs):
-                # a runtime loop over the block's halves, each one round trip: its Q scales (diagonal
-                # step) with its K/V scales, from the half's own document. One half's addresses live at
-                # a time (unrolled, the second document's bases spill in the producers' 24 registers)
-                for h in cutlass.range(2, unroll=1):  # (per_group == 2: a group is a half)
-                    start = select(h == 0, doc_start, hi_bounds[0])
-                    length = select(h == 0, doc_len, hi_bounds[1])
-                    loaded = []
-                    for cc in cutlass.range_constexpr(per_group):
-                        key = lane + 32 * cc + (tn // 2) * h
-                        sq = Float32(1.0)  # rows past the end: any finite positive scale (never stored)
-                        row = m_block * tn + key  # (tile_m == tile_n)
-                        if i == 0:
-                            if row < length:
-                                sq = mSQ[start + row, head]
-                        sk, sv = self.key_scales(mSK, mSV, mSKt, mSVt, i, n * tn + key, kv_head, start, length)
-                        loaded.append((key, sq, sk, sv))
-                    for key, sq, sk, sv in loaded:
-                        if i == 0:
-                            sScale[2 * tn + key, s_state.index] = sq
-                        sScale[key, s_state.index] = sk
-                        sScale[tn + key, s_state.index] = sv
+                if i == 0:
+                    self.stage_diagonal_halves(mSK, mSV, mSKt, mSVt, mSQ, sScale, s_state, kv_head, head, doc_start,
+                                               doc_len, hi_bounds, m_block)
+                else:  # off-diagonal steps: the tile's own document only
+                    self.stage_key_scales(mSK, mSV, mSKt, mSVt, sScale, s_state, i, n, kv_head, doc_start, doc_len)
             else:
                 if cutlass.const_expr(staged and not self.fuse_q):  # fused: warps 2-3 stage Q's scales
                     if i == 0:
@@ -995,18 +978,52 @@ class FlamiaFwdSm90:
                             if row < doc_len:
                                 sq = mSQ[doc_start + row, head]
                             sScale[2 * tn + lane + 32 * c, s_state.index] = sq
-                for g in cutlass.range_constexpr(tn // 32 // per_group):
-                    loaded = []
-                    for c in cutlass.range_constexpr(g * per_group, (g + 1) * per_group):
-                        sk, sv = self.key_scales(mSK, mSV, mSKt, mSVt, i, n * tn + lane + 32 * c, kv_head, doc_start,
-                                                 doc_len)
-                        loaded.append((c, sk, sv))
-                    for c, sk, sv in loaded:
-                        sScale[lane + 32 * c, s_state.index] = sk
-                        sScale[tn + lane + 32 * c, s_state.index] = sv
+                self.stage_key_scales(mSK, mSV, mSKt, mSVt, sScale, s_state, i, n, kv_head, doc_start, doc_len)
             pipe_s.producer_commit(s_state)  # every lane arrives: releases its own stores
             s_state.advance()
         return s_state
+
+    @cute.jit
+    def stage_key_scales(self, mSK, mSV, mSKt, mSVt, sScale, s_state, i, n, kv_head, doc_start, doc_len):
+        """Step i's (key tile n's) K and V scales into its stage: staged, in two halves of loads each
+        issued before its stores; else one 32-key chunk at a time."""
+        tn = self.tile_n
+        lane = cute.arch.lane_idx()
+        per_group = tn // 64 if self.cfg.stage_tile_inputs else 1  # 32-key chunks loaded before their stores
+        for g in cutlass.range_constexpr(tn // 32 // per_group):
+            loaded = []
+            for c in cutlass.range_constexpr(g * per_group, (g + 1) * per_group):
+                sk, sv = self.key_scales(mSK, mSV, mSKt, mSVt, i, n * tn + lane + 32 * c, kv_head, doc_start, doc_len)
+                loaded.append((c, sk, sv))
+            for c, sk, sv in loaded:
+                sScale[lane + 32 * c, s_state.index] = sk
+                sScale[tn + lane + 32 * c, s_state.index] = sv
+
+    @cute.jit
+    def stage_diagonal_halves(self, mSK, mSV, mSKt, mSVt, mSQ, sScale, s_state, kv_head, head, doc_start, doc_len,
+                              hi_bounds, m_block):
+        """short_pairs, the diagonal step: a runtime loop over the block's halves, each ONE round trip of
+        its Q and K/V scales from the half's own document (hi_bounds: the second half's). One half's
+        addresses live at a time (unrolled, the second document's bases spill in the producers' 24
+        registers); the unpaired build's diagonal step takes three round trips (Q, then two K/V halves)."""
+        tn = self.tile_n
+        lane = cute.arch.lane_idx()
+        for h in cutlass.range(2, unroll=1):
+            start = select(h == 0, doc_start, hi_bounds[0])
+            length = select(h == 0, doc_len, hi_bounds[1])
+            loaded = []
+            for cc in cutlass.range_constexpr(2):
+                key = lane + 32 * cc + (tn // 2) * h
+                row = m_block * tn + key  # (tile_m == tile_n: row and key offsets coincide)
+                sq = Float32(1.0)  # rows past the end: any finite positive scale (never stored)
+                if row < length:
+                    sq = mSQ[start + row, head]
+                sk, sv = self.key_scales(mSK, mSV, mSKt, mSVt, 0, m_block * tn + key, kv_head, start, length)
+                loaded.append((key, sq, sk, sv))
+            for key, sq, sk, sv in loaded:
+                sScale[2 * tn + key, s_state.index] = sq
+                sScale[key, s_state.index] = sk
+                sScale[tn + key, s_state.index] = sv
 
     @cute.jit
     def pair_bounds(self, doc_start, doc_len, pair_len):
