@@ -121,6 +121,7 @@ from .sm90_device import (
     publish_tile,
     read_tile,
     select,
+    short_pair_len,
     sm_id,
     smem_word_index,
     st_global_v4,
@@ -292,6 +293,13 @@ class BwdDsBf16Config:
     # int32 buffer that the semaphores use otherwise, in launch order (cta_timeline_words;
     # perf/bwd_cta_timeline.py reads them). Not deterministic nor dq_first_store (their words)
     cta_timeline: bool = False
+    # Grid build: two short documents per CTA, one per consumer warpgroup's 64 keys, by the forward's
+    # rule (schedules.varlen_tiles.short_pair_partner, so the second starts 64 V^T and dO^T columns
+    # after the first). The pair is one item of two diagonal query tiles: tile 0 the first document's
+    # queries, tile 1 the second's; each warpgroup takes its document's bounds (the second's shifted
+    # 64 back), the first masks tile 1. The second document's CTA exits at once. Gradients
+    # bit-identical (a masked P is 0, so the other document's keys and queries add exact zeros).
+    short_pairs: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -302,7 +310,7 @@ class BwdDsBf16Config:
         if not isinstance(self.qhead_per_kvhead, int) or self.qhead_per_kvhead < 1:
             bad("qhead_per_kvhead", "must be an int >= 1")
         for name in ("diagonal_copy", "deterministic", "dq_store_swap", "transpose_v_under_s", "dq_first_store",
-                     "cta_timeline", "persistent", "release_in_last_tile", "scales_at_entry"):
+                     "cta_timeline", "persistent", "release_in_last_tile", "scales_at_entry", "short_pairs"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
         for name in ("prefetch_sdp", "dq_tma_reduce", "exp_under_dp", "dk_under_dq_store", "phase_prefetch",
@@ -377,10 +385,20 @@ class BwdDsBf16Config:
                 bad("persistent", "needs phase_prefetch with diagonal_copy (the stage released inside the tile)")
             if self.prefetch_sdp:
                 bad("persistent", "not with prefetch_sdp (its dummy S^T, dP^T read the stage after the item)")
+        if self.short_pairs and not short_pairs_supported(self):
+            bad("short_pairs", "needs the grid build with dq_tma_reduce (so not deterministic), and not dq_first_store, "
+                "prefetch_sdp nor scales_at_entry")
         if self.transpose_v_under_s and not self.exp_under_dp:
             bad("transpose_v_under_s", "needs exp_under_dp (S^T in its own commit group; not with prefetch_sdp)")
         if smem_bytes(self) > SMEM_LIMIT:
             bad("q_stages", f"shared memory {smem_bytes(self)} bytes exceeds {SMEM_LIMIT}")
+
+
+def short_pairs_supported(cfg: BwdDsBf16Config) -> bool:
+    """Whether a config's build can take short_pairs: the grid build's dQ warp (TMA reduce-adds, so
+    not deterministic), no first-store claims, no S^T/dP^T prefetch (d64's default), no entry scales."""
+    return not (cfg.persistent or not cfg.dq_tma_reduce or cfg.dq_first_store or cfg.prefetch_sdp
+                or cfg.scales_at_entry)
 
 
 def smem_bytes(cfg: BwdDsBf16Config) -> int:
@@ -821,9 +839,27 @@ class FlamiaBwdDsBf16Sm90:
         # with cu_seqlens[doc]'s, not after the CTA's setup, and 4 rounds of 32 documents at a time,
         # since the first K/V load waits for it
         dt_start = document_dt_start(mCu, doc, 4)
+        pairs = self.cfg.short_pairs
+        # short_pairs: the bounds of the block's second half (keys 64..127, query tiles >= 1): a pair's
+        # second document shifted 64 back, else the document's own; the item's query length (a pair:
+        # two 64-query tiles)
+        hi_start, hi_len, item_len, pair_len, live = doc_start, doc_len, doc_len, Int32(0), Boolean(True)
+        if cutlass.const_expr(pairs):
+            num_docs = cute.size(mCu) - 1
+            pair_len = short_pair_len(mCu, doc, num_docs)
+            if pair_len > 0:
+                hi_start = doc_start + doc_len - self.wm
+                hi_len = self.wm + pair_len
+                item_len = hi_len
+            if doc % 2 == 1:
+                if short_pair_len(mCu, doc - 1, num_docs) > 0:
+                    live = Boolean(False)  # the predecessor's CTA runs this document
+        live_blk = n_blk * self.kb < doc_len
+        if cutlass.const_expr(pairs):
+            live_blk = live_blk & live
 
-        if n_blk * self.kb < doc_len:
-            sched = self._item_sched(n_blk, doc_len)
+        if live_blk:
+            sched = self._item_sched(n_blk, item_len)
             n_diag, per = sched[1], sched[2]
             rsc0 = None
             if cutlass.const_expr(self.cfg.scales_at_entry):  # issued before the setup below (its latency under it)
@@ -841,23 +877,36 @@ class FlamiaBwdDsBf16Sm90:
             if wg_idx == 0:
                 cute.arch.setmaxregister_decrease(self.regs_producer)
                 if warp_idx == 0:
-                    self.load_tma(tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, doc_start, dt_start, sched)
+                    self.load_tma(tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, doc_start, dt_start, sched,
+                                  hi_start=hi_start if cutlass.const_expr(pairs) else None)
                 if warp_idx == 1:
                     self.load_vectors(mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, kv_head, doc_start, doc_len, sched,
-                                      softmax_scale)
+                                      softmax_scale, hi_start=hi_start if cutlass.const_expr(pairs) else None,
+                                      hi_len=hi_len if cutlass.const_expr(pairs) else None)
                 if cutlass.const_expr(self.dq_tma):
                     if warp_idx == 2:
                         first_store = None
                         if cutlass.const_expr(self.cfg.dq_first_store):
                             first_store = (tmas[19], tmas[20], mSem, mdQ, doc, doc_len)
-                        self.reduce_dq(tmas[14], tmas[15], sdQ, kv_head, doc_start, sched, first_store)
+                        self.reduce_dq(tmas[14], tmas[15], sdQ, kv_head, doc_start, sched, first_store,
+                                       hi_start=hi_start if cutlass.const_expr(pairs) else None)
             else:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
+                # the warpgroup's keys' document: with a pair, warpgroup 1's is the second (shifted 64 back),
+                # and warpgroup 0 masks the second's query tile
+                w_start, w_len, w_doc, pair_first = doc_start, doc_len, doc, None
+                if cutlass.const_expr(pairs):
+                    pair_first = Boolean(False)
+                    if pair_len > 0:
+                        if wg_idx == 2:
+                            w_start, w_len, w_doc = hi_start, hi_len, doc + 1
+                        else:
+                            pair_first = Boolean(True)
                 self.consume(
                     mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok,
-                    mRef[kv_head, doc], (mdQ, mSem, doc, sdQ_words, dq_plan), mdK, mdV, kv_head,
-                    doc_start, doc_len, sched, softmax_scale, wg_idx - 1,
-                    (mSem, cta_word) if cutlass.const_expr(self.cfg.cta_timeline) else None, rsc0,
+                    mRef[kv_head, w_doc], (mdQ, mSem, doc, sdQ_words, dq_plan), mdK, mdV, kv_head,
+                    w_start, w_len, sched, softmax_scale, wg_idx - 1,
+                    (mSem, cta_word) if cutlass.const_expr(self.cfg.cta_timeline) else None, rsc0, pair_first,
                 )
                 if cutlass.const_expr(self.cfg.cta_timeline):
                     if tidx == 128:  # the first consumer warpgroup's epilogue is done
@@ -943,24 +992,33 @@ class FlamiaBwdDsBf16Sm90:
         )
 
     @cute.jit
-    def _load_kv(self, atoms, bufs, pipe_kv, kv_state, kv_head, doc_start, dt_start, n_blk):
-        """K [key, d] and V^T [d, key] (the 64-key slabs of block n_blk) into sK and sV."""
+    def _load_kv(self, atoms, bufs, pipe_kv, kv_state, kv_head, doc_start, dt_start, n_blk, hi_start=None):
+        """K [key, d] and V^T [d, key] (the 64-key slabs of block n_blk) into sK and sV; hi_start
+        (short_pairs): the second slab's K rows from there (a pair's second document, 64 back; its V^T
+        columns follow the first's, so V^T needs no second start)."""
         atom_k, t_k, atom_v, t_v = atoms
         D = self.D
         tKs, tKg = self._part(atom_k, t_k, kv_head, bufs[0], (self.wm, D), doc_start, 0)
+        tKg1 = tKg
+        if cutlass.const_expr(hi_start is not None):
+            _, tKg1 = self._part(atom_k, t_k, kv_head, bufs[0], (self.wm, D), hi_start, 0)
         tVs, tVg = self._part(atom_v, t_v, kv_head, bufs[16], (D, self.wm), dt_start, 1)
         pipe_kv.producer_acquire(kv_state)
         bar = pipe_kv.producer_get_barrier(kv_state)
         for w in cutlass.range_constexpr(2):
-            cute.copy(atom_k, tKg[None, 2 * n_blk + w], tKs[None, w], tma_bar_ptr=bar)
+            cute.copy(atom_k, (tKg if w == 0 else tKg1)[None, 2 * n_blk + w], tKs[None, w], tma_bar_ptr=bar)
             cute.copy(atom_v, tVg[None, 2 * n_blk + w], tVs[None, w], tma_bar_ptr=bar)
         kv_state.advance()
         return kv_state
 
     @cute.jit
-    def _load_q(self, tmas, bufs, pipe_a, pipe_b, a_state, b_state, hq, m, doc_start, dt_start):
+    def _load_q(self, tmas, bufs, pipe_a, pipe_b, a_state, b_state, hq, m, doc_start, dt_start, hi_start=None):
+        """Query tile m's Q, dO (pipeline a), dO^T and Q bf16 (pipeline b); hi_start (short_pairs): the
+        token start of tiles m >= 1 (a pair's second document, 64 back; else the document's)."""
         tma_q, tQ, tma_do, tdO, tma_dot, tdOt = tmas[8:14]
         D, tq = self.D, self.tq
+        if cutlass.const_expr(hi_start is not None):
+            doc_start = select(m >= 1, hi_start, doc_start)
         tQs, tQg = self._part(tma_q, tQ, hq, bufs[3], (tq, D), doc_start, 0)
         tdOs, tdOg = self._part(tma_do, tdO, hq, bufs[4], (tq, D), doc_start, 0)
         tdOts, tdOtg = self._part(tma_dot, tdOt, hq, bufs[5], (D, tq), dt_start, 1)
@@ -988,20 +1046,21 @@ class FlamiaBwdDsBf16Sm90:
         )
 
     @cute.jit
-    def load_tma(self, tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, doc_start, dt_start, sched, states=None):
+    def load_tma(self, tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, doc_start, dt_start, sched, states=None,
+                 hi_start=None):
         """Warp 0: one item's K/V and query tiles, both phases; returns the producer states after it
-        (states: the previous item's, persistent; else fresh)."""
+        (states: the previous item's, persistent; else fresh; hi_start: short_pairs, _load_kv's)."""
         n_blk, n_diag, per = sched
         kv_state, a_state, b_state = self.producer_states() if cutlass.const_expr(states is None) else states
         # phase 0: the diagonal tiles of every head (per-token K/V when diag_copy)
         if cutlass.const_expr(self.diag_copy):
-            kv_state = self._load_kv(tmas[4:8], bufs, pipe_kv, kv_state, kv_head, doc_start, dt_start, n_blk)
+            kv_state = self._load_kv(tmas[4:8], bufs, pipe_kv, kv_state, kv_head, doc_start, dt_start, n_blk, hi_start)
         else:
-            kv_state = self._load_kv(tmas[0:4], bufs, pipe_kv, kv_state, kv_head, doc_start, dt_start, n_blk)
+            kv_state = self._load_kv(tmas[0:4], bufs, pipe_kv, kv_state, kv_head, doc_start, dt_start, n_blk, hi_start)
         for i in cutlass.range(self.group * n_diag, unroll=1):
             a_state, b_state = self._load_q(tmas, bufs, pipe_a, pipe_b, a_state, b_state,
                                             kv_head * self.group + i // n_diag, 2 * n_blk + i % n_diag,
-                                            doc_start, dt_start)
+                                            doc_start, dt_start, hi_start)
         # phase 1: the off-diagonal tiles; the block-scaled K/V replace the copies once released
         if per > 0:
             if cutlass.const_expr(self.diag_copy):
@@ -1078,7 +1137,7 @@ class FlamiaBwdDsBf16Sm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def reduce_dq(self, atom, t_dq, sdQ, kv_head, doc_start, sched, first_store=None, owed=None):
+    def reduce_dq(self, atom, t_dq, sdQ, kv_head, doc_start, sched, first_store=None, owed=None, hi_start=None):
         """Producer warp 2 (dq_tma_reduce): per tile, wait until both consumer warpgroups stored the
         tile's dQ (named barrier DQ_FULL), add it to the fp32 accumulator with one TMA reduce-add, and
         hand the buffer back once the TMA has read it (DQ_EMPTY). Rows past the document end are 0
@@ -1093,7 +1152,9 @@ class FlamiaBwdDsBf16Sm90:
 
         owed (persistent, a runtime flag: not the CTA's first item): the previous item's last tile owes
         the DQ_EMPTY arrive that the grid build leaves out after a CTA's last tile; it is made before
-        this item's first tile, so no arrive is left over when the CTA ends."""
+        this item's first tile, so no arrive is left over when the CTA ends.
+
+        hi_start (short_pairs): the token start of tiles m >= 1 (a pair's second document, 64 back)."""
         n_blk, n_diag, per = sched
         total = self._tile_count(n_diag, per)
         if cutlass.const_expr(owed is None):
@@ -1108,7 +1169,10 @@ class FlamiaBwdDsBf16Sm90:
                 cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=288)
                 # the whole warp: a TMA copy elects its issuing lane with a full-mask elect.sync, so calling
                 # it from one lane deadlocks (the first version did: it hung on the H200)
-                tSs, tSg = self._part(atom, t_dq, kv_head * self.group + hi, sdQ, (self.tq, self.D), doc_start, 0)
+                start = doc_start
+                if cutlass.const_expr(hi_start is not None):
+                    start = select(m >= 1, hi_start, doc_start)
+                tSs, tSg = self._part(atom, t_dq, kv_head * self.group + hi, sdQ, (self.tq, self.D), start, 0)
                 cute.copy(atom, tSs[None, 0], tSg[None, m])
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -1212,9 +1276,10 @@ class FlamiaBwdDsBf16Sm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def load_vectors(self, mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, kv_head, doc_start, doc_len, sched,
-                     softmax_scale, v_state=None):
+                     softmax_scale, v_state=None, hi_start=None, hi_len=None):
         """Warp 1: per query tile of an item, the five per-query vectors (store_query_vectors); returns
-        the state after it (v_state: the previous item's, persistent; else fresh)."""
+        the state after it (v_state: the previous item's, persistent; else fresh; hi_start, hi_len:
+        short_pairs, the bounds of tiles m >= 1)."""
         n_blk, n_diag, per = sched
         lane = cute.arch.lane_idx()
         if cutlass.const_expr(v_state is None):
@@ -1226,9 +1291,13 @@ class FlamiaBwdDsBf16Sm90:
             hq = kv_head * self.group + hi
             pipe_v.producer_acquire(v_state)
             st = v_state.index
+            start, length = doc_start, doc_len
+            if cutlass.const_expr(hi_start is not None):
+                start = select(m >= 1, hi_start, doc_start)
+                length = select(m >= 1, hi_len, doc_len)
             for c in cutlass.range_constexpr(self.tq // 32):
                 col = lane + 32 * c
-                store_query_vectors(sVec, col, st, m * self.tq + col, doc_start, doc_len, hq, mSQ, mLSE, mDelta, mSdO,
+                store_query_vectors(sVec, col, st, m * self.tq + col, start, length, hq, mSQ, mLSE, mDelta, mSdO,
                                     scale_log2)
             pipe_v.producer_commit(v_state)
             v_state.advance()
@@ -1238,16 +1307,17 @@ class FlamiaBwdDsBf16Sm90:
     @cute.jit
     def consume(
         self, mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok, dv_ref, dq_out, mdK,
-        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, stamps=None, rsc0=None,
+        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, stamps=None, rsc0=None, pair_first=None,
     ):
         """The consumer warpgroups of the grid build: the CTA's one item (stamps: cta_timeline's; rsc0:
-        phase 0's row scales when loaded at the entry, scales_at_entry)."""
+        phase 0's row scales when loaded at the entry, scales_at_entry; pair_first: short_pairs, set in
+        a pair's first warpgroup)."""
         self.stamp(stamps, 4)
         frags, krow = self.consumer_fragments(mmas, bufs, wg)
         self.consume_item(
             frags, krow, bufs, sVec, (pipe_kv, pipe_a, pipe_b, pipe_v), self.consumer_states(), mSK, mSV, mSKtok,
             mSVtok, dv_ref, dq_out, mdK, mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, stamps=stamps,
-            rsc0=rsc0,
+            rsc0=rsc0, pair_first=pair_first,
         )
 
     @cute.jit
@@ -1334,10 +1404,12 @@ class FlamiaBwdDsBf16Sm90:
     @cute.jit
     def consume_item(
         self, frags, krow, bufs, sVec, pipes, states, mSK, mSV, mSKtok, mSVtok, dv_ref, dq_out, mdK, mdV, kv_head,
-        doc_start, doc_len, sched, softmax_scale, wg, tile_base=None, stamps=None, rsc0=None,
+        doc_start, doc_len, sched, softmax_scale, wg, tile_base=None, stamps=None, rsc0=None, pair_first=None,
     ):
         """One item (key block n_blk of KV head kv_head in the document): both phases' tiles, then dK and
-        dV to global memory; returns the pipeline states after it. tile_base (persistent, not two query
+        dV to global memory; returns the pipeline states after it. pair_first (short_pairs): this
+        warpgroup holds a pair's first document, so the second diagonal tile (the second document's
+        queries) is masked whole. tile_base (persistent, not two query
         stages): the tiles the CTA ran before, so the dS buffers keep alternating across items.
         Persistent: the K/V stage is released inside the item's last tile as well (the next item's
         copies load under it)."""
@@ -1389,10 +1461,15 @@ class FlamiaBwdDsBf16Sm90:
             # the stage's last reader: the last diagonal tile, or (persistent, one stage for the whole
             # item) the item's last tile
             last_diag = i + 1 == (self.group * n_diag if early_kv else self._tile_count(n_diag, per))
+            lim_i = lim
+            if cutlass.const_expr(pair_first is not None):
+                if pair_first:
+                    if i % n_diag == 1:
+                        lim_i = Int32(0)  # every key of this warpgroup is the other document's
             a_state, b_state, v_state = self.tile_step(
                 True, i + base, i + 1 < self.group * n_diag, kv_head * self.group + i // n_diag,
                 2 * n_blk + i % n_diag, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state,
-                v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg, i == 0 if late_v else None,
+                v_state, dq_out, doc_start, doc_len, lim_i, n_blk, softmax_scale, wg, i == 0 if late_v else None,
                 (pipe_kv, kv_state, last_diag) if early_kv or (persistent and in_tile) else None,
             )
         if cutlass.const_expr(self.prefetch and self.dq_tma):

@@ -60,7 +60,7 @@ from .quant import transposed_tokens
 from .recipes import FOLD_DROP, FOLD_REF_MIN
 from .schedules import varlen_tiles as _varlen_tiles
 from .schedules.varlen_chunks import max_chunks
-from .schedules.varlen_tiles import LPT_MAX_DOCS, TILE_ORDERS
+from .schedules.varlen_tiles import LPT_MAX_DOCS, TILE_ORDERS, short_pairs_worth
 from .sm90_device import (
     ARG_BF16,
     ARG_F8,
@@ -332,15 +332,10 @@ class FwdConfig:
                 "overlap_tiles=False")
 
 
-# short_pairs_default: pair short documents when the mean document length is at most this (packs whose
-# documents mostly fit half a query tile; the pair build costs a few % where nothing pairs, run s22b)
-SHORT_PAIRS_MEAN_TOKENS = 96
-
-
 def short_pairs_default(total_tokens: int, num_docs: int) -> bool:
     """FwdConfig.short_pairs for a call, from what the host knows without a sync: on for packs of
-    short documents (mean length <= SHORT_PAIRS_MEAN_TOKENS) that the persistent tables hold."""
-    return 0 < num_docs <= PERSISTENT_MAX_DOCS and total_tokens <= SHORT_PAIRS_MEAN_TOKENS * num_docs
+    short documents (schedules.varlen_tiles.short_pairs_worth) that the persistent tables hold."""
+    return num_docs <= PERSISTENT_MAX_DOCS and short_pairs_worth(total_tokens, num_docs)
 
 
 def fuse_q_quant_supported(cfg) -> bool:

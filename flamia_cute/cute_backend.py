@@ -186,12 +186,18 @@ def backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16: bool = False):
     `flamia-cute tune` measured it, deterministic when asked (deterministic_backward)."""
     if ds_bf16:
         from .attention_bwd_dsbf16_sm90 import default_config as bf16_ds_default
+        from .attention_bwd_dsbf16_sm90 import short_pairs_supported
+        from .schedules.varlen_tiles import short_pairs_worth
         from .tuning import tuned_bwd_dsbf16_config
 
         if deterministic_backward():  # the ordered atomics path, untuned
             return bf16_ds_default(qq, kq, kt, deterministic=True)
-        return tuned_bwd_dsbf16_config(bf16_ds_default(qq, kq, kt, max_seqlen=max_seqlen), max_seqlen,
-                                       qq.data_td.shape[0], cu.numel() - 1)
+        total, num_docs = qq.data_td.shape[0], cu.numel() - 1
+        default = bf16_ds_default(qq, kq, kt, max_seqlen=max_seqlen)
+        # two short documents per CTA for packs of short documents (the forward's rule)
+        default = dataclasses.replace(default, short_pairs=short_pairs_worth(total, num_docs)
+                                      and short_pairs_supported(default))
+        return tuned_bwd_dsbf16_config(default, max_seqlen, total, num_docs)
     from .attention_bwd_sm90 import default_config
     from .tuning import tuned_bwd_config
 

@@ -286,7 +286,10 @@ def measure_ds_orders(case, qq, kq, kt, vq, vt, row):
                                                             early_block_scales=False)),
                 # phase 0's row scales loaded at the kernel's entry (session 19's stamps: 1.1 us after 0.8 of setup)
                 ("auto window scales at entry", BwdDsBf16Config(128, diagonal_copy=True, head_window=auto,
-                                                                scales_at_entry=True)))
+                                                                scales_at_entry=True)),
+                # two short documents per CTA (session 22)
+                ("auto window short pairs", BwdDsBf16Config(128, diagonal_copy=True, head_window=auto,
+                                                            short_pairs=True)))
 
     def run(cfg):
         return flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,

@@ -158,6 +158,21 @@ for stage in "$@"; do
       run short_pairs_mutant 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py \
         -k "short_pairs_bit_identical and fp8_tokenblock- and 128 or short_pairs_leakage and fp8_tokenblock]"
       cp /tmp/fwd_keep.py flamia_cute/attention_fwd_sm90.py ;;
+    bwd-pairs-tests)  # two short documents per backward CTA (BwdDsBf16Config.short_pairs)
+      run bwd_pairs_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py \
+        -k "short_pairs" ;;
+    bwd-pairs-mutant)  # the same with the first warpgroup's mask of the second document's queries removed: must fail
+      cp flamia_cute/attention_bwd_dsbf16_sm90.py /tmp/bwd_keep.py
+      sed -i 's/lim_i = Int32(0)  # every key/lim_i = lim  # every key/' flamia_cute/attention_bwd_dsbf16_sm90.py
+      grep -c "lim_i = lim  # every key" flamia_cute/attention_bwd_dsbf16_sm90.py | tee "$OUT/bwd_mutant_applied.txt"
+      run bwd_pairs_mutant 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py \
+        -k "short_pairs_match_unpaired and fp8_tokenblock_dsbf16 and 128-4-2 or short_pairs_leakage"
+      cp /tmp/bwd_keep.py flamia_cute/attention_bwd_dsbf16_sm90.py ;;
+    bwd-pairs-rounds)  # the bf16-dS backward kernel alone, the untuned default against short pairs, rotated rounds
+      run bwd_pairs_rounds 420 env OUT="$OUT" BREAKDOWN_ONLY=ds BREAKDOWN_ROUNDS=3 \
+        BREAKDOWN_DS_VARIANTS="auto window,auto window short pairs" \
+        BREAKDOWN_WORKLOADS="${PAIR_WORKLOADS:-256x64,128x128,16x1k,4x4k,longtail32k,mixed16k,1x16k}" \
+        python3 perf/bench_fwd_breakdown.py ;;
     short-pairs-rounds)  # the forward kernel alone, default against short pairs, rotated rounds
       run short_pairs_rounds 420 env OUT="$OUT" BREAKDOWN_ONLY=fwd BREAKDOWN_ROUNDS=3 \
         BREAKDOWN_DS_VARIANTS="default,short pairs,short pairs longest" \

@@ -81,6 +81,17 @@ def causal_flops(lengths, heads: int, head_dim: int, backward: bool = False) -> 
 SHORT_PAIR_ROWS = 64
 
 
+# Pair short documents when the mean document length is at most this: packs whose documents mostly
+# fit half a tile. The host knows the mean without a sync (tokens / documents); the pair builds cost
+# 0-3% where nothing pairs (perf/RESULTS.md, session 22).
+SHORT_PAIRS_MEAN_TOKENS = 96
+
+
+def short_pairs_worth(total_tokens: int, num_docs: int) -> bool:
+    """Whether a call's documents are short enough on average to build the short-pair kernels."""
+    return num_docs > 0 and total_tokens <= SHORT_PAIRS_MEAN_TOKENS * num_docs
+
+
 def short_pair_partner(lengths, a: int, dt_align: int = 32) -> int:
     """The length of document a + 1 when it shares document a's forward query tile, else 0:
     a is even (pairs (0, 1), (2, 3), ...: no scan over runs of short documents, so the kernel tests

@@ -514,7 +514,8 @@ VARIANTS = {"": {}, "q-convert": dict(q_bf16_source="convert"), "dk-with-dq": di
             "late-phase": dict(phase_prefetch=False, early_block_scales=False), "early-scales": dict(early_block_scales=True),
             "one-ds-buffer": dict(ds_buffers=1), "persistent": dict(persistent=True),
             "persistent-stride": dict(persistent=True, item_claim="stride", head_window=2),
-            "scales-at-entry": dict(scales_at_entry=True)}
+            "scales-at-entry": dict(scales_at_entry=True), "short-pairs": dict(short_pairs=True),
+            "short-pairs-d64": dict(short_pairs=True, prefetch_sdp=False)}
 
 
 @pytest.fixture(scope="module")
@@ -730,11 +731,39 @@ def test_dq_first_store_variant(artifacts, head_dim):
         assert count(r"\bUTMASTG\b", art.sass) == head_dim // 32
 
 
+@needs_dsl
+@pytest.mark.parametrize("fields", [dict(persistent=True), dict(deterministic=True), dict(prefetch_sdp=True),
+                                    dict(dq_first_store=True), dict(scales_at_entry=True)])
+def test_short_pairs_config_rejects(fields):
+    """short_pairs is the grid build's, on the TMA dQ path (the pair's second query tile is reduced at
+    the second document's rows by the dQ warp)."""
+    with pytest.raises(ValueError, match="BwdDsBf16Config"):
+        BwdDsBf16Config(head_dim=128, diagonal_copy=True, short_pairs=True, **fields)
+
+
+@needs_dsl
+@pytest.mark.parametrize("head_dim, diagonal_copy, variant", [(128, True, "short-pairs"), (128, False, "short-pairs"),
+                                                                (64, True, "short-pairs-d64")])
+def test_short_pairs_variant_compiles(artifacts, head_dim, diagonal_copy, variant):
+    """short_pairs: the default build's MMAs, no spills; the second K slab and the query tiles past the
+    first from the pair's second document (runtime-selected starts: no extra TMA instructions)."""
+    art = artifacts(head_dim, diagonal_copy, variant=variant)
+    plain = artifacts(head_dim, diagonal_copy, variant="" if head_dim == 128 else "short-pairs-d64")
+    ops = lambda ptx: Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+)", ptx))  # noqa: E731
+    assert ops(art.ptx) == ops(plain.ptx)
+    assert art.frame_bytes in (None, 0)
+    if art.sass is not None:
+        assert not re.search(r"\b(STL|LDL)\b", art.sass)
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU
 # ----------------------------------------------------------------------------------------------
 
 LENGTHS = [1, 127, 128, 129, 1000, 0, 33, 64, 65]
+# every short-pair case (test_attention_fwd_kernel.SHORT_MIX: the same rule pairs the backward's CTAs)
+SHORT_MIX = [64, 64, 40, 1, 50, 0, 33, 64, 20, 64, 64, 17, 63, 65, 45, 30, 700, 64, 64, 2, 5, 64, 129, 48, 64, 31,
+             64, 64, 36]
 
 
 def _run(st, poison=True, **kw):
@@ -832,6 +861,56 @@ def _assert_same_gradients(st, res, ref, emulator: bool = True):
     if emulator:
         err = _grad_errors(res, st["emu"], st["cu"].cpu())
         assert not _violations(err), err
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("D, H, Hk", [(128, 4, 2), (128, 2, 2), (64, 4, 1)])
+def test_gpu_short_pairs_match_unpaired(recipe, D, H, Hk):
+    """Two short documents per CTA (short_pairs): the emulator's gradients, every element written
+    (NaN-poisoned), dK and dV bitwise the unpaired build's, dQ within reassociation. A pair whose
+    first warpgroup saw the second's queries (or a second document read from the wrong rows) moves
+    whole rows and fails."""
+    st = _setup(SHORT_MIX, H, Hk, D, RECIPES[recipe], seed=14, device="cuda")
+    base = dict(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=st["kt"] is not None, prefetch_sdp=False)
+    plain = _run(st, config=BwdDsBf16Config(**base))
+    res = _run(st, config=BwdDsBf16Config(**base, short_pairs=True))
+    _assert_same_gradients(st, res, plain)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("doc, cut", [(2, 21), (7, 33), (14, 20), (25, 11)])
+def test_gpu_short_pairs_leakage(doc, cut, monkeypatch):
+    """Leakage through a shared CTA (forward and backward both paired, through the API): the first or
+    the second document of a pair perturbed; nothing outside it, nor before the cut, moves."""
+    import dataclasses
+
+    from flamia_cute import attention_fwd_sm90, cute_backend, flamia_attn_varlen_func
+
+    chosen = cute_backend.backward_config
+    monkeypatch.setattr(cute_backend, "backward_config",
+                        lambda *a, **kw: dataclasses.replace(chosen(*a, **kw), short_pairs=True))
+    monkeypatch.setattr(attention_fwd_sm90, "short_pairs_default", lambda *a: True)
+    q, k, v, do, cu, scale = make_inputs(SHORT_MIX, heads_q=4, heads_kv=2, head_dim=128, seed=17)
+
+    def fn(q_, k_, v_, cu_, dout=None):
+        leaves = [t.cuda().requires_grad_(dout is not None) for t in (q_, k_, v_)]
+        cu_ = cu_.cuda()
+        maxlen = int((cu_[1:] - cu_[:-1]).max())
+        out, lse = flamia_attn_varlen_func(*leaves, cu_, cu_, maxlen, maxlen, scale,
+                                           recipe="fp8_tokenblock_dsbf16", backend="cute", return_lse=True)
+        res = {"out": out.detach().cpu(), "lse": lse.detach().cpu()}
+        if dout is not None:
+            dq, dk, dv = torch.autograd.grad(out, leaves, dout.cuda())
+            res.update(dq=dq.cpu(), dk=dk.cpu(), dv=dv.cpu())
+        return res
+
+    rep = check_leakage(fn, q, k, v, cu, dout=do, grad_tol=2e-2, doc=doc, cut=cut)
+    assert rep.ok, str(rep)
 
 
 @pytest.mark.gpu
