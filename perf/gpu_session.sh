@@ -30,6 +30,14 @@ ncu_kernel() { local tag=$1 regex=$2 what=$3; shift 3
 first_store_fences() { mkdir -p "$OUT/fences"
   run ds_first_store_fences 300 env OUT="$OUT/fences" BREAKDOWN_WORKLOADS="${FENCE_WORKLOADS:-1x16k,1x64k,4x4k}" \
     python3 perf/experiments/dq_first_store_fences.py; }
+# a mutant run: NAME FILE SED_EXPR GREP_MARK K_EXPR TEST_FILE. The kernel file patched by sed (the count of
+# GREP_MARK lines goes to NAME_applied.txt: 0 means the patch missed), the tests run (they must fail), the
+# file restored
+mutant_run() { local name=$1 file=$2 expr=$3 mark=$4 k=$5 tests=$6
+  cp "$file" "/tmp/${name}_keep.py"; sed -i "$expr" "$file"
+  grep -c "$mark" "$file" | tee "$OUT/${name}_applied.txt"
+  run "$name" 300 python3 -m pytest -q -m gpu -p no:cacheprovider "$tests" -k "$k"
+  cp "/tmp/${name}_keep.py" "$file"; }
 # the forward kernel alone per build variant (bench_fwd_breakdown's labels), rotated over three rounds
 fwd_rounds() { run "$1" 400 env OUT="$OUT" BREAKDOWN_ONLY=fwd BREAKDOWN_ROUNDS=3 BREAKDOWN_DS_VARIANTS="$2" \
   python3 perf/bench_fwd_breakdown.py; }
@@ -152,22 +160,17 @@ for stage in "$@"; do
         -k "short_pairs or short_mix" ;;
     short-pairs-mutant)  # the same tests with the second warpgroup's mask of the first document's keys removed:
       # the leakage and bit-identity tests must fail (rc != 0 expected)
-      cp flamia_cute/attention_fwd_sm90.py /tmp/fwd_keep.py
-      sed -i 's/if col < key_lo:/if col < key_lo - 1000:/' flamia_cute/attention_fwd_sm90.py
-      grep -c "key_lo - 1000" flamia_cute/attention_fwd_sm90.py | tee "$OUT/mutant_applied.txt"
-      run short_pairs_mutant 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py \
-        -k "short_pairs_bit_identical and fp8_tokenblock- and 128 or short_pairs_leakage and fp8_tokenblock]"
-      cp /tmp/fwd_keep.py flamia_cute/attention_fwd_sm90.py ;;
+      mutant_run short_pairs_mutant flamia_cute/attention_fwd_sm90.py 's/if col < key_lo:/if col < key_lo - 1000:/' \
+        "key_lo - 1000" "short_pairs_bit_identical and fp8_tokenblock- and 128 or short_pairs_leakage and fp8_tokenblock]" \
+        tests/test_attention_fwd_kernel.py ;;
     bwd-pairs-tests)  # two short documents per backward CTA (BwdDsBf16Config.short_pairs)
       run bwd_pairs_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py \
         -k "short_pairs" ;;
     bwd-pairs-mutant)  # the same with the first warpgroup's mask of the second document's queries removed: must fail
-      cp flamia_cute/attention_bwd_dsbf16_sm90.py /tmp/bwd_keep.py
-      sed -i 's/lim_i = Int32(0)  # every key/lim_i = lim  # every key/' flamia_cute/attention_bwd_dsbf16_sm90.py
-      grep -c "lim_i = lim  # every key" flamia_cute/attention_bwd_dsbf16_sm90.py | tee "$OUT/bwd_mutant_applied.txt"
-      run bwd_pairs_mutant 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_bwd_dsbf16_kernel.py \
-        -k "short_pairs_match_unpaired and fp8_tokenblock_dsbf16 and 128-4-2 or short_pairs_leakage"
-      cp /tmp/bwd_keep.py flamia_cute/attention_bwd_dsbf16_sm90.py ;;
+      mutant_run bwd_pairs_mutant flamia_cute/attention_bwd_dsbf16_sm90.py \
+        's/lim_i = Int32(0)  # every key/lim_i = lim  # every key/' "lim_i = lim  # every key" \
+        "short_pairs_match_unpaired and fp8_tokenblock_dsbf16 and 128-4-2 or short_pairs_leakage" \
+        tests/test_attention_bwd_dsbf16_kernel.py ;;
     bwd-pairs-rounds)  # the bf16-dS backward kernel alone, the untuned default against short pairs, rotated rounds
       run bwd_pairs_rounds 420 env OUT="$OUT" BREAKDOWN_ONLY=ds BREAKDOWN_ROUNDS=3 \
         BREAKDOWN_DS_VARIANTS="auto window,auto window short pairs" \

@@ -889,7 +889,7 @@ def test_gpu_short_pairs_leakage(doc, cut, monkeypatch):
     the second document of a pair perturbed; nothing outside it, nor before the cut, moves."""
     import dataclasses
 
-    from flamia_cute import attention_fwd_sm90, cute_backend, flamia_attn_varlen_func
+    from flamia_cute import attention_fwd_sm90, cute_backend
 
     chosen = cute_backend.backward_config
     monkeypatch.setattr(cute_backend, "backward_config",
@@ -897,19 +897,7 @@ def test_gpu_short_pairs_leakage(doc, cut, monkeypatch):
     monkeypatch.setattr(attention_fwd_sm90, "short_pairs_default", lambda *a: True)
     q, k, v, do, cu, scale = make_inputs(SHORT_MIX, heads_q=4, heads_kv=2, head_dim=128, seed=17)
 
-    def fn(q_, k_, v_, cu_, dout=None):
-        leaves = [t.cuda().requires_grad_(dout is not None) for t in (q_, k_, v_)]
-        cu_ = cu_.cuda()
-        maxlen = int((cu_[1:] - cu_[:-1]).max())
-        out, lse = flamia_attn_varlen_func(*leaves, cu_, cu_, maxlen, maxlen, scale,
-                                           recipe="fp8_tokenblock_dsbf16", backend="cute", return_lse=True)
-        res = {"out": out.detach().cpu(), "lse": lse.detach().cpu()}
-        if dout is not None:
-            dq, dk, dv = torch.autograd.grad(out, leaves, dout.cuda())
-            res.update(dq=dq.cpu(), dk=dk.cpu(), dv=dv.cpu())
-        return res
-
-    rep = check_leakage(fn, q, k, v, cu, dout=do, grad_tol=2e-2, doc=doc, cut=cut)
+    rep = check_leakage(_api_attention_fn(scale), q, k, v, cu, dout=do, grad_tol=2e-2, doc=doc, cut=cut)
     assert rep.ok, str(rep)
 
 
@@ -1202,25 +1190,9 @@ def test_gpu_dq_first_store_on_tiny_documents(D, H, Hk):
     assert torch.equal(res[1], zero[1]) and torch.equal(res[2], zero[2])
 
 
-@pytest.mark.gpu
-@needs_dsl
-@_needs_sm90()
-@pytest.mark.parametrize("fields", [{}, {"q_bf16_source": "convert"}, {"persistent": True}],
-                         ids=["default", "q-convert", "persistent"])
-def test_gpu_leakage(fields, monkeypatch):
-    """Quantize + forward kernel + this backward: nothing after a cut (or in another document)
-    reaches dQ, dK, dV before it, within the fp32 atomics' run-to-run spread (the default build,
-    and with Q's bf16 codes converted in the kernel, through the same API call)."""
-    import dataclasses
-
-    from flamia_cute import cute_backend, flamia_attn_varlen_func
-
-    if fields:
-        chosen = cute_backend.backward_config
-        monkeypatch.setattr(cute_backend, "backward_config",
-                            lambda *a, **kw: dataclasses.replace(chosen(*a, **kw), **fields))
-
-    q, k, v, do, cu, scale = make_inputs([300, 700, 129, 1], heads_q=4, heads_kv=2, head_dim=128, seed=7)
+def _api_attention_fn(scale):
+    """check_leakage's AttentionFn over the API on the GPU (the default recipe, the cute backend)."""
+    from flamia_cute import flamia_attn_varlen_func
 
     def fn(q_, k_, v_, cu_, dout=None):
         leaves = [t.cuda().requires_grad_(dout is not None) for t in (q_, k_, v_)]
@@ -1234,8 +1206,31 @@ def test_gpu_leakage(fields, monkeypatch):
             res.update(dq=dq.cpu(), dk=dk.cpu(), dv=dv.cpu())
         return res
 
+    return fn
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("fields", [{}, {"q_bf16_source": "convert"}, {"persistent": True}],
+                         ids=["default", "q-convert", "persistent"])
+def test_gpu_leakage(fields, monkeypatch):
+    """Quantize + forward kernel + this backward: nothing after a cut (or in another document)
+    reaches dQ, dK, dV before it, within the fp32 atomics' run-to-run spread (the default build,
+    and with Q's bf16 codes converted in the kernel, through the same API call)."""
+    import dataclasses
+
+    from flamia_cute import cute_backend
+
+    if fields:
+        chosen = cute_backend.backward_config
+        monkeypatch.setattr(cute_backend, "backward_config",
+                            lambda *a, **kw: dataclasses.replace(chosen(*a, **kw), **fields))
+
+    q, k, v, do, cu, scale = make_inputs([300, 700, 129, 1], heads_q=4, heads_kv=2, head_dim=128, seed=7)
+
     for kw in ({}, {"doc": 1, "cut": 201}, {"doc": 1, "cut": 64}):
-        rep = check_leakage(fn, q, k, v, cu, dout=do, grad_tol=2e-2, **kw)
+        rep = check_leakage(_api_attention_fn(scale), q, k, v, cu, dout=do, grad_tol=2e-2, **kw)
         assert rep.ok, str(rep)
 
 
