@@ -269,7 +269,7 @@ def config_fields(kernel: str, cfg) -> dict:
         return {"raster": cfg.raster, "min_ctas_per_sm": cfg.min_ctas_per_sm,
                 "heads_per_cta": [p.heads_per_cta for p in cfg.parts]}
     names = {"fwd": ("kv_stages", "pingpong", "intra_wg_overlap", "pin_softmax", "persistent", "tile_claim",
-                     "tile_order", "q_stages"),
+                     "tile_order", "q_stages", "short_pairs"),
              "bwd": ("q_stages", "qt_stages", "vec_stages", "raster"),
              "bwd_dsbf16": ("q_stages", "vec_stages", "dq_tma_reduce", "prefetch_sdp", "exp_under_dp", "raster",
                             "q_bf16_source", "dk_under_dq_store", "head_window", "phase_prefetch", "persistent",
