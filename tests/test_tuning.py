@@ -177,7 +177,8 @@ def test_lookup_returns_the_tuned_config_for_its_class_only(tmp_path, monkeypatc
 def test_fwd_record_without_persistent_keeps_the_default():
     """Records tuned before the persistent forward existed lack its field: the default (persistent) applies."""
     default = _defaults()["fwd"]
-    old = {k: v for k, v in TUNED["fwd"].items() if k not in ("persistent", "tile_claim", "tile_order", "q_stages")}
+    old = {k: v for k, v in TUNED["fwd"].items()
+           if k not in ("persistent", "tile_claim", "tile_order", "q_stages", "short_pairs")}
     cfg = tuning.config_from_fields("fwd", default, old)
     assert cfg.persistent is default.persistent is True
     assert (cfg.tile_claim, cfg.tile_order) == (default.tile_claim, default.tile_order) == ("counter", "documents")
