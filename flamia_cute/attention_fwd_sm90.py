@@ -60,7 +60,7 @@ from .quant import transposed_tokens
 from .recipes import FOLD_DROP, FOLD_REF_MIN
 from .schedules import varlen_tiles as _varlen_tiles
 from .schedules.varlen_chunks import max_chunks
-from .schedules.varlen_tiles import LPT_MAX_DOCS, TILE_ORDERS, short_pairs_worth
+from .schedules.varlen_tiles import LPT_MAX_DOCS, TILE_ORDERS
 from .sm90_device import (
     ARG_BF16,
     ARG_F8,
@@ -332,10 +332,17 @@ class FwdConfig:
                 "overlap_tiles=False")
 
 
+# The pair build's diagonal step stages its scales in two round trips (one per half) where the unpaired
+# build takes three, so it is faster on one-step tiles even where nothing pairs (kernel alone: 128x128
+# -4.5%, 16x1k -2.0..-2.3%, runs s22b and s22e) and 1-3% slower on long documents (4x4k, 1x16k): the
+# forward takes it up to this mean document length, beyond short_pairs_worth's
+FWD_PAIR_BUILD_MEAN_TOKENS = 1024
+
+
 def short_pairs_default(total_tokens: int, num_docs: int) -> bool:
     """FwdConfig.short_pairs for a call, from what the host knows without a sync: on for packs of
-    short documents (schedules.varlen_tiles.short_pairs_worth) that the persistent tables hold."""
-    return num_docs <= PERSISTENT_MAX_DOCS and short_pairs_worth(total_tokens, num_docs)
+    documents of mean length <= FWD_PAIR_BUILD_MEAN_TOKENS that the persistent tables hold."""
+    return 0 < num_docs <= PERSISTENT_MAX_DOCS and total_tokens <= FWD_PAIR_BUILD_MEAN_TOKENS * num_docs
 
 
 def fuse_q_quant_supported(cfg) -> bool:

@@ -431,11 +431,12 @@ def test_short_pairs_needs_the_staged_persistent_schedule(fields):
 
 
 def test_short_pairs_default_rule():
-    """On for packs of short documents only (mean length <= 96 tokens), never past the tables."""
+    """The pair build up to a mean document length of 1024 tokens (16x1k yes, 4x4k and mixed16k no),
+    never past the tables."""
     from flamia_cute.attention_fwd_sm90 import PERSISTENT_MAX_DOCS, short_pairs_default
 
-    assert short_pairs_default(16384, 256) and short_pairs_default(96 * 10, 10)
-    assert not short_pairs_default(16384, 128) and not short_pairs_default(97 * 10, 10)
+    assert short_pairs_default(16384, 256) and short_pairs_default(16384, 16) and short_pairs_default(1024 * 3, 3)
+    assert not short_pairs_default(16384, 4) and not short_pairs_default(16384, 12) and not short_pairs_default(1025, 1)
     assert not short_pairs_default(0, 0) and not short_pairs_default(64 * 2000, PERSISTENT_MAX_DOCS + 1)
 
 
