@@ -181,6 +181,9 @@ for stage in "$@"; do
         BREAKDOWN_DS_VARIANTS="default,short pairs,short pairs longest" \
         BREAKDOWN_WORKLOADS="${PAIR_WORKLOADS:-256x64,128x128,16x1k,4x4k,longtail32k,mixed16k,1x16k}" \
         python3 perf/bench_fwd_breakdown.py ;;
+    bench-16x1k)  # 16x1k (the pair build by the forward's mean-length rule) and 4x4k (unchanged: the control), GPU time
+      run bench_16x1k 300 python3 -m flamia_cute.cli bench --only 16x1k,4x4k --modes fwd,fwdbwd --impls flamia,fa4 \
+        --reps 15 --gpu-time --out "$OUT/b16" ;;
     bench-short)  # packs of documents at or below one tile (issue 7's short documents), GPU time, against FA4
       run bench_short 300 python3 -m flamia_cute.cli bench --workloads perf/workloads_short.json --modes fwd,fwdbwd \
         --impls flamia,fa4 --reps 15 --gpu-time ;;
