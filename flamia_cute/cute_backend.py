@@ -193,12 +193,11 @@ def backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16: bool = False):
         if deterministic_backward():  # the ordered atomics path, untuned
             return bf16_ds_default(qq, kq, kt, deterministic=True)
         total, num_docs = qq.data_td.shape[0], cu.numel() - 1
-        cfg = tuned_bwd_dsbf16_config(bf16_ds_default(qq, kq, kt, max_seqlen=max_seqlen), max_seqlen, total, num_docs)
-        # two short documents per CTA for packs of short documents (the forward's rule), where the
-        # (tuned) build can take them
-        if short_pairs_worth(total, num_docs) and short_pairs_supported(cfg):
-            cfg = dataclasses.replace(cfg, short_pairs=True)
-        return cfg
+        default = bf16_ds_default(qq, kq, kt, max_seqlen=max_seqlen)
+        # two short documents per CTA for packs of short documents (a tuned record may say otherwise)
+        if short_pairs_worth(total, num_docs) and short_pairs_supported(default):
+            default = dataclasses.replace(default, short_pairs=True)
+        return tuned_bwd_dsbf16_config(default, max_seqlen, total, num_docs)
     from .attention_bwd_sm90 import default_config
     from .tuning import tuned_bwd_config
 

@@ -164,7 +164,7 @@ def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool, num_kv_head
     def effective(cfg):  # the config resolves its automatic fields
         return (cfg.q_stages, cfg.vec_stages, cfg.dq_tma_reduce, cfg.prefetch_sdp, cfg.exp_under_dp, cfg.raster,
                 cfg.q_bf16_source, cfg.dk_under_dq_store, cfg.head_window, cfg.phase_prefetch, cfg.persistent,
-                cfg.early_block_scales)
+                cfg.early_block_scales, cfg.short_pairs)
 
     default = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
     keep, pruned, seen = [(default, "default")], [], {effective(default)}
@@ -208,6 +208,10 @@ def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool, num_kv_head
         # the persistent build (items from the counter; the stride claim measured 1.4-1.6x slower, s19b;
         # without the early block scales, which spill there)
         keep.append((dataclasses.replace(default, persistent=True, early_block_scales=False), "variant"))
+    from .attention_bwd_dsbf16_sm90 import short_pairs_supported
+
+    if short_pairs_supported(default):  # two short documents per CTA (session 22)
+        keep.append((dataclasses.replace(default, short_pairs=not default.short_pairs), "variant"))
     return keep, pruned
 
 
@@ -273,7 +277,7 @@ def config_fields(kernel: str, cfg) -> dict:
              "bwd": ("q_stages", "qt_stages", "vec_stages", "raster"),
              "bwd_dsbf16": ("q_stages", "vec_stages", "dq_tma_reduce", "prefetch_sdp", "exp_under_dp", "raster",
                             "q_bf16_source", "dk_under_dq_store", "head_window", "phase_prefetch", "persistent",
-                            "early_block_scales")}
+                            "early_block_scales", "short_pairs")}
     return {n: getattr(cfg, n) for n in names[kernel]}
 
 
@@ -292,6 +296,11 @@ def config_from_fields(kernel: str, default, fields: dict):
             fields["head_window"] = default.head_window if fields.get("raster", default.raster) == "blocks" else 1
         elif fields["head_window"] == AUTO_WINDOW:  # the call's own (default_config picks it by length)
             fields["head_window"] = default.head_window
+        if "short_pairs" not in fields:  # before session 22: the call's choice, where the record's build takes it
+            from .attention_bwd_dsbf16_sm90 import short_pairs_supported
+
+            plain = dataclasses.replace(default, short_pairs=False, **fields)
+            fields["short_pairs"] = default.short_pairs and short_pairs_supported(plain)
     if kernel == "fwd":  # records from before session 11's q_stages: the stages their persistence implies
         fields = {"q_stages": None, **fields}
     return dataclasses.replace(default, **fields)

@@ -147,7 +147,7 @@ TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "p
          "bwd_dsbf16": {"q_stages": 1, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": True,
                         "exp_under_dp": False, "raster": "heads", "q_bf16_source": "convert",
                         "dk_under_dq_store": False, "head_window": 1, "phase_prefetch": False,
-                        "persistent": False, "early_block_scales": False},
+                        "persistent": False, "early_block_scales": False, "short_pairs": False},
          "quant": {"raster": "chunks", "min_ctas_per_sm": 0, "heads_per_cta": [2, 2, 2]}}
 
 
@@ -340,8 +340,12 @@ def test_bwd_dsbf16_space(head_dim):
     default = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=2, diagonal_copy=True)
     assert keep[0] == (default, "default")
     eff = [(c.q_stages, c.vec_stages, c.dq_tma_reduce, c.prefetch_sdp, c.exp_under_dp, c.raster, c.q_bf16_source,
-            c.dk_under_dq_store, c.head_window, c.phase_prefetch, c.persistent, c.early_block_scales) for c, _ in keep]
+            c.dk_under_dq_store, c.head_window, c.phase_prefetch, c.persistent, c.early_block_scales) for c, _ in keep
+           if not c.short_pairs]
     assert len(set(eff)) == len(eff) and all(smem_bytes(c) <= SMEM_LIMIT for c, _ in keep)
+    # the default with two short documents per CTA, where its build takes them (not d64's prefetch)
+    assert [c for c, _ in keep if c.short_pairs] == ([dataclasses.replace(default, short_pairs=True)]
+                                                     if head_dim == 128 else [])
     assert {e[2] for e in eff} == {True, False} and {e[0] for e in eff} == {1, 2, 3}
     assert not any(e[3] and e[4] for e in eff)  # the prefetch with split S^T/dP^T waits
     if head_dim == 128:  # the late phase change once, beside the default's early one
@@ -467,3 +471,19 @@ def test_tune_loop_records_the_automatic_window(tmp_path, monkeypatch, capsys):
     entries = json.loads(next((tmp_path / "tuning").glob("*.json")).read_text())["entries"]
     assert entries["bwd_dsbf16"]["d128_g1_tokenblock/mid-uniform"]["config"]["head_window"] == tuning.AUTO_WINDOW
     assert "head_window=auto" in capsys.readouterr().out
+
+
+def test_bwd_dsbf16_records_from_before_short_pairs_keep_the_calls_choice():
+    """A bf16-dS record written before session 22 lacks short_pairs: a call that pairs its documents
+    keeps pairing where the record's build takes pairs, and drops them where it cannot (persistent)."""
+    pytest.importorskip("cutlass")
+    from flamia_cute.attention_bwd_dsbf16_sm90 import BwdDsBf16Config
+
+    paired = BwdDsBf16Config(head_dim=128, diagonal_copy=True, short_pairs=True)
+    old = {k: v for k, v in tuning.config_fields("bwd_dsbf16", paired).items() if k != "short_pairs"}
+    assert tuning.config_from_fields("bwd_dsbf16", paired, {**old, "vec_stages": 3}).short_pairs
+    persistent = tuning.config_from_fields("bwd_dsbf16", paired, {**old, "persistent": True,
+                                                                  "early_block_scales": False})
+    assert persistent.persistent and not persistent.short_pairs
+    plain = dataclasses.replace(paired, short_pairs=False)
+    assert not tuning.config_from_fields("bwd_dsbf16", plain, old).short_pairs
