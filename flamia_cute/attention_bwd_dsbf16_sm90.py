@@ -121,6 +121,7 @@ from .sm90_device import (
     publish_tile,
     read_tile,
     select,
+    short_pair_bounds,
     short_pair_len,
     sm_id,
     smem_word_index,
@@ -847,10 +848,8 @@ class FlamiaBwdDsBf16Sm90:
         if cutlass.const_expr(pairs):
             num_docs = cute.size(mCu) - 1
             pair_len = short_pair_len(mCu, doc, num_docs)
-            if pair_len > 0:
-                hi_start = doc_start + doc_len - self.wm
-                hi_len = self.wm + pair_len
-                item_len = hi_len
+            hi_start, hi_len = short_pair_bounds(doc_start, doc_len, pair_len)
+            item_len = hi_len
             if doc % 2 == 1:
                 if short_pair_len(mCu, doc - 1, num_docs) > 0:
                     live = Boolean(False)  # the predecessor's CTA runs this document

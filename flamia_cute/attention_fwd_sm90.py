@@ -60,7 +60,7 @@ from .quant import transposed_tokens
 from .recipes import FOLD_DROP, FOLD_REF_MIN
 from .schedules import varlen_tiles as _varlen_tiles
 from .schedules.varlen_chunks import max_chunks
-from .schedules.varlen_tiles import LPT_MAX_DOCS, TILE_ORDERS
+from .schedules.varlen_tiles import LPT_MAX_DOCS, TILE_ORDERS, short_pairs_worth
 from .sm90_device import (
     ARG_BF16,
     ARG_F8,
@@ -90,6 +90,7 @@ from .sm90_device import (
     rank_documents_longest_first,
     read_tile,
     select,
+    short_pair_bounds,
     smem_word_index,
     st_global_v2,
     st_global_v4,
@@ -342,7 +343,7 @@ FWD_PAIR_BUILD_MEAN_TOKENS = 1024
 def short_pairs_default(total_tokens: int, num_docs: int) -> bool:
     """FwdConfig.short_pairs for a call, from what the host knows without a sync: on for packs of
     documents of mean length <= FWD_PAIR_BUILD_MEAN_TOKENS that the persistent tables hold."""
-    return 0 < num_docs <= PERSISTENT_MAX_DOCS and total_tokens <= FWD_PAIR_BUILD_MEAN_TOKENS * num_docs
+    return num_docs <= PERSISTENT_MAX_DOCS and short_pairs_worth(total_tokens, num_docs, FWD_PAIR_BUILD_MEAN_TOKENS)
 
 
 def fuse_q_quant_supported(cfg) -> bool:
@@ -960,7 +961,7 @@ class FlamiaFwdSm90:
         # as if it started 64 tokens before its start, else the tile's own document
         hi_bounds = (doc_start, doc_len)
         if cutlass.const_expr(pair_len is not None):
-            hi_bounds = self.pair_bounds(doc_start, doc_len, pair_len)
+            hi_bounds = short_pair_bounds(doc_start, doc_len, pair_len)
         pairs = pair_len is not None
         for i in cutlass.range(m_block + 1, unroll=1):
             n = m_block - i
@@ -1026,18 +1027,6 @@ class FlamiaFwdSm90:
                 sScale[2 * tn + key, s_state.index] = sq
                 sScale[key, s_state.index] = sk
                 sScale[tn + key, s_state.index] = sv
-
-    @cute.jit
-    def pair_bounds(self, doc_start, doc_len, pair_len):
-        """(start, length) of a tile's second 64 rows and keys: with pair_len > 0 (short_pairs) the
-        second document, which starts where the first ends, shifted 64 back so that row or key
-        64 + j is its token j; else the tile's own document's."""
-        start = doc_start
-        length = doc_len
-        if pair_len > 0:
-            start = doc_start + doc_len - self.wg_m
-            length = self.wg_m + pair_len
-        return start, length
 
     @cute.jit
     def key_scales(self, mSK, mSV, mSKt, mSVt, i, key, kv_head, doc_start, doc_len):
@@ -1207,7 +1196,7 @@ class FlamiaFwdSm90:
     ):
         """Query block m_block of one (document, head): the key tiles from the diagonal down, then the
         epilogue. Returns the pipeline states and MMA atoms (loop-carried when persistent).
-        pair_len (short_pairs) > 0: warpgroup 1's rows are the next document's (pair_bounds), and it
+        pair_len (short_pairs) > 0: warpgroup 1's rows are the next document's (short_pair_bounds), and it
         masks the first document's keys 0..63."""
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
         rs, m_run, l_run, r_run, c_pend = rowst
@@ -1218,7 +1207,7 @@ class FlamiaFwdSm90:
         if cutlass.const_expr(pair_len is not None):
             key_lo = Int32(0)
             if wg == 1:
-                doc_start, doc_len = self.pair_bounds(doc_start, doc_len, pair_len)
+                doc_start, doc_len = short_pair_bounds(doc_start, doc_len, pair_len)
                 if pair_len > 0:
                     key_lo = Int32(self.wg_m)
         self.init_rows(frags, rowst, row_in_blk, mSQ, scale_log2, head, doc_start, doc_len, m_block, wg)

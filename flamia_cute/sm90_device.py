@@ -469,6 +469,19 @@ def _doc_chunks_and_columns(mCu: cute.Tensor, b, tile: cutlass.Constexpr, num_do
 
 
 @cute.jit
+def short_pair_bounds(doc_start, doc_len, pair_len):
+    """(start, length) of a 128-row block's second 64 rows or keys: with pair_len > 0 (a short pair,
+    short_pair_len) the second document, which starts where the first ends, shifted SHORT_PAIR_ROWS
+    back so that row or key 64 + j is its token j; else the block's own document's."""
+    start = doc_start
+    length = doc_len
+    if pair_len > 0:
+        start = doc_start + doc_len - SHORT_PAIR_ROWS
+        length = SHORT_PAIR_ROWS + pair_len
+    return start, length
+
+
+@cute.jit
 def short_pair_len(mCu: cute.Tensor, a, num_docs):
     """The length of document a + 1 when it shares document a's query tile (schedules.varlen_tiles.
     short_pair_partner: a even, a's data_dt columns exactly SHORT_PAIR_ROWS, a + 1 holding 1 to
