@@ -260,6 +260,13 @@ class FwdConfig:
     # V^T box already holds both; the second warpgroup masks the first document's keys. A paired
     # document's rows see exactly the keys and scales of its own tile: O and LSE bit-identical.
     short_pairs: bool = False
+    # Staged tile inputs without fuse_q_quant: the global round trips in which the scale warp stages
+    # the diagonal step's Q, K and V scales, the first step of every tile and the one the consumers
+    # wait for. 3 (sessions 11-22): Q's rows, then the K/V scales in two halves; 2: one trip per
+    # 64-row half, Q and K/V together (the pair build's way, which must take it: its halves come
+    # from two documents); 1: every load of the step at once (one document: the addresses share
+    # bases, so they fit the producers' 24 registers).
+    diagonal_scale_trips: int = 3
 
     def __post_init__(self):
         def bad(name, msg):
@@ -324,6 +331,14 @@ class FwdConfig:
                 "each tile's successor before the tile's K/V loads itself) and short_pairs=False")
         if not isinstance(self.short_pairs, bool):
             bad("short_pairs", "must be a bool")
+        if type(self.diagonal_scale_trips) is not int or self.diagonal_scale_trips not in (1, 2, 3):
+            bad("diagonal_scale_trips", "must be 1, 2 or 3")
+        if self.diagonal_scale_trips != 3 and not (self.stage_tile_inputs and not self.fuse_q_quant):
+            bad("diagonal_scale_trips", "below 3 needs stage_tile_inputs=True and fuse_q_quant=False (the scale "
+                "warp stages Q's scales only then)")
+        if self.short_pairs and self.diagonal_scale_trips == 1:
+            bad("diagonal_scale_trips", "1 does not fit short_pairs: a pair's halves come from two documents, "
+                "whose addresses spill in the producers' 24 registers when loaded at once")
         if self.short_pairs and not (self.persistent and self.stage_tile_inputs and not self.overlap_tiles
                                      and not self.fuse_q_quant):
             bad("short_pairs", "needs persistent=True, stage_tile_inputs=True, overlap_tiles=False and "
@@ -966,10 +981,10 @@ class FlamiaFwdSm90:
         for i in cutlass.range(m_block + 1, unroll=1):
             n = m_block - i
             pipe_s.producer_acquire(s_state)
-            if cutlass.const_expr(pairs):
+            if cutlass.const_expr(pairs or (staged and not self.fuse_q and self.cfg.diagonal_scale_trips < 3)):
                 if i == 0:
-                    self.stage_diagonal_halves(mSK, mSV, mSKt, mSVt, mSQ, sScale, s_state, kv_head, head, doc_start,
-                                               doc_len, hi_bounds, m_block)
+                    self.stage_diagonal(mSK, mSV, mSKt, mSVt, mSQ, sScale, s_state, kv_head, head, doc_start,
+                                        doc_len, hi_bounds, m_block)
                 else:  # off-diagonal steps: the tile's own document only
                     self.stage_key_scales(mSK, mSV, mSKt, mSVt, sScale, s_state, i, n, kv_head, doc_start, doc_len)
             else:
@@ -1003,30 +1018,47 @@ class FlamiaFwdSm90:
                 sScale[tn + lane + 32 * c, s_state.index] = sv
 
     @cute.jit
-    def stage_diagonal_halves(self, mSK, mSV, mSKt, mSVt, mSQ, sScale, s_state, kv_head, head, doc_start, doc_len,
-                              hi_bounds, m_block):
-        """short_pairs, the diagonal step: a runtime loop over the block's halves, each ONE round trip of
-        its Q and K/V scales from the half's own document (hi_bounds: the second half's). One half's
-        addresses live at a time (unrolled, the second document's bases spill in the producers' 24
-        registers); the unpaired build's diagonal step takes three round trips (Q, then two K/V halves)."""
+    def stage_diagonal(self, mSK, mSV, mSKt, mSVt, mSQ, sScale, s_state, kv_head, head, doc_start, doc_len,
+                       hi_bounds, m_block):
+        """The diagonal step's Q, K and V scales, each half's from its own document (hi_bounds: the
+        second half's, a short pair's second document or the tile's own), in diagonal_scale_trips
+        global round trips: 2, a runtime loop over the halves (unrolled, a pair's second document's
+        bases spill in the producers' 24 registers); 1, both halves' loads before any store."""
+        if cutlass.const_expr(self.cfg.diagonal_scale_trips == 1):
+            loaded = self.diagonal_half_scales(mSK, mSV, mSKt, mSVt, mSQ, kv_head, head, doc_start, doc_len, m_block, 0)
+            loaded += self.diagonal_half_scales(mSK, mSV, mSKt, mSVt, mSQ, kv_head, head, doc_start, doc_len, m_block,
+                                                1)
+            self.store_diagonal_scales(sScale, s_state, loaded)
+        else:
+            for h in cutlass.range(2, unroll=1):
+                start = select(h == 0, doc_start, hi_bounds[0])
+                length = select(h == 0, doc_len, hi_bounds[1])
+                loaded = self.diagonal_half_scales(mSK, mSV, mSKt, mSVt, mSQ, kv_head, head, start, length, m_block, h)
+                self.store_diagonal_scales(sScale, s_state, loaded)
+
+    @cute.jit
+    def diagonal_half_scales(self, mSK, mSV, mSKt, mSVt, mSQ, kv_head, head, start, length, m_block, h):
+        """(key, Q scale, K scale, V scale) of the lane's keys in half h of the diagonal step."""
         tn = self.tile_n
         lane = cute.arch.lane_idx()
-        for h in cutlass.range(2, unroll=1):
-            start = select(h == 0, doc_start, hi_bounds[0])
-            length = select(h == 0, doc_len, hi_bounds[1])
-            loaded = []
-            for cc in cutlass.range_constexpr(2):
-                key = lane + 32 * cc + (tn // 2) * h
-                row = m_block * tn + key  # (tile_m == tile_n: row and key offsets coincide)
-                sq = Float32(1.0)  # rows past the end: any finite positive scale (never stored)
-                if row < length:
-                    sq = mSQ[start + row, head]
-                sk, sv = self.key_scales(mSK, mSV, mSKt, mSVt, 0, m_block * tn + key, kv_head, start, length)
-                loaded.append((key, sq, sk, sv))
-            for key, sq, sk, sv in loaded:
-                sScale[2 * tn + key, s_state.index] = sq
-                sScale[key, s_state.index] = sk
-                sScale[tn + key, s_state.index] = sv
+        loaded = []
+        for cc in cutlass.range_constexpr(2):
+            key = lane + 32 * cc + (tn // 2) * h
+            row = m_block * tn + key  # (tile_m == tile_n: row and key offsets coincide)
+            sq = Float32(1.0)  # rows past the end: any finite positive scale (never stored)
+            if row < length:
+                sq = mSQ[start + row, head]
+            sk, sv = self.key_scales(mSK, mSV, mSKt, mSVt, 0, m_block * tn + key, kv_head, start, length)
+            loaded.append((key, sq, sk, sv))
+        return loaded
+
+    @cute.jit
+    def store_diagonal_scales(self, sScale, s_state, loaded):
+        tn = self.tile_n
+        for key, sq, sk, sv in loaded:
+            sScale[2 * tn + key, s_state.index] = sq
+            sScale[key, s_state.index] = sk
+            sScale[tn + key, s_state.index] = sv
 
     @cute.jit
     def key_scales(self, mSK, mSV, mSKt, mSVt, i, key, kv_head, doc_start, doc_len):

@@ -181,6 +181,18 @@ for stage in "$@"; do
         BREAKDOWN_DS_VARIANTS="default,short pairs,short pairs longest" \
         BREAKDOWN_WORKLOADS="${PAIR_WORKLOADS:-256x64,128x128,16x1k,4x4k,longtail32k,mixed16k,1x16k}" \
         python3 perf/bench_fwd_breakdown.py ;;
+    trips-tests)  # session 23: the forward's diagonal scales in fewer round trips (FwdConfig.diagonal_scale_trips)
+      run trips_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py \
+        -k "scale_trips" ;;
+    trips-mutant)  # the same with the one-trip build's second half loading the first half's scales: must fail
+      mutant_run trips_mutant flamia_cute/attention_fwd_sm90.py \
+        's/kv_head, head, doc_start, doc_len, m_block,$/kv_head, head, doc_start, doc_len, m_block * 0,/' \
+        "m_block \* 0," "scale_trips1 and fp8_tokenblock and not unsafe" tests/test_attention_fwd_kernel.py ;;
+    trips-rounds)  # the forward kernel alone, three round trips (default) against two and one, rotated rounds
+      run trips_rounds 500 env OUT="$OUT" BREAKDOWN_ONLY=fwd BREAKDOWN_ROUNDS=3 \
+        BREAKDOWN_DS_VARIANTS="default,scale trips 2,scale trips 1,short pairs" \
+        BREAKDOWN_WORKLOADS="${TRIPS_WORKLOADS:-128x128,16x1k,4x4k,longtail32k,mixed16k,1x16k}" \
+        python3 perf/bench_fwd_breakdown.py ;;
     bench-16x1k)  # 16x1k (the pair build by the forward's mean-length rule) and 4x4k (unchanged: the control), GPU time
       run bench_16x1k 300 python3 -m flamia_cute.cli bench --only 16x1k,4x4k --modes fwd,fwdbwd --impls flamia,fa4 \
         --reps 15 --gpu-time --out "$OUT/b16" ;;

@@ -142,6 +142,10 @@ VARIANTS = {
     "short_pairs": {"short_pairs": True},
     "short_pairs_serial": {"short_pairs": True, "intra_wg_overlap": False},
     "short_pairs_longest": {"short_pairs": True, "tile_order": "longest_documents"},
+    # the diagonal step's Q, K and V scales staged in fewer global round trips (session 23)
+    "scale_trips1": {"diagonal_scale_trips": 1},
+    "scale_trips2": {"diagonal_scale_trips": 2},
+    "scale_trips1_serial": {"diagonal_scale_trips": 1, "intra_wg_overlap": False},
 }
 
 
@@ -159,7 +163,7 @@ VARIANTS = {
      ("exp2_poly_every", 17), ("exp2_poly_every", 1.5), ("persistent", 1), ("tile_claim", "atomic"),
      ("tile_order", "lpt"), ("overlap_tiles", 1), ("stage_tile_inputs", 1),
      ("claim_ahead", 1), ("q_stages", 1), ("q_stages", 4), ("row_sum_mma", 1), ("fuse_q_quant", 1),
-     ("short_pairs", 1)],
+     ("short_pairs", 1), ("diagonal_scale_trips", 0), ("diagonal_scale_trips", 4), ("diagonal_scale_trips", True)],
 )
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"FwdConfig.{field}"):
@@ -454,6 +458,29 @@ def test_short_pairs_variant_compiles(artifacts, head_dim, diagonal_copy):
         _check_artifacts(art, head_dim)
         loads = lambda a: len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", a.ptx))
         assert loads(art) == loads(base) + 3, (loads(base), loads(art))
+
+
+@needs_dsl
+@pytest.mark.parametrize("fields", [{"fuse_q_quant": True}, {"stage_tile_inputs": False},
+                                    {"short_pairs": True, "trips": 1}])
+def test_diagonal_scale_trips_needs_the_scale_warps_q_staging(fields):
+    fields = dict(fields)
+    trips = fields.pop("trips", 2)
+    with pytest.raises(ValueError, match="FwdConfig.diagonal_scale_trips"):
+        FwdConfig(head_dim=128, diagonal_copy=True, diagonal_scale_trips=trips, **fields)
+
+
+@needs_dsl
+@pytest.mark.parametrize("head_dim, diagonal_copy", _configs())
+def test_diagonal_scale_trips_variants_compile(artifacts, head_dim, diagonal_copy):
+    """Fewer round trips for the diagonal step's scales: spill-free (all of the step's loads at once
+    fit the producers' 24 registers with one document), and a build of its own (the field reaches
+    the scale warp)."""
+    base = artifacts(head_dim, diagonal_copy)
+    for trips in (1, 2):
+        art = artifacts(head_dim, diagonal_copy, diagonal_scale_trips=trips)
+        _check_artifacts(art, head_dim)
+        assert art.sass != base.sass
 
 
 @needs_dsl
@@ -1052,7 +1079,8 @@ def test_gpu_many_documents(recipe, variant):
                                                (128, "overlap_tiles_pingpong"), (64, "heavy_first"),
                                                (64, "longest_documents"), (64, "unstaged_inputs"),
                                                (64, "claim_ahead"), (128, "claim_ahead"), (128, "q_stages3"),
-                                               (64, "fused_q"), (128, "fused_q")])
+                                               (64, "fused_q"), (128, "fused_q"), (64, "scale_trips1"),
+                                               (128, "scale_trips1")])
 def test_gpu_persistent_many_tiles_per_cta(head_dim, variant):
     """Hundreds of tiles per persistent CTA, with the ping-pong turns on (d64's default, and forced at
     d128): the turns run on across tile boundaries; restarted per tile they raced and could hang
@@ -1088,7 +1116,7 @@ def test_gpu_single_long_document(variant, recipe):
 @needs_dsl
 @pytest.mark.parametrize("variant", ["default", "overlap", "serial", "per_tile", "per_tile_serial", "overlap_tiles",
                                      "longest_documents", "unstaged_inputs", "unstaged_inputs_per_tile", "fused_q",
-                                     "fused_q_per_tile"])
+                                     "fused_q_per_tile", "scale_trips1", "scale_trips2"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_gpu_leakage(recipe, variant):
     q, k, v, _, cu, scale = make_inputs([300, 700, 129, 1], heads_q=4, heads_kv=2, head_dim=128, seed=7)
@@ -1149,6 +1177,21 @@ def test_gpu_short_pairs_bit_identical(recipe, variant, head_dim, H, Hk):
     _check_gpu(SHORT_MIX, recipe, head_dim, H, Hk, seed=41, variant=variant)
     q, k, v, _, cu, scale = make_inputs(SHORT_MIX, heads_q=H, heads_kv=Hk, head_dim=head_dim, seed=42, device="cuda")
     base = "default" if variant != "short_pairs_serial" else "serial"
+    ref = _run_kernel(q, k, v, cu, scale, recipe, variant=base)
+    got = _run_kernel(q, k, v, cu, scale, recipe, poison=True, variant=variant)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("variant, base", [("scale_trips1", "default"), ("scale_trips2", "default"),
+                                           ("scale_trips1_serial", "serial")])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("lengths", [LENGTHS, SHORT_MIX])
+def test_gpu_diagonal_scale_trips_bit_identical(recipe, variant, base, lengths):
+    """The diagonal step's scales staged in fewer round trips are the same scales: O and LSE
+    bit-identical to the three-trip build, every element written."""
+    q, k, v, _, cu, scale = make_inputs(lengths, heads_q=4, heads_kv=2, head_dim=128, seed=43, device="cuda")
     ref = _run_kernel(q, k, v, cu, scale, recipe, variant=base)
     got = _run_kernel(q, k, v, cu, scale, recipe, poison=True, variant=variant)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
