@@ -264,9 +264,11 @@ class FwdConfig:
     # the diagonal step's Q, K and V scales, the first step of every tile and the one the consumers
     # wait for. 3 (sessions 11-22): Q's rows, then the K/V scales in two halves; 2: one trip per
     # 64-row half, Q and K/V together (the pair build's way, which must take it: its halves come
-    # from two documents); 1: every load of the step at once (one document: the addresses share
-    # bases, so they fit the producers' 24 registers).
-    diagonal_scale_trips: int = 3
+    # from two documents); 1: every load of the step at once (spill-free). Measured (s23b, s23c,
+    # kernel alone, rotated rounds, O bit-identical): 2 against 3: 16x1k -4.0%, 128x128 -5.9%,
+    # longtail32k and mixed16k -1.2%, 4x4k -2.8% / +1.6%, 1x16k and 1x64k within +-0.3%; 1 is slower
+    # than 3 (+2..+6%). None: 2 where allowed, else 3.
+    diagonal_scale_trips: int | None = None
 
     def __post_init__(self):
         def bad(name, msg):
@@ -331,6 +333,9 @@ class FwdConfig:
                 "each tile's successor before the tile's K/V loads itself) and short_pairs=False")
         if not isinstance(self.short_pairs, bool):
             bad("short_pairs", "must be a bool")
+        if self.diagonal_scale_trips is None:
+            trips = 2 if self.stage_tile_inputs and not self.fuse_q_quant else 3
+            object.__setattr__(self, "diagonal_scale_trips", trips)
         if type(self.diagonal_scale_trips) is not int or self.diagonal_scale_trips not in (1, 2, 3):
             bad("diagonal_scale_trips", "must be 1, 2 or 3")
         if self.diagonal_scale_trips != 3 and not (self.stage_tile_inputs and not self.fuse_q_quant):
@@ -348,17 +353,12 @@ class FwdConfig:
                 "overlap_tiles=False")
 
 
-# The pair build's diagonal step stages its scales in two round trips (one per half) where the unpaired
-# build takes three, so it is faster on one-step tiles even where nothing pairs (kernel alone: 128x128
-# -4.5%, 16x1k -2.0..-2.3%, runs s22b and s22e) and 1-3% slower on long documents (4x4k, 1x16k): the
-# forward takes it up to this mean document length, beyond short_pairs_worth's
-FWD_PAIR_BUILD_MEAN_TOKENS = 1024
-
-
 def short_pairs_default(total_tokens: int, num_docs: int) -> bool:
     """FwdConfig.short_pairs for a call, from what the host knows without a sync: on for packs of
-    documents of mean length <= FWD_PAIR_BUILD_MEAN_TOKENS that the persistent tables hold."""
-    return num_docs <= PERSISTENT_MAX_DOCS and short_pairs_worth(total_tokens, num_docs, FWD_PAIR_BUILD_MEAN_TOKENS)
+    short documents (short_pairs_worth) that the persistent tables hold. (Up to session 22 it also
+    took the pair build up to a mean of 1,024 tokens for its two-trip diagonal step, which every
+    build has now: the unpaired one is then the faster where nothing pairs, 16x1k -1.7%, s23c.)"""
+    return num_docs <= PERSISTENT_MAX_DOCS and short_pairs_worth(total_tokens, num_docs)
 
 
 def fuse_q_quant_supported(cfg) -> bool:

@@ -138,7 +138,8 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only:
     # backward's Q^T
     fuse_q = (fused_q_quantization() and block != PER_TENSOR and q.dtype == torch.bfloat16
               and (forward_only or ds_bf16) and fuse_q_quant_supported(cfg))
-    cfg = dataclasses.replace(cfg, fuse_q_quant=fuse_q)
+    if fuse_q:  # (producer warps 2-3 then stage Q's scales: the scale warp's diagonal trips go back to auto)
+        cfg = dataclasses.replace(cfg, fuse_q_quant=True, diagonal_scale_trips=None)
     qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block, max_seqlen, forward_only, ds_bf16,
                                                with_q=not fuse_q)
     q_bf16 = None

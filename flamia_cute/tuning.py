@@ -97,6 +97,8 @@ def fwd_space(head_dim: int, group: int, diagonal_copy: bool, row_sum_mma: bool 
         # two short documents per query tile (session 22): on by default only for packs of short
         # documents (short_pairs_default), searched for every class
         keep.append((dataclasses.replace(base, short_pairs=not base.short_pairs), "short pairs toggled"))
+        # the diagonal step's scales in three round trips (before session 23): within +-2% on long documents
+        keep.append((dataclasses.replace(base, diagonal_scale_trips=3), "diagonal scales in three round trips"))
         if base.intra_wg_overlap and not row_sum_mma:  # (overlap_tiles has no row_sum_mma build)
             pruned.append((dataclasses.replace(base, overlap_tiles=True),
                            "slower on every workload: +5..+16% (run s11a)"))
@@ -273,7 +275,7 @@ def config_fields(kernel: str, cfg) -> dict:
         return {"raster": cfg.raster, "min_ctas_per_sm": cfg.min_ctas_per_sm,
                 "heads_per_cta": [p.heads_per_cta for p in cfg.parts]}
     names = {"fwd": ("kv_stages", "pingpong", "intra_wg_overlap", "pin_softmax", "persistent", "tile_claim",
-                     "tile_order", "q_stages", "short_pairs"),
+                     "tile_order", "q_stages", "short_pairs", "diagonal_scale_trips"),
              "bwd": ("q_stages", "qt_stages", "vec_stages", "raster"),
              "bwd_dsbf16": ("q_stages", "vec_stages", "dq_tma_reduce", "prefetch_sdp", "exp_under_dp", "raster",
                             "q_bf16_source", "dk_under_dq_store", "head_window", "phase_prefetch", "persistent",
@@ -301,8 +303,8 @@ def config_from_fields(kernel: str, default, fields: dict):
 
             plain = dataclasses.replace(default, short_pairs=False, **fields)
             fields["short_pairs"] = default.short_pairs and short_pairs_supported(plain)
-    if kernel == "fwd":  # records from before session 11's q_stages: the stages their persistence implies
-        fields = {"q_stages": None, **fields}
+    if kernel == "fwd":  # records from before session 11's q_stages (23's diagonal_scale_trips): the automatic
+        fields = {"q_stages": None, "diagonal_scale_trips": None, **fields}
     return dataclasses.replace(default, **fields)
 
 

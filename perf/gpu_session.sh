@@ -188,11 +188,17 @@ for stage in "$@"; do
       mutant_run trips_mutant flamia_cute/attention_fwd_sm90.py \
         's/kv_head, head, doc_start, doc_len, m_block,$/kv_head, head, doc_start, doc_len, m_block * 0,/' \
         "m_block \* 0," "scale_trips1 and fp8_tokenblock and not unsafe" tests/test_attention_fwd_kernel.py ;;
-    trips-rounds)  # the forward kernel alone, three round trips (default) against two and one, rotated rounds
+    trips-rounds)  # the forward kernel alone, two round trips (the default since session 23) against three and one
       run trips_rounds 500 env OUT="$OUT" BREAKDOWN_ONLY=fwd BREAKDOWN_ROUNDS=3 \
-        BREAKDOWN_DS_VARIANTS="default,scale trips 2,scale trips 1,short pairs" \
+        BREAKDOWN_DS_VARIANTS="default,scale trips 3,scale trips 1,short pairs" \
         BREAKDOWN_WORKLOADS="${TRIPS_WORKLOADS:-128x128,16x1k,4x4k,longtail32k,mixed16k,1x16k}" \
         python3 perf/bench_fwd_breakdown.py ;;
+    fwd-tests-schedules)  # the forward suite over the main schedules (every build whose scale warp changed in session 23)
+      run fwd_tests_schedules 520 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_fwd_kernel.py -k \
+        "(default or serial or per_tile or overlap_tiles or scale_trips or q_stages3 or longest) and not unstaged and not selects and not pinned and not serial_max and not fused and not pingpong and not short_pairs" ;;
+    bench-e2e)  # the training call and the forward call, ours against FA4 in the same run, GPU time
+      run bench_e2e 480 python3 -m flamia_cute.cli bench --modes fwd,fwdbwd --impls flamia,fa4 --reps 15 --gpu-time \
+        --out "$OUT/e2e" ;;
     bench-16x1k)  # 16x1k (the pair build by the forward's mean-length rule) and 4x4k (unchanged: the control), GPU time
       run bench_16x1k 300 python3 -m flamia_cute.cli bench --only 16x1k,4x4k --modes fwd,fwdbwd --impls flamia,fa4 \
         --reps 15 --gpu-time --out "$OUT/b16" ;;

@@ -87,10 +87,10 @@ SHORT_PAIR_ROWS = 64
 SHORT_PAIRS_MEAN_TOKENS = 96
 
 
-def short_pairs_worth(total_tokens: int, num_docs: int, mean_tokens: int = SHORT_PAIRS_MEAN_TOKENS) -> bool:
-    """Whether a call's documents are short enough on average (mean length <= mean_tokens) to build
-    the short-pair kernels."""
-    return num_docs > 0 and total_tokens <= mean_tokens * num_docs
+def short_pairs_worth(total_tokens: int, num_docs: int) -> bool:
+    """Whether a call's documents are short enough on average (mean length <= SHORT_PAIRS_MEAN_TOKENS)
+    to build the short-pair kernels."""
+    return num_docs > 0 and total_tokens <= SHORT_PAIRS_MEAN_TOKENS * num_docs
 
 
 def short_pair_partner(lengths, a: int, dt_align: int = 32) -> int:

@@ -63,9 +63,10 @@ def test_fwd_space_times_each_effective_config_once(diagonal_copy):
 
     keep, _ = fwd_space(128, 1, diagonal_copy)
     effective = [(c.kv_stages, c.pingpong, c.intra_wg_overlap, c.pin_softmax if c.intra_wg_overlap else None,
-                  c.persistent, c.tile_claim, c.tile_order, c.short_pairs) for c, _ in keep]
+                  c.persistent, c.tile_claim, c.tile_order, c.short_pairs, c.diagonal_scale_trips) for c, _ in keep]
     assert len(effective) == len(set(effective))
     assert sum(c.short_pairs for c, _ in keep) == 1  # the default with short pairs toggled
+    assert sum(c.diagonal_scale_trips == 3 for c, _ in keep) == 1  # the default with three trips
 
 
 def test_fwd_space_searches_the_tile_claim_and_order_but_not_overlap_tiles():
@@ -142,7 +143,8 @@ def _defaults():
 
 
 TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "pin_softmax": False, "persistent": True,
-                 "tile_claim": "stride", "tile_order": "heavy_first", "q_stages": 3, "short_pairs": True},
+                 "tile_claim": "stride", "tile_order": "heavy_first", "q_stages": 3, "short_pairs": True,
+                 "diagonal_scale_trips": 3},
          "bwd": {"q_stages": 1, "qt_stages": 1, "vec_stages": 3, "raster": "blocks"},
          "bwd_dsbf16": {"q_stages": 1, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": True,
                         "exp_under_dp": False, "raster": "heads", "q_bf16_source": "convert",
@@ -178,9 +180,10 @@ def test_fwd_record_without_persistent_keeps_the_default():
     """Records tuned before the persistent forward existed lack its field: the default (persistent) applies."""
     default = _defaults()["fwd"]
     old = {k: v for k, v in TUNED["fwd"].items()
-           if k not in ("persistent", "tile_claim", "tile_order", "q_stages", "short_pairs")}
+           if k not in ("persistent", "tile_claim", "tile_order", "q_stages", "short_pairs", "diagonal_scale_trips")}
     cfg = tuning.config_from_fields("fwd", default, old)
     assert cfg.persistent is default.persistent is True
+    assert cfg.diagonal_scale_trips == 2  # (session 23's field: the automatic choice)
     assert (cfg.tile_claim, cfg.tile_order) == (default.tile_claim, default.tile_order) == ("counter", "documents")
     assert cfg.q_stages == 2
     # a one-CTA-per-tile record from before q_stages existed: its stages follow (1), not the default's 2
