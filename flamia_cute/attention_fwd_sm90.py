@@ -267,7 +267,7 @@ class FwdConfig:
     # from two documents); 1: every load of the step at once (spill-free). Measured (s23b, s23c,
     # kernel alone, rotated rounds, O bit-identical): 2 against 3: 16x1k -4.0%, 128x128 -5.9%,
     # longtail32k and mixed16k -1.2%, 4x4k -2.8% / +1.6%, 1x16k and 1x64k within +-0.3%; 1 is slower
-    # than 3 (+2..+6%). None: 2 where allowed, else 3.
+    # than 3 (+2..+6%, not explained: not profiled). None: 2 where allowed, else 3.
     diagonal_scale_trips: int | None = None
 
     def __post_init__(self):
