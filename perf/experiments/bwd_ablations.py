@@ -12,6 +12,10 @@ Ablations (each against the full kernel in the same run):
                    dK's A fragment and the shared dS tile get the constant
   no dQ store      the dQ tile's stores to shared memory skipped (barriers and reduce-add stay)
   all              the four together: GEMMs, pipelines, barriers, loads of the vectors
+  half dK dQ       every other k-step of the two bf16 products (dK, dQ) skipped: the instruction count
+                   and the B-operand bytes of e4m3 dK and dQ (an e4m3 k32 wgmma takes a bf16 k16's
+                   time and reads half its bytes), without the dS quantization that would need
+                   (session 23: the ceiling of an e4m3-dS build of this kernel)
 """
 
 import json
@@ -35,14 +39,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_fwd_breakdown import graph_ms  # noqa: E402
 
 REAL = {"exp2": cute.math.exp2, "pack": bwd.pack_a_fragment_e4m3, "cvt": bwd.cvt_bf16x2,
-        "store": bwd.FlamiaBwdDsBf16Sm90._store_dq_tile}
+        "store": bwd.FlamiaBwdDsBf16Sm90._store_dq_tile, "mmas": bwd.FlamiaBwdDsBf16Sm90._make_mmas,
+        "gemm": cute.gemm}
+_HALVED = {}  # id(dK or dQ TiledMma) -> its gemm calls traced so far
 
 
-def patch(no_exp=False, no_pack=False, no_ds=False, no_store=False):
+def _make_mmas_halved(self):
+    mmas = REAL["mmas"](self)
+    _HALVED.update({id(mmas[2]): 0, id(mmas[3]): 0})
+    return mmas
+
+
+def _gemm_halved(mma, *args, **kwargs):
+    if id(mma) in _HALVED:
+        _HALVED[id(mma)] += 1
+        if _HALVED[id(mma)] % 2 == 0:
+            return None
+    return REAL["gemm"](mma, *args, **kwargs)
+
+
+def patch(no_exp=False, no_pack=False, no_ds=False, no_store=False, half_dk_dq=False):
     cute.math.exp2 = (lambda x, fastmath=True: x * Float32(0.5)) if no_exp else REAL["exp2"]
     bwd.pack_a_fragment_e4m3 = (lambda acc, out32: None) if no_pack else REAL["pack"]
     bwd.cvt_bf16x2 = (lambda lo, hi: Uint32(0x3F803F80)) if no_ds else REAL["cvt"]
     bwd.FlamiaBwdDsBf16Sm90._store_dq_tile = ((lambda self, *a: None) if no_store else REAL["store"])
+    bwd.FlamiaBwdDsBf16Sm90._make_mmas = _make_mmas_halved if half_dk_dq else REAL["mmas"]
+    cute.gemm = _gemm_halved if half_dk_dq else REAL["gemm"]
+    _HALVED.clear()
     clear_memory_cache()
 
 
@@ -53,7 +76,11 @@ ABLATIONS = {
     "no dS": {"no_ds": True},
     "no dQ store": {"no_store": True},
     "all": {"no_exp": True, "no_pack": True, "no_ds": True, "no_store": True},
+    "half dK dQ": {"half_dk_dq": True},
 }
+# BWD_ABLATIONS=full,half dK dQ: only these builds
+_only = [a for a in __import__("os").environ.get("BWD_ABLATIONS", "").split(",") if a]
+ABLATIONS = {k: v for k, v in ABLATIONS.items() if not _only or k in _only}
 
 
 def main():
