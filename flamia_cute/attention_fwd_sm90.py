@@ -368,6 +368,12 @@ def fuse_q_quant_supported(cfg) -> bool:
     return cfg.stage_tile_inputs and not cfg.overlap_tiles and not cfg.claim_ahead and not cfg.short_pairs
 
 
+def with_fused_q_quant(cfg):
+    """cfg with fuse_q_quant on (fuse_q_quant_supported(cfg) must hold): producer warps 2-3 then stage
+    Q's scales, so the scale warp's diagonal round trips go back to their automatic choice (3)."""
+    return replace(cfg, fuse_q_quant=True, diagonal_scale_trips=None)
+
+
 def q_quant_steps(head_dim: int) -> int:
     """fuse_q_quant: the steps in which a warp of warps 2-3 covers its 64 Q rows (D / 8 lanes a row)."""
     return 64 // (32 // (head_dim // 8))

@@ -126,7 +126,7 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only:
     forward_only: a call that needs no backward (the saved operands lack the backward's layouts);
     ds_bf16: the backward to come is the bf16-dS kernel (no Q^T, K^T: launch_layouts); row_sum: the
     recipe's (recipes.ROW_SUMS; "cast_p" runs the forward's row sum on the tensor core)."""
-    from .attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90, fuse_q_quant_supported, short_pairs_default
+    from .attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90, fuse_q_quant_supported, short_pairs_default, with_fused_q_quant
     from .quant import QuantizedTHD
     from .tuning import tuned_fwd_config
 
@@ -138,8 +138,8 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only:
     # backward's Q^T
     fuse_q = (fused_q_quantization() and block != PER_TENSOR and q.dtype == torch.bfloat16
               and (forward_only or ds_bf16) and fuse_q_quant_supported(cfg))
-    if fuse_q:  # (producer warps 2-3 then stage Q's scales: the scale warp's diagonal trips go back to auto)
-        cfg = dataclasses.replace(cfg, fuse_q_quant=True, diagonal_scale_trips=None)
+    if fuse_q:
+        cfg = with_fused_q_quant(cfg)
     qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block, max_seqlen, forward_only, ds_bf16,
                                                with_q=not fuse_q)
     q_bf16 = None

@@ -474,6 +474,19 @@ def test_diagonal_scale_trips_needs_the_scale_warps_q_staging(fields):
 
 
 @needs_dsl
+def test_fused_q_quant_on_a_resolved_config():
+    """The API turns fuse_q_quant on over a config whose automatic fields are resolved (two diagonal
+    trips, or a tuned record's): the trips go back to the fused build's three instead of raising."""
+    from flamia_cute.attention_fwd_sm90 import fuse_q_quant_supported, with_fused_q_quant
+
+    for cfg in (FwdConfig(head_dim=128, diagonal_copy=True), FwdConfig(head_dim=64, diagonal_scale_trips=1)):
+        assert cfg.diagonal_scale_trips != 3 and fuse_q_quant_supported(cfg)
+        fused = with_fused_q_quant(cfg)
+        assert fused.fuse_q_quant and fused.diagonal_scale_trips == 3
+        assert replace(fused, fuse_q_quant=False, diagonal_scale_trips=cfg.diagonal_scale_trips) == cfg
+
+
+@needs_dsl
 @pytest.mark.parametrize("head_dim, diagonal_copy", _configs())
 def test_diagonal_scale_trips_variants_compile(artifacts, head_dim, diagonal_copy):
     """Fewer round trips for the diagonal step's scales: spill-free (all of the step's loads at once
