@@ -200,7 +200,7 @@ for stage in "$@"; do
       run bench_e2e 480 python3 -m flamia_cute.cli bench --modes fwd,fwdbwd --impls flamia,fa4 --reps 15 --gpu-time \
         --out "$OUT/e2e" ;;
     bwd-half-ds)  # the ceiling of e4m3 dK and dQ: their bf16 products' every other k-step skipped (timing only)
-      run bwd_half_ds 400 env FLAMIA_CUTE_DISK_CACHE=0 BWD_ABLATIONS="full,half dK dQ" \
+      run bwd_half_ds 400 env FLAMIA_CUTE_DISK_CACHE=0 BWD_ABLATIONS="full,half dK dQ,half dK dQ no K cvt" \
         python3 perf/experiments/bwd_ablations.py 1x16k 4x4k 16x1k ;;
     bench-16x1k)  # 16x1k (the pair build by the forward's mean-length rule) and 4x4k (unchanged: the control), GPU time
       run bench_16x1k 300 python3 -m flamia_cute.cli bench --only 16x1k,4x4k --modes fwd,fwdbwd --impls flamia,fa4 \

@@ -16,6 +16,8 @@ Ablations (each against the full kernel in the same run):
                    and the B-operand bytes of e4m3 dK and dQ (an e4m3 k32 wgmma takes a bf16 k16's
                    time and reads half its bytes), without the dS quantization that would need
                    (session 23: the ceiling of an e4m3-dS build of this kernel)
+  half dK dQ no K cvt   the same without K's bf16 conversion per phase (that build loads K^T's e4m3
+                   codes by TMA instead): its ceiling less the added dS scale work
 """
 
 import json
@@ -40,7 +42,7 @@ from bench_fwd_breakdown import graph_ms  # noqa: E402
 
 REAL = {"exp2": cute.math.exp2, "pack": bwd.pack_a_fragment_e4m3, "cvt": bwd.cvt_bf16x2,
         "store": bwd.FlamiaBwdDsBf16Sm90._store_dq_tile, "mmas": bwd.FlamiaBwdDsBf16Sm90._make_mmas,
-        "gemm": cute.gemm}
+        "gemm": cute.gemm, "convert_k": bwd.FlamiaBwdDsBf16Sm90.convert_k}
 _HALVED = {}  # id(dK or dQ TiledMma) -> its gemm calls traced so far
 
 
@@ -58,13 +60,14 @@ def _gemm_halved(mma, *args, **kwargs):
     return REAL["gemm"](mma, *args, **kwargs)
 
 
-def patch(no_exp=False, no_pack=False, no_ds=False, no_store=False, half_dk_dq=False):
+def patch(no_exp=False, no_pack=False, no_ds=False, no_store=False, half_dk_dq=False, no_convert_k=False):
     cute.math.exp2 = (lambda x, fastmath=True: x * Float32(0.5)) if no_exp else REAL["exp2"]
     bwd.pack_a_fragment_e4m3 = (lambda acc, out32: None) if no_pack else REAL["pack"]
     bwd.cvt_bf16x2 = (lambda lo, hi: Uint32(0x3F803F80)) if no_ds else REAL["cvt"]
     bwd.FlamiaBwdDsBf16Sm90._store_dq_tile = ((lambda self, *a: None) if no_store else REAL["store"])
     bwd.FlamiaBwdDsBf16Sm90._make_mmas = _make_mmas_halved if half_dk_dq else REAL["mmas"]
     cute.gemm = _gemm_halved if half_dk_dq else REAL["gemm"]
+    bwd.FlamiaBwdDsBf16Sm90.convert_k = (lambda self, bufs, sKs: None) if no_convert_k else REAL["convert_k"]
     _HALVED.clear()
     clear_memory_cache()
 
@@ -77,6 +80,7 @@ ABLATIONS = {
     "no dQ store": {"no_store": True},
     "all": {"no_exp": True, "no_pack": True, "no_ds": True, "no_store": True},
     "half dK dQ": {"half_dk_dq": True},
+    "half dK dQ no K cvt": {"half_dk_dq": True, "no_convert_k": True},
 }
 # BWD_ABLATIONS=full,half dK dQ: only these builds
 _only = [a for a in __import__("os").environ.get("BWD_ABLATIONS", "").split(",") if a]
