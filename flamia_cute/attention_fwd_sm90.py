@@ -333,6 +333,10 @@ class FwdConfig:
                 "each tile's successor before the tile's K/V loads itself) and short_pairs=False")
         if not isinstance(self.short_pairs, bool):
             bad("short_pairs", "must be a bool")
+        if self.short_pairs and not (self.persistent and self.stage_tile_inputs and not self.overlap_tiles
+                                     and not self.fuse_q_quant):
+            bad("short_pairs", "needs persistent=True, stage_tile_inputs=True, overlap_tiles=False and "
+                "fuse_q_quant=False (the pair's bounds travel with the published tile)")
         if self.diagonal_scale_trips is None:
             trips = 2 if self.stage_tile_inputs and not self.fuse_q_quant else 3
             object.__setattr__(self, "diagonal_scale_trips", trips)
@@ -341,13 +345,9 @@ class FwdConfig:
         if self.diagonal_scale_trips != 3 and not (self.stage_tile_inputs and not self.fuse_q_quant):
             bad("diagonal_scale_trips", "below 3 needs stage_tile_inputs=True and fuse_q_quant=False (the scale "
                 "warp stages Q's scales only then)")
-        if self.short_pairs and self.diagonal_scale_trips == 1:
-            bad("diagonal_scale_trips", "1 does not fit short_pairs: a pair's halves come from two documents, "
-                "whose addresses spill in the producers' 24 registers when loaded at once")
-        if self.short_pairs and not (self.persistent and self.stage_tile_inputs and not self.overlap_tiles
-                                     and not self.fuse_q_quant):
-            bad("short_pairs", "needs persistent=True, stage_tile_inputs=True, overlap_tiles=False and "
-                "fuse_q_quant=False (the pair's bounds travel with the published tile)")
+        if self.short_pairs and self.diagonal_scale_trips != 2:
+            bad("diagonal_scale_trips", "must be 2 (or None) with short_pairs: a pair's halves come from two "
+                "documents, one round trip each (at once, their addresses spill in the producers' 24 registers)")
         if self.row_sum_mma and not (self.diagonal_copy and self.drop_branch and not self.overlap_tiles):
             bad("row_sum_mma", "needs diagonal_copy=True (uniform off-diagonal tiles), drop_branch=True and "
                 "overlap_tiles=False")
@@ -983,11 +983,11 @@ class FlamiaFwdSm90:
         hi_bounds = (doc_start, doc_len)
         if cutlass.const_expr(pair_len is not None):
             hi_bounds = short_pair_bounds(doc_start, doc_len, pair_len)
-        pairs = pair_len is not None
         for i in cutlass.range(m_block + 1, unroll=1):
             n = m_block - i
             pipe_s.producer_acquire(s_state)
-            if cutlass.const_expr(pairs or (staged and not self.fuse_q and self.cfg.diagonal_scale_trips < 3)):
+            # (fewer than 3 trips: the scale warp stages Q's scales, and a pair build takes 2; FwdConfig checks)
+            if cutlass.const_expr(self.cfg.diagonal_scale_trips < 3):
                 if i == 0:
                     self.stage_diagonal(mSK, mSV, mSKt, mSVt, mSQ, sScale, s_state, kv_head, head, doc_start,
                                         doc_len, hi_bounds, m_block)

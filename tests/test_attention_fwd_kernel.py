@@ -465,7 +465,7 @@ def test_short_pairs_variant_compiles(artifacts, head_dim, diagonal_copy):
 
 @needs_dsl
 @pytest.mark.parametrize("fields", [{"fuse_q_quant": True}, {"stage_tile_inputs": False},
-                                    {"short_pairs": True, "trips": 1}])
+                                    {"short_pairs": True, "trips": 1}, {"short_pairs": True, "trips": 3}])
 def test_diagonal_scale_trips_needs_the_scale_warps_q_staging(fields):
     fields = dict(fields)
     trips = fields.pop("trips", 2)

@@ -144,7 +144,7 @@ def _defaults():
 
 TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "pin_softmax": False, "persistent": True,
                  "tile_claim": "stride", "tile_order": "heavy_first", "q_stages": 3, "short_pairs": True,
-                 "diagonal_scale_trips": 3},
+                 "diagonal_scale_trips": 2},
          "bwd": {"q_stages": 1, "qt_stages": 1, "vec_stages": 3, "raster": "blocks"},
          "bwd_dsbf16": {"q_stages": 1, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": True,
                         "exp_under_dp": False, "raster": "heads", "q_bf16_source": "convert",
