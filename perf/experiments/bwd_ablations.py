@@ -18,6 +18,11 @@ Ablations (each against the full kernel in the same run):
                    (session 23: the ceiling of an e4m3-dS build of this kernel)
   half dK dQ no K cvt   the same without K's bf16 conversion per phase (that build loads K^T's e4m3
                    codes by TMA instead): its ceiling less the added dS scale work
+  half dK          dK's product alone halved: the ceiling of e4m3 dK with dQ left in bf16
+  no K cvt         K's bf16 conversion skipped alone (dQ's B operand: whatever shared memory held)
+  zero K           the conversion stores zeros (its stores kept, its loads and math dead): against
+                   "no K cvt", whether that build's saving is the conversion's work or the dQ
+                   product's operand data (tensor-core power on the H200's clock)
 """
 
 import json
@@ -41,14 +46,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_fwd_breakdown import graph_ms  # noqa: E402
 
 REAL = {"exp2": cute.math.exp2, "pack": bwd.pack_a_fragment_e4m3, "cvt": bwd.cvt_bf16x2,
+        "k_to_bf16": bwd.e4m3x2_to_bf16x2,
         "store": bwd.FlamiaBwdDsBf16Sm90._store_dq_tile, "mmas": bwd.FlamiaBwdDsBf16Sm90._make_mmas,
         "gemm": cute.gemm, "convert_k": bwd.FlamiaBwdDsBf16Sm90.convert_k}
 _HALVED = {}  # id(dK or dQ TiledMma) -> its gemm calls traced so far
 
 
+_HALVE = []  # which of the bf16 products' TiledMmas (2: dK, 3: dQ) are halved
+
+
 def _make_mmas_halved(self):
     mmas = REAL["mmas"](self)
-    _HALVED.update({id(mmas[2]): 0, id(mmas[3]): 0})
+    _HALVED.update({id(mmas[i]): 0 for i in _HALVE})
     return mmas
 
 
@@ -60,13 +69,17 @@ def _gemm_halved(mma, *args, **kwargs):
     return REAL["gemm"](mma, *args, **kwargs)
 
 
-def patch(no_exp=False, no_pack=False, no_ds=False, no_store=False, half_dk_dq=False, no_convert_k=False):
+def patch(no_exp=False, no_pack=False, no_ds=False, no_store=False, half_dk_dq=False, no_convert_k=False,
+          half_dk=False, zero_k=False):
     cute.math.exp2 = (lambda x, fastmath=True: x * Float32(0.5)) if no_exp else REAL["exp2"]
     bwd.pack_a_fragment_e4m3 = (lambda acc, out32: None) if no_pack else REAL["pack"]
     bwd.cvt_bf16x2 = (lambda lo, hi: Uint32(0x3F803F80)) if no_ds else REAL["cvt"]
     bwd.FlamiaBwdDsBf16Sm90._store_dq_tile = ((lambda self, *a: None) if no_store else REAL["store"])
-    bwd.FlamiaBwdDsBf16Sm90._make_mmas = _make_mmas_halved if half_dk_dq else REAL["mmas"]
-    cute.gemm = _gemm_halved if half_dk_dq else REAL["gemm"]
+    _HALVE[:] = [2, 3] if half_dk_dq else [2] if half_dk else []
+    bwd.FlamiaBwdDsBf16Sm90._make_mmas = _make_mmas_halved if _HALVE else REAL["mmas"]
+    cute.gemm = _gemm_halved if _HALVE else REAL["gemm"]
+    # only convert_k converts with q_bf16_source "tma" (the default these builds use)
+    bwd.e4m3x2_to_bf16x2 = (lambda x, hi, sc: Uint32(0)) if zero_k else REAL["k_to_bf16"]
     bwd.FlamiaBwdDsBf16Sm90.convert_k = (lambda self, bufs, sKs: None) if no_convert_k else REAL["convert_k"]
     _HALVED.clear()
     clear_memory_cache()
@@ -81,6 +94,9 @@ ABLATIONS = {
     "all": {"no_exp": True, "no_pack": True, "no_ds": True, "no_store": True},
     "half dK dQ": {"half_dk_dq": True},
     "half dK dQ no K cvt": {"half_dk_dq": True, "no_convert_k": True},
+    "half dK": {"half_dk": True},
+    "no K cvt": {"no_convert_k": True},
+    "zero K": {"zero_k": True},
 }
 # BWD_ABLATIONS=full,half dK dQ: only these builds
 _only = [a for a in __import__("os").environ.get("BWD_ABLATIONS", "").split(",") if a]
