@@ -205,6 +205,9 @@ for stage in "$@"; do
     bwd-dk-cvt)  # e4m3 dK alone's ceiling; K's conversion skipped against converted to zeros (work or operand data?)
       run bwd_dk_cvt 500 env FLAMIA_CUTE_DISK_CACHE=0 BWD_ABLATIONS="full,half dK,no K cvt,zero K,half dK dQ" \
         python3 perf/experiments/bwd_ablations.py 1x16k 4x4k 16x1k ;;
+    bwd-power)  # sustained runs of the full and zero-K builds with nvidia-smi sampling clock, power, clock-event reasons
+      run bwd_power 400 env FLAMIA_CUTE_DISK_CACHE=0 BWD_POWER_BUILDS="full,zero K,half dK dQ" \
+        python3 perf/experiments/bwd_power.py 1x16k ;;
     bench-16x1k)  # 16x1k (the pair build by the forward's mean-length rule) and 4x4k (unchanged: the control), GPU time
       run bench_16x1k 300 python3 -m flamia_cute.cli bench --only 16x1k,4x4k --modes fwd,fwdbwd --impls flamia,fa4 \
         --reps 15 --gpu-time --out "$OUT/b16" ;;

@@ -103,11 +103,12 @@ _only = [a for a in __import__("os").environ.get("BWD_ABLATIONS", "").split(",")
 ABLATIONS = {k: v for k, v in ABLATIONS.items() if not _only or k in _only}
 
 
-def main():
+def build_runs(names):
+    """{workload: (the backward call from saved operands, its FLOPs)}: every workload's inputs first,
+    so that each ablation compiles once."""
     wl = json.loads(DEFAULT_WORKLOADS.read_text())["workloads"]
-    names = sys.argv[1:] or ["1x16k", "4x4k", "16x1k"]
     runs = {}
-    for name in names:  # every workload's inputs first, so each ablation compiles once
+    for name in names:
         case = Case(name, wl[name], 16, 16, 128, "cuda").build()
         q, k, v, dout = case.sets[0]
         qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, case.cu, 128, case.max_len)
@@ -124,6 +125,12 @@ def main():
                                                   case.scale, config=cfg, do_quantized=doq, delta=delta,
                                                   dv_ref=dv_ref, q_bf16=q_bf16)
         runs[name] = (run, causal_flops(case.lengths, 16, 128, backward=True))
+    return runs
+
+
+def main():
+    names = sys.argv[1:] or ["1x16k", "4x4k", "16x1k"]
+    runs = build_runs(names)
     rows = {name: {"workload": name} for name in names}
     for label, flags in ABLATIONS.items():
         patch(**flags)

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Is the bf16-dS backward kernel power-bound on the H200? Session 24's ablations found K's bf16
+conversion skipped (dQ's B operand left as shared memory held it) and converted to zeros equally
+fast (-7..-8%): the saving is the operand data, not the conversion's work. This runs each build
+sustained for a few seconds (a CUDA graph replayed back to back) while nvidia-smi samples the SM
+clock, board power and the clock-event reasons, in alternating order (A B A B: thermal drift shows).
+
+    FLAMIA_CUTE_DISK_CACHE=0 BWD_POWER_BUILDS="full,zero K" python perf/experiments/bwd_power.py 1x16k
+"""
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bwd_ablations as ablations  # noqa: E402
+
+FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+SECONDS = float(os.environ.get("BWD_POWER_SECONDS", "4"))
+
+
+def sustained(run, seconds):
+    """ms per call over `seconds` of back-to-back graph replays (10 calls per replay), and the
+    wall-clock window (time.time()) the sampler's rows are matched against."""
+    g = torch.cuda.CUDAGraph()
+    run()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        for _ in range(10):
+            run()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    t0 = time.time()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    n = 0
+    while time.time() - t0 < seconds:
+        g.replay()
+        n += 1
+        if n % 8 == 0:
+            torch.cuda.synchronize()  # keep the host within a few replays of the GPU
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / (10 * n), t0 + 0.5, time.time()  # the first 0.5 s: the clock settling
+
+
+def main():
+    names = sys.argv[1:] or ["1x16k"]
+    builds = [b for b in os.environ.get("BWD_POWER_BUILDS", "full,zero K").split(",") if b]
+    runs = ablations.build_runs(names)
+    log = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "50"],
+                           stdout=log, stderr=subprocess.STDOUT)
+    time.sleep(1.0)
+    results = []
+    graphs = {}
+    for label in builds:  # compile every build once, outside the sampled windows
+        ablations.patch(**ablations.ABLATIONS[label])
+        graphs[label] = {name: run for name, (run, _) in runs.items()}
+        for run in graphs[label].values():
+            run()
+    torch.cuda.synchronize()
+    for rnd in range(2):
+        for label in builds:
+            ablations.patch(**ablations.ABLATIONS[label])  # the memory cache holds this build
+            for name, run in graphs[label].items():
+                ms, t0, t1 = sustained(run, SECONDS)
+                results.append((rnd, label, name, ms, t0, t1))
+    ablations.patch()
+    smi.terminate()
+    smi.wait()
+    log.seek(0)
+    rows = []
+    for line in log.read().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            ts = time.mktime(time.strptime(parts[0].split(".")[0], "%Y/%m/%d %H:%M:%S"))
+            ts += float("0." + parts[0].split(".")[1]) if "." in parts[0] else 0.0
+            rows.append((ts, float(parts[1]), float(parts[2]), float(parts[3]), parts[4]))
+        except (ValueError, IndexError):
+            print("nvidia-smi:", line)
+    for rnd, label, name, ms, t0, t1 in results:
+        win = [r for r in rows if t0 <= r[0] <= t1]
+        if not win:
+            print({"round": rnd, "build": label, "workload": name, "ms": round(ms, 4), "samples": 0})
+            continue
+        reasons = sorted({r[4] for r in win})
+        print({"round": rnd, "build": label, "workload": name, "ms": round(ms, 4), "samples": len(win),
+               "sm_mhz_median": statistics.median(r[1] for r in win), "sm_mhz_min": min(r[1] for r in win),
+               "power_w_median": round(statistics.median(r[2] for r in win), 1),
+               "temp_c_max": max(r[3] for r in win), "clock_event_reasons": reasons}, flush=True)
+
+
+if __name__ == "__main__":
+    main()
