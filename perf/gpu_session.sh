@@ -208,6 +208,11 @@ for stage in "$@"; do
     bwd-power)  # sustained runs of the full and zero-K builds with nvidia-smi sampling clock, power, clock-event reasons
       run bwd_power 400 env FLAMIA_CUTE_DISK_CACHE=0 BWD_POWER_BUILDS="full,zero K,half dK dQ" \
         python3 perf/experiments/bwd_power.py 1x16k ;;
+    bwd-ds-bits)  # bf16 dS with 3 / 0 mantissa bits: burst timing on three workloads, then sustained with clocks
+      run bwd_ds_bits 300 env FLAMIA_CUTE_DISK_CACHE=0 BWD_ABLATIONS="full,dS m3,dS m0" \
+        python3 perf/experiments/bwd_ablations.py 1x16k 4x4k 16x1k
+      run bwd_ds_bits_power 300 env FLAMIA_CUTE_DISK_CACHE=0 BWD_POWER_BUILDS="full,dS m3,dS m0" \
+        python3 perf/experiments/bwd_power.py 1x16k ;;
     bench-16x1k)  # 16x1k (the pair build by the forward's mean-length rule) and 4x4k (unchanged: the control), GPU time
       run bench_16x1k 300 python3 -m flamia_cute.cli bench --only 16x1k,4x4k --modes fwd,fwdbwd --impls flamia,fa4 \
         --reps 15 --gpu-time --out "$OUT/b16" ;;

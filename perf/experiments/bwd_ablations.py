@@ -20,6 +20,9 @@ Ablations (each against the full kernel in the same run):
                    codes by TMA instead): its ceiling less the added dS scale work
   half dK          dK's product alone halved: the ceiling of e4m3 dK with dQ left in bf16
   no K cvt         K's bf16 conversion skipped alone (dQ's B operand: whatever shared memory held)
+  dS m3 / dS m0    bf16(dS)'s mantissa truncated to 3 / 0 bits (one AND per pair): the tensor cores'
+                   energy per dK and dQ product with fewer toggling bits (the kernel is at the H200's
+                   700 W cap, bwd_power.py; outputs slightly wrong, timing and clock only)
   zero K           the conversion stores zeros (its stores kept, its loads and math dead): against
                    "no K cvt", whether that build's saving is the conversion's work or the dQ
                    product's operand data (tensor-core power on the H200's clock)
@@ -69,11 +72,18 @@ def _gemm_halved(mma, *args, **kwargs):
     return REAL["gemm"](mma, *args, **kwargs)
 
 
+def _cvt_masked(mask):
+    def cvt(lo, hi):
+        return REAL["cvt"](lo, hi) & Uint32(mask)
+    return cvt
+
+
 def patch(no_exp=False, no_pack=False, no_ds=False, no_store=False, half_dk_dq=False, no_convert_k=False,
-          half_dk=False, zero_k=False):
+          half_dk=False, zero_k=False, ds_mask=None):
     cute.math.exp2 = (lambda x, fastmath=True: x * Float32(0.5)) if no_exp else REAL["exp2"]
     bwd.pack_a_fragment_e4m3 = (lambda acc, out32: None) if no_pack else REAL["pack"]
-    bwd.cvt_bf16x2 = (lambda lo, hi: Uint32(0x3F803F80)) if no_ds else REAL["cvt"]
+    bwd.cvt_bf16x2 = ((lambda lo, hi: Uint32(0x3F803F80)) if no_ds else _cvt_masked(ds_mask) if ds_mask
+                      else REAL["cvt"])
     bwd.FlamiaBwdDsBf16Sm90._store_dq_tile = ((lambda self, *a: None) if no_store else REAL["store"])
     _HALVE[:] = [2, 3] if half_dk_dq else [2] if half_dk else []
     bwd.FlamiaBwdDsBf16Sm90._make_mmas = _make_mmas_halved if _HALVE else REAL["mmas"]
@@ -97,6 +107,8 @@ ABLATIONS = {
     "half dK": {"half_dk": True},
     "no K cvt": {"no_convert_k": True},
     "zero K": {"zero_k": True},
+    "dS m3": {"ds_mask": 0xFFF0FFF0},
+    "dS m0": {"ds_mask": 0xFF80FF80},
 }
 # BWD_ABLATIONS=full,half dK dQ: only these builds
 _only = [a for a in __import__("os").environ.get("BWD_ABLATIONS", "").split(",") if a]
