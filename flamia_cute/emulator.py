@@ -386,11 +386,14 @@ def emulate_backward(dout: torch.Tensor, ctx: EmulatorContext, dtype=torch.float
         k_main = _expand_kv(_heads_first(ctx.k.along_t, g.ks, g.ke), group).to(dtype)
         k_diag = _expand_kv(_heads_first(ctx.k.diag_along_t, g.ks, g.ke), group).to(dtype) if kmask is not None else None
         km = kmask[None].expand_as(ds) if kmask is not None else None
-        dse_q = _cast_ds(ds, recipe, ctx.k, kmask, g, group, dim=-1, dtype=dtype)
+        if recipe.ds_cast == "e4m3_tile":  # one cast for both products
+            dse_q = dse_k = _cast_ds_tile(ds, ctx, kmask, g, group, dtype)
+        else:
+            dse_q = _cast_ds(ds, recipe, ctx.k, kmask, g, group, dim=-1, dtype=dtype)
+            dse_k = _cast_ds(ds, recipe, ctx.q, None, g, group, dim=-2, dtype=dtype)
         dq_h = _mm_select(dse_q, dse_q, km, k_main, k_diag) * sm
         # dK = dS^T Q (reduction over queries): Q's scale folded into dS^T
         q_t = _heads_first(ctx.q.along_t, g.qs, g.qe).to(dtype)
-        dse_k = _cast_ds(ds, recipe, ctx.q, None, g, group, dim=-2, dtype=dtype)
         dk_h = dse_k.transpose(1, 2) @ q_t * sm
         dq[g.qs : g.qe] = dq_h.transpose(0, 1).float()
         dk[g.ks : g.ke] = dk_h.reshape(Hk, group, lk, D).sum(1).transpose(0, 1).float()
@@ -400,14 +403,14 @@ def emulate_backward(dout: torch.Tensor, ctx: EmulatorContext, dtype=torch.float
 
 def _cast_ds(ds, recipe: Recipe, other: EmuOperand, mask, g: _DocGeom, group: int, dim: int, dtype):
     """Effective dS values for the product reducing along `dim` (-1: keys, for dQ; -2: queries, for dK)."""
-    if recipe.ds_cast == "bf16":
+    if recipe.ds_cast == "bf16" or (recipe.ds_cast == "e4m3_dk" and dim == -1):
         return ds.to(torch.bfloat16).to(dtype)
     if recipe.ds_cast == "mx":
         out = mx_quantize(ds, dim=dim, block=MX_BLOCK)
         if mask is not None:
             out = torch.where(mask[None], ds.to(torch.bfloat16).to(dtype), out)
         return out
-    # rowtile: fold the other operand's per-token scale, then one scale per row per tile
+    # rowtile (and e4m3_dk's dK): fold the other operand's per-token scale, then one scale per row per tile
     if dim == -1:
         w = _per_pair_scale(other, mask, g.ks, g.ke, group).to(dtype).expand_as(ds)
         tile = recipe.key_tile
@@ -415,6 +418,19 @@ def _cast_ds(ds, recipe: Recipe, other: EmuOperand, mask, g: _DocGeom, group: in
         w = other.scale[:, g.qs : g.qe, None].to(dtype).expand_as(ds)
         tile = recipe.query_tile
     return _cast_rowtile(ds * w, dim, tile, recipe.ds_cast) / w
+
+
+def _cast_ds_tile(ds, ctx: EmulatorContext, kmask, g: _DocGeom, group: int, dtype):
+    """ds_cast e4m3_tile (a leaky control, recipes.DS_CASTS): w = sq * sk (the query's and the pair's key scale, the operands' scales that
+    dK and dQ reduce over) folded into dS, one power-of-two scale per query_tile x key_tile tile of the
+    document (from its first query and key), the effective dS = cast(dS w / s) s / w. A pair whose w
+    underflows to 0 adds 0 (the kernel's fp32 product is 0 there)."""
+    recipe = ctx.recipe
+    w = ctx.q.scale[:, g.qs : g.qe, None].to(dtype) * _per_pair_scale(ctx.k, kmask, g.ks, g.ke, group).to(dtype)
+    c = ds * w
+    amax = _tile_reduce_max(_tile_reduce_max(c.abs(), -2, recipe.query_tile), -1, recipe.key_tile)
+    s = pow2_scale(amax.float(), E4M3).to(dtype)
+    return torch.where(w > 0, cast_to(c / s, E4M3).to(dtype) * s / torch.where(w > 0, w, 1.0), 0.0)
 
 
 def default_softmax_scale(head_dim: int) -> float:

@@ -12,7 +12,11 @@ from dataclasses import dataclass, field, replace
 OPERAND_FORMATS = ("bf16", "e4m3", "e5m2", "mxfp8", "nvfp4")
 SCALINGS = ("none", "tensor", "token", "tokenblock", "mx")
 P_CASTS = ("bf16", "e4m3_fold", "mx")
-DS_CASTS = ("bf16", "e4m3_rowtile", "e5m2_rowtile", "mx")
+# e4m3_dk: dK's dS on e4m3 as e4m3_rowtile casts it (dS * sq, one scale per key row and query tile),
+# dQ's in bf16. e4m3_tile: one power-of-two scale per (query_tile x key_tile) tile of dS * sq * sk,
+# the same codes for dK and dQ; it LEAKS (a query's dQ codes depend on later queries' dS in its tile
+# through the shared scale): a control for the leakage tests
+DS_CASTS = ("bf16", "e4m3_rowtile", "e5m2_rowtile", "e4m3_dk", "e4m3_tile", "mx")
 DV_FOLDS = ("tile", "document")
 # The forward's softmax denominator l: "fp32", the sum of the fp32 P; "cast_p", on the tiles whose
 # key-side scales are uniform (off the diagonal, K/V in key_tile blocks), the sum of the e4m3 P that
@@ -180,6 +184,15 @@ NAMED_RECIPES: dict[str, Recipe] = {
         # H200 (perf/RESULTS.md, session 21): backward 0..2% faster, forward 15..31% slower wherever a
         # query block has more than one key tile (16x1k +3%): opt-in
         Recipe("fp8_token_dsbf16", _TOKEN, _TOKEN, _TOKEN, _TOKEN, ds_cast="bf16", dv_fold="document"),
+        # fp8_tokenblock_dsbf16 with dK's product on e4m3 too (dS^T * sq cast per key row and
+        # 64-query tile, the backward kernel's tile; dQ's stays bf16): leak-free, as accurate as the
+        # e4m3-dS recipes (perf/NOTES.md, session 24)
+        Recipe("fp8_tokenblock_dke4m3", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, ds_cast="e4m3_dk",
+               dv_fold="document", query_tile=64),
+        # One dS scale per 64-query x 128-key tile for both products (e4m3_tile). Leaks through dQ:
+        # the control that shows the leakage tests see scales shared across queries in dS
+        Recipe("fp8_tokenblock_dstile_unsafe", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, ds_cast="e4m3_tile",
+               dv_fold="document", query_tile=64),
         # The same with the forward's row sum of the cast P off the diagonal (row_sum "cast_p"): the
         # kernel sums on the tensor core instead of 64 FADDs per thread and tile. Same accuracy against
         # fp64 (within 0.01 dB), forward 1..6% slower on the H200 (perf/RESULTS.md, session 14): opt-in

@@ -31,7 +31,7 @@ def measure(recipe, kind, mix, heads_kv=2):
 
 @pytest.mark.parametrize("mix", list(DOC_MIXES))
 @pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tokenblock_dsbf16", "fp8_token_dsbf16",
-                                    "fp8_tokenblock_dsbf16_castsum"])
+                                    "fp8_tokenblock_dsbf16_castsum", "fp8_tokenblock_dke4m3"])
 def test_normal_floors(recipe, mix):
     got = measure(recipe, "normal", mix)
     for name, floor in NORMAL_FLOORS.items():
@@ -72,7 +72,7 @@ def test_outlier_recipes_not_worse_than_per_tensor():
             assert ours[name] >= control[name] - 0.5, (recipe, name, ours[name], control[name])
 
 
-@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tokenblock_dsbf16"])
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tokenblock_dsbf16", "fp8_tokenblock_dke4m3"])
 def test_zero_rows_do_not_dominate_scale_folds(recipe):
     """The last token of every document has an all-zero dO row in training; it must not wreck dV."""
     q, k, v, do, cu, scale = make_inputs(DOC_MIXES["mixed"], heads_q=4, heads_kv=2, seed=11)
