@@ -421,10 +421,10 @@ def _cast_ds(ds, recipe: Recipe, other: EmuOperand, mask, g: _DocGeom, group: in
 
 
 def _cast_ds_tile(ds, ctx: EmulatorContext, kmask, g: _DocGeom, group: int, dtype):
-    """ds_cast e4m3_tile (a leaky control, recipes.DS_CASTS): w = sq * sk (the query's and the pair's key scale, the operands' scales that
-    dK and dQ reduce over) folded into dS, one power-of-two scale per query_tile x key_tile tile of the
-    document (from its first query and key), the effective dS = cast(dS w / s) s / w. A pair whose w
-    underflows to 0 adds 0 (the kernel's fp32 product is 0 there)."""
+    """ds_cast e4m3_tile (a leaky control, recipes.DS_CASTS): w = sq * sk (the query's and the pair's
+    key scale, the operands' scales that dK and dQ reduce over) folded into dS, one power-of-two scale
+    per query_tile x key_tile tile of the document (from its first query and key), the effective
+    dS = cast(dS w / s) s / w. A pair whose w underflows to 0 adds 0."""
     recipe = ctx.recipe
     w = ctx.q.scale[:, g.qs : g.qe, None].to(dtype) * _per_pair_scale(ctx.k, kmask, g.ks, g.ke, group).to(dtype)
     c = ds * w
