@@ -109,16 +109,22 @@ from .sm90_device import (
     ARG_F32,
     ARG_I32,
     SHARED_SOURCE_FILES,
+    as_f32,
     byte_transpose4x4,
     claim_next_tile,
     cvt_bf16x2,
     doc_chunk_cumsum,
     document_dt_start,
     e4m3x2_to_bf16x2,
+    f32_bits,
+    fmax_chains,
     globaltimer_lo,
     locate_key_block,
     pack_a_fragment_e4m3,
+    pow2_reciprocal,
+    pow2_scale_bits,
     publish_tile,
+    quad_max2,
     read_tile,
     select,
     short_pair_bounds,
@@ -301,6 +307,14 @@ class BwdDsBf16Config:
     # 64 back), the first masks tile 1. The second document's CTA exits at once. Gradients
     # bit-identical (a masked P is 0, so the other document's keys and queries add exact zeros).
     short_pairs: bool = False
+    # dK's product on e4m3 (recipe fp8_tokenblock_dke4m3): A = e4m3(dS^T * sq / s) from registers, one
+    # power-of-two s per key row and query tile (the row's amax over the tile's 64 queries: a quad's
+    # shuffles, no exchange between warps), B = Q^T's e4m3 codes in P-fragment order by TMA in
+    # pipeline b (8 KB per tile instead of Q's 16 KB bf16 copy, and no copy pass). dK accumulates in
+    # units of the current tile's s (its rows rescaled by s_prev / s per tile, exact: powers of two;
+    # s is kept >= 2^-64 of the row's largest s so far, so the rescale cannot overflow; the emulator's
+    # cast differs only for values below 2^-64 of the row's). dQ's product stays bf16. Grid build only
+    dk_e4m3: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -311,7 +325,8 @@ class BwdDsBf16Config:
         if not isinstance(self.qhead_per_kvhead, int) or self.qhead_per_kvhead < 1:
             bad("qhead_per_kvhead", "must be an int >= 1")
         for name in ("diagonal_copy", "deterministic", "dq_store_swap", "transpose_v_under_s", "dq_first_store",
-                     "cta_timeline", "persistent", "release_in_last_tile", "scales_at_entry", "short_pairs"):
+                     "cta_timeline", "persistent", "release_in_last_tile", "scales_at_entry", "short_pairs",
+                     "dk_e4m3"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
         for name in ("prefetch_sdp", "dq_tma_reduce", "exp_under_dp", "dk_under_dq_store", "phase_prefetch",
@@ -343,6 +358,12 @@ class BwdDsBf16Config:
             object.__setattr__(self, "exp_under_dp", not self.prefetch_sdp)
         if self.exp_under_dp and self.prefetch_sdp:
             bad("exp_under_dp", "with prefetch_sdp, ptxas serializes the split S^T/dP^T waits")
+        if self.dk_e4m3 and self.q_bf16_source == "convert":
+            bad("q_bf16_source", "dk_e4m3 loads Q^T's e4m3 codes by TMA: no bf16 Q to convert")
+        if self.dk_e4m3 and self.persistent:
+            bad("dk_e4m3", "is built for the grid build only (not persistent)")
+        if self.dk_e4m3:
+            object.__setattr__(self, "q_bf16_source", "tma")  # the TMA path of dK's B operand
         if self.q_bf16_source is None:  # before the dQ path: smem_bytes counts no dQ tile yet
             object.__setattr__(self, "q_bf16_source", "tma")
             if smem_bytes(self) > SMEM_LIMIT:
@@ -407,7 +428,8 @@ def smem_bytes(cfg: BwdDsBf16Config) -> int:
     D, tq = cfg.head_dim, QUERY_TILE
     kv = 2 * KEY_BLOCK * D + 2 * KEY_BLOCK * D  # K, V e4m3 + K bf16 (converted in the kernel)
     qb_tma = cfg.q_bf16_source == "tma"
-    per_stage = 2 * tq * D + tq * D + (2 * tq * D if qb_tma else 0)  # Q, dO e4m3 | dO^T e4m3 (+ Q bf16)
+    qb = tq * D if cfg.dk_e4m3 else 2 * tq * D if qb_tma else 0  # Q^T e4m3 or Q bf16 by TMA
+    per_stage = 2 * tq * D + tq * D + qb  # Q, dO e4m3 | dO^T e4m3 (+ dK's B operand)
     ds = cfg.ds_buffers * 2 * tq * KEY_BLOCK + (0 if qb_tma else 2 * 2 * tq * D)  # bf16 dS [q, key] (+ Q bf16)
     vec = N_VEC * tq * 4 * cfg.vec_stages + KEY_BLOCK * 4  # + the phase's key scales
     bars = 8 * 2 * (1 + 2 * cfg.q_stages + cfg.vec_stages)
@@ -546,6 +568,7 @@ class FlamiaBwdDsBf16Sm90:
         self.dq_tma = config.dq_tma_reduce
         self.sdp_groups = 2 if config.exp_under_dp else 1  # commit groups of one issue_sdp
         self.qb_tma = config.q_bf16_source == "tma"
+        self.dk8 = config.dk_e4m3
         # the e4m3 -> bf16 conversion walks (_conversion_plans): 4-code words per row, and rows per
         # step of the 256 consumer threads
         self.walk_wpr = self.D // 4
@@ -560,8 +583,11 @@ class FlamiaBwdDsBf16Sm90:
         sd_mma = sm90_utils.make_trivial_tiled_mma(e4, e4, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, tq))
         # dV: M = 64 keys, N = D, K = 64 queries; A = e4m3(P^T) from registers, B = dO^T (K-major)
         dv_mma = sm90_utils.make_trivial_tiled_mma(e4, e4, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, D), RMEM)
-        # dK: M = 64 keys, N = D, K = 64 queries; A = bf16(dS^T) from registers, B = Q bf16 [t, d] (MN-major)
-        dk_mma = sm90_utils.make_trivial_tiled_mma(bf, bf, K_MAJOR, MN_MAJOR, Float32, (1, 1, 1), (wm, D), RMEM)
+        # dK: M = 64 keys, N = D, K = 64 queries; A = bf16(dS^T) from registers, B = Q bf16 [t, d] (MN-major);
+        # dk_e4m3: A = e4m3(dS^T sq / s) from registers, B = Q^T e4m3 [d, t] (K-major), as dV's
+        dk_mma = (sm90_utils.make_trivial_tiled_mma(e4, e4, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, D), RMEM)
+                  if self.dk8 else
+                  sm90_utils.make_trivial_tiled_mma(bf, bf, K_MAJOR, MN_MAJOR, Float32, (1, 1, 1), (wm, D), RMEM))
         # dQ: M = 64 queries, N = D (warpgroup w computes columns w D/2 .. (w+1) D/2 - 1), K = 128
         # keys; A = dS [q, key] (queries contiguous), B = K bf16 [t, d] (MN-major)
         dq_mma = sm90_utils.make_trivial_tiled_mma(bf, bf, MN_MAJOR, MN_MAJOR, Float32, (1, 2, 1), (tq, D // 2))
@@ -577,8 +603,10 @@ class FlamiaBwdDsBf16Sm90:
             Vt=sm90_utils.make_smem_layout_b(ROW, (wm, D, wm), e4, 2),
             Q=sm90_utils.make_smem_layout_b(ROW, (wm, tq, D), e4, st),  # (64 q, D, stages)
             dOt=sm90_utils.make_smem_layout_b(ROW, (wm, D, tq), e4, st),  # (D, 64 q, stages)
-            # (D, 64 q, 2 buffers, or a stage each when loaded by TMA), d contiguous
-            Qb=sm90_utils.make_smem_layout_b(COL, (wm, D, tq), bf, st if self.qb_tma else 2),
+            # (D, 64 q, 2 buffers, or a stage each when loaded by TMA), d contiguous; dk_e4m3: Q^T e4m3
+            # (D, 64 q, stages) as dO^T
+            Qb=(sm90_utils.make_smem_layout_b(ROW, (wm, D, tq), e4, st) if self.dk8 else
+                sm90_utils.make_smem_layout_b(COL, (wm, D, tq), bf, st if self.qb_tma else 2)),
             Kb=sm90_utils.make_smem_layout_b(COL, (tq, D, kb), bf, 1),  # (D, 128 keys, 1)
             dS=sm90_utils.make_smem_layout_a(COL, (tq, D, kb), bf, 2),  # (64 q, 128 keys, 2 buffers)
         )
@@ -587,7 +615,8 @@ class FlamiaBwdDsBf16Sm90:
     def __call__(
         self,
         q_ptr: cute.Pointer,  # (T, H, D) e4m3
-        qb_ptr: cute.Pointer,  # (T, H, D) bf16: Q's codes times sq (q_bf16_source "tma", else unused)
+        qb_ptr: cute.Pointer,  # (T, H, D) bf16: Q's codes times sq (q_bf16_source "tma", else unused);
+        # dk_e4m3: (H, D, T_dt) e4m3, Q^T's codes in P-fragment order
         sq_ptr: cute.Pointer,  # (H, T) f32
         k_ptr: cute.Pointer,  # (T, Hk, D) e4m3
         sk_ptr: cute.Pointer,  # (Hk, T) f32
@@ -678,7 +707,9 @@ class FlamiaBwdDsBf16Sm90:
         tma_do, tdO = atom(mdO, L["Q"], (tq, D))
         tma_dot, tdOt = atom(mdOt, L["dOt"], (D, tq))
         tma_qb, tQb = None, None
-        if cutlass.const_expr(self.qb_tma):
+        if cutlass.const_expr(self.dk8):  # Q^T [d, t] e4m3: (D, 64 q) boxes, as dO^T's
+            tma_qb, tQb = atom(cute.make_tensor(qb_ptr, dt_layout(H)), L["Qb"], (D, tq))
+        elif cutlass.const_expr(self.qb_tma):
             # Q in bf16 [t, d] seen as (d, t): the (D, 64 q) boxes of dK's MN-major B operand
             tma_qb, tQb = atom(cute.make_tensor(qb_ptr, cute.make_layout((D, T, H), stride=(1, hd, D))), L["Qb"],
                                (D, tq))
@@ -697,10 +728,11 @@ class FlamiaBwdDsBf16Sm90:
                 (tq, D))
         self.kv_bytes = 2 * kb * D
         self.a_bytes = 2 * tq * D
-        self.b_bytes = tq * D + (2 * tq * D if self.qb_tma else 0)
+        self.b_bytes = tq * D + (tq * D if self.dk8 else 2 * tq * D if self.qb_tma else 0)
 
         st, sv = self.stages, self.sv
         n_tab = PERSISTENT_MAX_DOCS + 1 if self.cfg.persistent else 4
+        qb_type = Float8E4M3FN if self.dk8 else BFloat16
 
         @cute.struct
         class SharedStorage:
@@ -716,7 +748,7 @@ class FlamiaBwdDsBf16Sm90:
             sQ: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["Q"])], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["Q"])], 1024]
             sdOt: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["dOt"])], 1024]
-            sQb: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["Qb"])], 1024]
+            sQb: cute.struct.Align[cute.struct.MemRange[qb_type, cute.cosize(L["Qb"])], 1024]
             # DS_LAYOUT's two buffer slots; with ds_buffers=1 only slot 0 is allocated and used
             sdS: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["dS"]) * self.cfg.ds_buffers // 2],
                                    1024]
@@ -1031,7 +1063,8 @@ class FlamiaBwdDsBf16Sm90:
         cute.copy(tma_dot, tdOtg[None, m], tdOts[None, b_state.index], tma_bar_ptr=bar)
         if cutlass.const_expr(self.qb_tma):
             tma_qb, tQb = tmas[17:19]
-            tQbs, tQbg = self._part(tma_qb, tQb, hq, bufs[6], (D, tq), doc_start, 1)
+            # Q^T (dk_e4m3): columns from the document's dt_start, as dO^T's; Q bf16: tokens
+            tQbs, tQbg = self._part(tma_qb, tQb, hq, bufs[6], (D, tq), dt_start if self.dk8 else doc_start, 1)
             cute.copy(tma_qb, tQbg[None, m], tQbs[None, b_state.index], tma_bar_ptr=bar)
         b_state.advance()
         return a_state, b_state
@@ -1425,6 +1458,13 @@ class FlamiaBwdDsBf16Sm90:
         base = tile_base if cutlass.const_expr(tile_base is not None) else 0
         acc_dv.fill(0.0)
         acc_dk.fill(0.0)
+        dk_unit = None
+        if cutlass.const_expr(self.dk8):
+            # per key row: the unit of acc_dk (the last tile's dS scale s) and the largest s so far
+            dk_unit = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            for v1 in cutlass.range_constexpr(2):
+                dk_unit[v1] = Float32(2.0**-126)
+                dk_unit[2 + v1] = Float32(0.0)
         # the dV fold: P^T * sdo * (256 / r), one r per (KV head, document) (a power of two)
         r = cute.arch.fmax(dv_ref, Float32(FOLD_REF_MIN))
         cf = Float32(P_SCALE) / r
@@ -1469,7 +1509,7 @@ class FlamiaBwdDsBf16Sm90:
                 True, i + base, i + 1 < self.group * n_diag, kv_head * self.group + i // n_diag,
                 2 * n_blk + i % n_diag, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state,
                 v_state, dq_out, doc_start, doc_len, lim_i, n_blk, softmax_scale, wg, i == 0 if late_v else None,
-                (pipe_kv, kv_state, last_diag) if early_kv or (persistent and in_tile) else None,
+                (pipe_kv, kv_state, last_diag) if early_kv or (persistent and in_tile) else None, dk_unit,
             )
         if cutlass.const_expr(self.prefetch and self.dq_tma):
             warpgroup.wait_group(0)  # the dummy S^T, dP^T issued after the phase's last tile
@@ -1504,7 +1544,7 @@ class FlamiaBwdDsBf16Sm90:
                     2 * n_blk + 2 + j % per, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state,
                     b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg,
                     j == 0 if late_v and self.diag_copy else None,  # without copies V stays from phase 0
-                    (pipe_kv, kv_state, j + 1 == self.group * per) if persistent and in_tile else None,
+                    (pipe_kv, kv_state, j + 1 == self.group * per) if persistent and in_tile else None, dk_unit,
                 )
             if cutlass.const_expr(persistent and self.diag_copy):
                 if cutlass.const_expr(not in_tile):
@@ -1522,8 +1562,15 @@ class FlamiaBwdDsBf16Sm90:
         rfac = r / Float32(P_SCALE)
         store_key_rows_bf16(mdV, lambda i0: (acc_dv[i0] * rfac, acc_dv[i0 + 1] * rfac), krow, n_blk * kb,
                             doc_start, doc_len, kv_head, D, cute.size(acc_dv))
-        store_key_rows_bf16(mdK, lambda i0: (acc_dk[i0] * softmax_scale, acc_dk[i0 + 1] * softmax_scale), krow,
-                            n_blk * kb, doc_start, doc_len, kv_head, D, cute.size(acc_dk))
+        if cutlass.const_expr(self.dk8):  # acc_dk rows in units of their last dS scale
+            for v1 in cutlass.range_constexpr(2):
+                dk_unit[v1] = dk_unit[v1] * softmax_scale
+            store_key_rows_bf16(mdK, lambda i0: (acc_dk[i0] * dk_unit[(i0 // 2) % 2],
+                                                 acc_dk[i0 + 1] * dk_unit[(i0 // 2) % 2]),
+                                krow, n_blk * kb, doc_start, doc_len, kv_head, D, cute.size(acc_dk))
+        else:
+            store_key_rows_bf16(mdK, lambda i0: (acc_dk[i0] * softmax_scale, acc_dk[i0 + 1] * softmax_scale), krow,
+                                n_blk * kb, doc_start, doc_len, kv_head, D, cute.size(acc_dk))
         return kv_state, a_state, b_state, v_state
 
     # ------------------------------------------------------------------------------------------
@@ -1539,15 +1586,18 @@ class FlamiaBwdDsBf16Sm90:
 
         nq, nk = self.tq // rpw, self.kb // rpw
         plan = dict(
-            q_src=word_walk(sQ_layout, lambda t, j: (*rc(t, j), 0), 1, 256, nq),
-            q_dst=word_walk(sQb_layout, lambda t, j: (rc(t, j)[1], rc(t, j)[0], 0), 2, 256, nq),
             k_src=word_walk(sK_layout, lambda t, j: (rc(t, j)[0] % self.wm, rc(t, j)[1], rc(t, j)[0] // self.wm),
                             1, 256, nk),
             k_dst=word_walk(sKb_layout, lambda t, j: (rc(t, j)[1], rc(t, j)[0], 0), 2, 256, nk),
-            # the stage (Q e4m3) and buffer (Q bf16) strides in words: a shift of the whole walk
-            q_stage=word_walk(sQ_layout, lambda t, j: (*rc(t, 0), j), 1, 256, 2)[1],
-            q_buf=word_walk(sQb_layout, lambda t, j: (rc(t, 0)[1], rc(t, 0)[0], j), 2, 256, 2)[1],
         )
+        if not self.dk8:  # dk_e4m3 converts no Q: dK's B operand is Q^T's e4m3 codes
+            plan.update(
+                q_src=word_walk(sQ_layout, lambda t, j: (*rc(t, j), 0), 1, 256, nq),
+                q_dst=word_walk(sQb_layout, lambda t, j: (rc(t, j)[1], rc(t, j)[0], 0), 2, 256, nq),
+                # the stage (Q e4m3) and buffer (Q bf16) strides in words: a shift of the whole walk
+                q_stage=word_walk(sQ_layout, lambda t, j: (*rc(t, 0), j), 1, 256, 2)[1],
+                q_buf=word_walk(sQb_layout, lambda t, j: (rc(t, 0)[1], rc(t, 0)[0], j), 2, 256, 2)[1],
+            )
         return plan
 
     def _dq_store_plan(self, sdQ_layout):
@@ -1689,13 +1739,13 @@ class FlamiaBwdDsBf16Sm90:
     def tile_step(
         self, diag: cutlass.Constexpr, i, has_next, hq, m, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v,
         a_state, b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg, transpose_first=None,
-        release_kv=None,
+        release_kv=None, dk_unit=None,
     ):
         """One 64-query tile m of query head hq (tile number i of the CTA). diag: m in {2n, 2n+1}.
         transpose_first (transpose_v_under_s): a runtime flag, set on the phase's first tile.
         release_kv (pipe_kv, its state, a runtime flag): when the flag is set, the K/V stage is released
         as soon as this tile's S^T and dP^T have read it (the phase's last tile: the next phase's copies
-        load under the rest of the tile).
+        load under the rest of the tile). dk_unit (dk_e4m3): the rows' dK units (e4m3_dk_operand).
 
         With prefetch, its S^T and dP^T were issued before (issue_sdp: by the previous tile of the
         phase, or before the phase) and has_next issues the next tile's after this tile's dQ
@@ -1762,8 +1812,9 @@ class FlamiaBwdDsBf16Sm90:
                 p = acc_s[a]
                 acc_dp[a] = p * (acc_dp[a] * rsc[2 + v1] * cw - cd)
                 acc_s[a] = p * cwf  # <= 256: sdo <= r
-        pipe_v.consumer_release(v_state)
-        v_state.advance()
+        if cutlass.const_expr(not self.dk8):
+            pipe_v.consumer_release(v_state)
+            v_state.advance()
         pack_a_fragment_e4m3(acc_s, tVrP32)
         # bf16(dS) once per value pair, for both bf16 products: the query and key scales are in their
         # B operands (Q and K in bf16 times sq and sk: exact, powers of two; bf16(dS s) = bf16(dS) s
@@ -1774,8 +1825,13 @@ class FlamiaBwdDsBf16Sm90:
             for v1 in cutlass.range_constexpr(2):
                 a0 = 4 * w_ + 2 * v1
                 pair = cvt_bf16x2(acc_dp[a0], acc_dp[a0 + 1])
-                tKrdS32[2 * w_ + v1] = pair
+                if cutlass.const_expr(not self.dk8):
+                    tKrdS32[2 * w_ + v1] = pair
                 sdS_words[ds_word(w_, dsk[v1], dsk[2 + v1], ds_buf)] = pair
+        if cutlass.const_expr(self.dk8):  # dK's A on e4m3 (acc_s is free once P^T is packed)
+            self.e4m3_dk_operand(acc_dp, acc_s, tKrdS32, acc_dk, dk_unit, sVec, vs, tScS)
+            pipe_v.consumer_release(v_state)  # after sq's reads
+            v_state.advance()
 
         # ---- dV += e4m3(P^T fold) . dO^T (accumulates in place)
         pipe_b.consumer_wait(b_state)
@@ -1798,7 +1854,7 @@ class FlamiaBwdDsBf16Sm90:
                 dq_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
                 cute.gemm(dq_mma, acc_dq, tQrdS[None, None, k, ds_buf], tQrKb[None, None, k, 0], acc_dq)
             warpgroup.commit_group()
-        for k in cutlass.range_constexpr(tq // 16):
+        for k in cutlass.range_constexpr(tq // (32 if self.dk8 else 16)):
             cute.gemm(dk_mma, acc_dk, tKrdS[None, None, k], tKrQb[None, None, k, qbuf], acc_dk)
         if cutlass.const_expr(not dk_late):
             for k in cutlass.range_constexpr(self.kb // 16):
@@ -1849,6 +1905,34 @@ class FlamiaBwdDsBf16Sm90:
         return a_state, b_state, v_state
 
     @cute.jit
+    def e4m3_dk_operand(self, acc_dp, acc_c, tKrdS32, acc_dk, dk_unit, sVec, vs, tScS):
+        """dk_e4m3: dK's A operand e4m3(dS^T sq / s) into tKrdS32, s = the power-of-two scale of each key
+        row's |dS^T sq| max over the tile (quad_max2: the row's 64 queries lie in one quad), kept >= 2^-64
+        of the row's largest s so far (dk_unit[2 + v1]); acc_dk's rows go from units of the previous s
+        (dk_unit[v1]) to this tile's (exact: powers of two). acc_c: scratch of acc_dp's shape."""
+        n_s = cute.size(acc_dp)
+        for c, rows in _column_walk(n_s):
+            sqc = sVec[tScS[c][1], 4, vs]
+            for a, _v1 in rows:
+                acc_c[a] = acc_dp[a] * sqc
+        amax = [fmax_chains([abs(acc_c[a]) for a in range(n_s) if (a // 2) % 2 == v1]) for v1 in range(2)]
+        amax = quad_max2(amax[0], amax[1])
+        inv = []
+        for v1 in cutlass.range_constexpr(2):
+            sb, _ = pow2_scale_bits(f32_bits(amax[v1]))
+            s_row = cute.arch.fmax(as_f32(sb), dk_unit[2 + v1] * Float32(2.0**-64))
+            inv_row = pow2_reciprocal(s_row)
+            ratio = dk_unit[v1] * inv_row  # s_prev / s
+            for a in [a for a in range(cute.size(acc_dk)) if (a // 2) % 2 == v1]:  # unrolled while tracing
+                acc_dk[a] = acc_dk[a] * ratio
+            dk_unit[v1] = s_row
+            dk_unit[2 + v1] = cute.arch.fmax(dk_unit[2 + v1], s_row)
+            inv.append(inv_row)
+        for a in cutlass.range_constexpr(n_s):
+            acc_c[a] = acc_c[a] * inv[(a // 2) % 2]
+        pack_a_fragment_e4m3(acc_c, tKrdS32)
+
+    @cute.jit
     def _store_dq_tile(self, sdQ_words, dq_plan, acc_dq, tScQ, softmax_scale):
         """softmax_scale * acc_dq into the swizzled shared dQ tile (64-bit stores): one base word per
         thread, each column pair an XOR and an add away from it (_dq_store_plan)."""
@@ -1874,7 +1958,7 @@ class FlamiaBwdDsBf16Sm90:
 
 
 ARG_KINDS = (
-    ARG_F8, ARG_BF16, ARG_F32,  # q, q in bf16 (codes times sq), sq
+    ARG_F8, ARG_BF16, ARG_F32,  # q, q in bf16 (codes times sq; dk_e4m3: Q^T e4m3, arg_kinds), sq
     ARG_F8, ARG_F32,  # k, sk
     ARG_F8, ARG_F32,  # v, sv
     ARG_F8, ARG_F32, ARG_F8, ARG_F32,  # per-token k, sk, v, sv
@@ -1887,10 +1971,15 @@ ARG_KINDS = (
 )
 
 
+def arg_kinds(config: BwdDsBf16Config) -> tuple:
+    """The runtime entry's parameter kinds: dk_e4m3 takes Q^T's e4m3 codes where Q's bf16 copy goes."""
+    return (ARG_KINDS[0], ARG_F8, *ARG_KINDS[2:]) if config.dk_e4m3 else ARG_KINDS
+
+
 def compile_bwd_dsbf16_sm90(config: BwdDsBf16Config, arch: str = "sm_90a", extra_options: str = "",
                             tvm_ffi: bool = False):
     """cute.compile the backward for `arch` from plain values only (no tensors, no GPU needed)."""
-    return compile_entry(FlamiaBwdDsBf16Sm90(config), ARG_KINDS, arch, extra_options, tvm_ffi)
+    return compile_entry(FlamiaBwdDsBf16Sm90(config), arg_kinds(config), arch, extra_options, tvm_ffi)
 
 
 def get_launcher(config: BwdDsBf16Config, arch: str | None = None, use_tvm_ffi: bool | None = None):
@@ -1898,7 +1987,7 @@ def get_launcher(config: BwdDsBf16Config, arch: str | None = None, use_tvm_ffi: 
 
     return compile_launcher(
         SOURCE_FILES, config, arch or target_arch(), lambda cfg, a, t: compile_bwd_dsbf16_sm90(cfg, a, tvm_ffi=t),
-        ARG_KINDS, use_tvm_ffi,
+        arg_kinds(config), use_tvm_ffi,
     )
 
 
@@ -1912,7 +2001,7 @@ def flamia_bwd_dsbf16_sm90(
     dout, out, lse, q_td, sq, k_td, sk, v_dt, sv, k_tok_td, sk_tok, v_tok_dt, sv_tok,
     cu_seqlens, max_seqlen: int, softmax_scale: float, config: BwdDsBf16Config,
     poison_outputs: bool = False, do_quantized=None, delta=None, dv_ref=None, q_bf16=None, timeline=None,
-    overlap_passes: bool | None = None,
+    overlap_passes: bool | None = None, q_dt=None,
 ):
     """Causal FP8 attention backward of recipe fp8_tokenblock_dsbf16 on the current stream; returns
     (dq, dk, dv) bf16.
@@ -1928,7 +2017,9 @@ def flamia_bwd_dsbf16_sm90(
     dv_ref, the dv_fold_reference (perf/bench_fwd_breakdown.py times the kernel alone); when dO is
     quantized here, the same launch computes dv_ref (no torch launches). q_bf16 (T, H, D): q_td's
     codes times sq in bf16 for config.q_bf16_source "tma" (made here by codes_sm90 when not given;
-    exact: the scales are powers of two). timeline: with config.cta_timeline, an int32 tensor of at
+    exact: the scales are powers of two). q_dt (H, D, T_dt): with config.dk_e4m3 (recipe
+    fp8_tokenblock_dke4m3), Q^T's e4m3 codes in P-fragment order (quantize Q with pv_order=True and
+    pass its data_dt; made here from q_td when not given). timeline: with config.cta_timeline, an int32 tensor of at
     least cta_timeline_words(...) elements that receives each CTA's record (zeroed here first).
     overlap_passes: Q's bf16 copy and the dQ accumulator's zero fill run on a side stream while the
     dO preprocess runs on the current one (all three are memory-bound and independent; the kernel
@@ -1959,7 +2050,7 @@ def flamia_bwd_dsbf16_sm90(
     # dq_first_store: the kernel initializes every row of the accumulator (so poison reaches it too)
     zero_dq = not config.dq_first_store
     dq_acc, dk, dv = backward_outputs(T, H, Hk, D, dev, poison_outputs, zero_dq=zero_dq and side is None)
-    make_q_bf16 = config.q_bf16_source == "tma" and q_bf16 is None
+    make_q_bf16 = config.q_bf16_source == "tma" and q_bf16 is None and not config.dk_e4m3
     if make_q_bf16:
         q_bf16 = torch.empty(T, H, D, dtype=torch.bfloat16, device=dev)
     try:
@@ -1980,7 +2071,14 @@ def flamia_bwd_dsbf16_sm90(
     finally:  # joined even when an argument check raises: the side writes finish before the buffers are freed
         if side is not None:
             main.wait_stream(side)
-    if config.q_bf16_source == "tma":
+    if config.dk_e4m3:
+        if q_dt is None:
+            from .quant.quantize import transpose_tokens
+
+            q_dt = transpose_tokens(q_td.view(torch.uint8), cu, pv_order=True).view(f8)  # (no fp8 index_put)
+        check_kernel_tensors((("q_dt", q_dt, (H, D, T_dt), f8),), dev)
+        q_bf16 = q_dt  # the kernel's dK B-operand pointer
+    elif config.q_bf16_source == "tma":
         check_kernel_tensors((("q_bf16", q_bf16, (T, H, D), torch.bfloat16),), dev)
     else:
         q_bf16 = q_td  # not read: any valid pointer

@@ -22,14 +22,21 @@ from .recipes import NAMED_RECIPES, Recipe
 # at kernel speed so that training can compare it).
 PER_TENSOR = 0
 KERNEL_RECIPES = {"fp8_token": 1, "fp8_tokenblock": 128, "fp8_tensor_current": PER_TENSOR, "fp8_tokenblock_dsbf16": 128,
-                  "fp8_token_dsbf16": 1, "fp8_tokenblock_dsbf16_castsum": 128}
+                  "fp8_token_dsbf16": 1, "fp8_tokenblock_dsbf16_castsum": 128, "fp8_tokenblock_dke4m3": 128}
 
 
 def bf16_ds_backward(recipe_name: str) -> bool:
     """Whether the recipe's backward is the bf16-dS kernel (attention_bwd_dsbf16_sm90) rather than
-    the e4m3-dS one (attention_bwd_sm90): its dS cast is bf16 (and its dV fold per document)."""
+    the e4m3-dS one (attention_bwd_sm90): dQ's dS cast is bf16 (dK's too, or e4m3 per key row:
+    dk_e4m3_backward) and its dV fold per document."""
     rec = NAMED_RECIPES[recipe_name]
-    return rec.ds_cast == "bf16" and rec.dv_fold == "document"
+    return rec.ds_cast in ("bf16", "e4m3_dk") and rec.dv_fold == "document"
+
+
+def dk_e4m3_backward(recipe_name: str) -> bool:
+    """Whether the recipe's bf16-dS backward runs dK's product on e4m3 (ds_cast "e4m3_dk":
+    BwdDsBf16Config.dk_e4m3, which reads Q^T's codes: launch_layouts' q_transposed)."""
+    return NAMED_RECIPES[recipe_name].ds_cast == "e4m3_dk"
 
 
 def layout_block(block: int) -> int:
@@ -72,21 +79,25 @@ def unsupported_reason(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | 
     return None
 
 
-def launch_layouts(cfg, forward_only: bool = False, ds_bf16: bool = False):
+def launch_layouts(cfg, forward_only: bool = False, ds_bf16: bool = False, q_transposed: bool = False):
     """A Q/K/V launch config reduced to the layouts that will be read: the forward's only
-    (forward_only), which are also all that the bf16-dS backward reads (ds_bf16), or all (the
-    e4m3-dS backward reads Q^T, K^T and V token-major). Layouts only: the tuned launch settings stay."""
+    (forward_only), which are also all that the bf16-dS backward reads (ds_bf16; with q_transposed,
+    Q^T too: dk_e4m3_backward), or all (the e4m3-dS backward reads Q^T, K^T and V token-major).
+    Layouts only: the tuned launch settings stay."""
     from .quantize_sm90 import forward_only as forward_only_config
 
-    return forward_only_config(cfg) if forward_only or ds_bf16 else cfg
+    if forward_only:
+        return forward_only_config(cfg)
+    return forward_only_config(cfg, q_transposed) if ds_bf16 else cfg
 
 
 def quantize_operands(q, k, v, cu, block: int, max_seqlen: int, forward_only: bool = False, ds_bf16: bool = False,
-                      with_q: bool = True):
+                      with_q: bool = True, q_transposed: bool = False):
     """Q, K, V in ONE fused launch: Q per token; K, V per block plus the per-token diagonal copies.
 
     forward_only: only the orientations the forward reads (quantize_sm90.forward_only); ds_bf16: the
-    same, all that the bf16-dS backward reads too. What is not written is None in the result.
+    same, all that the bf16-dS backward reads too (q_transposed: and Q^T, launch_layouts). What is not
+    written is None in the result.
     with_q=False: K and V only (the forward kernel quantizes Q itself: FwdConfig.fuse_q_quant); Q's
     entry is then None."""
     from .quantize_sm90 import fused_quantize_multi_sm90, qkv_config
@@ -94,8 +105,9 @@ def quantize_operands(q, k, v, cu, block: int, max_seqlen: int, forward_only: bo
 
     cfg = qkv_config(q.shape[2], q.shape[1], k.shape[1], layout_block(block))
     if block == PER_TENSOR:
-        return _quantize_operands_per_tensor(q, k, v, cu, launch_layouts(cfg, forward_only, ds_bf16))
-    cfg = launch_layouts(tuned_quantize_config(cfg, max_seqlen, q.shape[0], cu.numel() - 1), forward_only, ds_bf16)
+        return _quantize_operands_per_tensor(q, k, v, cu, launch_layouts(cfg, forward_only, ds_bf16, q_transposed))
+    cfg = launch_layouts(tuned_quantize_config(cfg, max_seqlen, q.shape[0], cu.numel() - 1), forward_only, ds_bf16,
+                         q_transposed)
     if not with_q:
         (kq, kt), (vq, vt) = fused_quantize_multi_sm90((k, v), cu, dataclasses.replace(cfg, parts=cfg.parts[1:]))
         return None, (kq, kt), (vq, vt)
@@ -121,11 +133,12 @@ def _quantize_operands_per_tensor(q, k, v, cu, cfg):
 
 
 def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only: bool = False,
-                    ds_bf16: bool = False, row_sum: str = "fp32"):
+                    ds_bf16: bool = False, row_sum: str = "fp32", q_transposed: bool = False):
     """Quantize + forward kernel. Returns (out bf16, lse (H, T) fp32, saved quantized operands);
     forward_only: a call that needs no backward (the saved operands lack the backward's layouts);
     ds_bf16: the backward to come is the bf16-dS kernel (no Q^T, K^T: launch_layouts); row_sum: the
-    recipe's (recipes.ROW_SUMS; "cast_p" runs the forward's row sum on the tensor core)."""
+    recipe's (recipes.ROW_SUMS; "cast_p" runs the forward's row sum on the tensor core); q_transposed:
+    the backward to come reads Q^T as well (dk_e4m3_backward)."""
     from .attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90, fuse_q_quant_supported, short_pairs_default, with_fused_q_quant
     from .quant import QuantizedTHD
     from .tuning import tuned_fwd_config
@@ -136,12 +149,13 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only:
     # Q quantized by the forward kernel (per token, as the launch would: same codes and scales). It
     # writes Q token-major only: enough for the forward and the bf16-dS backward, not for the e4m3-dS
     # backward's Q^T
+    q_transposed = q_transposed and not forward_only
     fuse_q = (fused_q_quantization() and block != PER_TENSOR and q.dtype == torch.bfloat16
-              and (forward_only or ds_bf16) and fuse_q_quant_supported(cfg))
+              and (forward_only or ds_bf16) and not q_transposed and fuse_q_quant_supported(cfg))
     if fuse_q:
         cfg = with_fused_q_quant(cfg)
     qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block, max_seqlen, forward_only, ds_bf16,
-                                               with_q=not fuse_q)
+                                               with_q=not fuse_q, q_transposed=q_transposed)
     q_bf16 = None
     if fuse_q:
         T, H, D = q.shape
@@ -182,9 +196,13 @@ def deterministic_backward() -> bool:
     return _env_flag("FLAMIA_CUTE_DETERMINISTIC", False) or torch.are_deterministic_algorithms_enabled()
 
 
-def backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16: bool = False):
+def backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16: bool = False, dk_e4m3: bool = False):
     """The backward kernel's config for the saved operands, tuned for this workload class when
-    `flamia-cute tune` measured it, deterministic when asked (deterministic_backward)."""
+    `flamia-cute tune` measured it, deterministic when asked (deterministic_backward); dk_e4m3: the
+    bf16-dS kernel's dK on e4m3 (dk_e4m3_backward; the grid build)."""
+    if ds_bf16 and dk_e4m3:
+        cfg = backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16=True)
+        return dataclasses.replace(cfg, dk_e4m3=True, persistent=False)
     if ds_bf16:
         from .attention_bwd_dsbf16_sm90 import default_config as bf16_ds_default
         from .attention_bwd_dsbf16_sm90 import short_pairs_supported
@@ -207,19 +225,25 @@ def backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16: bool = False):
 
 
 def backward_kernels(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale, block: int = 1,
-                     ds_bf16: bool = False):
+                     ds_bf16: bool = False, dk_e4m3: bool = False):
     """The sm_90a backward kernel from the forward's saved operands (see backward_config); block: the
-    recipe's KERNEL_RECIPES entry (PER_TENSOR quantizes dO with one scale, and D by torch); ds_bf16:
-    the recipe's bf16_ds_backward."""
+    recipe's KERNEL_RECIPES entry (PER_TENSOR quantizes dO with one scale, and D by torch); ds_bf16,
+    dk_e4m3: the recipe's bf16_ds_backward, dk_e4m3_backward (Q^T from qq.data_dt)."""
     from .attention_bwd_sm90 import flamia_bwd_sm90_from_saved
     from .quantize_sm90 import dout_config
 
-    cfg = backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16)
+    cfg = backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16, dk_e4m3)
     if ds_bf16:
         from .attention_bwd_dsbf16_sm90 import flamia_bwd_dsbf16_sm90_from_saved
 
+        kw = {}
+        if dk_e4m3:
+            if qq.data_dt is None or not qq.dt_pv_order:
+                raise ValueError("qq.data_dt must be Q^T in P-fragment order for the e4m3-dK backward "
+                                 "(quantize with launch_layouts(..., q_transposed=True))")
+            kw["q_dt"] = qq.data_dt
         return flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale,
-                                                 config=cfg)
+                                                 config=cfg, **kw)
     kw = {}
     if block == PER_TENSOR:
         pv_order = dout_config(dout.shape[2], dout.shape[1]).dt_pv_order
@@ -242,7 +266,8 @@ class CuteAttention(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, cu, max_seqlen, softmax_scale, recipe, block):
         out, lse, saved = forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block,
-                                          ds_bf16=bf16_ds_backward(recipe.name), row_sum=recipe.row_sum)
+                                          ds_bf16=bf16_ds_backward(recipe.name), row_sum=recipe.row_sum,
+                                          q_transposed=dk_e4m3_backward(recipe.name))
         fctx.saved = saved
         fctx.meta = (cu, softmax_scale, recipe, q.dtype, max_seqlen)
         fctx.save_for_backward(out, lse)
@@ -258,7 +283,8 @@ class CuteAttention(torch.autograd.Function):
         qq, (kq, kt), (vq, vt) = fctx.saved
         if backward_backend() == "cute":
             dq, dk, dv = backward_kernels(dout.contiguous(), out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, scale,
-                                          kernel_block_tokens(recipe), bf16_ds_backward(recipe.name))
+                                          kernel_block_tokens(recipe), bf16_ds_backward(recipe.name),
+                                          dk_e4m3_backward(recipe.name))
             return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None
         ectx = EmulatorContext(recipe, scale, True, cu, cu, operand_from_quantized(qq),
                                operand_from_quantized(kq, kt), operand_from_quantized(vq, vt, cu), out, lse)

@@ -9,6 +9,7 @@ that must fail the same check), zero dO rows, GQA, unaligned documents, leakage,
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 
@@ -515,7 +516,8 @@ VARIANTS = {"": {}, "q-convert": dict(q_bf16_source="convert"), "dk-with-dq": di
             "one-ds-buffer": dict(ds_buffers=1), "persistent": dict(persistent=True),
             "persistent-stride": dict(persistent=True, item_claim="stride", head_window=2),
             "scales-at-entry": dict(scales_at_entry=True), "short-pairs": dict(short_pairs=True),
-            "short-pairs-d64": dict(short_pairs=True, prefetch_sdp=False)}
+            "short-pairs-d64": dict(short_pairs=True, prefetch_sdp=False), "dk-e4m3": dict(dk_e4m3=True),
+            "dk-e4m3-pairs": dict(dk_e4m3=True, short_pairs=True)}
 
 
 @pytest.fixture(scope="module")
@@ -1190,8 +1192,8 @@ def test_gpu_dq_first_store_on_tiny_documents(D, H, Hk):
     assert torch.equal(res[1], zero[1]) and torch.equal(res[2], zero[2])
 
 
-def _api_attention_fn(scale):
-    """check_leakage's AttentionFn over the API on the GPU (the default recipe, the cute backend)."""
+def _api_attention_fn(scale, recipe="fp8_tokenblock_dsbf16"):
+    """check_leakage's AttentionFn over the API on the GPU (the cute backend)."""
     from flamia_cute import flamia_attn_varlen_func
 
     def fn(q_, k_, v_, cu_, dout=None):
@@ -1199,7 +1201,7 @@ def _api_attention_fn(scale):
         cu_ = cu_.cuda()
         maxlen = int((cu_[1:] - cu_[:-1]).max())
         out, lse = flamia_attn_varlen_func(*leaves, cu_, cu_, maxlen, maxlen, scale,
-                                           recipe="fp8_tokenblock_dsbf16", backend="cute", return_lse=True)
+                                           recipe=recipe, backend="cute", return_lse=True)
         res = {"out": out.detach().cpu(), "lse": lse.detach().cpu()}
         if dout is not None:
             dq, dk, dv = torch.autograd.grad(out, leaves, dout.cuda())
@@ -1250,3 +1252,103 @@ def test_gpu_deterministic_dq_is_bit_reproducible(group):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     err = _grad_errors(runs[0], st["emu"], st["cu"].cpu())
     assert not _violations(err), err
+
+
+# ----------------------------------------------------------------------------------------------
+# dK's product on e4m3 (BwdDsBf16Config.dk_e4m3, recipe fp8_tokenblock_dke4m3)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_dk_e4m3_config_rejects():
+    for bad in (dict(persistent=True), dict(q_bf16_source="convert")):
+        with pytest.raises(ValueError, match="BwdDsBf16Config.(dk_e4m3|q_bf16_source)"):
+            BwdDsBf16Config(head_dim=128, dk_e4m3=True, **bad)
+    assert BwdDsBf16Config(head_dim=128, dk_e4m3=True).q_bf16_source == "tma"
+    # Q^T's 8 KB per stage instead of Q bf16's 16 KB
+    assert smem_bytes(BwdDsBf16Config(128, dk_e4m3=True)) == smem_bytes(BwdDsBf16Config(128)) - 2 * 64 * 128 * 2 // 2
+
+
+def test_dk_e4m3_emulator_changes_dk_alone():
+    """The recipe's emulator: dQ and dV exactly the bf16-dS recipe's, dK different (its dS cast) and
+    within 15% of its error against fp64 (rel L2 6.1e-2 -> 6.7e-2 here: dQ's level, 6.2e-2)."""
+    from flamia_cute.reference import reference_attention
+
+    st = _setup([300, 129, 1000], 4, 2, 64, "fp8_tokenblock_dke4m3", seed=2)
+    base = _setup([300, 129, 1000], 4, 2, 64, "fp8_tokenblock_dsbf16", seed=2)
+    assert torch.equal(st["emu"][0], base["emu"][0]) and torch.equal(st["emu"][2], base["emu"][2])
+    assert not torch.equal(st["emu"][1], base["emu"][1])
+    ref = reference_attention(st["q"], st["k"], st["v"], st["cu"], st["cu"], st["scale"], True, st["do"])
+    err, base_err = (rel_l2(x["emu"][1].float(), ref["dk"].float()) for x in (st, base))
+    assert err < 1.15 * base_err, (err, base_err)
+
+
+@needs_dsl
+@pytest.mark.parametrize("head_dim, diagonal_copy, variant", [(128, True, "dk-e4m3"), (64, False, "dk-e4m3"),
+                                                                (128, True, "dk-e4m3-pairs")])
+def test_dk_e4m3_compiles_with_e4m3_dk_product(artifacts, head_dim, diagonal_copy, variant):
+    """dK's product on e4m3 (2 k-steps of 32 queries per tile step, N = D) and no bf16 one; dQ's
+    bf16 product unchanged; Q^T by TMA in place of Q's bf16 copy (one box of 64 e4m3 columns where
+    Q bf16 took D / 64); no spills."""
+    art, base = artifacts(head_dim, diagonal_copy, variant=variant), artifacts(head_dim, diagonal_copy)
+    wg = lambda ptx: Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+\.f32\.\w+\.\w+)", ptx))  # noqa: E731
+    ops, want = wg(art.ptx), wg(base.ptx)
+    del want[f"m64n{head_dim}k16.f32.bf16.bf16"]
+    want[f"m64n{head_dim}k32.f32.e4m3.e4m3"] += 2 * 2
+    assert ops == want
+    loads = lambda ptx: len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared", ptx))  # noqa: E731
+    assert loads(base.ptx) - loads(art.ptx) == 2 * (head_dim // 64 - 1)
+    # the rows' scales: two quad shuffles per row pair (quad_max2), no barrier beyond the default's
+    assert len(re.findall(r"bar\.sync|barrier\.sync", art.ptx)) == len(re.findall(r"bar\.sync|barrier\.sync", base.ptx))
+    assert not re.search(r"\b(ld|st)\.local\b", art.ptx)
+    if art.sass is not None:
+        assert not re.search(r"\b(STL|LDL)\b", art.sass), "register spills in SASS"
+        assert len(re.findall(r"\bWARPGROUP\.ARRIVE\b", art.sass)) <= 8
+
+
+def _check_dk_e4m3(lengths, D, H, Hk, seed, zero_do_rows=False, **fields):
+    """The dk_e4m3 build against its recipe's emulator; dV bitwise and dQ (fp32 reassociation) the
+    default build's; the same check against the bf16-dS recipe's emulator fails on dK alone."""
+    st = _setup(lengths, H, Hk, D, "fp8_tokenblock_dke4m3", seed, device="cuda", zero_do_rows=zero_do_rows)
+    cfg = BwdDsBf16Config(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=True, **fields)
+    res = _run(st, config=dataclasses.replace(cfg, dk_e4m3=True))
+    ref = _run(st, config=cfg)
+    torch.cuda.synchronize()
+    err = _grad_errors(res, st["emu"], st["cu"].cpu())
+    assert not _violations(err), err
+    assert torch.equal(res[2], ref[2])
+    assert float((res[0].float() - ref[0].float()).norm() / ref[0].float().norm()) < 1e-3
+    other = _grad_errors(res, _setup(lengths, H, Hk, D, "fp8_tokenblock_dsbf16", seed, device="cuda",
+                                     zero_do_rows=zero_do_rows)["emu"], st["cu"].cpu())
+    assert [v for v in _violations(other) if not v.startswith("dk")] == [] and _violations(other), other
+    return err
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+@pytest.mark.parametrize("D, H, Hk", [(128, 2, 2), (64, 4, 2), (128, 4, 1)])
+def test_gpu_dk_e4m3_matches_emulator(D, H, Hk):
+    _check_dk_e4m3(LENGTHS + [3000], D, H, Hk, seed=3)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+def test_gpu_dk_e4m3_zero_dout_rows_and_short_pairs():
+    """Rows whose dS is 0 on a whole tile (zero dO rows: the scale rule's amax 0), and the short-pair
+    schedule (two documents' keys in one CTA)."""
+    _check_dk_e4m3(LENGTHS, 128, 2, 2, seed=5, zero_do_rows=True)
+    _check_dk_e4m3(SHORT_MIX, 128, 4, 2, seed=6, short_pairs=True)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@_needs_sm90()
+def test_gpu_dk_e4m3_leakage():
+    """The recipe through the API (Q^T from the quantization launch, the custom op's saved buffer):
+    nothing after a cut, or in another document, reaches the gradients before it."""
+    q, k, v, do, cu, scale = make_inputs([300, 700, 129, 1], heads_q=4, heads_kv=2, head_dim=128, seed=8)
+    for kw in ({}, {"doc": 1, "cut": 201}, {"doc": 1, "cut": 64}):
+        rep = check_leakage(_api_attention_fn(scale, "fp8_tokenblock_dke4m3"), q, k, v, cu, dout=do,
+                            grad_tol=2e-2, **kw)
+        assert rep.ok, str(rep)
