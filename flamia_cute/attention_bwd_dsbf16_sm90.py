@@ -1745,7 +1745,7 @@ class FlamiaBwdDsBf16Sm90:
         transpose_first (transpose_v_under_s): a runtime flag, set on the phase's first tile.
         release_kv (pipe_kv, its state, a runtime flag): when the flag is set, the K/V stage is released
         as soon as this tile's S^T and dP^T have read it (the phase's last tile: the next phase's copies
-        load under the rest of the tile). dk_unit (dk_e4m3): the rows' dK units (e4m3_dk_operand).
+        load under the rest of the tile). dk_unit (dk_e4m3): the rows' dK units (e4m3_dk_pack).
 
         With prefetch, its S^T and dP^T were issued before (issue_sdp: by the previous tile of the
         phase, or before the phase) and has_next issues the next tile's after this tile's dQ
@@ -1828,8 +1828,9 @@ class FlamiaBwdDsBf16Sm90:
                 if cutlass.const_expr(not self.dk8):
                     tKrdS32[2 * w_ + v1] = pair
                 sdS_words[ds_word(w_, dsk[v1], dsk[2 + v1], ds_buf)] = pair
-        if cutlass.const_expr(self.dk8):  # dK's A on e4m3 (acc_s is free once P^T is packed)
-            self.e4m3_dk_operand(acc_dp, acc_s, tKrdS32, acc_dk, dk_unit, sVec, vs, tScS)
+        dk_amax = None
+        if cutlass.const_expr(self.dk8):  # dK's A on e4m3, part 1 (acc_s is free once P^T is packed)
+            dk_amax = self.e4m3_dk_rows(acc_dp, acc_s, sVec, vs, tScS)
             pipe_v.consumer_release(v_state)  # after sq's reads
             v_state.advance()
 
@@ -1840,6 +1841,8 @@ class FlamiaBwdDsBf16Sm90:
         for k in cutlass.range_constexpr(tq // 32):
             cute.gemm(dv_mma, acc_dv, tVrP[None, None, k], tVrdOt[None, None, k, b_state.index], acc_dv)
         warpgroup.commit_group()
+        if cutlass.const_expr(self.dk8):  # dK's A on e4m3, part 2, while dV runs
+            self.e4m3_dk_pack(dk_amax, acc_s, tKrdS32, acc_dk, dk_unit)
 
         # ---- both warpgroups' dS (and Q bf16) halves are in shared memory: dK += bf16(dS^T) . Q bf16
         # and dQ_tile = bf16(dS) . K bf16 for this warpgroup's half of D
@@ -1905,18 +1908,23 @@ class FlamiaBwdDsBf16Sm90:
         return a_state, b_state, v_state
 
     @cute.jit
-    def e4m3_dk_operand(self, acc_dp, acc_c, tKrdS32, acc_dk, dk_unit, sVec, vs, tScS):
-        """dk_e4m3: dK's A operand e4m3(dS^T sq / s) into tKrdS32, s = the power-of-two scale of each key
-        row's |dS^T sq| max over the tile (quad_max2: the row's 64 queries lie in one quad), kept >= 2^-64
-        of the row's largest s so far (dk_unit[2 + v1]); acc_dk's rows go from units of the previous s
-        (dk_unit[v1]) to this tile's (exact: powers of two). acc_c: scratch of acc_dp's shape."""
+    def e4m3_dk_rows(self, acc_dp, acc_c, sVec, vs, tScS):
+        """dk_e4m3, part 1 (while the tile's vectors are held): c = dS^T sq into acc_c (acc_dp's shape)
+        and each key row's |c| max over the tile (quad_max2: the row's 64 queries lie in one quad)."""
         n_s = cute.size(acc_dp)
         for c, rows in _column_walk(n_s):
             sqc = sVec[tScS[c][1], 4, vs]
             for a, _v1 in rows:
                 acc_c[a] = acc_dp[a] * sqc
         amax = [fmax_chains([abs(acc_c[a]) for a in range(n_s) if (a // 2) % 2 == v1]) for v1 in range(2)]
-        amax = quad_max2(amax[0], amax[1])
+        return quad_max2(amax[0], amax[1])
+
+    @cute.jit
+    def e4m3_dk_pack(self, amax, acc_c, tKrdS32, acc_dk, dk_unit):
+        """dk_e4m3, part 2: dK's A operand e4m3(c / s) into tKrdS32, s = the power-of-two scale of each
+        row's amax, kept >= 2^-64 of the row's largest s so far (dk_unit[2 + v1]); acc_dk's rows go from
+        units of the previous s (dk_unit[v1]) to this tile's (exact: powers of two). After the tile's
+        dV issue, so that this runs while dV is on the tensor cores."""
         inv = []
         for v1 in cutlass.range_constexpr(2):
             sb, _ = pow2_scale_bits(f32_bits(amax[v1]))
@@ -1928,7 +1936,7 @@ class FlamiaBwdDsBf16Sm90:
             dk_unit[v1] = s_row
             dk_unit[2 + v1] = cute.arch.fmax(dk_unit[2 + v1], s_row)
             inv.append(inv_row)
-        for a in cutlass.range_constexpr(n_s):
+        for a in cutlass.range_constexpr(cute.size(acc_c)):
             acc_c[a] = acc_c[a] * inv[(a // 2) % 2]
         pack_a_fragment_e4m3(acc_c, tKrdS32)
 
