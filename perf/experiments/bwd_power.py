@@ -69,6 +69,14 @@ def main():
     ablations.patch()
     smi.terminate()
     smi.wait()
+    for rnd, label, name, ms, t0, t1 in results:
+        print({"round": rnd, "build": label, "workload": name, "ms": round(ms, 4), **samples_in(log, t0, t1)},
+              flush=True)
+
+
+def samples_in(log, t0, t1) -> dict:
+    """The nvidia-smi rows (FIELDS, csv in `log`) sampled between t0 and t1 (time.time()): their count,
+    median and min SM clock, median power, max temperature and the clock-event reasons seen."""
     log.seek(0)
     rows = []
     for line in log.read().splitlines():
@@ -78,17 +86,13 @@ def main():
             ts += float("0." + parts[0].split(".")[1]) if "." in parts[0] else 0.0
             rows.append((ts, float(parts[1]), float(parts[2]), float(parts[3]), parts[4]))
         except (ValueError, IndexError):
-            print("nvidia-smi:", line)
-    for rnd, label, name, ms, t0, t1 in results:
-        win = [r for r in rows if t0 <= r[0] <= t1]
-        if not win:
-            print({"round": rnd, "build": label, "workload": name, "ms": round(ms, 4), "samples": 0})
-            continue
-        reasons = sorted({r[4] for r in win})
-        print({"round": rnd, "build": label, "workload": name, "ms": round(ms, 4), "samples": len(win),
-               "sm_mhz_median": statistics.median(r[1] for r in win), "sm_mhz_min": min(r[1] for r in win),
-               "power_w_median": round(statistics.median(r[2] for r in win), 1),
-               "temp_c_max": max(r[3] for r in win), "clock_event_reasons": reasons}, flush=True)
+            pass
+    win = [r for r in rows if t0 <= r[0] <= t1]
+    if not win:
+        return {"samples": 0}
+    return {"samples": len(win), "sm_mhz_median": statistics.median(r[1] for r in win),
+            "sm_mhz_min": min(r[1] for r in win), "power_w_median": round(statistics.median(r[2] for r in win), 1),
+            "temp_c_max": max(r[3] for r in win), "clock_event_reasons": sorted({r[4] for r in win})}
 
 
 if __name__ == "__main__":
