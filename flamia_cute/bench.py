@@ -211,6 +211,39 @@ def _time_calls(fn, n_sets, device, warmup=3, reps=15, queue_lead_cycles=0):
     return statistics.median(times)
 
 
+def _time_sustained(fn, n_sets, device, seconds: float, reps=15, window_ms: float = 20.0):
+    """Median ms per call of back-to-back calls, after `seconds` of them: the GPU at the clock it holds
+    under sustained load, as a training loop runs it (the H200 at its 700 W cap: ~1.75 GHz for our
+    training call, ~1.62 GHz for FA4's, session 24), where single calls after idle run at higher
+    clocks. Timed in `reps` windows of about window_ms of calls each (CUDA events around a window;
+    no sync inside one, so host time is hidden as far as the GPU work per call covers it)."""
+    t0 = time.perf_counter()
+    calls = 0
+    while calls < 2 or time.perf_counter() - t0 < seconds:
+        fn(calls % n_sets)
+        calls += 1
+        if calls % 8 == 0:
+            _sync(device)  # keep the host within a few calls of the GPU
+    _sync(device)
+    per = max(1, round(window_ms / max((time.perf_counter() - t0) * 1e3 / calls, 1e-3)))
+    times = []
+    for r in range(reps):
+        if device.startswith("cuda"):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for j in range(per):
+                fn((r * per + j) % n_sets)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / per)
+        else:
+            t = time.perf_counter()
+            for j in range(per):
+                fn((r * per + j) % n_sets)
+            times.append((time.perf_counter() - t) * 1e3 / per)
+    return statistics.median(times)
+
+
 def _prefix_reference(case: Case, q, k, v, do, prefix: int):
     """fp32 O and dQ of the first `prefix` tokens of document 0, heads 0..1."""
     from .reference import reference_attention
@@ -229,7 +262,9 @@ def _prefix_reference(case: Case, q, k, v, do, prefix: int):
 GPU_TIME_LEAD_CYCLES = 8_000_000
 
 
-def bench_case(case: Case, impl: Impl, modes, reps: int, queue_lead_cycles: int = 0) -> list[dict]:
+def bench_case(case: Case, impl: Impl, modes, reps: int, queue_lead_cycles: int = 0,
+               sustain_s: float = 0.0) -> list[dict]:
+    """sustain_s > 0: each mode timed by _time_sustained after that many seconds of its calls."""
     why = impl.available(case)
     if why:
         return [{"impl": impl.name, "mode": m, "skipped": why} for m in modes]
@@ -246,8 +281,8 @@ def bench_case(case: Case, impl: Impl, modes, reps: int, queue_lead_cycles: int 
             return impl.run(case, q, k, v, do, mode)
         o, dq = run(0, "fwdbwd")
         err_o, err_dq = rel_l2(o[sl, hs], ref_o), rel_l2(dq[sl, hs], ref_dq)
-        fwd_ms = _time_calls(lambda i: run(i, "fwd"), n, dev, reps=reps, queue_lead_cycles=queue_lead_cycles)
-        fb_ms = _time_calls(lambda i: run(i, "fwdbwd"), n, dev, reps=reps, queue_lead_cycles=queue_lead_cycles)
+        fwd_ms = _timer(lambda i: run(i, "fwd"), n, dev, reps, queue_lead_cycles, sustain_s)
+        fb_ms = _timer(lambda i: run(i, "fwdbwd"), n, dev, reps, queue_lead_cycles, sustain_s)
         times = {"fwd": fwd_ms, "fwdbwd": fb_ms, "bwd": fb_ms - fwd_ms}
         peak = _peak_mb(lambda: run(0, "fwdbwd"), dev)
     else:
@@ -273,8 +308,8 @@ def bench_case(case: Case, impl: Impl, modes, reps: int, queue_lead_cycles: int 
             o = impl.forward(case, *leaves[i][:3])
             torch.autograd.grad(o, leaves[i][:3], leaves[i][3])
 
-        times = {m: _time_calls({"fwd": fwd, "bwd": bwd, "fwdbwd": fwdbwd}[m], n, dev, reps=reps,
-                                queue_lead_cycles=queue_lead_cycles) for m in modes}
+        times = {m: _timer({"fwd": fwd, "bwd": bwd, "fwdbwd": fwdbwd}[m], n, dev, reps, queue_lead_cycles, sustain_s)
+                 for m in modes}
         del graphs
         peak = _peak_mb(lambda: fwdbwd(0) if grads else fwd(0), dev)
     flops = causal_flops(case.lengths, case.heads_q, case.head_dim)
@@ -285,6 +320,12 @@ def bench_case(case: Case, impl: Impl, modes, reps: int, queue_lead_cycles: int 
                      "tflops": round(per_mode[m] / (times[m] * 1e9), 1), "err_o": err_o, "err_dq": err_dq,
                      "peak_mem_mb": peak})
     return rows
+
+
+def _timer(fn, n_sets, device, reps, queue_lead_cycles, sustain_s):
+    if sustain_s > 0:
+        return _time_sustained(fn, n_sets, device, sustain_s, reps=reps)
+    return _time_calls(fn, n_sets, device, reps=reps, queue_lead_cycles=queue_lead_cycles)
 
 
 def _peak_mb(fn, dev):
@@ -345,9 +386,10 @@ def bench_order(workloads: list, impls: list) -> list:
 
 
 def run_bench(workloads: dict, head_cfg: dict, impls, modes=MODES, reps=15, device="cuda",
-              gpu_time: bool = False) -> list[dict]:
+              gpu_time: bool = False, sustain_s: float = 0.0) -> list[dict]:
     """gpu_time: time GPU work only (the host enqueues each call behind a GPU sleep), as a training
-    step whose host runs ahead sees it; default: each call from an idle GPU, host time included.
+    step whose host runs ahead sees it; default: each call from an idle GPU, host time included;
+    sustain_s > 0: back-to-back calls after that many seconds of them (_time_sustained; overrides).
     The implementations' order rotates by workload, so none is always timed first (on the GPU that
     just idled through the workload's setup: a build timed first ran up to 9% faster, run s11e)."""
     lead = GPU_TIME_LEAD_CYCLES if gpu_time and device.startswith("cuda") else 0
@@ -359,7 +401,7 @@ def run_bench(workloads: dict, head_cfg: dict, impls, modes=MODES, reps=15, devi
             cases[w] = Case(w, workloads[w], head_cfg["heads_q"], head_cfg["heads_kv"], head_cfg["head_dim"],
                             device).build()
         try:
-            got = bench_case(cases[w], impl, modes, reps, lead)
+            got = bench_case(cases[w], impl, modes, reps, lead, sustain_s)
         except Exception as e:  # a baseline that breaks is reported, not fatal
             got = [{"impl": impl.name, "mode": m, "skipped": f"error: {type(e).__name__}: {e}"[:300]} for m in modes]
         for r in got:
@@ -457,11 +499,16 @@ def main_bench(args) -> int:
     impls = default_impls(args.recipe, device)
     if args.impls:
         impls = [i for i in impls if any(i.name.startswith(p) for p in args.impls.split(","))]
-    rows = run_bench(wl, head_cfg, impls, tuple(args.modes.split(",")), args.reps, device, args.gpu_time)
+    if args.sustain < 0:
+        print(f"--sustain must be >= 0 seconds, got {args.sustain}", file=sys.stderr)
+        return 2
+    rows = run_bench(wl, head_cfg, impls, tuple(args.modes.split(",")), args.reps, device, args.gpu_time,
+                     args.sustain)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"bench_{args.heads}"
-    timing = "wall_cpu" if not device.startswith("cuda") else "gpu_time" if args.gpu_time else "call_from_idle_gpu"
+    timing = ("wall_cpu" if not device.startswith("cuda") else f"sustained_{args.sustain:g}s" if args.sustain
+              else "gpu_time" if args.gpu_time else "call_from_idle_gpu")
     summarize(rows, environment() | {"heads": args.heads, "timing": timing}, out / f"{stem}.csv", out / f"{stem}.png")
     print(f"\nwrote {out / (stem + '.csv')}")
     return 0

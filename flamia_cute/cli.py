@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gpu-time", action="store_true",
                    help="time GPU work only (each call queued behind a GPU sleep, as when the host runs ahead); "
                         "default: each call from an idle GPU, host launch time included")
+    b.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
+                   help="time back-to-back calls after SECONDS of them: the clock a training loop holds "
+                        "(on the H200, its power cap); overrides --gpu-time")
     b.add_argument("--device", default="")
     b.add_argument("--out", default="perf/out")
     b.set_defaults(func=cmd_bench)

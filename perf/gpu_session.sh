@@ -219,6 +219,9 @@ for stage in "$@"; do
       run dk_e4m3_kernel 300 python3 perf/experiments/bwd_dk_e4m3.py 1x16k 4x4k 16x1k ;;
     train-power)  # ours and FA4's training call sustained with nvidia-smi: is FA4 power-capped too?
       run train_power 240 env POWER_SECONDS=3 python3 perf/experiments/train_call_power.py 1x16k ;;
+    bench-sustained)  # the training call back to back after 3 s of it (the power-capped clock), ours against FA4
+      run bench_sustained 500 python3 -m flamia_cute.cli bench --modes fwdbwd,fwd --impls flamia,fa4 --reps 7 \
+        --sustain 3 --out "$OUT/sustained" ;;
     dk-e4m3-bench)  # the kernel alone against the default build, then end to end against FA4 (both recipes)
       run dk_e4m3_kernel 300 python3 perf/experiments/bwd_dk_e4m3.py 1x16k 4x4k 16x1k
       run dk_e4m3_e2e 400 python3 -m flamia_cute.cli bench --recipe fp8_tokenblock_dsbf16,fp8_tokenblock_dke4m3 \

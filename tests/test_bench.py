@@ -38,6 +38,36 @@ def test_bench_gpu_time_flag_is_recorded(tmp_path):
     assert (pd.read_csv(tmp_path / "bench_tiny.csv")["timing"] == "wall_cpu").all()
 
 
+def test_bench_sustained_times_back_to_back_calls(tmp_path, capsys, monkeypatch):
+    """--sustain S: each mode's calls run S seconds, then back-to-back windows are timed (median ms per
+    call); a negative S is refused by name."""
+    import flamia_cute.bench as bench
+
+    seen = []
+    real = bench._time_sustained
+    monkeypatch.setattr(bench, "_time_sustained", lambda fn, n, dev, s, reps: seen.append(s) or real(fn, n, dev, s, reps))
+    wl = {"head_configs": {"tiny": {"heads_q": 2, "heads_kv": 2, "head_dim": 64}}, "workloads": {"one": [40]}}
+    path = tmp_path / "wl.json"
+    path.write_text(json.dumps(wl))
+    assert main(["bench", "--workloads", str(path), "--heads", "tiny", "--reps", "2", "--device", "cpu",
+                 "--impls", "sdpa", "--modes", "fwd,fwdbwd", "--sustain", "0.05", "--out", str(tmp_path)]) == 0
+    assert seen == [0.05, 0.05]
+    df = pd.read_csv(tmp_path / "bench_tiny.csv")
+    assert (df["ms"] > 0).all()
+    assert main(["bench", "--workloads", str(path), "--heads", "tiny", "--device", "cpu", "--sustain", "-1"]) == 2
+    assert "--sustain" in capsys.readouterr().err
+
+
+def test_time_sustained_counts_calls_per_window():
+    """ms per call = window time / calls in it: a call that sleeps 2 ms times at ~2 ms."""
+    import time as _time
+
+    from flamia_cute.bench import _time_sustained
+
+    got = _time_sustained(lambda i: _time.sleep(0.002), 2, "cpu", 0.02, reps=3, window_ms=10.0)
+    assert 1.9 < got < 4.0, got
+
+
 def test_bench_rejects_unknown_names(tmp_path, capsys):
     assert main(["bench", "--heads", "nope", "--device", "cpu"]) == 2
     assert "--heads" in capsys.readouterr().err
