@@ -199,10 +199,11 @@ def deterministic_backward() -> bool:
 def backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16: bool = False, dk_e4m3: bool = False):
     """The backward kernel's config for the saved operands, tuned for this workload class when
     `flamia-cute tune` measured it, deterministic when asked (deterministic_backward); dk_e4m3: the
-    bf16-dS kernel's dK on e4m3 (dk_e4m3_backward; the grid build)."""
+    bf16-dS kernel's dK on e4m3 (dk_e4m3_backward: the bf16-dS record's settings, in the grid build,
+    Q^T by TMA whatever Q source the record chose)."""
     if ds_bf16 and dk_e4m3:
         cfg = backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16=True)
-        return dataclasses.replace(cfg, dk_e4m3=True, persistent=False)
+        return dataclasses.replace(cfg, dk_e4m3=True, persistent=False, q_bf16_source="tma")
     if ds_bf16:
         from .attention_bwd_dsbf16_sm90 import default_config as bf16_ds_default
         from .attention_bwd_dsbf16_sm90 import short_pairs_supported

@@ -394,6 +394,10 @@ def test_api_backward_config_follows_the_tuned_bwd_dsbf16_entry(tmp_path, monkey
     monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "0")
     cfg = backward_config(qq, kq, kq, cu, 1024, ds_bf16=True)
     assert tuning.config_fields("bwd_dsbf16", cfg) == TUNED["bwd_dsbf16"]
+    # the e4m3-dK recipe takes the same record, with Q^T by TMA (the record's Q source is "convert")
+    dk8 = backward_config(qq, kq, kq, cu, 1024, ds_bf16=True, dk_e4m3=True)
+    assert dk8.dk_e4m3 and dk8.q_bf16_source == "tma" and not dk8.persistent
+    assert (dk8.q_stages, dk8.vec_stages, dk8.raster) == (cfg.q_stages, cfg.vec_stages, cfg.raster)
     monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1")
     cfg = backward_config(qq, kq, kq, cu, 1024, ds_bf16=True)
     assert cfg.deterministic and not cfg.dq_tma_reduce and cfg.q_stages == 2
