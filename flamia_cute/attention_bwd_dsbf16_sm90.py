@@ -2,6 +2,9 @@
 
 Numerics: `flamia_cute.emulator.emulate_backward` with `Recipe.ds_cast = "bf16"` and
 `Recipe.dv_fold = "document"`: S^T, dP^T and dV on e4m3 tensor cores, dK and dQ on bf16 ones.
+`BwdDsBf16Config.dk_e4m3` (recipe fp8_tokenblock_dke4m3, ds_cast "e4m3_dk"): dK's product on e4m3
+too, dS^T * sq cast per key row and 64-query tile (e4m3_dk_rows, e4m3_dk_pack); measured 6-9%
+slower than bf16 dK on the H200 (perf/RESULTS.md, session 24), so opt-in.
 
 Why a second backward kernel (perf/NOTES.md, "the register budget of three backward designs"):
 the e4m3-dS kernel (attention_bwd_sm90) gives every tile product its own scales, so each product
