@@ -217,6 +217,10 @@ for stage in "$@"; do
       run dk_e4m3_tests 500 python3 -m pytest -q -m gpu tests/test_attention_bwd_dsbf16_kernel.py -k dk_e4m3 ;;
     dk-e4m3-kernel)  # the kernel alone against the default build
       run dk_e4m3_kernel 300 python3 perf/experiments/bwd_dk_e4m3.py 1x16k 4x4k 16x1k ;;
+    bwd-energy)  # which parts of the backward's tile cost clock at the power cap: the ablations sustained, with clocks
+      run bwd_energy 560 env FLAMIA_CUTE_DISK_CACHE=0 BWD_POWER_SECONDS=3 \
+        BWD_POWER_BUILDS="full,no exp,no P pack,no dS,no dQ store,half dK dQ,zero K" \
+        python3 perf/experiments/bwd_power.py 1x16k ;;
     train-power)  # ours and FA4's training call sustained with nvidia-smi: is FA4 power-capped too?
       run train_power 240 env POWER_SECONDS=3 python3 perf/experiments/train_call_power.py 1x16k ;;
     bench-sustained)  # the training call back to back after 3 s of it (the power-capped clock), ours against FA4
