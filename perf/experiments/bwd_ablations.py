@@ -115,27 +115,32 @@ _only = [a for a in __import__("os").environ.get("BWD_ABLATIONS", "").split(",")
 ABLATIONS = {k: v for k, v in ABLATIONS.items() if not _only or k in _only}
 
 
+def saved_operands(name):
+    """Workload `name` (16 heads, d128) through the quantization and the forward kernel: (case, the
+    backward's saved operands as flamia_bwd_dsbf16_sm90_from_saved takes them, and its precomputed
+    inputs do_quantized, delta, dv_ref; Q's bf16 copy). The Q/K/V launch writes every layout (Q^T in
+    P-fragment order too, for the dk_e4m3 build)."""
+    case = Case(name, json.loads(DEFAULT_WORKLOADS.read_text())["workloads"][name], 16, 16, 128, "cuda").build()
+    q, k, v, dout = case.sets[0]
+    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, case.cu, 128, case.max_len)
+    out, lse = flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
+                               kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale,
+                               FwdConfig(128, diagonal_copy=True))
+    delta, doq, dv_ref = preprocess_bwd(dout, out, case.cu, dv_ref_group=1)
+    saved = (dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale)
+    return case, saved, dict(do_quantized=doq, delta=delta, dv_ref=dv_ref), e4m3_codes_to_bf16(qq.data_td, qq.scale)
+
+
 def build_runs(names):
     """{workload: (the backward call from saved operands, its FLOPs)}: every workload's inputs first,
     so that each ablation compiles once."""
-    wl = json.loads(DEFAULT_WORKLOADS.read_text())["workloads"]
     runs = {}
     for name in names:
-        case = Case(name, wl[name], 16, 16, 128, "cuda").build()
-        q, k, v, dout = case.sets[0]
-        qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, case.cu, 128, case.max_len)
-        out, lse = flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
-                                   kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale,
-                                   FwdConfig(128, diagonal_copy=True))
-        delta, doq, dv_ref = preprocess_bwd(dout, out, case.cu, dv_ref_group=1)
-        q_bf16 = e4m3_codes_to_bf16(qq.data_td, qq.scale)
+        case, saved, pre, q_bf16 = saved_operands(name)
         cfg = bwd.BwdDsBf16Config(128, diagonal_copy=True)
 
-        def run(dout=dout, out=out, lse=lse, qq=qq, kq=kq, vq=vq, kt=kt, vt=vt, case=case, doq=doq, delta=delta,
-                dv_ref=dv_ref, q_bf16=q_bf16, cfg=cfg):
-            bwd.flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
-                                                  case.scale, config=cfg, do_quantized=doq, delta=delta,
-                                                  dv_ref=dv_ref, q_bf16=q_bf16)
+        def run(saved=saved, pre=pre, q_bf16=q_bf16, cfg=cfg):
+            bwd.flamia_bwd_dsbf16_sm90_from_saved(*saved, config=cfg, q_bf16=q_bf16, **pre)
         runs[name] = (run, causal_flops(case.lengths, 16, 128, backward=True))
     return runs
 

@@ -7,7 +7,6 @@ reference precomputed), CUDA graphs, rounds in rotated order.
 """
 
 import dataclasses
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -15,39 +14,27 @@ from pathlib import Path
 import torch
 
 import flamia_cute.attention_bwd_dsbf16_sm90 as bwd
-from flamia_cute.attention_bwd_sm90 import preprocess_bwd
-from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
-from flamia_cute.bench import DEFAULT_WORKLOADS, Case
-from flamia_cute.codes_sm90 import e4m3_codes_to_bf16
-from flamia_cute.cute_backend import quantize_operands
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_fwd_breakdown import graph_ms  # noqa: E402
+from bwd_ablations import saved_operands  # noqa: E402
 
 ROUNDS = 3
 
 
 def main():
-    wl = json.loads(DEFAULT_WORKLOADS.read_text())["workloads"]
     names = sys.argv[1:] or ["1x16k", "4x4k", "16x1k"]
     for name in names:
-        case = Case(name, wl[name], 16, 16, 128, "cuda").build()
-        q, k, v, dout = case.sets[0]
-        qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, case.cu, 128, case.max_len, ds_bf16=True, q_transposed=True)
-        out, lse = flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
-                                   kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale,
-                                   FwdConfig(128, diagonal_copy=True))
-        delta, doq, dv_ref = preprocess_bwd(dout, out, case.cu, dv_ref_group=1)
-        q_bf16 = e4m3_codes_to_bf16(qq.data_td, qq.scale)
+        case, saved, pre, q_bf16 = saved_operands(name)
+        qq, kq, kt = saved[3], saved[4], saved[6]
         base = bwd.default_config(qq, kq, kt, max_seqlen=case.max_len)
         builds = {"default": (base, dict(q_bf16=q_bf16)),
                   "dk_e4m3": (dataclasses.replace(base, dk_e4m3=True), dict(q_dt=qq.data_dt))}
         runs = {}
         for label, (cfg, kw) in builds.items():
             def run(cfg=cfg, kw=kw):
-                return bwd.flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
-                                                             case.scale, config=cfg, do_quantized=doq, delta=delta,
-                                                             dv_ref=dv_ref, **kw)
+                return bwd.flamia_bwd_dsbf16_sm90_from_saved(*saved, config=cfg, **pre, **kw)
             runs[label] = run
         grads = {label: run() for label, run in runs.items()}
         torch.cuda.synchronize()

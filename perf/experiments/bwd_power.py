@@ -37,28 +37,43 @@ def sustained(run, seconds):
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
+    ms, t0, t1 = run_for(g.replay, seconds)
+    return ms / 10, t0, t1
+
+
+def run_for(fn, seconds, sync_every=8):
+    """fn() back to back for `seconds`: (ms per call, and the window (time.time()) to match the
+    sampler's rows against: from 0.5 s in, the clock settling, to the end). A sync every sync_every
+    calls keeps the host within a few calls of the GPU."""
     t0 = time.time()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     n = 0
     while time.time() - t0 < seconds:
-        g.replay()
+        fn()
         n += 1
-        if n % 8 == 0:
-            torch.cuda.synchronize()  # keep the host within a few replays of the GPU
+        if n % sync_every == 0:
+            torch.cuda.synchronize()
     b.record()
     b.synchronize()
-    return a.elapsed_time(b) / (10 * n), t0 + 0.5, time.time()  # the first 0.5 s: the clock settling
+    return a.elapsed_time(b) / n, t0 + 0.5, time.time()
+
+
+def start_sampler():
+    """nvidia-smi sampling FIELDS every 50 ms into a temporary csv: (the process, the file), one second
+    after its start (samples_in reads the file)."""
+    log = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "50"],
+                           stdout=log, stderr=subprocess.STDOUT)
+    time.sleep(1.0)
+    return smi, log
 
 
 def main():
     names = sys.argv[1:] or ["1x16k"]
     builds = [b for b in os.environ.get("BWD_POWER_BUILDS", "full,zero K").split(",") if b]
     runs = ablations.build_runs(names)
-    log = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "50"],
-                           stdout=log, stderr=subprocess.STDOUT)
-    time.sleep(1.0)
+    smi, log = start_sampler()
     results = []
     for rnd in range(2):
         for label in builds:

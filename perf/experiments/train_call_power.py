@@ -9,15 +9,13 @@ while nvidia-smi samples the SM clock, board power and the clock-event reasons; 
 
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bwd_power import FIELDS, samples_in  # noqa: E402
+from bwd_power import run_for, samples_in, start_sampler  # noqa: E402
 
 from flamia_cute import flamia_attn_varlen_func  # noqa: E402
 from flamia_cute.baselines.torch_impls import fa4_varlen  # noqa: E402
@@ -45,28 +43,13 @@ def main():
     for fn in impls.values():  # compile and warm
         fn()
     torch.cuda.synchronize()
-    log = open("/tmp/train_call_power.csv", "w+")
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "50"],
-                           stdout=log, stderr=subprocess.STDOUT)
-    time.sleep(1.0)
+    smi, log = start_sampler()
     results = []
     for rnd in range(2):
         for label, fn in impls.items():
-            t0 = time.time()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            n = 0
-            while time.time() - t0 < SECONDS:
-                fn()
-                n += 1
-                if n % 4 == 0:
-                    torch.cuda.synchronize()
-            b.record()
-            b.synchronize()
-            results.append((rnd, label, a.elapsed_time(b) / n, t0 + 0.5, time.time()))
+            results.append((rnd, label, *run_for(fn, SECONDS, sync_every=4)))
     smi.terminate()
     smi.wait()
-    log.seek(0)
     for rnd, label, ms, t0, t1 in results:
         print({"round": rnd, "impl": label, "workload": name, "ms": round(ms, 4), **samples_in(log, t0, t1)},
               flush=True)
