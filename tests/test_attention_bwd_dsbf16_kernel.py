@@ -1264,8 +1264,9 @@ def test_dk_e4m3_config_rejects():
         with pytest.raises(ValueError, match="BwdDsBf16Config.(dk_e4m3|q_bf16_source)"):
             BwdDsBf16Config(head_dim=128, dk_e4m3=True, **bad)
     assert BwdDsBf16Config(head_dim=128, dk_e4m3=True).q_bf16_source == "tma"
-    # Q^T's 8 KB per stage instead of Q bf16's 16 KB
-    assert smem_bytes(BwdDsBf16Config(128, dk_e4m3=True)) == smem_bytes(BwdDsBf16Config(128)) - 2 * 64 * 128 * 2 // 2
+    # Q^T's 8 KB per query stage (two) instead of Q bf16's 16 KB
+    q_stages, bf16_q, e4m3_qt = 2, 64 * 128 * 2, 64 * 128
+    assert smem_bytes(BwdDsBf16Config(128, dk_e4m3=True)) == smem_bytes(BwdDsBf16Config(128)) - q_stages * (bf16_q - e4m3_qt)
 
 
 def test_dk_e4m3_emulator_changes_dk_alone():
