@@ -141,7 +141,7 @@ from .sm90_device import (
     word_walk,
     xor_walk,
 )
-from .validation import check_kernel_tensors
+from .validation import check_kernel_tensors, int32_cu_seqlens
 
 SOURCE_FILES = (
     Path(__file__).resolve(),
@@ -2049,7 +2049,7 @@ def flamia_bwd_dsbf16_sm90(
     if config.persistent and cu_seqlens.numel() - 1 > PERSISTENT_MAX_DOCS:
         config = dataclasses.replace(config, persistent=False)  # the tables would not fit in shared memory
     dev = q_td.device
-    cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
+    cu = int32_cu_seqlens(cu_seqlens, dev)
     num_docs = cu.numel() - 1
     T_dt = transposed_tokens(T, num_docs)
     f8 = torch.float8_e4m3fn

@@ -82,7 +82,7 @@ from .sm90_device import (
     tma_pipeline,
     warp_pipeline,
 )
-from .validation import check_kernel_tensors
+from .validation import check_kernel_tensors, int32_cu_seqlens
 
 # recipes.py holds FOLD_REF_MIN: a change there must recompile
 SOURCE_FILES = (Path(__file__).resolve(), Path(_recipes.__file__).resolve(), *SHARED_SOURCE_FILES)
@@ -1087,8 +1087,8 @@ def preprocess_bwd(dout: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tens
     """
     from .quantize_sm90 import dout_delta_config, quantize_with_rowdot_sm90
 
-    dout = dout.to(torch.bfloat16)
-    out = out.to(torch.bfloat16)
+    dout = dout if dout.dtype == torch.bfloat16 else dout.to(torch.bfloat16)
+    out = out if out.dtype == torch.bfloat16 else out.to(torch.bfloat16)
     T, H, D = dout.shape
     docmax = None
     if dv_ref_group:
@@ -1129,7 +1129,7 @@ def flamia_bwd_sm90(
             raise ValueError("config.diagonal_copy needs k_tok_td, k_tok_dt, sk_tok, v_tok_td, sv_tok")
         k_tok_td, k_tok_dt, sk_tok, v_tok_td, sv_tok = k_td, k_dt, sk, v_td, sv
     dev = q_td.device
-    cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
+    cu = int32_cu_seqlens(cu_seqlens, dev)
     num_docs = cu.numel() - 1
     T_dt = transposed_tokens(T, num_docs)
     if do_quantized is None or delta is None:

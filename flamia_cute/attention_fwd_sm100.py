@@ -69,7 +69,7 @@ from .sm90_device import (
     fmax_chains,
     st_global_v4,
 )
-from .validation import check_kernel_tensors
+from .validation import check_kernel_tensors, int32_cu_seqlens
 
 SOURCE_FILES = (Path(__file__).resolve(), Path(_mx_layout.__file__).resolve(), *SHARED_SOURCE_FILES)
 
@@ -799,9 +799,7 @@ def flamia_fwd_sm100(ops: MxForwardOperands, cu_seqlens, max_seqlen: int, softma
     ], dev)
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
-    cu = cu_seqlens
-    if cu.dtype != torch.int32 or cu.device != dev or not cu.is_contiguous():
-        cu = cu.to(device=dev, dtype=torch.int32).contiguous()
+    cu = int32_cu_seqlens(cu_seqlens, dev)
     out = torch.empty(T, H, D, dtype=bf, device=dev)
     lse = torch.empty(H, T, dtype=torch.float32, device=dev)
     if poison_outputs:

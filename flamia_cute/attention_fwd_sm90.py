@@ -97,7 +97,7 @@ from .sm90_device import (
     tma_pipeline,
     warp_pipeline,
 )
-from .validation import check_kernel_tensors
+from .validation import check_kernel_tensors, int32_cu_seqlens
 
 # recipes.py holds FOLD_DROP and FOLD_REF_MIN: a change there must recompile
 SOURCE_FILES = (Path(__file__).resolve(), Path(_recipes.__file__).resolve(), Path(_varlen_tiles.__file__).resolve(),
@@ -1881,19 +1881,13 @@ def get_compiled(config: FwdConfig, arch: str | None = None):
     return compile_cached(SOURCE_FILES, config, arch, lambda cfg, a: compile_fwd_sm90(cfg, a))
 
 
-_ARCH: list[str] = []
-
-
 def get_launcher(config: FwdConfig, arch: str | None = None, use_tvm_ffi: bool | None = None):
     """launch(*raw) in ARG_KINDS order: TVM-FFI when available (see compile_cache.compile_launcher)."""
     from .compile_cache import compile_launcher, target_arch
 
-    if arch is None:
-        if not _ARCH:
-            _ARCH.append(target_arch())
-        arch = _ARCH[0]
     return compile_launcher(
-        SOURCE_FILES, config, arch, lambda cfg, a, t: compile_fwd_sm90(cfg, a, tvm_ffi=t), ARG_KINDS, use_tvm_ffi,
+        SOURCE_FILES, config, arch or target_arch(), lambda cfg, a, t: compile_fwd_sm90(cfg, a, tvm_ffi=t), ARG_KINDS,
+        use_tvm_ffi,
     )
 
 
@@ -1960,9 +1954,7 @@ def flamia_fwd_sm90(
     if dt_cu_seqlens is not None and dt_cu_seqlens.shape != cu_seqlens.shape:
         raise ValueError(f"dt_cu_seqlens must have num_docs + 1 = {cu_seqlens.numel()} entries, "
                          f"got {tuple(dt_cu_seqlens.shape)}")
-    cu = cu_seqlens
-    if cu.dtype != torch.int32 or cu.device != dev or not cu.is_contiguous():
-        cu = cu.to(device=dev, dtype=torch.int32).contiguous()
+    cu = int32_cu_seqlens(cu_seqlens, dev)
     out = torch.empty(T, H, D, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(H, T, dtype=torch.float32, device=dev)
     if poison_outputs:

@@ -81,7 +81,15 @@ def target_arch() -> str:
 
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: set FLAMIA_ARCH (e.g. sm_90a) to compile without a GPU")
-    cc = torch.cuda.get_device_capability()
+    return _device_arch(torch.cuda.current_device())
+
+
+@functools.cache
+def _device_arch(index: int) -> str:
+    # every launch asks: the device's properties cost ~15 µs of host time per query (session 25)
+    import torch
+
+    cc = torch.cuda.get_device_capability(index)
     return _ARCH_BY_CC.get(cc, f"sm_{cc[0]}{cc[1]}")
 
 
@@ -312,6 +320,11 @@ def tvm_ffi_enabled() -> bool:
     """TVM-FFI launches: apache-tvm-ffi importable and not disabled by FLAMIA_CUTE_TVM_FFI=0."""
     if os.environ.get("FLAMIA_CUTE_TVM_FFI", "1") == "0":
         return False
+    return _tvm_ffi_importable()
+
+
+@functools.cache
+def _tvm_ffi_importable() -> bool:
     return importlib.util.find_spec("tvm_ffi") is not None
 
 
@@ -416,7 +429,9 @@ def compile_launcher(
     """
     if use_tvm_ffi is None:
         use_tvm_ffi = tvm_ffi_enabled()
-    lkey = (tuple(str(p) for p in kernel_source_files), config, arch, use_tvm_ffi, arg_kinds)
+    # the sources as given (each module's SOURCE_FILES tuple: hashable, and no string building per launch)
+    lkey = (kernel_source_files if isinstance(kernel_source_files, tuple) else tuple(kernel_source_files), config,
+            arch, use_tvm_ffi, arg_kinds)
     launch = _LAUNCHERS.get(lkey)
     if launch is not None:
         return launch

@@ -91,6 +91,38 @@ def launch_layouts(cfg, forward_only: bool = False, ds_bf16: bool = False, q_tra
     return forward_only_config(cfg, q_transposed) if ds_bf16 else cfg
 
 
+def _memoized(key: tuple, build):
+    """build() once per key (plus the tuning switch) while the tuned records stay loaded
+    (tuning.derived_memo): every attention call asks for the same configs, and building and tuning
+    them cost ~150 µs of host time per training call on the H200's host (session 25)."""
+    from .tuning import derived_memo
+
+    key = (*key, os.environ.get("FLAMIA_CUTE_NO_TUNING"))
+    memo = derived_memo()
+    got = memo.get(key)
+    if got is None:
+        got = memo[key] = build()
+    return got
+
+
+def quantize_launch_config(head_dim: int, heads_q: int, heads_kv: int, block: int, max_seqlen: int,
+                           total_tokens: int, num_docs: int, forward_only: bool = False, ds_bf16: bool = False,
+                           q_transposed: bool = False):
+    """The Q/K/V launch's MultiQuantizeConfig: tuned for the workload (not PER_TENSOR, which torch
+    quantizes), reduced to the layouts that will be read (launch_layouts); memoized."""
+    from .quantize_sm90 import qkv_config
+    from .tuning import tuned_quantize_config
+
+    def build():
+        cfg = qkv_config(head_dim, heads_q, heads_kv, layout_block(block))
+        if block != PER_TENSOR:
+            cfg = tuned_quantize_config(cfg, max_seqlen, total_tokens, num_docs)
+        return launch_layouts(cfg, forward_only, ds_bf16, q_transposed)
+
+    return _memoized(("qkv", head_dim, heads_q, heads_kv, block, int(max_seqlen), total_tokens, num_docs,
+                      forward_only, ds_bf16, q_transposed), build)
+
+
 def quantize_operands(q, k, v, cu, block: int, max_seqlen: int, forward_only: bool = False, ds_bf16: bool = False,
                       with_q: bool = True, q_transposed: bool = False):
     """Q, K, V in ONE fused launch: Q per token; K, V per block plus the per-token diagonal copies.
@@ -100,14 +132,12 @@ def quantize_operands(q, k, v, cu, block: int, max_seqlen: int, forward_only: bo
     written is None in the result.
     with_q=False: K and V only (the forward kernel quantizes Q itself: FwdConfig.fuse_q_quant); Q's
     entry is then None."""
-    from .quantize_sm90 import fused_quantize_multi_sm90, qkv_config
-    from .tuning import tuned_quantize_config
+    from .quantize_sm90 import fused_quantize_multi_sm90
 
-    cfg = qkv_config(q.shape[2], q.shape[1], k.shape[1], layout_block(block))
+    cfg = quantize_launch_config(q.shape[2], q.shape[1], k.shape[1], block, max_seqlen, q.shape[0], cu.numel() - 1,
+                                 forward_only, ds_bf16, q_transposed)
     if block == PER_TENSOR:
-        return _quantize_operands_per_tensor(q, k, v, cu, launch_layouts(cfg, forward_only, ds_bf16, q_transposed))
-    cfg = launch_layouts(tuned_quantize_config(cfg, max_seqlen, q.shape[0], cu.numel() - 1), forward_only, ds_bf16,
-                         q_transposed)
+        return _quantize_operands_per_tensor(q, k, v, cu, cfg)
     if not with_q:
         (kq, kt), (vq, vt) = fused_quantize_multi_sm90((k, v), cu, dataclasses.replace(cfg, parts=cfg.parts[1:]))
         return None, (kq, kt), (vq, vt)
@@ -132,6 +162,30 @@ def _quantize_operands_per_tensor(q, k, v, cu, cfg):
     return qq, (kq, kt), (vq, vt)
 
 
+def forward_config(head_dim: int, heads_q: int, heads_kv: int, max_seqlen: int, total_tokens: int, num_docs: int,
+                   block: int, forward_only: bool, ds_bf16: bool, row_sum: str, q_transposed: bool, q_is_bf16: bool):
+    """(FwdConfig, fuse_q) for a call: the forward kernel's config (tuned) and whether it quantizes Q
+    itself (fused_q_quantization; the config then has fuse_q_quant); memoized."""
+    from .attention_fwd_sm90 import FwdConfig, fuse_q_quant_supported, short_pairs_default, with_fused_q_quant
+    from .tuning import tuned_fwd_config
+
+    fuse_switch = fused_q_quantization()
+
+    def build():
+        cfg = FwdConfig(head_dim=head_dim, qhead_per_kvhead=heads_q // heads_kv, diagonal_copy=block > 1,
+                        row_sum_mma=row_sum == "cast_p", short_pairs=short_pairs_default(total_tokens, num_docs))
+        cfg = tuned_fwd_config(cfg, max_seqlen, total_tokens, num_docs)
+        # Q quantized by the forward kernel (per token, as the launch would: same codes and scales). It
+        # writes Q token-major only: enough for the forward and the bf16-dS backward, not for the e4m3-dS
+        # backward's Q^T
+        fuse_q = (fuse_switch and block != PER_TENSOR and q_is_bf16 and (forward_only or ds_bf16)
+                  and not q_transposed and fuse_q_quant_supported(cfg))
+        return (with_fused_q_quant(cfg) if fuse_q else cfg), fuse_q
+
+    return _memoized(("fwd", head_dim, heads_q, heads_kv, int(max_seqlen), total_tokens, num_docs, block, forward_only,
+                      ds_bf16, row_sum, q_transposed, q_is_bf16, fuse_switch), build)
+
+
 def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only: bool = False,
                     ds_bf16: bool = False, row_sum: str = "fp32", q_transposed: bool = False):
     """Quantize + forward kernel. Returns (out bf16, lse (H, T) fp32, saved quantized operands);
@@ -139,21 +193,12 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only:
     ds_bf16: the backward to come is the bf16-dS kernel (no Q^T, K^T: launch_layouts); row_sum: the
     recipe's (recipes.ROW_SUMS; "cast_p" runs the forward's row sum on the tensor core); q_transposed:
     the backward to come reads Q^T as well (dk_e4m3_backward)."""
-    from .attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90, fuse_q_quant_supported, short_pairs_default, with_fused_q_quant
+    from .attention_fwd_sm90 import flamia_fwd_sm90
     from .quant import QuantizedTHD
-    from .tuning import tuned_fwd_config
 
-    cfg = FwdConfig(head_dim=q.shape[2], qhead_per_kvhead=q.shape[1] // k.shape[1], diagonal_copy=block > 1,
-                    row_sum_mma=row_sum == "cast_p", short_pairs=short_pairs_default(q.shape[0], cu.numel() - 1))
-    cfg = tuned_fwd_config(cfg, max_seqlen, q.shape[0], cu.numel() - 1)
-    # Q quantized by the forward kernel (per token, as the launch would: same codes and scales). It
-    # writes Q token-major only: enough for the forward and the bf16-dS backward, not for the e4m3-dS
-    # backward's Q^T
     q_transposed = q_transposed and not forward_only
-    fuse_q = (fused_q_quantization() and block != PER_TENSOR and q.dtype == torch.bfloat16
-              and (forward_only or ds_bf16) and not q_transposed and fuse_q_quant_supported(cfg))
-    if fuse_q:
-        cfg = with_fused_q_quant(cfg)
+    cfg, fuse_q = forward_config(q.shape[2], q.shape[1], k.shape[1], max_seqlen, q.shape[0], cu.numel() - 1, block,
+                                 forward_only, ds_bf16, row_sum, q_transposed, q.dtype == torch.bfloat16)
     qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block, max_seqlen, forward_only, ds_bf16,
                                                with_q=not fuse_q, q_transposed=q_transposed)
     q_bf16 = None
@@ -200,9 +245,15 @@ def backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16: bool = False, dk_e4m3: 
     """The backward kernel's config for the saved operands, tuned for this workload class when
     `flamia-cute tune` measured it, deterministic when asked (deterministic_backward); dk_e4m3: the
     bf16-dS kernel's dK on e4m3 (dk_e4m3_backward: the bf16-dS record's settings, in the grid build,
-    Q^T by TMA whatever Q source the record chose)."""
+    Q^T by TMA whatever Q source the record chose). Memoized by the operands' shapes."""
+    key = ("bwd", tuple(qq.data_td.shape), tuple(kq.data_td.shape), kt is not None, cu.numel() - 1, int(max_seqlen),
+           ds_bf16, dk_e4m3, deterministic_backward())
+    return _memoized(key, lambda: _backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16, dk_e4m3))
+
+
+def _backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16: bool, dk_e4m3: bool):
     if ds_bf16 and dk_e4m3:
-        cfg = backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16=True)
+        cfg = _backward_config(qq, kq, kt, cu, max_seqlen, True, False)
         return dataclasses.replace(cfg, dk_e4m3=True, persistent=False, q_bf16_source="tma")
     if ds_bf16:
         from .attention_bwd_dsbf16_sm90 import default_config as bf16_ds_default
@@ -273,7 +324,7 @@ class CuteAttention(torch.autograd.Function):
         fctx.meta = (cu, softmax_scale, recipe, q.dtype, max_seqlen)
         fctx.save_for_backward(out, lse)
         fctx.mark_non_differentiable(lse)
-        return out.to(q.dtype), lse
+        return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
 
     @staticmethod
     def backward(fctx, dout, _dlse):
@@ -283,10 +334,11 @@ class CuteAttention(torch.autograd.Function):
         cu, scale, recipe, dt, max_seqlen = fctx.meta
         qq, (kq, kt), (vq, vt) = fctx.saved
         if backward_backend() == "cute":
-            dq, dk, dv = backward_kernels(dout.contiguous(), out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, scale,
-                                          kernel_block_tokens(recipe), bf16_ds_backward(recipe.name),
-                                          dk_e4m3_backward(recipe.name))
-            return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None
+            grads = backward_kernels(dout.contiguous(), out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, scale,
+                                     kernel_block_tokens(recipe), bf16_ds_backward(recipe.name),
+                                     dk_e4m3_backward(recipe.name))
+            # the kernels' grads are bf16: .to() only for fp16 inputs (a no-op .to costs host time too)
+            return (*(g if g.dtype == dt else g.to(dt) for g in grads), None, None, None, None, None)
         ectx = EmulatorContext(recipe, scale, True, cu, cu, operand_from_quantized(qq),
                                operand_from_quantized(kq, kt), operand_from_quantized(vq, vt, cu), out, lse)
         dq, dk, dv = emulate_backward(dout.contiguous(), ectx)

@@ -98,7 +98,7 @@ def flamia_attn_varlen_func(
 
         out, lse, _ = forward_kernels(q, k, v, cu_seqlens_q, max_seqlen_q, scale, kernel_block_tokens(rec),
                                       forward_only=forward_only_quantization(), row_sum=rec.row_sum)
-        out = out.to(q.dtype)
+        out = out if out.dtype == q.dtype else out.to(q.dtype)
     elif chosen == "cute":
         out, lse = CuteAttention.apply(q, k, v, cu_seqlens_q, max_seqlen_q, scale, rec, kernel_block_tokens(rec))
     else:

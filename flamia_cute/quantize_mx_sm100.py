@@ -60,7 +60,7 @@ from .sm90_device import (
     ptx,
     st_global_v4,
 )
-from .validation import check_kernel_tensors
+from .validation import check_kernel_tensors, int32_cu_seqlens
 
 SOURCE_FILES = (Path(__file__).resolve(), Path(_mx_layout.__file__).resolve(), *SHARED_SOURCE_FILES)
 E4M3_EMAX = 8
@@ -328,7 +328,7 @@ def quantize_mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
     dev = q.device
     bf = torch.bfloat16
     check_kernel_tensors([("q", q, (T, H, D), bf), ("k", k, (T, Hk, D), bf), ("v", v, (T, Hk, D), bf)], dev)
-    cu = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
+    cu = int32_cu_seqlens(cu_seqlens, dev)
     num_docs = cu.numel() - 1
     T_dt, slots = transposed_tokens(T, num_docs), sf_slots(T, num_docs)
     if num_docs > MAX_SCAN_DOCS:  # too many for the kernel's tables: the host's prefix sums

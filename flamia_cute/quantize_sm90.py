@@ -81,6 +81,7 @@ from .sm90_device import (
     select,
     warp_scan_up,
 )
+from .validation import int32_cu_seqlens
 
 TILE_TOKENS = 128
 GROUP_TOKENS = 16  # tokens per warp and per data_dt segment (16 fp8 = 16 bytes)
@@ -790,9 +791,7 @@ def fused_quantize_multi_sm90(
     for cfg in mcfg.parts:
         if cfg.num_heads * cfg.head_dim * max(Tdt, T) >= 2**31:
             raise ValueError("tensor too large for 32-bit indexing")
-    cu = cu_seqlens
-    if cu.dtype != torch.int32 or cu.device != dev or not cu.is_contiguous():
-        cu = cu.to(device=dev, dtype=torch.int32).contiguous()
+    cu = int32_cu_seqlens(cu_seqlens, dev)
     sets = _alloc_outputs(mcfg, T, Tdt, dev, debug_fill)
     launch_fused_quantize_multi_sm90(xs, cu, mcfg, sets, rowdot, docmax)
     return quantized_outputs(mcfg, sets)

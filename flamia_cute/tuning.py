@@ -385,6 +385,19 @@ def _tuned_config(kernel: str, default, max_seqlen: int, total_tokens: int, num_
     return resolved[key]
 
 
+DERIVED_MEMO_MAX = 256  # entries: a training run's distinct (shape, packing) signatures between clears
+
+
+def derived_memo() -> dict:
+    """A memo for what callers derive from the tuned records (cute_backend's launch plans): it lives and
+    is dropped with the records (tests swap _loaded), and is cleared when it grows past
+    DERIVED_MEMO_MAX (packings that change every batch must not grow it without bound)."""
+    memo = _loaded.setdefault("derived", {})
+    if len(memo) >= DERIVED_MEMO_MAX:
+        memo.clear()
+    return memo
+
+
 def tuned_fwd_config(default, max_seqlen: int, total_tokens: int, num_docs: int):
     return _tuned_config("fwd", default, max_seqlen, total_tokens, num_docs)
 

@@ -93,6 +93,14 @@ def check_cu_seqlens_values(name, cu, total, mx_name, max_seqlen):
         _CHECKED[memo] = None
 
 
+def int32_cu_seqlens(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
+    """cu_seqlens as the kernels read it (int32, contiguous, on `device`): itself when it already is,
+    as it is from the public API (a no-op .to() still costs host time on every launch)."""
+    if cu_seqlens.dtype == torch.int32 and cu_seqlens.device == device and cu_seqlens.is_contiguous():
+        return cu_seqlens
+    return cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
+
+
 def check_kernel_tensors(checks, device) -> None:
     """The raw-pointer kernels' inputs: each (name, tensor, shape, dtype) must be a contiguous tensor
     of that shape and dtype on `device` (a CUDA device), 16-byte aligned (TMA); errors name it."""

@@ -26,3 +26,15 @@ def pytest_collection_modifyitems(config, items):
             blackwell = item.get_closest_marker("sm100") is not None
             if not have[blackwell]:
                 item.add_marker(pytest.mark.skip(reason=f"needs an {'sm_100' if blackwell else 'sm_90'} GPU"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    """Each test derives its launch configs anew: cute_backend memoizes them per shape (tuning.derived_memo),
+    and tests that monkeypatch a config function (short_pairs_default, backward_config's inputs) must
+    neither miss their patch nor leave its configs to the next test."""
+    from flamia_cute import tuning
+
+    tuning._loaded.pop("derived", None)
+    yield
+    tuning._loaded.pop("derived", None)

@@ -32,6 +32,38 @@ def test_auto_falls_back_to_the_emulator_without_a_gpu():
     assert pick_backend("auto", torch.device("cpu"), "some reason") == "emulate"
 
 
+def test_launch_configs_are_built_once_per_shape_and_switch(monkeypatch):
+    """cute_backend memoizes each call's configs (tuning.derived_memo): a repeat call builds nothing,
+    a switch that changes them (FLAMIA_CUTE_FUSE_Q, FLAMIA_CUTE_NO_TUNING) builds anew, and the memo
+    stays bounded."""
+    import flamia_cute.attention_fwd_sm90 as fwd
+    from flamia_cute import cute_backend as cb
+    from flamia_cute import tuning
+
+    builds = []
+    real = fwd.short_pairs_default
+    monkeypatch.setattr(fwd, "short_pairs_default", lambda *a: builds.append(a) or real(*a))
+    monkeypatch.delenv("FLAMIA_CUTE_FUSE_Q", raising=False)
+    monkeypatch.delenv("FLAMIA_CUTE_NO_TUNING", raising=False)
+    # (head_dim, heads_q, heads_kv, max_seqlen, tokens, docs, block, forward_only, ds_bf16, row_sum, Q^T, bf16 Q)
+    args = (128, 4, 2, 1000, 5000, 7, 128, False, True, "fp32", False, True)
+    plain = cb.forward_config(*args)
+    assert cb.forward_config(*args) is plain and len(builds) == 1 and not plain[1]
+    monkeypatch.setenv("FLAMIA_CUTE_FUSE_Q", "1")
+    fused = cb.forward_config(*args)
+    assert len(builds) == 2 and fused[1] and fused[0].fuse_q_quant
+    monkeypatch.setenv("FLAMIA_CUTE_NO_TUNING", "1")
+    cb.forward_config(*args)
+    assert len(builds) == 3
+    qkv = cb.quantize_launch_config(128, 4, 2, 128, 1000, 5000, 7, ds_bf16=True)
+    assert cb.quantize_launch_config(128, 4, 2, 128, 1000, 5000, 7, ds_bf16=True) is qkv
+    assert cb.quantize_launch_config(128, 4, 2, 128, 1000, 5000, 7) is not qkv  # other layouts
+    monkeypatch.setattr(tuning, "DERIVED_MEMO_MAX", 3)
+    for docs in range(1, 6):
+        cb.forward_config(128, 4, 2, 1000, 5000, docs, 128, False, True, "fp32", False, True)
+        assert len(tuning.derived_memo()) <= 3
+
+
 LENGTHS = [1000, 1, 0, 517, 4096, 33, 129]
 
 
@@ -118,6 +150,40 @@ def test_bf16_ds_launch_writes_no_transposed_q_k(block):
             g = getattr(got, f)
             if g is not None:
                 assert torch.equal(g.view(torch.uint8), getattr(want, f).view(torch.uint8)), f
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16", "fp8_tokenblock"])
+def test_training_call_replays_from_a_cuda_graph(recipe, monkeypatch):
+    """The training call (forward + backward) never synchronizes, so a CUDA graph captures it (as
+    `bench --graph` and graph-captured training steps do): a replay on new values copied into the
+    captured inputs gives bitwise the eager call's O and (deterministic) gradients on those values."""
+    monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1")
+    q, k, v, do, cu, scale = make_inputs(LENGTHS, 4, 2, 128, device="cuda", seed=5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    mx = max(LENGTHS)
+
+    def step():
+        out = flamia_attn_varlen_func(*leaves, cu, cu, mx, mx, scale, recipe=recipe)
+        return (out, *torch.autograd.grad(out, leaves, do))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream (compiles, checks cu_seqlens once)
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    q2, k2, v2, do2, _, _ = make_inputs(LENGTHS, 4, 2, 128, device="cuda", seed=6)
+    with torch.no_grad():
+        for leaf, new in zip(leaves, (q2, k2, v2), strict=True):
+            leaf.copy_(new)
+        do.copy_(do2)
+    graph.replay()
+    want = step()
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), captured, want, strict=True):
+        assert torch.equal(got, ref), name
 
 
 @pytest.mark.gpu
