@@ -244,6 +244,28 @@ def _time_sustained(fn, n_sets, device, seconds: float, reps=15, window_ms: floa
     return statistics.median(times)
 
 
+def _graphed(fn, n_sets, device):
+    """replay(i): fn(i) for each input set captured once into a CUDA graph. A replay costs a few µs of
+    host time whatever the call launches, so back-to-back replays time the GPU work alone, at the
+    clock sustained load holds, also for calls whose host time exceeds their GPU time (ours and
+    FA4's training calls on 16x1k, session 25). The calls must not synchronize (the capture fails)."""
+    main = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
+        for i in range(n_sets):
+            fn(i)
+    main.wait_stream(side)
+    torch.cuda.synchronize(device)
+    graphs = []
+    for i in range(n_sets):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(i)
+        graphs.append(g)
+    return lambda i: graphs[i].replay()
+
+
 def _prefix_reference(case: Case, q, k, v, do, prefix: int):
     """fp32 O and dQ of the first `prefix` tokens of document 0, heads 0..1."""
     from .reference import reference_attention
@@ -263,8 +285,9 @@ GPU_TIME_LEAD_CYCLES = 8_000_000
 
 
 def bench_case(case: Case, impl: Impl, modes, reps: int, queue_lead_cycles: int = 0,
-               sustain_s: float = 0.0) -> list[dict]:
-    """sustain_s > 0: each mode timed by _time_sustained after that many seconds of its calls."""
+               sustain_s: float = 0.0, graph: bool = False) -> list[dict]:
+    """sustain_s > 0: each mode timed by _time_sustained after that many seconds of its calls; graph:
+    of CUDA graph replays of them (_graphed; with sustain_s only)."""
     why = impl.available(case)
     if why:
         return [{"impl": impl.name, "mode": m, "skipped": why} for m in modes]
@@ -281,20 +304,23 @@ def bench_case(case: Case, impl: Impl, modes, reps: int, queue_lead_cycles: int 
             return impl.run(case, q, k, v, do, mode)
         o, dq = run(0, "fwdbwd")
         err_o, err_dq = rel_l2(o[sl, hs], ref_o), rel_l2(dq[sl, hs], ref_dq)
-        fwd_ms = _timer(lambda i: run(i, "fwd"), n, dev, reps, queue_lead_cycles, sustain_s)
-        fb_ms = _timer(lambda i: run(i, "fwdbwd"), n, dev, reps, queue_lead_cycles, sustain_s)
+        fwd_ms = _timer(lambda i: run(i, "fwd"), n, dev, reps, queue_lead_cycles, sustain_s, graph)
+        fb_ms = _timer(lambda i: run(i, "fwdbwd"), n, dev, reps, queue_lead_cycles, sustain_s, graph)
         times = {"fwd": fwd_ms, "fwdbwd": fb_ms, "bwd": fb_ms - fwd_ms}
         peak = _peak_mb(lambda: run(0, "fwdbwd"), dev)
     else:
         grads = any(m != "fwd" for m in modes)
         leaves = [tuple(t.detach().clone().requires_grad_(grads and j < 3) for j, t in enumerate(s))
                   for s in case.sets]
-        q, k, v, do = leaves[0]
+        # the error check on leaves of its own, dropped before timing: an autograd graph kept alive from
+        # the default stream breaks a CUDA graph capture of the same leaves' backward (graph mode)
+        q, k, v = (t.detach().clone().requires_grad_(grads) for t in leaves[0][:3])
         out = impl.forward(case, q, k, v)
         err_o, err_dq = rel_l2(out[sl, hs], ref_o), float("nan")
         if grads:
-            (dq,) = torch.autograd.grad(out, (q,), do)
+            (dq,) = torch.autograd.grad(out, (q,), leaves[0][3])
             err_dq = rel_l2(dq[sl, hs], ref_dq)
+        del q, k, v, out
         graphs = [impl.forward(case, *s[:3]) for s in leaves] if "bwd" in modes else []
 
         def fwd(i):
@@ -308,8 +334,8 @@ def bench_case(case: Case, impl: Impl, modes, reps: int, queue_lead_cycles: int 
             o = impl.forward(case, *leaves[i][:3])
             torch.autograd.grad(o, leaves[i][:3], leaves[i][3])
 
-        times = {m: _timer({"fwd": fwd, "bwd": bwd, "fwdbwd": fwdbwd}[m], n, dev, reps, queue_lead_cycles, sustain_s)
-                 for m in modes}
+        times = {m: _timer({"fwd": fwd, "bwd": bwd, "fwdbwd": fwdbwd}[m], n, dev, reps, queue_lead_cycles, sustain_s,
+                           graph) for m in modes}
         del graphs
         peak = _peak_mb(lambda: fwdbwd(0) if grads else fwd(0), dev)
     flops = causal_flops(case.lengths, case.heads_q, case.head_dim)
@@ -322,9 +348,9 @@ def bench_case(case: Case, impl: Impl, modes, reps: int, queue_lead_cycles: int 
     return rows
 
 
-def _timer(fn, n_sets, device, reps, queue_lead_cycles, sustain_s):
+def _timer(fn, n_sets, device, reps, queue_lead_cycles, sustain_s, graph=False):
     if sustain_s > 0:
-        return _time_sustained(fn, n_sets, device, sustain_s, reps=reps)
+        return _time_sustained(_graphed(fn, n_sets, device) if graph else fn, n_sets, device, sustain_s, reps=reps)
     return _time_calls(fn, n_sets, device, reps=reps, queue_lead_cycles=queue_lead_cycles)
 
 
@@ -386,10 +412,11 @@ def bench_order(workloads: list, impls: list) -> list:
 
 
 def run_bench(workloads: dict, head_cfg: dict, impls, modes=MODES, reps=15, device="cuda",
-              gpu_time: bool = False, sustain_s: float = 0.0) -> list[dict]:
+              gpu_time: bool = False, sustain_s: float = 0.0, graph: bool = False) -> list[dict]:
     """gpu_time: time GPU work only (the host enqueues each call behind a GPU sleep), as a training
     step whose host runs ahead sees it; default: each call from an idle GPU, host time included;
-    sustain_s > 0: back-to-back calls after that many seconds of them (_time_sustained; overrides).
+    sustain_s > 0: back-to-back calls after that many seconds of them (_time_sustained; overrides);
+    graph: CUDA graph replays of the calls, with sustain_s (_graphed: GPU time at the sustained clock).
     The implementations' order rotates by workload, so none is always timed first (on the GPU that
     just idled through the workload's setup: a build timed first ran up to 9% faster, run s11e)."""
     lead = GPU_TIME_LEAD_CYCLES if gpu_time and device.startswith("cuda") else 0
@@ -401,7 +428,7 @@ def run_bench(workloads: dict, head_cfg: dict, impls, modes=MODES, reps=15, devi
             cases[w] = Case(w, workloads[w], head_cfg["heads_q"], head_cfg["heads_kv"], head_cfg["head_dim"],
                             device).build()
         try:
-            got = bench_case(cases[w], impl, modes, reps, lead, sustain_s)
+            got = bench_case(cases[w], impl, modes, reps, lead, sustain_s, graph)
         except Exception as e:  # a baseline that breaks is reported, not fatal
             got = [{"impl": impl.name, "mode": m, "skipped": f"error: {type(e).__name__}: {e}"[:300]} for m in modes]
         for r in got:
@@ -502,12 +529,22 @@ def main_bench(args) -> int:
     if args.sustain < 0:
         print(f"--sustain must be >= 0 seconds, got {args.sustain}", file=sys.stderr)
         return 2
+    if args.graph and not (args.sustain > 0 and device.startswith("cuda")):
+        print(f"--graph needs --sustain > 0 on a CUDA device (got --sustain {args.sustain:g} on {device})",
+              file=sys.stderr)
+        return 2
+    if args.graph and "bwd" in args.modes.split(","):
+        # bwd replays a forward graph kept from before the capture (see bench_case): time fwd and fwdbwd
+        print("--graph times --modes fwd and fwdbwd only (bwd needs a forward kept from outside the capture)",
+              file=sys.stderr)
+        return 2
     rows = run_bench(wl, head_cfg, impls, tuple(args.modes.split(",")), args.reps, device, args.gpu_time,
-                     args.sustain)
+                     args.sustain, args.graph)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"bench_{args.heads}"
-    timing = ("wall_cpu" if not device.startswith("cuda") else f"sustained_{args.sustain:g}s" if args.sustain
+    timing = ("wall_cpu" if not device.startswith("cuda")
+              else f"sustained_{args.sustain:g}s" + ("_cuda_graph" if args.graph else "") if args.sustain
               else "gpu_time" if args.gpu_time else "call_from_idle_gpu")
     summarize(rows, environment() | {"heads": args.heads, "timing": timing}, out / f"{stem}.csv", out / f"{stem}.png")
     print(f"\nwrote {out / (stem + '.csv')}")

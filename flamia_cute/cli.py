@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
                    help="time back-to-back calls after SECONDS of them: the clock a training loop holds "
                         "(on the H200, its power cap); overrides --gpu-time")
+    b.add_argument("--graph", action="store_true",
+                   help="with --sustain: time CUDA graph replays of each call, so host launch time drops out "
+                        "(GPU time at the sustained clock)")
     b.add_argument("--device", default="")
     b.add_argument("--out", default="perf/out")
     b.set_defaults(func=cmd_bench)

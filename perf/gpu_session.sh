@@ -226,6 +226,15 @@ for stage in "$@"; do
     bench-sustained)  # the training call back to back after 3 s of it (the power-capped clock), ours against FA4
       run bench_sustained 500 python3 -m flamia_cute.cli bench --modes fwdbwd,fwd --impls flamia,fa4 --reps 7 \
         --sustain 3 --out "$OUT/sustained" ;;
+    bench-graph)  # the same from CUDA graph replays: GPU time at the sustained clock, host time left out
+      run bench_graph 500 python3 -m flamia_cute.cli bench --modes fwdbwd,fwd --impls flamia,fa4 --reps 7 \
+        --sustain 3 --graph --out "$OUT/graph" ;;
+    host-ab)  # host time per call with cute_backend's config memo and without it, same machine and process order
+      run host_memo 200 python3 perf/profile_api.py 16x1k,4x4k,1x16k
+      run host_nomemo 200 python3 perf/profile_api.py 16x1k,4x4k,1x16k nomemo ;;
+    host-tests)  # session 25's host-path changes: the API, the custom op and the bench's CUDA graphs on the GPU
+      run host_tests 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cute_backend.py \
+        tests/test_custom_op.py tests/test_bench.py ;;
     dk-e4m3-bench)  # the kernel alone against the default build, then end to end against FA4 (both recipes)
       run dk_e4m3_kernel 300 python3 perf/experiments/bwd_dk_e4m3.py 1x16k 4x4k 16x1k
       run dk_e4m3_e2e 400 python3 -m flamia_cute.cli bench --recipe fp8_tokenblock_dsbf16,fp8_tokenblock_dke4m3 \
@@ -236,8 +245,8 @@ for stage in "$@"; do
     bench-short)  # packs of documents at or below one tile (issue 7's short documents), GPU time, against FA4
       run bench_short 300 python3 -m flamia_cute.cli bench --workloads perf/workloads_short.json --modes fwd,fwdbwd \
         --impls flamia,fa4 --reps 15 --gpu-time ;;
-    profile) run profile_api 200 python3 perf/profile_api.py 16x1k fwd stages
-             run profile_api_bwd 200 python3 perf/profile_api.py 16x1k bwd stages ;;
+    profile)  # host ms per call and sync points, ours and FA4, every workload; cProfile and stages on 16x1k
+      run profile_api 300 python3 perf/profile_api.py 16x1k,4x4k,longtail32k,mixed16k,1x16k,1x64k profile stages ;;
     ncu)  # where the backward kernel's time goes, and the quantization kernel's DRAM traffic
       run ncu_bwd 300 ncu -k regex:'[Bb]wd' --launch-skip 1 --launch-count 1 --set full --import-source no \
         -o "$OUT/bwd" -f python3 perf/profile_kernels.py bwd 1x4k

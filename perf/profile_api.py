@@ -1,48 +1,102 @@
-"""Host-side profile of one flamia_attn_varlen_func call (where the launch overhead goes).
+"""Host time of the training call (where the launch overhead goes), ours against FA4.
 
-    python perf/profile_api.py [workload] [fwd|bwd] [stages]   # bwd: one autograd backward of a kept graph
+    python perf/profile_api.py [workloads,...] [profile] [stages] [nomemo]
 
-After the cProfile table, `stages` times the library's own steps (host time, no sync, inclusive
-of what they call): every function in STAGES is wrapped by a perf_counter_ns timer, so the gap
-between the API call and its GPU time can be attributed step by step.
+For each workload and implementation (the bench's own Case, Impl and call closures): host ms per
+call with the GPU held busy by a queued sleep (so no call waits on the GPU unless it synchronizes),
+and the synchronizing CUDA calls one call makes (torch.cuda.set_sync_debug_mode). A host time above
+the call's GPU time is what back-to-back timing (`bench --sustain`) and an eager training loop see.
+`profile`: a cProfile of our training call on the first workload; `stages`: every function in STAGES
+wrapped by a perf_counter_ns timer (host µs per call, inclusive), to attribute the host time;
+`nomemo`: cute_backend's config memo bypassed (every call builds its configs: the A/B of session 25).
 """
 
 import cProfile
+import importlib
 import io
 import json
 import pstats
 import sys
 import time
+import warnings
 
 import torch
 
-from flamia_cute import flamia_attn_varlen_func
-from flamia_cute.bench import DEFAULT_WORKLOADS, Case
+from flamia_cute.bench import DEFAULT_WORKLOADS, FA4, Case, Ours
 
 STAGES = {  # module -> functions whose host time is reported (inclusive)
-    "flamia_cute.interface": ["check_attention_inputs", "pick_backend"],
-    "flamia_cute.cute_backend": ["forward_kernels", "quantize_operands", "backward_kernels", "backward_config",
-                                 "backward_backend", "deterministic_backward", "forward_only_quantization"],
+    "flamia_cute.interface": ["flamia_attn_varlen_func", "check_attention_inputs", "pick_backend"],
+    "flamia_cute.validation": ["check_cu_seqlens_values", "check_kernel_tensors"],
+    "flamia_cute.cute_backend": ["forward_kernels", "forward_config", "quantize_operands", "quantize_launch_config",
+                                 "backward_kernels", "backward_config"],
+    "flamia_cute.attention_bwd_sm90": ["preprocess_bwd", "backward_outputs"],
+    "flamia_cute.codes_sm90": ["e4m3_codes_to_bf16"],
     "flamia_cute.quantize_sm90": ["fused_quantize_multi_sm90", "_alloc_outputs", "launch_fused_quantize_multi_sm90",
-                                  "_launch", "quantize_with_rowdot_sm90"],
-    "flamia_cute.attention_fwd_sm90": ["flamia_fwd_sm90", "get_launcher", "launch_on_device"],
-    "flamia_cute.attention_bwd_sm90": ["flamia_bwd_sm90", "flamia_bwd_sm90_from_saved", "preprocess_bwd",
-                                       "get_launcher", "launch_on_device"],
+                                  "_launch", "quantize_with_rowdot_sm90", "quantized_outputs"],
+    "flamia_cute.attention_fwd_sm90": ["flamia_fwd_sm90", "get_launcher"],
+    "flamia_cute.attention_bwd_dsbf16_sm90": ["flamia_bwd_dsbf16_sm90_from_saved", "flamia_bwd_dsbf16_sm90",
+                                              "get_launcher", "side_stream", "check_kernel_tensors",
+                                              "launch_on_device", "dv_fold_reference"],
     "flamia_cute.tuning": ["_tuned_config"],
-    "flamia_cute.compile_cache": ["compile_launcher", "target_arch", "launch_on_device", "current_raw_stream"],
+    "flamia_cute.compile_cache": ["compile_launcher", "launch_on_device", "sm_count"],
 }
+BUSY_CYCLES = 400_000_000  # ~0.2 s of GPU sleep: longer than any timed batch of host calls
+
+
+def training_calls(case, impl):
+    """The bench's closures: fwd(i) under no_grad, fwdbwd(i) forward + autograd backward."""
+    leaves = [tuple(t.detach().clone().requires_grad_(j < 3) for j, t in enumerate(s)) for s in case.sets]
+
+    def fwd(i):
+        with torch.no_grad():
+            impl.forward(case, *leaves[i][:3])
+
+    def fwdbwd(i):
+        o = impl.forward(case, *leaves[i][:3])
+        torch.autograd.grad(o, leaves[i][:3], leaves[i][3])
+
+    return {"fwd": fwd, "fwdbwd": fwdbwd}
+
+
+def host_ms(call, n_sets, n=20):
+    """Median host ms per call over n calls enqueued behind a GPU sleep (none waits on the GPU)."""
+    for i in range(3):
+        call(i % n_sets)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(BUSY_CYCLES)
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        call(i % n_sets)
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    times.sort()
+    return times[len(times) // 2]
+
+
+def sync_sites(call):
+    """Where one call synchronizes with the GPU: (file:line, message) of each sync-debug warning."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            call(0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return [f"{w.filename}:{w.lineno} {str(w.message)[:80]}" for w in got if "synchroniz" in str(w.message)]
 
 
 def stage_times(call, n=50):
-    """Mean host microseconds per call of each STAGES function (inclusive), over n calls."""
-    import importlib
-
+    """Mean host µs per call of each STAGES function (inclusive), over n calls."""
     totals, counts, saved = {}, {}, []
     for mod_name, names in STAGES.items():
         mod = importlib.import_module(mod_name)
         for name in names:
             fn = getattr(mod, name, None)
             if fn is None:
+                print(f"  (no {mod_name}.{name})")
                 continue
             key = f"{mod_name.rsplit('.', 1)[-1]}.{name}"
 
@@ -56,58 +110,59 @@ def stage_times(call, n=50):
 
             saved.append((mod, name, fn))
             setattr(mod, name, wrapped)
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     try:
-        sync()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(BUSY_CYCLES)
         t0 = time.perf_counter_ns()
-        for _ in range(n):
-            call()
+        for i in range(n):
+            call(i % 2)
         whole = (time.perf_counter_ns() - t0) / n / 1e3
-        sync()
+        torch.cuda.synchronize()
     finally:
         for mod, name, fn in saved:
             setattr(mod, name, fn)
-    print(f"stages (host us per API call, inclusive; whole call {whole:.1f} us with the timers on):")
+    print(f"stages (host µs per call, inclusive; whole call {whole:.1f} µs with the timers on):")
     for key in sorted(totals, key=lambda k: -totals[k]):
-        print(f"  {key:55s} {totals[key] / n / 1e3:8.1f} us  ({counts[key] / n:.0f} calls)")
+        print(f"  {key:55s} {totals[key] / n / 1e3:8.1f} µs  ({counts[key] / n:.1f} calls)")
 
 
 def main():
-    name = sys.argv[1] if len(sys.argv) > 1 else "16x1k"
-    lengths = json.loads(DEFAULT_WORKLOADS.read_text())["workloads"][name]
-    case = Case(name, lengths, 16, 16, 128, "cuda").build()
-    q, k, v, do = case.sets[0]
-    mode = sys.argv[2] if len(sys.argv) > 2 else "fwd"
-    if mode == "bwd":
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = flamia_attn_varlen_func(*leaves, case.cu, case.cu, case.max_len, case.max_len, case.scale)
+    names = (sys.argv[1] if len(sys.argv) > 1 else "16x1k").split(",")
+    extra = sys.argv[2:]
+    if "nomemo" in extra:
+        import flamia_cute.cute_backend as cb
 
-        def call():
-            return torch.autograd.grad(out, leaves, do, retain_graph=True)
-    else:
-        def call():
-            return flamia_attn_varlen_func(q, k, v, case.cu, case.cu, case.max_len, case.max_len, case.scale)
-
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        call()
-    host = (time.perf_counter() - t0) / 20
-    torch.cuda.synchronize()
-    print(f"{mode}: host time per call (no sync): {host * 1e3:.3f} ms")
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(20):
-        call()
-    prof.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-    print(s.getvalue()[:6000])
-    if "stages" in sys.argv[3:]:
-        stage_times(call)
+        cb._memoized = lambda key, build: build()
+    workloads = json.loads(DEFAULT_WORKLOADS.read_text())["workloads"]
+    impls = [Ours("fp8_tokenblock_dsbf16", "cute"), FA4()]
+    print(f"{'workload':12s} {'impl':30s} {'mode':7s} {'host ms':>8s}  syncs")
+    first = None
+    for name in names:
+        case = Case(name, workloads[name], 16, 16, 128, "cuda").build()
+        for impl in impls:
+            impl.prepare(case)
+            for mode, call in training_calls(case, impl).items():
+                ms = host_ms(call, len(case.sets))
+                sites = sync_sites(call)
+                print(f"{name:12s} {impl.name:30s} {mode:7s} {ms:8.3f}  {len(sites)} {'; '.join(sites)[:300]}")
+                if first is None and isinstance(impl, Ours) and mode == "fwdbwd":
+                    first = (case, call)
+        sys.stdout.flush()
+    case, call = first
+    if "profile" in extra:
+        prof = cProfile.Profile()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(BUSY_CYCLES)
+        prof.enable()
+        for i in range(20):
+            call(i % len(case.sets))
+        prof.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(35)
+        print(s.getvalue()[:9000])
+    if "stages" in extra:
+        stage_times(lambda i: call(i % len(case.sets)))
 
 
 if __name__ == "__main__":

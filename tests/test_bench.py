@@ -3,6 +3,8 @@
 import json
 
 import pandas as pd
+import pytest
+import torch
 
 from flamia_cute.cli import main
 from flamia_cute.recipes import DEFAULT_RECIPE
@@ -56,6 +58,14 @@ def test_bench_sustained_times_back_to_back_calls(tmp_path, capsys, monkeypatch)
     assert (df["ms"] > 0).all()
     assert main(["bench", "--workloads", str(path), "--heads", "tiny", "--device", "cpu", "--sustain", "-1"]) == 2
     assert "--sustain" in capsys.readouterr().err
+    # CUDA graph replays: a GPU and --sustain only (CPU timing would silently mean something else)
+    for extra in ([], ["--sustain", "0.05"]):
+        assert main(["bench", "--workloads", str(path), "--heads", "tiny", "--device", "cpu", "--graph", *extra]) == 2
+        assert "--graph" in capsys.readouterr().err
+    if torch.cuda.is_available():
+        assert main(["bench", "--workloads", str(path), "--heads", "tiny", "--device", "cuda", "--graph", "--sustain",
+                     "1", "--modes", "fwd,bwd"]) == 2
+        assert "--graph" in capsys.readouterr().err
 
 
 def test_time_sustained_counts_calls_per_window():
@@ -66,6 +76,21 @@ def test_time_sustained_counts_calls_per_window():
 
     got = _time_sustained(lambda i: _time.sleep(0.002), 2, "cpu", 0.02, reps=3, window_ms=10.0)
     assert 1.9 < got < 4.0, got
+
+
+@pytest.mark.gpu
+def test_graphed_calls_replay_the_captured_set():
+    """bench._graphed: each input set's call runs once eagerly (warm-up), is captured, and replay(i)
+    reruns set i's captured work only."""
+    from flamia_cute.bench import _graphed
+
+    bufs = [torch.zeros(4, device="cuda"), torch.zeros(4, device="cuda")]
+    replay = _graphed(lambda i: bufs[i].add_(i + 1), 2, "cuda")
+    replay(0)
+    replay(0)
+    replay(1)
+    torch.cuda.synchronize()
+    assert bufs[0].tolist() == [3.0] * 4 and bufs[1].tolist() == [4.0] * 4
 
 
 def test_bench_rejects_unknown_names(tmp_path, capsys):
