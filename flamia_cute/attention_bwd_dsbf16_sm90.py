@@ -131,6 +131,7 @@ from .sm90_device import (
     read_tile,
     select,
     short_pair_bounds,
+    short_pair_follower,
     short_pair_len,
     sm_id,
     smem_word_index,
@@ -885,9 +886,8 @@ class FlamiaBwdDsBf16Sm90:
             pair_len = short_pair_len(mCu, doc, num_docs)
             hi_start, hi_len = short_pair_bounds(doc_start, doc_len, pair_len)
             item_len = hi_len
-            if doc % 2 == 1:
-                if short_pair_len(mCu, doc - 1, num_docs) > 0:
-                    live = Boolean(False)  # the predecessor's CTA runs this document
+            if short_pair_follower(mCu, doc, num_docs):
+                live = Boolean(False)  # the predecessor's CTA runs this document
         live_blk = n_blk * self.kb < doc_len
         if cutlass.const_expr(pairs):
             live_blk = live_blk & live

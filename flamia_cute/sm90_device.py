@@ -12,7 +12,7 @@ from pathlib import Path
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, Int64, Uint32
+from cutlass import Boolean, Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import arith, llvm
 
 from .quant import quantize as _quant_layout
@@ -462,9 +462,8 @@ def _doc_chunks_and_columns(mCu: cute.Tensor, b, tile: cutlass.Constexpr, num_do
     n = mCu[b + 1] - mCu[b]
     c = (n + (tile - 1)) // tile
     if cutlass.const_expr(short_pairs):
-        if b % 2 == 1:
-            if short_pair_len(mCu, b - 1, num_docs) > 0:
-                c = Int32(0)
+        if short_pair_follower(mCu, b, num_docs):
+            c = Int32(0)
     return c, (n + (align - 1)) & -align
 
 
@@ -497,6 +496,17 @@ def short_pair_len(mCu: cute.Tensor, a, num_docs):
                 if n_b <= rows:
                     got = n_b
     return got
+
+
+@cute.jit
+def short_pair_follower(mCu: cute.Tensor, b, num_docs):
+    """Whether document b is a short pair's second (short_pair_len of b - 1 > 0): its predecessor's
+    query tile (forward) or CTA (backward) runs it, so b's own has nothing to do."""
+    follows = Boolean(False)
+    if b % 2 == 1:
+        if short_pair_len(mCu, b - 1, num_docs) > 0:
+            follows = Boolean(True)
+    return follows
 
 
 def warp_scan_up(lane, *values):
