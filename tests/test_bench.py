@@ -60,7 +60,8 @@ def test_bench_sustained_times_back_to_back_calls(tmp_path, capsys, monkeypatch)
     assert "--sustain" in capsys.readouterr().err
     # CUDA graph replays: a GPU and --sustain only (CPU timing would silently mean something else)
     for extra in ([], ["--sustain", "0.05"]):
-        assert main(["bench", "--workloads", str(path), "--heads", "tiny", "--device", "cpu", "--graph", *extra]) == 2
+        assert main(["bench", "--workloads", str(path), "--heads", "tiny", "--device", "cpu", "--modes", "fwd",
+                     "--graph", *extra]) == 2
         assert "--graph" in capsys.readouterr().err
     if torch.cuda.is_available():
         assert main(["bench", "--workloads", str(path), "--heads", "tiny", "--device", "cuda", "--graph", "--sustain",
