@@ -429,9 +429,9 @@ def compile_launcher(
     """
     if use_tvm_ffi is None:
         use_tvm_ffi = tvm_ffi_enabled()
-    # the sources as given (each module's SOURCE_FILES tuple: hashable, and no string building per launch)
-    lkey = (kernel_source_files if isinstance(kernel_source_files, tuple) else tuple(kernel_source_files), config,
-            arch, use_tvm_ffi, arg_kinds)
+    # the source paths themselves (hashable; tuple() of a module's SOURCE_FILES tuple is that tuple, so no
+    # string building per launch)
+    lkey = (tuple(kernel_source_files), config, arch, use_tvm_ffi, arg_kinds)
     launch = _LAUNCHERS.get(lkey)
     if launch is not None:
         return launch
