@@ -310,8 +310,7 @@ def bench_case(case: Case, impl: Impl, modes, reps: int, queue_lead_cycles: int 
         peak = _peak_mb(lambda: run(0, "fwdbwd"), dev)
     else:
         grads = any(m != "fwd" for m in modes)
-        leaves = [tuple(t.detach().clone().requires_grad_(grads and j < 3) for j, t in enumerate(s))
-                  for s in case.sets]
+        leaves = input_leaves(case, grads)
         # the error check on leaves of its own, dropped before timing: an autograd graph kept alive from
         # the default stream breaks a CUDA graph capture of the same leaves' backward (graph mode)
         q, k, v = (t.detach().clone().requires_grad_(grads) for t in leaves[0][:3])
@@ -322,22 +321,10 @@ def bench_case(case: Case, impl: Impl, modes, reps: int, queue_lead_cycles: int 
             err_dq = rel_l2(dq[sl, hs], ref_dq)
         del q, k, v, out
         graphs = [impl.forward(case, *s[:3]) for s in leaves] if "bwd" in modes else []
-
-        def fwd(i):
-            with torch.no_grad():
-                impl.forward(case, *leaves[i][:3])
-
-        def bwd(i):
-            torch.autograd.grad(graphs[i], leaves[i][:3], leaves[i][3], retain_graph=True)
-
-        def fwdbwd(i):
-            o = impl.forward(case, *leaves[i][:3])
-            torch.autograd.grad(o, leaves[i][:3], leaves[i][3])
-
-        times = {m: _timer({"fwd": fwd, "bwd": bwd, "fwdbwd": fwdbwd}[m], n, dev, reps, queue_lead_cycles, sustain_s,
-                           graph) for m in modes}
+        calls = timed_calls(case, impl, leaves, graphs)
+        times = {m: _timer(calls[m], n, dev, reps, queue_lead_cycles, sustain_s, graph) for m in modes}
         del graphs
-        peak = _peak_mb(lambda: fwdbwd(0) if grads else fwd(0), dev)
+        peak = _peak_mb(lambda: calls["fwdbwd" if grads else "fwd"](0), dev)
     flops = causal_flops(case.lengths, case.heads_q, case.head_dim)
     flops_b = causal_flops(case.lengths, case.heads_q, case.head_dim, backward=True)
     per_mode = {"fwd": flops, "bwd": flops_b, "fwdbwd": flops + flops_b}
@@ -346,6 +333,29 @@ def bench_case(case: Case, impl: Impl, modes, reps: int, queue_lead_cycles: int 
                      "tflops": round(per_mode[m] / (times[m] * 1e9), 1), "err_o": err_o, "err_dq": err_dq,
                      "peak_mem_mb": peak})
     return rows
+
+
+def input_leaves(case: Case, grads: bool) -> list[tuple]:
+    """Per input set, (q, k, v, dO) cloned off the case's tensors; q, k, v require grad when `grads`."""
+    return [tuple(t.detach().clone().requires_grad_(grads and j < 3) for j, t in enumerate(s)) for s in case.sets]
+
+
+def timed_calls(case: Case, impl: Impl, leaves, graphs=()) -> dict:
+    """The calls the bench times, each over input set i of `leaves` (input_leaves): fwd (under
+    no_grad), bwd (the backward of graphs[i], a forward output kept alive), fwdbwd (the training call)."""
+
+    def fwd(i):
+        with torch.no_grad():
+            impl.forward(case, *leaves[i][:3])
+
+    def bwd(i):
+        torch.autograd.grad(graphs[i], leaves[i][:3], leaves[i][3], retain_graph=True)
+
+    def fwdbwd(i):
+        o = impl.forward(case, *leaves[i][:3])
+        torch.autograd.grad(o, leaves[i][:3], leaves[i][3])
+
+    return {"fwd": fwd, "bwd": bwd, "fwdbwd": fwdbwd}
 
 
 def _timer(fn, n_sets, device, reps, queue_lead_cycles, sustain_s, graph=False):

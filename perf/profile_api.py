@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from flamia_cute.bench import DEFAULT_WORKLOADS, FA4, Case, Ours
+from flamia_cute.bench import DEFAULT_WORKLOADS, FA4, Case, Ours, input_leaves, timed_calls
 
 STAGES = {  # module -> functions whose host time is reported (inclusive)
     "flamia_cute.interface": ["flamia_attn_varlen_func", "check_attention_inputs", "pick_backend"],
@@ -42,20 +42,6 @@ STAGES = {  # module -> functions whose host time is reported (inclusive)
 }
 BUSY_CYCLES = 400_000_000  # ~0.2 s of GPU sleep: longer than any timed batch of host calls
 
-
-def training_calls(case, impl):
-    """The bench's closures: fwd(i) under no_grad, fwdbwd(i) forward + autograd backward."""
-    leaves = [tuple(t.detach().clone().requires_grad_(j < 3) for j, t in enumerate(s)) for s in case.sets]
-
-    def fwd(i):
-        with torch.no_grad():
-            impl.forward(case, *leaves[i][:3])
-
-    def fwdbwd(i):
-        o = impl.forward(case, *leaves[i][:3])
-        torch.autograd.grad(o, leaves[i][:3], leaves[i][3])
-
-    return {"fwd": fwd, "fwdbwd": fwdbwd}
 
 
 def host_ms(call, n_sets, n=20):
@@ -141,7 +127,9 @@ def main():
         case = Case(name, workloads[name], 16, 16, 128, "cuda").build()
         for impl in impls:
             impl.prepare(case)
-            for mode, call in training_calls(case, impl).items():
+            calls = timed_calls(case, impl, input_leaves(case, grads=True))
+            for mode in ("fwd", "fwdbwd"):
+                call = calls[mode]
                 ms = host_ms(call, len(case.sets))
                 sites = sync_sites(call)
                 print(f"{name:12s} {impl.name:30s} {mode:7s} {ms:8.3f}  {len(sites)} {'; '.join(sites)[:300]}")
