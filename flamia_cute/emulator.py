@@ -310,11 +310,6 @@ def emulate_forward(q, k, v, cu_q, cu_k, softmax_scale, causal, recipe: Recipe, 
                 ref = torch.where(keep, r_tile, torch.ones_like(r_tile))  # dropped rows: any finite r
                 pe = torch.where(keep, _fold_cast_to(p, wt, ref.expand_as(p), recipe.p_scale), 0.0)
                 r_run = torch.where(keep, r_tile, r_run)
-                if recipe.row_sum == "cast_p":
-                    # off the diagonal (scales uniform: the cast P is what P V weighs) and kept: the cast P's sum.
-                    # pm exists: Recipe requires the diagonal safeguard with token blocks for cast_p
-                    on_diag = pm.any(-1, keepdim=True)
-                    p_sum = torch.where(on_diag | ~keep, p_sum, pe.sum(-1, keepdim=True))
             else:  # mx: 1x32 blocks of keys per row; the tile starts on a block boundary
                 pe = mx_quantize(p, dim=-1, block=MX_BLOCK)
                 if pm is not None:
@@ -403,14 +398,14 @@ def emulate_backward(dout: torch.Tensor, ctx: EmulatorContext, dtype=torch.float
 
 def _cast_ds(ds, recipe: Recipe, other: EmuOperand, mask, g: _DocGeom, group: int, dim: int, dtype):
     """Effective dS values for the product reducing along `dim` (-1: keys, for dQ; -2: queries, for dK)."""
-    if recipe.ds_cast == "bf16" or (recipe.ds_cast == "e4m3_dk" and dim == -1):
+    if recipe.ds_cast == "bf16":
         return ds.to(torch.bfloat16).to(dtype)
     if recipe.ds_cast == "mx":
         out = mx_quantize(ds, dim=dim, block=MX_BLOCK)
         if mask is not None:
             out = torch.where(mask[None], ds.to(torch.bfloat16).to(dtype), out)
         return out
-    # rowtile (and e4m3_dk's dK): fold the other operand's per-token scale, then one scale per row per tile
+    # rowtile: fold the other operand's per-token scale, then one scale per row per tile
     if dim == -1:
         w = _per_pair_scale(other, mask, g.ks, g.ke, group).to(dtype).expand_as(ds)
         tile = recipe.key_tile

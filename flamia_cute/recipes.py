@@ -12,17 +12,11 @@ from dataclasses import dataclass, field, replace
 OPERAND_FORMATS = ("bf16", "e4m3", "e5m2", "mxfp8", "nvfp4")
 SCALINGS = ("none", "tensor", "token", "tokenblock", "mx")
 P_CASTS = ("bf16", "e4m3_fold", "mx")
-# e4m3_dk: dK's dS on e4m3 as e4m3_rowtile casts it (dS * sq, one scale per key row and query tile),
-# dQ's in bf16. e4m3_tile: one power-of-two scale per (query_tile x key_tile) tile of dS * sq * sk,
-# the same codes for dK and dQ; it LEAKS (a query's dQ codes depend on later queries' dS in its tile
-# through the shared scale): a control for the leakage tests
-DS_CASTS = ("bf16", "e4m3_rowtile", "e5m2_rowtile", "e4m3_dk", "e4m3_tile", "mx")
+# e4m3_tile: one power-of-two scale per (query_tile x key_tile) tile of dS * sq * sk, the same codes
+# for dK and dQ; it LEAKS (a query's dQ codes depend on later queries' dS in its tile through the
+# shared scale): a control for the leakage tests
+DS_CASTS = ("bf16", "e4m3_rowtile", "e5m2_rowtile", "e4m3_tile", "mx")
 DV_FOLDS = ("tile", "document")
-# The forward's softmax denominator l: "fp32", the sum of the fp32 P; "cast_p", on the tiles whose
-# key-side scales are uniform (off the diagonal, K/V in key_tile blocks), the sum of the e4m3 P that
-# P V multiplies (a kernel takes it from the tensor core: a ones column against the same P), so O's
-# weights sum to 1 as cast; the diagonal tile and rows whose tile is dropped (FOLD_DROP) keep fp32.
-ROW_SUMS = ("fp32", "cast_p")
 MX_BLOCK = 32  # Blackwell block-scaled MMA: one E8M0 scale per 32 elements
 # P's e4m3_fold cast divides by a fold reference r (the max of the other operand's scales over the
 # visible entries of a tile): r never goes below FOLD_REF_MIN, so that p_scale / r stays finite in
@@ -92,9 +86,8 @@ class Recipe:
     # dV = P^T dO with dO's per-token scale folded into P (p_cast e4m3_fold) relative to a reference:
     # "tile", the max over each query tile's visible queries; "document", one reference per (KV head
     # group, document), the max dO scale there: the same for every tile, so a kernel can accumulate
-    # dV in the MMA itself (perf/NOTES.md, session 4)
+    # dV in the MMA itself
     dv_fold: str = "tile"
-    row_sum: str = "fp32"  # ROW_SUMS
 
     def __post_init__(self):
         if self.p_cast not in P_CASTS:
@@ -105,14 +98,6 @@ class Recipe:
             raise ValueError(f"Recipe.dv_fold must be one of {DV_FOLDS}, got {self.dv_fold!r}")
         if self.dv_fold != "tile" and self.p_cast != "e4m3_fold":
             raise ValueError("Recipe.dv_fold 'document' applies to p_cast 'e4m3_fold' only")
-        if self.row_sum not in ROW_SUMS:
-            raise ValueError(f"Recipe.row_sum must be one of {ROW_SUMS}, got {self.row_sum!r}")
-        if self.row_sum == "cast_p" and not (
-            self.p_cast == "e4m3_fold" and self.diagonal_safeguard
-            and all(op.scaling == "tokenblock" and op.block_tokens == self.key_tile for op in (self.k, self.v))
-        ):
-            raise ValueError("Recipe.row_sum 'cast_p' needs p_cast 'e4m3_fold', the diagonal safeguard and k, v "
-                             "in key_tile token blocks (uniform scales on the off-diagonal tiles)")
         for tile_name in ("key_tile", "query_tile"):
             t = getattr(self, tile_name)
             if t < 1 or t & (t - 1):
@@ -174,32 +159,18 @@ NAMED_RECIPES: dict[str, Recipe] = {
         Recipe("fp8_tokenblock_unsafe", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, diagonal_safeguard=False),
         Recipe("fp8_token_ds_e5m2", _TOKEN, _TOKEN, _TOKEN, _TOKEN, ds_cast="e5m2_rowtile"),
         Recipe("fp8_token_ds_bf16", _TOKEN, _TOKEN, _TOKEN, _TOKEN, ds_cast="bf16"),
-        # The planned backward (perf/NOTES.md, session 4): S, dP, dV in FP8 with dV folded per
-        # document, dS in bf16 for dK and dQ. The default since session 6 (attention_bwd_dsbf16_sm90).
+        # The default: S, P V, dP and dV in FP8 with dV's dO scale folded per document, dS in bf16
+        # for dK and dQ (the sm_90a backward kernel, attention_bwd_dsbf16_sm90)
         Recipe("fp8_tokenblock_dsbf16", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, ds_cast="bf16", dv_fold="document"),
-        # The same backward with per-token K and V (block size 1): no diagonal copies to quantize,
-        # and no change of K/V copies inside a backward CTA; the forward folds V's scale into P on
-        # every tile instead of the diagonal only. As accurate as the block-scaled twin (power-of-two
-        # scales on a floating-point format: the granularity changes only what under- or overflows).
-        # H200 (perf/RESULTS.md, session 21): backward 0..2% faster, forward 15..31% slower wherever a
-        # query block has more than one key tile (16x1k +3%): opt-in
-        Recipe("fp8_token_dsbf16", _TOKEN, _TOKEN, _TOKEN, _TOKEN, ds_cast="bf16", dv_fold="document"),
-        # fp8_tokenblock_dsbf16 with dK's product on e4m3 too (dS^T * sq cast per key row and
-        # 64-query tile, the backward kernel's tile; dQ's stays bf16): leak-free, as accurate as the
-        # e4m3-dS recipes (perf/NOTES.md, session 24)
-        Recipe("fp8_tokenblock_dke4m3", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, ds_cast="e4m3_dk",
-               dv_fold="document", query_tile=64),
         # One dS scale per 64-query x 128-key tile for both products (e4m3_tile). Leaks through dQ:
         # the control that shows the leakage tests see scales shared across queries in dS
         Recipe("fp8_tokenblock_dstile_unsafe", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, ds_cast="e4m3_tile",
                dv_fold="document", query_tile=64),
-        # The same with the forward's row sum of the cast P off the diagonal (row_sum "cast_p"): the
-        # kernel sums on the tensor core instead of 64 FADDs per thread and tile. Same accuracy against
-        # fp64 (within 0.01 dB), forward 1..6% slower on the H200 (perf/RESULTS.md, session 14): opt-in
-        Recipe("fp8_tokenblock_dsbf16_castsum", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, ds_cast="bf16",
-               dv_fold="document", row_sum="cast_p"),
-        # cuDNN-like: one amax per tensor per call. Deliberately leaky: the control.
-        Recipe("fp8_tensor_current", _TENSOR, _TENSOR, _TENSOR, _TENSOR, diagonal_safeguard=False),
+        # The default's numerics with one amax per tensor per call, as cuDNN's FP8 attention scales.
+        # Deliberately leaky (every position's scale sees every other): the control of the leakage
+        # tests, forward and backward, on the kernels and the emulator.
+        Recipe("fp8_tensor_current", _TENSOR, _TENSOR, _TENSOR, _TENSOR, ds_cast="bf16", dv_fold="document",
+               diagonal_safeguard=False),
         Recipe("mxfp8", _MX, _MX, _MX, _MX, p_cast="mx", ds_cast="mx"),
         Recipe("mxfp8_unsafe", _MX, _MX, _MX, _MX, p_cast="mx", ds_cast="mx", diagonal_safeguard=False),
         # FLAMIA's mixed path: NVFP4 (1x16 blocks, e4m3 block scales) for S = Q K^T, MXFP8 elsewhere.
@@ -207,9 +178,7 @@ NAMED_RECIPES: dict[str, Recipe] = {
     )
 }
 
-# fp8_tokenblock_dsbf16 against fp8_tokenblock (H200, perf/RESULTS.md session 6): backward GPU time
-# -13..-24%, dQ error vs fp32 6.2e-2 vs 6.8e-2, held-out loss after 1,000 training steps 0.979 vs 0.993
-# (FA4 bf16 1.017, seed 0), peak memory of a training call -12%
+# Against fp8_tokenblock (e4m3 dS): a faster backward kernel and a lower dQ error (docs/numerics.md)
 DEFAULT_RECIPE = "fp8_tokenblock_dsbf16"
 
 

@@ -6,8 +6,7 @@ import torch
 from flamia_cute.testing import LeakageReport, attention_fn_for, check_leakage, make_inputs
 
 LENGTHS = [300, 517, 1, 0, 130]
-LEAK_FREE = ["bf16", "fp8_token", "fp8_tokenblock", "fp8_tokenblock_dsbf16", "fp8_token_dsbf16", "fp8_tokenblock_dsbf16_castsum",
-             "fp8_tokenblock_dke4m3", "mxfp8", "nvfp4_fp8"]
+LEAK_FREE = ["bf16", "fp8_token", "fp8_tokenblock", "fp8_tokenblock_dsbf16", "mxfp8", "nvfp4_fp8"]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +40,7 @@ def test_unsafe_block_recipes_fail_future_test(recipe, inputs):
 def test_shared_ds_tile_scale_control_leaks_through_dq(inputs):
     """One dS scale per 64-query x 128-key tile for dQ's codes (e4m3_tile): a query's dQ then depends
     on later queries' dS in its tile, so the future test fails on dQ alone (O and LSE are the forward's),
-    while the per-row scales of fp8_tokenblock_dke4m3 (dK's) and bf16 dQ pass (test_leak_free_recipes)."""
+    while the per-row scales of fp8_tokenblock (e4m3_rowtile) pass (test_leak_free_recipes)."""
     q, k, v, do, cu, scale = inputs
     rep = check_leakage(attention_fn_for("fp8_tokenblock_dstile_unsafe", scale), q, k, v, cu, do, doc=1, cut=129)
     assert not rep.future_ok and rep.isolation_ok, str(rep)
