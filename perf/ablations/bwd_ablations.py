@@ -3,7 +3,7 @@
 (outputs are WRONG; timing only, on the GPU), like fwd_ablations.py for the forward. Each ablation
 patches the traced code before its own compile (disk cache off, memory cache cleared).
 
-    FLAMIA_CUTE_DISK_CACHE=0 python perf/experiments/bwd_ablations.py [workload ...]
+    FLAMIA_CUTE_DISK_CACHE=0 python perf/ablations/bwd_ablations.py [workload ...]
 
 Ablations (each against the full kernel in the same run):
   no exp           P^T's exp2 -> one FMUL (no MUFU.EX2)
@@ -15,7 +15,7 @@ Ablations (each against the full kernel in the same run):
   half dK dQ       every other k-step of the two bf16 products (dK, dQ) skipped: the instruction count
                    and the B-operand bytes of e4m3 dK and dQ (an e4m3 k32 wgmma takes a bf16 k16's
                    time and reads half its bytes), without the dS quantization that would need
-                   (session 23: the ceiling of an e4m3-dS build of this kernel)
+                   (the ceiling of an e4m3-dS build of this kernel)
   half dK dQ no K cvt   the same without K's bf16 conversion per phase (that build loads K^T's e4m3
                    codes by TMA instead): its ceiling less the added dS scale work
   half dK          dK's product alone halved: the ceiling of e4m3 dK with dQ left in bf16

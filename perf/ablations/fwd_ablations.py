@@ -3,7 +3,7 @@
 (outputs are WRONG; timing only, on the GPU). Each ablation patches the traced code before its own
 compile (disk cache off, memory cache cleared), so the product kernel is untouched.
 
-    FLAMIA_CUTE_DISK_CACHE=0 python perf/experiments/fwd_ablations.py [workload ...]
+    FLAMIA_CUTE_DISK_CACHE=0 python perf/ablations/fwd_ablations.py [workload ...]
 
 Ablations (each against the full kernel in the same run):
   no exp        exp2 -> one FMUL (no MUFU.EX2: the exponentials' pipe time)
@@ -12,6 +12,7 @@ Ablations (each against the full kernel in the same run):
   skeleton      all three: GEMMs, pipelines, barriers and the rest of the softmax
 """
 
+import functools
 import json
 import sys
 
@@ -60,12 +61,11 @@ def main():
         qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, case.cu, 128, case.max_len)
         flops = causal_flops(case.lengths, 16, 128)
         row = {"workload": name}
+        run = functools.partial(fwd.flamia_fwd_sm90, qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt,
+                                vq.scale, kt.data_td, kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len,
+                                case.scale, cfg)
         for label, flags in ABLATIONS.items():
             patch(**flags)
-
-            def run():
-                fwd.flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
-                                    kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale, cfg)
             row[label] = ms = graph_ms(run)
             row[f"TFLOP/s {label}"] = flops / (ms * 1e9)
         patch()

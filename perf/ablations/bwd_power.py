@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Is the bf16-dS backward kernel power-bound on the H200? Session 24's ablations found K's bf16
-conversion skipped (dQ's B operand left as shared memory held it) and converted to zeros equally
-fast (-7..-8%): the saving is the operand data, not the conversion's work. This runs each build
-sustained for a few seconds (a CUDA graph replayed back to back) while nvidia-smi samples the SM
-clock, board power and the clock-event reasons, in alternating order (A B A B: thermal drift shows).
+"""The bf16-dS backward kernel's builds (bwd_ablations.py's) sustained, with clocks: at the H200's
+700 W cap time per tile is energy per tile, so a build that saves instructions but not energy gains
+less here than in burst timing (docs/power.md). Each build runs for a few seconds (a CUDA graph
+replayed back to back) while nvidia-smi samples the SM clock, board power and the clock-event
+reasons, in alternating order (A B A B: thermal drift shows).
 
-    FLAMIA_CUTE_DISK_CACHE=0 BWD_POWER_BUILDS="full,zero K" python perf/experiments/bwd_power.py 1x16k
+    FLAMIA_CUTE_DISK_CACHE=0 BWD_POWER_BUILDS="full,zero K" python perf/ablations/bwd_power.py 1x16k
 """
 
 import os

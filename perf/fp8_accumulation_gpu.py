@@ -1,11 +1,10 @@
 """GPU experiment: what Hopper's e4m3 wgmma keeps when a chain of instructions accumulates.
 
-Session 14 ruled out the forward without per-tile promotion (O accumulated in the tensor core across
-key tiles, FA3's way) on a CPU model (`testing.fp8_mma_truncated`, 14 bits, the running accumulator
-truncated with each k32 instruction's products). This measures the hardware through Triton's e4m3
-`tl.dot` (wgmma on sm_90a). Triton chains a dot's k32 instructions through one accumulator until
-`max_num_imprecise_acc` products have been summed, then adds that partial sum into the dot's fp32
-accumulator (a separate add); so the builds are:
+The kernels promote every 128-key P V tile into fp32 because the tensor core's running accumulator
+is truncated; `testing.fp8_mma_truncated` models that at 14 bits. This measures the hardware through
+Triton's e4m3 `tl.dot` (wgmma on sm_90a). Triton chains a dot's k32 instructions through one
+accumulator until `max_num_imprecise_acc` products have been summed, then adds that partial sum into
+the dot's fp32 accumulator (a separate add); so the builds are:
 
 - "k32": max_num_imprecise_acc = 32: every instruction's result added in fp32 (no chain);
 - "chain128": 128-deep dots, each one chain of 4 instructions, added in fp32 (the kernels' per-tile
@@ -22,7 +21,8 @@ accumulator (a separate add); so the builds are:
    fixed P scale) and e4m3 V codes of mean 0 and mean 4 (x 16), each build against fp64 of the same
    operands.
 
-Usage (on the H200): python3 perf/experiments/fp8_accumulation_gpu.py [--out FILE.json]
+Usage (on the H200): python3 perf/fp8_accumulation_gpu.py [--out FILE.json]
+Results and their reading: docs/numerics.md.
 """
 
 from __future__ import annotations
