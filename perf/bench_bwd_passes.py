@@ -9,9 +9,7 @@ Per workload (PASSES_WORKLOADS, default 16x1k,4x4k,mixed16k,1x16k; 16 heads, d12
 - each pass alone, and the three passes with and without the side stream;
 - the dO launch (dout_delta_config) under other launch settings (heads per CTA, the launch bound,
   the raster), each checked bitwise against the default's outputs.
-Prediction (perf/NOTES.md, session 20): the dO pass moves 201 MB in 62.7 us (3.2 TB/s), the copy and
-the fill 234 MB at 3.6-4.6 TB/s; overlapped, the 435 MB at ~4.2 TB/s take ~104 us against ~120 us in
-sequence: -10..-16 us per 16k tokens, 16x1k's backward call -2..-3%, 1x16k's -0.3%.
+The passes are memory-bound; their times and byte floors are in docs/backward.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ and the synchronizing CUDA calls one call makes (torch.cuda.set_sync_debug_mode)
 the call's GPU time is what back-to-back timing (`bench --sustain`) and an eager training loop see.
 `profile`: a cProfile of our training call on the first workload; `stages`: every function in STAGES
 wrapped by a perf_counter_ns timer (host µs per call, inclusive), to attribute the host time;
-`nomemo`: cute_backend's config memo bypassed (every call builds its configs: the A/B of session 25).
+`nomemo`: cute_backend's config memo bypassed (every call builds its configs again: the memo's A/B).
 """
 
 import cProfile

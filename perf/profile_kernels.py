@@ -1,10 +1,10 @@
-"""Launch one kernel of interest a few times so `ncu` can profile it (see gpu_session.sh `ncu`).
+"""Launch one kernel of interest a few times so `ncu` can profile it (perf/README.md shows the ncu line).
 
-    python perf/profile_kernels.py bwd 1x4k        # the backward kernel alone (dO preprocessed)
-    python perf/profile_kernels.py bwd_dsbf16 16x1k   # the bf16-dS backward kernel alone (the default)
+    python perf/profile_kernels.py bwd 16x1k          # the backward kernel alone (dO preprocessed)
     python perf/profile_kernels.py quant longtail32k  # the fused Q/K/V quantization launch
     python perf/profile_kernels.py fwd 1x16k          # the forward kernel alone (operands quantized once)
-FWD_CONFIG='{"pin_softmax": true}' overrides FwdConfig fields of the forward launches.
+A workload is a name from flamia_cute/workloads.json or "NxL" (N documents of L tokens, L may end in k).
+FWD_CONFIG='{"kv_stages": 3}' and BWD_DSBF16_CONFIG='{"head_window": 4}' override config fields.
 """
 
 import dataclasses
@@ -15,7 +15,7 @@ import sys
 import torch
 
 from flamia_cute.attention_bwd_dsbf16_sm90 import default_config, flamia_bwd_dsbf16_sm90_from_saved
-from flamia_cute.attention_bwd_sm90 import flamia_bwd_sm90_from_saved, preprocess_bwd
+from flamia_cute.attention_bwd_sm90 import preprocess_bwd
 from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case
 from flamia_cute.cute_backend import quantize_operands
@@ -46,13 +46,9 @@ def main():
                                        kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale, fwd_cfg)
         delta, doq, dv_ref = preprocess_bwd(dout, out, case.cu, dv_ref_group=1)
         ds_cfg = dataclasses.replace(default_config(qq, kq, kt), **BWD_DSBF16_OVERRIDES)
-        for _ in range(3 if what.startswith("bwd") else 0):
-            if what == "bwd_dsbf16":
-                flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
-                                                  case.scale, ds_cfg, do_quantized=doq, delta=delta, dv_ref=dv_ref)
-            else:
-                flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
-                                           do_quantized=doq, delta=delta)
+        for _ in range(3 if what.startswith("bwd") else 0):  # "bwd" (and the older name "bwd_dsbf16")
+            flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
+                                              case.scale, ds_cfg, do_quantized=doq, delta=delta, dv_ref=dv_ref)
     torch.cuda.synchronize()
     print("done", what, name)
 

@@ -36,7 +36,7 @@ def makespans(lengths) -> list[float]:
 
 
 def backward_makespans(lengths, windows=(1, 2, 4, 8, 16), per_cta: float = 4.0) -> dict:
-    """The bf16-dS backward's CTA queue (session 18): CTAs in launch order (backward_grid's "blocks"
+    """The bf16-dS backward's CTA queue: CTAs in launch order (backward_grid's "blocks"
     order in windows of W KV heads, through backward_work_item), taken by 132 SMs as they free up
     (the hardware's queue: `simulate`'s dynamic policy); cost = the CTA's 64-query tiles + per_cta
     (the measured ~7 µs per CTA is ~4 tiles). Makespan over the ideal, minus 1, per window."""
