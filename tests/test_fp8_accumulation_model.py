@@ -2,7 +2,7 @@
 
 `testing.fp8_mma_truncated` (14 significant bits, the running accumulator truncated with each k32
 instruction's products) sets the bounds of test_attention_*_kernel.py, and session 14 ruled out O
-accumulated in the tensor core on it. perf/experiments/fp8_accumulation_gpu.py measures the hardware
+accumulated in the tensor core on it. perf/fp8_accumulation_gpu.py measures the hardware
 through Triton's e4m3 dot (run s21b: every figure within a few percent of the model); these tests
 keep that check: a chain that stopped truncating its accumulator, or a model that drifted from the
 hardware, fails them.
@@ -24,7 +24,7 @@ def experiment():
     pytest.importorskip("triton")
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("needs an sm_90 GPU (wgmma)")
-    path = Path(__file__).resolve().parents[1] / "perf" / "experiments" / "fp8_accumulation_gpu.py"
+    path = Path(__file__).resolve().parents[1] / "perf" / "fp8_accumulation_gpu.py"
     spec = importlib.util.spec_from_file_location("fp8_accumulation_gpu", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
