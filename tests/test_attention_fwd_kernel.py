@@ -325,8 +325,6 @@ def _check_artifacts(art, head_dim):
         assert not re.search(r"\bSTG\.E\.U16\b", art.sass)
 
 
-
-
 # ----------------------------------------------------------------------------------------------
 # CPU: a model of the kernel's tile and index math against the emulator
 # ----------------------------------------------------------------------------------------------
@@ -473,8 +471,6 @@ def _errors(out, lse, eo, else_, cu):
     return res
 
 
-
-
 def _violations(res):
     """Which tolerances the statistics break (empty: the kernel agrees with the emulator)."""
     bad = []
@@ -486,7 +482,6 @@ def _violations(res):
         if not res[key] < tol:  # NaN fails too
             bad.append(f"{key} {res[key]:.3e} >= {tol:.0e}")
     return bad
-
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -548,7 +543,6 @@ def test_tile_model_with_zero_v_tiles(recipe):
         assert rel_l2(eo[s_:e_].float(), ref[s_:e_].float()) < 0.08, (s_, e_)
     bad, _ = _kernel_model(*_quantized(q, k, v, cu, block), cu, scale, 1, block > 1, bug="no_fold_drop")
     assert not torch.isfinite(bad.float()).all() or rel_l2(bad.float(), eo.float()) > 0.1
-
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -632,7 +626,6 @@ def test_quad_transpose4_on_lane_model():
 # ----------------------------------------------------------------------------------------------
 
 LENGTHS = [1, 127, 128, 129, 1000, 0, 4096, 33]
-# The schedules the castsum recipe's GPU tests run: its overlapped (default) and serial tile steps,
 
 
 def _run_kernel(q, k, v, cu, scale, recipe, poison=False, variant="default"):
@@ -734,7 +727,6 @@ def test_gpu_persistent_beyond_the_document_table(variant):
     _check_gpu(lengths, "fp8_tokenblock", 64, 2, 1, seed=8, variant=variant)
 
 
-
 @pytest.mark.gpu
 @needs_dsl
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -766,8 +758,6 @@ def test_gpu_leakage(recipe, variant, head_dim):
     assert rep.ok, str(rep)
 
 
-
-
 # Short documents in every pairing case (schedules.varlen_tiles.short_pair_partner): leaders of 33..64
 # tokens with partners of 1..64 (64 + 64 fills the tile), leaders of <= 32 tokens (never paired), an
 # odd-indexed run (no pair across 2i + 1, 2i + 2), an empty partner, a partner longer than 64, a long
@@ -786,7 +776,6 @@ def test_short_mix_has_every_pairing_case():
     assert short_pair_partner(SHORT_MIX, 8) == 0  # (20, 64): the leader fills 32 V^T columns, not 64
 
 
-
 @pytest.mark.gpu
 @needs_dsl
 @pytest.mark.parametrize("variant", ["short_pairs", "short_pairs_longest"])
@@ -801,7 +790,6 @@ def test_gpu_short_pairs_bit_identical(recipe, variant, head_dim, H, Hk):
     ref = _run_kernel(q, k, v, cu, scale, recipe)
     got = _run_kernel(q, k, v, cu, scale, recipe, poison=True, variant=variant)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-
 
 
 @pytest.mark.gpu
@@ -820,7 +808,6 @@ def test_gpu_short_pairs_leakage(recipe, doc, cut):
 
     rep = check_leakage(fn, q, k, v, cu, doc=doc, cut=cut)
     assert rep.ok, str(rep)
-
 
 
 @pytest.mark.gpu
