@@ -6,15 +6,16 @@ block; a per-token K/V copy on the diagonal tile when blocks are used).
 
 Organization (persistent by default: one CTA per SM takes (document, query head, 128-query block)
 tiles from a global atomic counter, documents in order, heads, then blocks longest first; warp 0
-publishes each tile to the other roles through a shared-memory ring and loads the next tile's Q
-(two Q stages), K and V while the consumers finish the current one; `persistent=False`: one CTA
-per tile):
+publishes each tile, with its document's start and length, to the other roles through a shared-memory
+ring and loads the next tile's Q (two Q stages), K and V while the consumers finish the current one;
+`persistent=False`: one CTA per tile):
 - warp 0 of the producer warpgroup issues TMA loads of Q (two 64-row boxes) and of K and V
   tiles (separate K and V pipelines, `kv_stages` deep); the diagonal tile (processed first)
   comes from the per-token copies when `diagonal_copy`;
-- warp 1 of the producer warpgroup copies the tile's K and V scales (the 128 fp32 of each)
-  into shared memory through its own pipeline: the scale rows are only 4-byte aligned at a
-  document start, which TMA cannot address;
+- warp 1 of the producer warpgroup copies the tile's K and V scales (the 128 fp32 of each), and on
+  the diagonal step the tile's 128 Q scales, into shared memory through its own pipeline: the scale
+  rows are only 4-byte aligned at a document start, which TMA cannot address. The consumers then
+  start a tile with no global loads;
 - two consumer warpgroups own query rows 0-63 and 64-127. Per key tile, from the diagonal
   down: S = Q K^T (wgmma e4m3, fp32), online softmax in the log2 domain, P cast to e4m3 with
   the V scale folded in (r = max visible V scale of the row in the tile), P converted
@@ -23,8 +24,8 @@ per tile):
   tokens contiguous) into a fresh fp32 tile accumulator, then O = O * c + O_tile (one FFMA
   per element): the fp8 tensor-core accumulation is promoted once per 128 keys;
 - a named-barrier ping-pong orders the two warpgroups' GEMM issue (FA3's warp scheduler
-  barrier) so one warpgroup's softmax overlaps the other's MMAs;
-- intra-warpgroup overlap (config.intra_wg_overlap, FA3): S of tile n+1 and P V of tile n are
+  barrier) so one warpgroup's softmax overlaps the other's MMAs (FwdConfig.pingpong);
+- intra-warpgroup overlap (FwdConfig.intra_wg_overlap, FA3): S of tile n+1 and P V of tile n are
   issued back to back, the softmax of tile n+1 runs while the tensor cores do both; the running
   output's rescale for tile n+1 is deferred until tile n's P V has been added (same operations,
   same order, same numbers as the serial schedule);
@@ -67,22 +68,15 @@ from .sm90_device import (
     ARG_F32,
     ARG_I32,
     SHARED_SOURCE_FILES,
-    as_f32,
-    bf16_abs_max_bits,
     claim_next_tile,
     cvt_bf16x2,
-    cvt_e4m3x4,
     doc_chunk_cumsum,
     document_dt_start,
-    exp2_poly,
     f32_bits,
-    finish_tile_claim,
     fmax_chains,
-    issue_tile_claim,
     locate_tile,
     pack_a_fragment_e4m3,
     pow2_reciprocal,
-    pow2_scale_bits,
     publish_tile,
     quad_max2,
     quad_sum,
@@ -91,8 +85,6 @@ from .sm90_device import (
     read_tile,
     select,
     short_pair_bounds,
-    smem_word_index,
-    st_global_v2,
     st_global_v4,
     tma_pipeline,
     warp_pipeline,
@@ -107,57 +99,37 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 P_SCALE = 256.0  # the recipe's fixed power-of-two P scale: P * 256 <= 256 < 448
 P_SCALE_LOG2 = math.log2(P_SCALE)  # exact: P_SCALE is a power of two
+# Query rows and keys per tile. The recipe's key block (128) defines the P scale fold, and equal query
+# and key tiles make the diagonal tile exactly one key tile.
+TILE = 128
+WG_ROWS = 64  # query rows per consumer warpgroup: one m64 wgmma
+CONSUMER_WARPGROUPS = TILE // WG_ROWS
+# The softmax's row max as this many interleaved FMNMX chains (sm90_device.fmax_chains): one serial
+# chain, with the row statistics after it, held a third of the off-diagonal tile's stall samples.
+MAX_CHAINS = 4
 # Persistent schedule: tile hand-off ring depth, the most documents whose chunk table fits in shared
 # memory (4 KB; more documents fall back to the one-CTA-per-tile launch), the table scan's barrier
 # (1 and 2 are the ping-pong's)
 SCHED_STAGES = 2
 PERSISTENT_MAX_DOCS = 1024
 SCAN_BARRIER = 3
-# row_sum_mma: 8 rows below each V^T stage (row 0 of them 1.0, rows 1-7 zero; never written by TMA),
-# so P V (N = D + 8) also sums P in its column D
-ONES_ROWS = 8
-E4M3_ONE_X4 = 0x38383838  # four e4m3 1.0 bytes
 if LPT_MAX_DOCS != 128:  # rank_documents_longest_first: one document per producer-warpgroup thread
     raise ImportError(f"schedules.varlen_tiles.LPT_MAX_DOCS must be 128 (got {LPT_MAX_DOCS})")
 
 
 def per_tile_fallback(cfg):
     """The one-CTA-per-tile build of a persistent config (more documents than its tables hold): the
-    persistent-only options off, the Q stages back to their per-tile default."""
-    return replace(cfg, persistent=False, overlap_tiles=False, claim_ahead=False, q_stages=None, short_pairs=False)
+    persistent-only options at their defaults."""
+    return replace(cfg, persistent=False, tile_order="documents", short_pairs=False)
 
 
 def smem_bytes(cfg) -> int:
-    """Shared memory of one CTA (upper bound): Q tile, K and V stages, their scale vectors, the
-    pin_softmax stores, barriers and alignment."""
-    tile = cfg.tile_m * cfg.head_dim * cfg.q_stages
-    tables = {"documents": 2, "heavy_first": 3, "longest_documents": 4}[cfg.tile_order] + int(cfg.short_pairs)
+    """Shared memory of one CTA (upper bound): Q stages, K and V stages, their scale vectors, the
+    persistent tables, barriers and alignment."""
+    tables = {"documents": 2, "longest_documents": 4}[cfg.tile_order] + int(cfg.short_pairs)
     table = tables * 4 * (PERSISTENT_MAX_DOCS + 1) + 128 if cfg.persistent else 0
-    scales = (2 * cfg.tile_n + (cfg.tile_m if cfg.stage_tile_inputs else 0)) * 4 * cfg.kv_stages
-    ones = cfg.kv_stages * cfg.tile_n * ONES_ROWS if cfg.row_sum_mma else 0
-    # fuse_q_quant: the bf16 Q tiles and the Q stages' row scales
-    bf16_stages = 2 if cfg.persistent else 1
-    fused_q = (bf16_stages * cfg.tile_m * cfg.head_dim * 2 + cfg.tile_m * 4 * cfg.q_stages) if cfg.fuse_q_quant else 0
-    return tile + 2 * cfg.kv_stages * cfg.tile_n * cfg.head_dim + scales + table + ones + fused_q + 2048
-
-
-def overlap_default(head_dim: int, diagonal_copy: bool) -> bool:
-    """intra_wg_overlap's default: on where the sm_90a build has no spills (tests check it).
-
-    Block-scaled recipes (diagonal_copy) have tile-constant K/V scales off the diagonal, and the
-    overlapped softmax fits in 240 registers with the P V accumulator in flight (64+64+64+16
-    fp32/e4m3 registers at D=128). The per-token recipe also needs each column's K and V scale
-    there: 147 spill instructions at D=128, 0-13 at D=64 (depending on pingpong), so it stays serial.
-    """
-    return bool(diagonal_copy)
-
-
-def pingpong_default(head_dim: int, diagonal_copy: bool) -> bool:
-    """pingpong's default. Off for the block-scaled D=128 build: measured on the H200 in three runs of
-    session 9 (s9a-s9c, same run against on), 1.6-2.9% faster on 1x16k, 1x64k, 4x4k, mixed16k and
-    longtail32k, even on 16x1k: with the overlapped schedule the barrier only delays the second
-    warpgroup's issue. Elsewhere on (not re-measured since session 2)."""
-    return not (head_dim == 128 and diagonal_copy)
+    scales = 3 * TILE * 4 * cfg.kv_stages  # K and V scales per key, Q scales per row
+    return TILE * cfg.head_dim * cfg.q_stages + 2 * cfg.kv_stages * TILE * cfg.head_dim + scales + table + 2048
 
 
 @dataclass(frozen=True)
@@ -167,108 +139,22 @@ class FwdConfig:
     head_dim: int
     qhead_per_kvhead: int = 1  # GQA group: query head h reads kv head h // group
     diagonal_copy: bool = False  # fp8_tokenblock: per-token K/V copy on the diagonal tile
-    tile_m: int = 128
-    tile_n: int = 128
+    # K and V pipeline depth (shared memory allowing: smem_bytes). 3 is faster on long documents.
     kv_stages: int = 2
-    num_consumer_warpgroups: int = 2
-    # Order the two consumer warpgroups' GEMM issue (FA3 style). None: pingpong_default.
-    pingpong: bool | None = None
-    # Issue S of tile n+1 with P V of tile n, softmax while both run (FA3). None: the default, on
-    # where it compiles without register spills (overlap_default), else off.
-    intra_wg_overlap: bool | None = None
-    # Overlap schedule: store the row sums to shared memory before the P V wait, so ptxas keeps the
-    # softmax's exp2 ahead of that wait instead of sinking it past (it cannot see the wgmma
-    # latency). Measured on the H200 (perf/RESULTS.md): 2-5% SLOWER on every workload, so off by
-    # default; `flamia-cute tune` still searches it.
-    pin_softmax: bool = False
-    # Uniform (block-scaled) tiles zero a dropped row's P bytes (the zero-V rule, recipes.FOLD_DROP).
-    # True: the selects only under a warp-uniform branch taken when a row of the warp is dropped
-    # (vote.any), bitwise the same P; False: 16 selects on every tile (the off-diagonal loop grew
-    # 543 -> 575 SASS instructions with the rule, the 1x16k kernel 1.37 -> 1.47 ms). Measured on the
-    # H200 (run s7a, same run): True is 0.8% faster on 1x16k, 1.2% on 4x4k, 0.3-0.8% on 1x64k and
-    # longtail32k, +0.3% on 16x1k (noise): less than the predicted half of the 7%.
-    drop_branch: bool = True
-    # Each row's max over its 32 values as this many interleaved FMNMX chains (sm90_device.fmax_chains).
-    # 1 is the serial chain of sessions 1-8: ncu s9a put a third of the off-diagonal tile's stall
-    # samples on that chain and the row statistics after it.
-    max_chains: int = 4
-    # Block-scaled off-diagonal tiles: exp2 of one in this many column groups (4 of a thread's 64
-    # values per group of 16) by a degree-3 polynomial on the FMA pipe (sm90_device.exp2_poly)
-    # instead of MUFU.EX2; 0: all on MUFU. ncu s9b: the two consumer warps of a scheduler shared its
-    # MUFU through a third of the tile time. P differs from MUFU's by <= 8.3e-5 relative there (the
-    # backward recomputes P with MUFU: the two passes' P then differ by that much on those columns).
-    # Measured (s9c, s9e, s9g): 1 in 8 -0.6% geomean (+1.4% on 1x64k), 1 in 4 and more slower.
-    exp2_poly_every: int = 0
-    # One CTA per SM taking (document, head, query block) tiles from a global counter (schedules'
-    # order: documents, heads, blocks longest first), the next tile's Q, K, V loading while the
-    # current one finishes; two Q stages. False: one CTA per tile (the hardware schedules them).
-    # More than PERSISTENT_MAX_DOCS documents fall back to one CTA per tile. Measured (run s10a,
-    # kernel alone, O bit-identical): -10% on 1x16k, -5% on 1x64k, -14..-19% on the short-document
-    # workloads (16x1k 0.178 -> 0.145 ms).
+    # One CTA per SM taking (document, head, query block) tiles from a global counter, the next tile's
+    # Q, K, V loading while the current one finishes (two Q stages). False: one CTA per tile (the
+    # hardware schedules them), the build for more than PERSISTENT_MAX_DOCS documents (per_tile_fallback).
     persistent: bool = True
-    # How persistent CTAs take tiles: "counter" (the next tile from a global atomic counter when a CTA
-    # is free: dynamic, the default) or "stride" (CTA c takes tiles c, c + grid, ...: no atomics, no
-    # counter to zero, but the order's per-document cost pattern then lands unevenly on the CTAs).
-    tile_claim: str = "counter"
-    # Persistent, overlapped schedule: the next tile's diagonal S is issued with this tile's last P V
-    # and its softmax runs while that P V computes; this tile's O is stored after (the intra-warpgroup
-    # overlap carried across tile boundaries, so a tile's start no longer waits for the previous
-    # tile's last P V, and vice versa). Same operations on the same data: O and LSE unchanged.
-    overlap_tiles: bool = False
-    # Persistent tile order: "documents" (documents, heads, blocks longest first), "heavy_first"
-    # (the same over every (document, head)'s heavier half of blocks first, then the lighter halves:
-    # the last tiles claimed are short; each group's K/V is read twice; perf/schedule_model.py) or
-    # "longest_documents" (LPT across documents: by chunk count, most first, ranked in the kernel for
-    # up to LPT_MAX_DOCS documents, the given order beyond; then as "documents").
+    # Persistent tile order: "documents" (documents, heads, blocks longest first) or "longest_documents"
+    # (LPT across documents: by chunk count, most first, ranked in the kernel for up to LPT_MAX_DOCS
+    # documents, the given order beyond; then as "documents"), faster on skewed packs.
     tile_order: str = "documents"
-    # A tile's inputs staged by the producers: the TMA warp publishes the document's start and length
-    # with the tile, and the scale warp loads the tile's per-row Q scales into the diagonal step's
-    # scale stage (its K/V scale loads in two halves, not four dependent round trips), so the
-    # consumers start a tile with no global loads. False (sessions 1-10): they load cu_seqlens and
-    # then sQ (two dependent global loads) at every tile's start, which ncu (s11c) found waiting
-    # after the first S GEMM on one-step tiles. Measured (s11e, kernel alone, medians of three
-    # rotated rounds, O bit-identical): 16x1k -8.4%, 1x64k -7.7%, longtail32k -4.3%, 4x4k -0.8%,
-    # mixed16k 0%, 1x16k +1% (within its round-to-round spread).
-    stage_tile_inputs: bool = True
-    # With the counter claim: the TMA warp issues its next claim before the current tile's loads and
-    # reads it after them (the atomic's round trip under the loads' barrier waits), so each CTA holds
-    # one tile claimed ahead. Built for session 12's profile (s11h: 54 stall samples on the claim's
-    # result on one-step tiles); not yet run on the GPU.
-    claim_ahead: bool = False
-    # Q tiles in flight: None picks 2 when persistent (the next tile's Q loads under this one), 1 per
-    # tile. 3 (persistent, +16 KB at d128) lets tile t+2's Q load before tile t's finishes: built for
-    # session 12 (s11h: one-step tiles waited on Q's barrier at their start); not yet run on the GPU.
-    q_stages: int | None = None
-    # Block-scaled off-diagonal tiles: the softmax row sum on the tensor core (the recipe's
-    # row_sum="cast_p"). P V runs with N = D + 8 over 8 constant rows below each V^T stage (row D is
-    # 1.0, the others zero), so its column D sums the cast P that P V weighs and the 64 FADDs per
-    # thread and tile leave the issue slots. The diagonal tile (P carries the per-token V scale fold
-    # there) and dropped rows keep the fp32 sum. Measured on the H200 (kernel alone, rotated rounds):
-    # 1..6% SLOWER on every workload (s14e; a separate m64n8 wgmma against a ones tile, s14b-s14c,
-    # 2..8%): 8% fewer instructions, but the longer P V sits on the latency-bound chain. Opt-in.
-    row_sum_mma: bool = False
-    # Q quantized in the kernel: the TMA warp loads Q's bf16 tile and producer warps 2-3 (idle
-    # otherwise) write its e4m3 codes into the Q stage with the per-token scales of
-    # quant.quantize_thd (bit-exact with the Q/K/V launch), plus the codes and scales to global
-    # memory for the backward. The Q/K/V launch then quantizes K and V only: it stops reading Q
-    # (2 bytes) and writing its codes (1 byte) per element, ~27% of its bytes. Needs the staged
-    # tile inputs and one tile at a time (no overlap_tiles). Inputs: flamia_fwd_sm90(q_bf16=...).
-    fuse_q_quant: bool = False
     # Persistent: two short documents share one query tile, one per consumer warpgroup (schedules.
     # varlen_tiles.short_pair_partner: documents 2i and 2i + 1 when 2i fills exactly 64 V^T columns
     # and 2i + 1 holds at most 64 tokens). The tile's K is two 64-row boxes, one per document; the
     # V^T box already holds both; the second warpgroup masks the first document's keys. A paired
     # document's rows see exactly the keys and scales of its own tile: O and LSE bit-identical.
     short_pairs: bool = False
-    # Staged tile inputs without fuse_q_quant: the global round trips in which the scale warp stages
-    # the diagonal step's Q, K and V scales, the first step of every tile and the one the consumers
-    # wait for. 3 (sessions 11-22): Q's rows, then the K/V scales in two halves; 2: one trip per
-    # 64-row half, Q and K/V together (the pair build's way, which must take it: its halves come
-    # from two documents); 1: every load of the step at once (spill-free). Measured (s23b, s23c,
-    # kernel alone, rotated rounds, O bit-identical): 2 against 3: 16x1k -4.0%, 128x128 -5.9%,
-    # longtail32k and mixed16k -1.2%, 4x4k -2.8% / +1.6%, 1x16k and 1x64k within +-0.3%; 1 is slower
-    # than 3 (+2..+6%, not explained: not profiled). None: 2 where allowed, else 3.
-    diagonal_scale_trips: int | None = None
 
     def __post_init__(self):
         def bad(name, msg):
@@ -276,122 +162,47 @@ class FwdConfig:
 
         if self.head_dim not in (64, 128):
             bad("head_dim", "must be 64 or 128 (256 would need more than 240 registers per thread)")
-        if self.qhead_per_kvhead < 1:
-            bad("qhead_per_kvhead", "must be >= 1")
-        if not isinstance(self.exp2_poly_every, int) or not 0 <= self.exp2_poly_every <= 16:
-            bad("exp2_poly_every", "must be an int in 0..16 (0: every exp2 on MUFU)")
-        if self.max_chains not in (1, 2, 4, 8):
-            bad("max_chains", "must be 1, 2, 4 or 8")
-        if self.tile_n != 128:
-            bad("tile_n", "must be 128: the recipe's key tile defines the P scale fold")
-        if self.tile_m != 128:
-            bad("tile_m", "must be 128 (= tile_n: the diagonal tile is then exactly one key tile)")
-        if self.num_consumer_warpgroups != 2:
-            bad("num_consumer_warpgroups", "must be 2 (64 query rows each)")
-        if not 2 <= self.kv_stages <= 4:
-            bad("kv_stages", "must be 2, 3 or 4")
+        if type(self.qhead_per_kvhead) is not int or self.qhead_per_kvhead < 1:
+            bad("qhead_per_kvhead", "must be an int >= 1")
         if not isinstance(self.diagonal_copy, bool):
             bad("diagonal_copy", "must be a bool")
-        if self.pingpong is None:
-            object.__setattr__(self, "pingpong", pingpong_default(self.head_dim, self.diagonal_copy))
-        if not isinstance(self.pingpong, bool):
-            bad("pingpong", "must be a bool or None")
-        if self.intra_wg_overlap is None:
-            object.__setattr__(self, "intra_wg_overlap", overlap_default(self.head_dim, self.diagonal_copy))
-        if not isinstance(self.intra_wg_overlap, bool):
-            bad("intra_wg_overlap", "must be a bool or None")
-        if not isinstance(self.pin_softmax, bool):
-            bad("pin_softmax", "must be a bool")
-        if not isinstance(self.drop_branch, bool):
-            bad("drop_branch", "must be a bool")
+        if type(self.kv_stages) is not int or not 2 <= self.kv_stages <= 4:
+            bad("kv_stages", "must be 2, 3 or 4")
         if not isinstance(self.persistent, bool):
             bad("persistent", "must be a bool")
-        if self.tile_claim not in ("counter", "stride"):
-            bad("tile_claim", "must be 'counter' or 'stride'")
         if self.tile_order not in TILE_ORDERS:
             bad("tile_order", f"must be one of {TILE_ORDERS}")
-        if not isinstance(self.overlap_tiles, bool):
-            bad("overlap_tiles", "must be a bool")
-        if not isinstance(self.stage_tile_inputs, bool):
-            bad("stage_tile_inputs", "must be a bool")
-        if not isinstance(self.claim_ahead, bool):
-            bad("claim_ahead", "must be a bool")
-        if self.claim_ahead and not (self.persistent and self.tile_claim == "counter"):
-            bad("claim_ahead", "needs persistent=True and tile_claim='counter'")
-        if self.q_stages is None:
-            object.__setattr__(self, "q_stages", 2 if self.persistent else 1)
-        if self.q_stages not in ((2, 3) if self.persistent else (1,)):
-            bad("q_stages", "must be 2 or 3 when persistent, 1 with one CTA per tile (or None)")
-        if self.overlap_tiles and not (self.persistent and self.intra_wg_overlap):
-            bad("overlap_tiles", "needs persistent=True and the intra-warpgroup overlap")
-        if not isinstance(self.row_sum_mma, bool):
-            bad("row_sum_mma", "must be a bool")
-        if not isinstance(self.fuse_q_quant, bool):
-            bad("fuse_q_quant", "must be a bool")
-        if self.fuse_q_quant and not fuse_q_quant_supported(self):
-            bad("fuse_q_quant", "needs stage_tile_inputs=True, overlap_tiles=False, claim_ahead=False (it claims "
-                "each tile's successor before the tile's K/V loads itself) and short_pairs=False")
         if not isinstance(self.short_pairs, bool):
             bad("short_pairs", "must be a bool")
-        if self.short_pairs and not (self.persistent and self.stage_tile_inputs and not self.overlap_tiles
-                                     and not self.fuse_q_quant):
-            bad("short_pairs", "needs persistent=True, stage_tile_inputs=True, overlap_tiles=False and "
-                "fuse_q_quant=False (the pair's bounds travel with the published tile)")
-        if self.diagonal_scale_trips is None:
-            trips = 2 if self.stage_tile_inputs and not self.fuse_q_quant else 3
-            object.__setattr__(self, "diagonal_scale_trips", trips)
-        if type(self.diagonal_scale_trips) is not int or self.diagonal_scale_trips not in (1, 2, 3):
-            bad("diagonal_scale_trips", "must be 1, 2 or 3")
-        if self.diagonal_scale_trips != 3 and not (self.stage_tile_inputs and not self.fuse_q_quant):
-            bad("diagonal_scale_trips", "below 3 needs stage_tile_inputs=True and fuse_q_quant=False (the scale "
-                "warp stages Q's scales only then)")
-        if self.short_pairs and self.diagonal_scale_trips != 2:
-            bad("diagonal_scale_trips", "must be 2 (or None) with short_pairs: a pair's halves come from two "
-                "documents, one round trip each (at once, their addresses spill in the producers' 24 registers)")
-        if self.row_sum_mma and not (self.diagonal_copy and self.drop_branch and not self.overlap_tiles):
-            bad("row_sum_mma", "needs diagonal_copy=True (uniform off-diagonal tiles), drop_branch=True and "
-                "overlap_tiles=False")
+        for name in ("tile_order", "short_pairs"):
+            if getattr(self, name) != getattr(FwdConfig, name) and not self.persistent:
+                bad(name, "needs persistent=True (per_tile_fallback drops it)")
+
+    @property
+    def intra_wg_overlap(self) -> bool:
+        """The intra-warpgroup overlap: on where the sm_90a build has no spills (tests check it).
+        Block-scaled recipes (diagonal_copy) have tile-constant K/V scales off the diagonal, and the
+        overlapped softmax fits in 240 registers with the P V accumulator in flight. The per-token
+        recipe also needs each column's K and V scale there (it spills), so it stays serial."""
+        return self.diagonal_copy
+
+    @property
+    def pingpong(self) -> bool:
+        """The warpgroups' ping-pong: off for the block-scaled D=128 build, where with the overlapped
+        schedule the barrier only delays the second warpgroup's issue (measured faster without on
+        every workload); on elsewhere."""
+        return not (self.head_dim == 128 and self.diagonal_copy)
+
+    @property
+    def q_stages(self) -> int:
+        """Q tiles in flight: persistent, the next tile's Q loads under this one."""
+        return 2 if self.persistent else 1
 
 
 def short_pairs_default(total_tokens: int, num_docs: int) -> bool:
     """FwdConfig.short_pairs for a call, from what the host knows without a sync: on for packs of
-    short documents (short_pairs_worth) that the persistent tables hold. (Up to session 22 it also
-    took the pair build up to a mean of 1,024 tokens for its two-trip diagonal step, which every
-    build has now: the unpaired one is then the faster where nothing pairs, 16x1k -1.7%, s23c.)"""
+    short documents (short_pairs_worth) that the persistent tables hold."""
     return num_docs <= PERSISTENT_MAX_DOCS and short_pairs_worth(total_tokens, num_docs)
-
-
-def fuse_q_quant_supported(cfg) -> bool:
-    """Whether a forward config's schedule can take fuse_q_quant (its tile inputs staged, one tile at a
-    time, no claim ahead: produce_tiles_q_ahead claims each tile's successor itself; no short pairs:
-    that producer publishes no pair lengths)."""
-    return cfg.stage_tile_inputs and not cfg.overlap_tiles and not cfg.claim_ahead and not cfg.short_pairs
-
-
-def with_fused_q_quant(cfg):
-    """cfg with fuse_q_quant on (fuse_q_quant_supported(cfg) must hold): producer warps 2-3 then stage
-    Q's scales, so the scale warp's diagonal round trips go back to their automatic choice (3)."""
-    return replace(cfg, fuse_q_quant=True, diagonal_scale_trips=None)
-
-
-def q_quant_steps(head_dim: int) -> int:
-    """fuse_q_quant: the steps in which a warp of warps 2-3 covers its 64 Q rows (D / 8 lanes a row)."""
-    return 64 // (32 // (head_dim // 8))
-
-
-def q_quant_lane(head_dim: int, warp, step, lane):
-    """fuse_q_quant's map for warp `warp` (0, 1) of warps 2-3 at `step`: (row within the warp's 64 =
-    the row in its Q slot, row of the 128-row tile, 8-value segment of the row). Plain Python over
-    DSL or Python integers (the CPU test replays it on the Q stage layout)."""
-    lanes_per_row = head_dim // 8
-    r_wg = (32 // lanes_per_row) * step + lane // lanes_per_row
-    return r_wg, 64 * warp + r_wg, lane % lanes_per_row
-
-
-def q_stage_layout(head_dim: int, q_stages: int):
-    """The e4m3 Q stages (2 per stage: one 64-row slot per consumer warpgroup), as wgmma reads them."""
-    row_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
-    return sm90_utils.make_smem_layout_a(row_major, (64, 128, head_dim), Float8E4M3FN, 2 * q_stages)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,31 +214,21 @@ class FlamiaFwdSm90:
     def __init__(self, config: FwdConfig):
         self.cfg = config
         self.D = config.head_dim
-        # P V's N and V^T's rows per stage: row_sum_mma adds the ones rows below V^T (column D sums P)
-        self.d_pv = self.D + (ONES_ROWS if config.row_sum_mma else 0)
         self.group = config.qhead_per_kvhead
         self.diag_copy = config.diagonal_copy
         self.stages = config.kv_stages
-        self.tile_n = config.tile_n
-        self.wg_m = 64  # rows per consumer warpgroup (one m64 wgmma)
-        self.num_threads = 128 * (1 + config.num_consumer_warpgroups)
+        self.num_threads = 128 * (1 + CONSUMER_WARPGROUPS)
         self.regs_producer = 24
         self.regs_consumer = 240
         self.pingpong = config.pingpong
         self.overlap = config.intra_wg_overlap
-        self.pin = config.pin_softmax
         self.persistent = config.persistent
         self.q_stages = config.q_stages
-        # scale stage rows: K and V scales per key (and, staged, Q's per row); tile ring words: block,
-        # head, document (and, staged, its start and length)
-        self.scale_rows = 2 * config.tile_n + (config.tile_m if config.stage_tile_inputs else 0)
-        self.sched_rows = 6 if config.stage_tile_inputs else 4
-        self.fuse_q = config.fuse_q_quant
         self.short_pairs = config.short_pairs
-        # the TMA warp's Q ring: the e4m3 Q stages, or with fuse_q_quant one bf16 tile (warps 2-3
-        # quantize it into an e4m3 stage; persistent: two, so the next tile's Q loads while this
-        # tile's is being quantized: produce_tiles_q_ahead)
-        self.tma_q_stages = (2 if self.persistent else 1) if self.fuse_q else config.q_stages
+        # scale stage rows: K and V scales per key, the diagonal step's Q scales per row
+        self.scale_rows = 3 * TILE
+        # tile ring words: block, head, document, its start and length (short pairs: the partner's length)
+        self.sched_rows = 6
 
     @cute.jit
     def __call__(
@@ -442,7 +243,6 @@ class FlamiaFwdSm90:
         skt_ptr: cute.Pointer,
         vt_ptr: cute.Pointer,
         svt_ptr: cute.Pointer,
-        qb_ptr: cute.Pointer,
         cu_ptr: cute.Pointer,
         o_ptr: cute.Pointer,
         lse_ptr: cute.Pointer,
@@ -455,15 +255,13 @@ class FlamiaFwdSm90:
         scale_log2: Float32,
         stream: cuda.CUstream,
     ):
-        D, tn, wm = self.D, self.tile_n, self.wg_m
+        D, tn, wm = self.D, TILE, WG_ROWS
         H = num_kv_heads * self.group
         hd = cute.assume(H * D, divby=D)
         khd = cute.assume(num_kv_heads * D, divby=D)
         tdt = cute.assume(T_dt, divby=128)
         # (token, d, head): d contiguous, so the reduction of S = Q K^T is K-major for both
         mQ = cute.make_tensor(q_ptr, cute.make_layout((T, D, H), stride=(hd, 1, D)))
-        # fuse_q_quant: Q in bf16 (the input; mQ and mSQ are then the kernel's outputs)
-        mQb = cute.make_tensor(qb_ptr, cute.make_layout((T, D, H), stride=(hd, 1, D)))
         mK = cute.make_tensor(k_ptr, cute.make_layout((T, D, num_kv_heads), stride=(khd, 1, D)))
         mKt = cute.make_tensor(kt_ptr, cute.make_layout((T, D, num_kv_heads), stride=(khd, 1, D)))
         # V^T (d, column, head): tokens contiguous, K-major for O = P V. Document b starts at
@@ -488,36 +286,34 @@ class FlamiaFwdSm90:
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             Float8E4M3FN, Float8E4M3FN, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, tn)
         )
-        # row_sum_mma: N = D + 8, the ones rows below V^T (the row sum shares the A operand's one read)
         pv_mma = sm90_utils.make_trivial_tiled_mma(
-            Float8E4M3FN, Float8E4M3FN, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, self.d_pv),
+            Float8E4M3FN, Float8E4M3FN, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, D),
             warpgroup.OperandSource.RMEM,
         )
         row_major = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
-        # Q: two 64-row "stages", one per consumer warpgroup
-        sQ_layout = q_stage_layout(D, self.q_stages)
+        # Q: two 64-row "stages" per Q stage, one per consumer warpgroup
+        sQ_layout = sm90_utils.make_smem_layout_a(row_major, (wm, tn, D), Float8E4M3FN, 2 * self.q_stages)
         sK_layout = sm90_utils.make_smem_layout_b(row_major, (wm, tn, D), Float8E4M3FN, self.stages)
-        sV_layout = sm90_utils.make_smem_layout_b(row_major, (wm, self.d_pv, tn), Float8E4M3FN, self.stages)
+        sV_layout = sm90_utils.make_smem_layout_b(row_major, (wm, D, tn), Float8E4M3FN, self.stages)
 
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tQ = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mQ, cute.slice_(sQ_layout, (None, None, 0)), (wm, D))
         sK1 = cute.slice_(sK_layout, (None, None, 0))
-        # TMA fills the first D rows of a stage (the same 128-byte swizzle atoms: rows are 128 bytes apart)
         sV1 = cute.slice_(sm90_utils.make_smem_layout_b(row_major, (wm, D, tn), Float8E4M3FN, 1), (None, None, 0))
         tma_k, tK = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mK, sK1, (tn, D))
         tma_v, tV = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mV, sV1, (D, tn))
         tma_kt, tKt = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mKt, sK1, (tn, D))
         tma_vt, tVt = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mVt, sV1, (D, tn))
+        # Unused: a parameter slot of the size and alignment of a TMA atom, so the kernel's later
+        # parameters keep their offsets (the SASS compares instruction for instruction with the
+        # reference build; dropping it only moves constant-bank offsets)
+        tma_pad, tPad = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, mO, cute.make_layout((wm, D), stride=(D, 1)), (wm, D))
         # short_pairs: the diagonal K tile as two 64-row boxes (rows are whole 128-byte swizzle rows,
         # so a stage's first 64 rows are laid out as a 64-row tile)
         sKh = cute.slice_(sm90_utils.make_smem_layout_b(row_major, (wm, wm, D), Float8E4M3FN, 1), (None, None, 0))
         tma_kh, tKh = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mKt if self.diag_copy else mK, sKh, (wm, D))
-        # bf16 Q for fuse_q_quant: two 64-row boxes, rows dense (no swizzle: only warps 2-3 read it,
-        # a warp two whole rows at a time)
-        sQb_layout = cute.make_layout((wm, D, 2 * self.tma_q_stages), stride=(D, 1, wm * D))
-        tma_qb, tQb = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mQb, cute.slice_(sQb_layout, (None, None, 0)),
-                                                             (wm, D))
-        self.q_bytes = 2 * wm * D * (2 if self.fuse_q else 1)
+        self.q_bytes = 2 * wm * D
         self.kv_bytes = tn * D
 
         stages = self.stages
@@ -525,12 +321,8 @@ class FlamiaFwdSm90:
         persistent = self.persistent
         # the persistent schedule's ring and document tables, last (a few unused words otherwise)
         n_cum = PERSISTENT_MAX_DOCS + 1 if persistent else 4
-        n_heavy = n_cum if self.cfg.tile_order == "heavy_first" else 4
         n_lpt = n_cum if self.cfg.tile_order == "longest_documents" else 4
         n_pair = n_cum if self.short_pairs else 4
-        n_warp = 12 if self.cfg.tile_order == "heavy_first" else 8  # the scan's warp totals
-        n_qb = 2 * wm * D * self.tma_q_stages if self.fuse_q else 8
-        n_qs = 2 * wm * q_stages if self.fuse_q else 4
 
         @cute.struct
         class SharedStorage:
@@ -539,30 +331,28 @@ class FlamiaFwdSm90:
             v_mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             s_mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sScale: cute.struct.Align[cute.struct.MemRange[Float32, self.scale_rows * stages], 16]
-            sPin: cute.struct.Align[cute.struct.MemRange[Float32, 256], 16]  # pin_softmax's stores
+            # unused (pad and pad_tables): keep every later buffer at the reference build's offset
+            pad: cute.struct.Align[cute.struct.MemRange[Float32, 256], 16]
             sQ: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sV_layout)], 1024]
             t_mbar: cute.struct.MemRange[cutlass.Int64, 2 * SCHED_STAGES]
             sSched: cute.struct.Align[cute.struct.MemRange[Int32, self.sched_rows * SCHED_STAGES], 16]
-            sWarp: cute.struct.Align[cute.struct.MemRange[Int32, n_warp], 16]
+            sWarp: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]  # the table scan's warp totals
             sCum: cute.struct.Align[cute.struct.MemRange[Int32, n_cum], 16]
             sDt: cute.struct.Align[cute.struct.MemRange[Int32, n_cum], 16]
-            sHeavy: cute.struct.Align[cute.struct.MemRange[Int32, n_heavy], 16]
+            pad_tables: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
             sLpt: cute.struct.Align[cute.struct.MemRange[Int32, n_lpt], 16]
             sOrder: cute.struct.Align[cute.struct.MemRange[Int32, n_lpt], 16]
             sPair: cute.struct.Align[cute.struct.MemRange[Int32, n_pair], 16]  # short_pairs: the partner lengths
-            qb_mbar: cute.struct.MemRange[cutlass.Int64, 4]
-            sQS: cute.struct.Align[cute.struct.MemRange[Float32, n_qs], 16]  # fused Q: each stage's row scales
-            sQb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, n_qb], 128]
 
         self.shared_storage = SharedStorage
 
         self.kernel(
             qk_mma, pv_mma,
-            tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, tma_qb, tQb, tma_kh, tKh,
+            tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, tma_pad, tPad, tma_kh, tKh,
             mQ, mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched,
-            sQ_layout, sK_layout, sV_layout, sQb_layout, scale_log2,
+            sQ_layout, sK_layout, sV_layout, scale_log2,
         ).launch(
             # one CTA per (query block, head, document), query block fastest (see kernel()), or
             # grid_x persistent CTAs
@@ -587,8 +377,8 @@ class FlamiaFwdSm90:
         tKt: cute.Tensor,
         tma_vt: cute.CopyAtom,
         tVt: cute.Tensor,
-        tma_qb: cute.CopyAtom,
-        tQb: cute.Tensor,
+        tma_pad: cute.CopyAtom,
+        tPad: cute.Tensor,
         tma_kh: cute.CopyAtom,
         tKh: cute.Tensor,
         mQ: cute.Tensor,
@@ -604,20 +394,16 @@ class FlamiaFwdSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
-        sQb_layout: cute.Layout,
         scale_log2: Float32,
     ):
-        tn = self.tile_n
         tidx, _, _ = cute.arch.thread_idx()
         # Query block fastest in the launch order, heaviest (longest causal row) first: the CTAs
-        # running together share one head's K/V in L2. Heads fastest (longest-first across the
-        # grid) was measured 20-31% slower on the H200 (1x64k 24.2 -> 31.7 ms): 16 heads' K/V
-        # in flight at once no longer fit in L2 (perf/NOTES.md, session 3).
+        # running together share one head's K/V in L2 (heads fastest was slower: 16 heads' K/V in
+        # flight at once no longer fit in L2).
         bidx, head, doc = cute.arch.block_idx()
         roles = (
-            qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, tma_qb, tQb, tma_kh, tKh,
-            mQ, mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, sQb_layout,
-            scale_log2,
+            qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, tma_kh, tKh,
+            mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, scale_log2,
         )
         if cutlass.const_expr(self.persistent):
             # tiles come from the scheduler (run_cta's producer warp): no tile of its own
@@ -628,17 +414,15 @@ class FlamiaFwdSm90:
             doc_start = mCu[doc]
             doc_len = mCu[doc + 1] - doc_start
             # Whole CTA leaves before any barrier when the block lies past the document end
-            if m_block * tn < doc_len:
+            if m_block * TILE < doc_len:
                 self.run_cta(roles, head, doc, doc_start, doc_len, m_block)
 
     @cute.jit
     def run_cta(self, roles, head, doc, doc_start, doc_len, m_block):
         """Shared memory, pipelines and the warp roles of one CTA: the tile (head, doc, m_block), or
         when persistent the scheduler's tiles."""
-        (qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, tma_qb, tQb, tma_kh, tKh,
-         mQ, mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, sQb_layout,
-         scale_log2) = roles
-        tn = self.tile_n
+        (qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, tma_kh, tKh,
+         mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, scale_log2) = roles
         tidx, _, _ = cute.arch.thread_idx()
         kv_head = head // self.group
         smem = cutlass.memory.SmemAllocator()
@@ -647,32 +431,8 @@ class FlamiaFwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sScale = storage.sScale.get_tensor(cute.make_layout((self.scale_rows, self.stages)))
-        sPin = storage.sPin.get_tensor(cute.make_layout(256))
-        sQS = storage.sQS.get_tensor(cute.make_layout(2 * self.wg_m * self.q_stages))  # fuse_q_quant
-        sV_tma = sV  # what TMA fills: all of each stage, or with row_sum_mma its first D rows
-        if cutlass.const_expr(self.cfg.row_sum_mma):
-            D, d_pv = self.D, self.d_pv
-            # (d, key, stage) -> sV's own coordinate: the stage's first D rows
-            rows = cute.make_layout((D, tn, self.stages), stride=(1, d_pv, d_pv * tn))
-            sV_tma = storage.sV.get_tensor(cute.composition(sV_layout.outer, rows), swizzle=sV_layout.inner)
-            # The ones rows of every stage: row D 1.0, rows D+1..D+7 zero (bytes D*128.. of the stage; the
-            # swizzle moves 16-byte chunks within a row only). Written before the CTA's barrier below; the
-            # fence makes the generic-proxy stores visible to wgmma's reads.
-            if tidx < ONES_ROWS * tn // 4:
-                words = cute.make_tensor(cute.recast_ptr(storage.sV.data_ptr(), dtype=Uint32),
-                                         cute.make_layout(d_pv * tn * self.stages // 4))
-                for st in cutlass.range_constexpr(self.stages):
-                    words[(st * d_pv + D) * tn // 4 + tidx] = Uint32(
-                        cutlass.select_(tidx < tn // 4, Uint32(E4M3_ONE_X4), Uint32(0)))
-            cute.arch.fence_proxy("async.shared", space="cta")
 
-        pipe_qb = None
-        if cutlass.const_expr(self.fuse_q):
-            # TMA -> bf16 tile -> warps 2-3 -> e4m3 Q stages (their stores, then the consumers' wgmma)
-            pipe_qb = tma_pipeline(self.tma_q_stages, self.q_bytes, storage.qb_mbar.data_ptr(), consumer_warps=2)
-            pipe_q = warp_pipeline(self.q_stages, storage.q_mbar.data_ptr(), producers=64)
-        else:
-            pipe_q = tma_pipeline(self.q_stages, self.q_bytes, storage.q_mbar.data_ptr())
+        pipe_q = tma_pipeline(self.q_stages, self.q_bytes, storage.q_mbar.data_ptr())
         pipe_k = tma_pipeline(self.stages, self.kv_bytes, storage.k_mbar.data_ptr())
         pipe_v = tma_pipeline(self.stages, self.kv_bytes, storage.v_mbar.data_ptr())
         pipe_s = warp_pipeline(self.stages, storage.s_mbar.data_ptr())
@@ -682,18 +442,14 @@ class FlamiaFwdSm90:
         sSched = None
         sCum = None
         sDt = None
-        sHeavy = None
         sPair = None
         lpt_tables = None
         if cutlass.const_expr(self.persistent):
             # tile hand-off from the TMA warp to the scale warp and the consumers (32 + 256 threads)
-            # (fuse_q_quant: and warps 2-3)
-            pipe_t = warp_pipeline(SCHED_STAGES, storage.t_mbar.data_ptr(), consumers=288 + (64 if self.fuse_q else 0))
+            pipe_t = warp_pipeline(SCHED_STAGES, storage.t_mbar.data_ptr(), consumers=288)
             sSched = storage.sSched.get_tensor(cute.make_layout((self.sched_rows, SCHED_STAGES)))
             sCum = storage.sCum.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
             sDt = storage.sDt.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
-            if cutlass.const_expr(self.cfg.tile_order == "heavy_first"):
-                sHeavy = storage.sHeavy.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
             if cutlass.const_expr(self.short_pairs):
                 sPair = storage.sPair.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
             if cutlass.const_expr(self.cfg.tile_order == "longest_documents"):
@@ -702,12 +458,9 @@ class FlamiaFwdSm90:
                               storage.sLpt.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1)))
             if wg_idx == 0:
                 # each document's first chunk (locate_tile) and V^T column, by the producer warpgroup
-                if cutlass.const_expr(sHeavy is None):
-                    sWarp = storage.sWarp.get_tensor(cute.make_layout((4, 2), stride=(2, 1)))
-                else:
-                    sWarp = storage.sWarp.get_tensor(cute.make_layout((4, 3), stride=(3, 1)))
-                doc_chunk_cumsum(mCu, cute.size(mCu) - 1, sCum, sDt, sWarp, tidx, 128, SCAN_BARRIER, tn, sHeavy,
-                                 sPair)
+                sWarp = storage.sWarp.get_tensor(cute.make_layout((4, 2), stride=(2, 1)))
+                doc_chunk_cumsum(mCu, cute.size(mCu) - 1, sCum, sDt, sWarp, tidx, 128, SCAN_BARRIER, TILE,
+                                 sPair=sPair)
                 if cutlass.const_expr(lpt_tables is not None):
                     cute.arch.barrier(barrier_id=SCAN_BARRIER, number_of_threads=128)  # sCum complete
                     rank_documents_longest_first(sCum, cute.size(mCu) - 1, *lpt_tables, sWarp, tidx, 128, SCAN_BARRIER)
@@ -717,17 +470,11 @@ class FlamiaFwdSm90:
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             if warp_idx == 0:
-                tma_args = (tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, sQ, sK, sV_tma, pipe_q, pipe_k,
+                tma_args = (tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, sQ, sK, sV, pipe_q, pipe_k,
                             pipe_v, (tma_kh, tKh))
-                if cutlass.const_expr(self.fuse_q):  # Q comes in bf16
-                    tma_args = (tma_qb, tQb, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
-                                storage.sQb.get_tensor(sQb_layout), sK, sV_tma, pipe_qb, pipe_k, pipe_v, (tma_kh, tKh))
-                if cutlass.const_expr(self.persistent and self.fuse_q):
-                    self.produce_tiles_q_ahead(tma_args, mCu, mSched, mO.shape[2], pipe_t, sSched, sCum, sDt, sHeavy,
-                                               lpt_tables)
-                elif cutlass.const_expr(self.persistent):
-                    self.produce_tiles(tma_args, mCu, mSched, mO.shape[2], pipe_t, sSched, sCum, sDt, sHeavy,
-                                       lpt_tables, sPair)
+                if cutlass.const_expr(self.persistent):
+                    self.produce_tiles(tma_args, mCu, mSched, mO.shape[2], pipe_t, sSched, sCum, sDt, lpt_tables,
+                                       sPair)
                 else:
                     self.load_tma(*tma_args, self.tma_states(), head, kv_head, doc_start, mCu, doc, None, m_block)
             if warp_idx == 1:
@@ -737,44 +484,42 @@ class FlamiaFwdSm90:
                         return self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, head // self.group,
                                                 doc_start, doc_len, m_block, mSQ, head, *pair)
 
-                    self.for_each_published_tile(pipe_t, sSched, mCu, s_state, scales_step)
+                    self.for_each_published_tile(pipe_t, sSched, s_state, scales_step)
                 else:
                     self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len, m_block,
                                      mSQ, head)
-            if cutlass.const_expr(self.fuse_q):
-                if warp_idx >= 2:
-                    self.quantize_q_tiles(storage, sQ_layout, sQS, pipe_qb, pipe_q, pipe_t, sSched, mCu, mQ, mSQ,
-                                          mO.shape[2], head, doc_start, doc_len, m_block)
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.consume(
-                qk_mma, pv_mma, sQ, sK, sV, sScale, sPin, sQS, pipe_q, pipe_k, pipe_v, pipe_s,
-                mO, mLSE, mSQ, mCu, scale_log2, head, doc_start, doc_len, m_block, wg_idx - 1, pipe_t, sSched,
+                qk_mma, pv_mma, sQ, sK, sV, sScale, pipe_q, pipe_k, pipe_v, pipe_s,
+                mO, mLSE, scale_log2, head, doc_start, doc_len, m_block, wg_idx - 1, pipe_t, sSched,
             )
 
     def tma_states(self):
         """The TMA warp's fresh producer states of the Q, K and V pipelines."""
         return (
-            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.tma_q_stages),
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages),
             pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
             pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
         )
 
     @cute.jit
-    def produce_tiles(self, tma_args, mCu, mSched, heads, pipe_t, sSched, sCum, sDt, sHeavy, lpt_tables, sPair=None):
+    def produce_tiles(self, tma_args, mCu, mSched, heads, pipe_t, sSched, sCum, sDt, lpt_tables, sPair=None):
         """Persistent TMA warp: take tiles (the first by CTA index, then from the global counter
-        mSched[0], which the host zeroes per call, or every grid-th with tile_claim="stride"),
-        publish each to the scale warp and consumers, issue its loads; an end mark (block -1) past
-        the last tile. The tile order is locate_tile's (sHeavy: heavy_first; lpt_tables = (sOrder,
-        sLpt): longest_documents, locate_tile over the ranked positions)."""
-        num_docs, total, states, t_state, t = self.producer_start(mCu, heads, sCum)
-        claim_ahead = self.cfg.claim_ahead
-        if cutlass.const_expr(claim_ahead):
-            got = issue_tile_claim(mSched)  # the CTA's second tile, claimed before its first loads
+        mSched[0], which the host zeroes per call), publish each with its document's start and length
+        to the scale warp and consumers, issue its loads; an end mark (block -1) past the last tile.
+        The tile order is locate_tile's (lpt_tables = (sOrder, sLpt): longest_documents, locate_tile
+        over the ranked positions)."""
+        bidx, _, _ = cute.arch.block_idx()
+        num_docs = cute.size(mCu) - 1
+        t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
+        total = heads * sCum[num_docs]
+        states = self.tma_states()
+        t = Int32(bidx)  # the CTA's first tile
         while t < total:
-            doc, head, m_block = self.tile_at(t, sCum, num_docs, heads, sHeavy, lpt_tables)
+            doc, head, m_block = self.tile_at(t, sCum, num_docs, heads, lpt_tables)
             doc_start = mCu[doc]
-            bounds = (doc_start, mCu[doc + 1] - doc_start) if cutlass.const_expr(self.cfg.stage_tile_inputs) else None
+            bounds = (doc_start, mCu[doc + 1] - doc_start)
             pair_len = None
             if cutlass.const_expr(self.short_pairs):
                 pair_len = sPair[doc]  # (> 0 only for a document of one block)
@@ -782,86 +527,34 @@ class FlamiaFwdSm90:
             t_state = publish_tile(pipe_t, sSched, t_state, m_block, head, doc, bounds)
             states = self.load_tma(*tma_args, states, head, head // self.group, doc_start, mCu, doc, sDt[doc], m_block,
                                    pair_len=pair_len)
-            if cutlass.const_expr(self.cfg.tile_claim == "stride"):
-                t = t + cute.arch.grid_dim()[0]
-            elif cutlass.const_expr(claim_ahead):
-                t = finish_tile_claim(got)  # issued a tile ago: back by now
-                got = issue_tile_claim(mSched)
-            else:
-                t = claim_next_tile(mSched)
-        end_bounds = (Int32(0), Int32(0)) if cutlass.const_expr(self.cfg.stage_tile_inputs) else None
+            t = claim_next_tile(mSched)
+        end_bounds = (Int32(0), Int32(0))
         if cutlass.const_expr(self.short_pairs):
             end_bounds = (*end_bounds, Int32(0))
         publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0), end_bounds)
 
     @cute.jit
-    def producer_start(self, mCu, heads, sCum):
-        """The persistent TMA warp's start: (documents, tiles in all, fresh Q/K/V ring states, tile
-        ring state, its first tile = the CTA index)."""
-        bidx, _, _ = cute.arch.block_idx()
-        num_docs = cute.size(mCu) - 1
-        t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
-        return num_docs, heads * sCum[num_docs], self.tma_states(), t_state, Int32(bidx)
-
-    @cute.jit
-    def tile_at(self, t, sCum, num_docs, heads, sHeavy, lpt_tables):
+    def tile_at(self, t, sCum, num_docs, heads, lpt_tables):
         """Tile t of the order (locate_tile; lpt_tables: over the ranked positions): (doc, head, block)."""
         if cutlass.const_expr(lpt_tables is None):
-            doc, head, m_block = locate_tile(t, sCum, num_docs, heads, sHeavy)
+            doc, head, m_block = locate_tile(t, sCum, num_docs, heads)
         else:
             position, head, m_block = locate_tile(t, lpt_tables[1], num_docs, heads)
             doc = lpt_tables[0][position]
         return doc, head, m_block
-
-    @cute.jit
-    def produce_tiles_q_ahead(self, tma_args, mCu, mSched, heads, pipe_t, sSched, sCum, sDt, sHeavy, lpt_tables):
-        """produce_tiles for fuse_q_quant: each tile's successor is claimed, published and its bf16 Q
-        loaded BEFORE the tile's K/V loads, so warps 2-3 quantize it while the tile runs. In
-        produce_tiles' order (the next Q loaded after this tile's last K/V load, ~2 steps before its
-        end) the quantization sat on the path: +6..7 µs per tile on every workload (s16a)."""
-        num_docs, total, states, t_state, t = self.producer_start(mCu, heads, sCum)
-        doc, head, m_block = self.tile_at(t, sCum, num_docs, heads, sHeavy, lpt_tables)
-        doc_start = Int32(0)
-        if t < total:
-            doc_start = mCu[doc]
-            t_state = publish_tile(pipe_t, sSched, t_state, m_block, head, doc, (doc_start, mCu[doc + 1] - doc_start))
-            states = self.load_tma(*tma_args, states, head, head // self.group, doc_start, mCu, doc, sDt[doc], m_block,
-                                   part="q")
-        while t < total:
-            if cutlass.const_expr(self.cfg.tile_claim == "stride"):
-                t_next = t + cute.arch.grid_dim()[0]
-            else:
-                t_next = claim_next_tile(mSched)
-            n_doc, n_head, n_block = self.tile_at(t_next, sCum, num_docs, heads, sHeavy, lpt_tables)
-            n_start = Int32(0)
-            if t_next < total:
-                n_start = mCu[n_doc]
-                t_state = publish_tile(pipe_t, sSched, t_state, n_block, n_head, n_doc,
-                                       (n_start, mCu[n_doc + 1] - n_start))
-                states = self.load_tma(*tma_args, states, n_head, n_head // self.group, n_start, mCu, n_doc,
-                                       sDt[n_doc], n_block, part="q")
-            states = self.load_tma(*tma_args, states, head, head // self.group, doc_start, mCu, doc, sDt[doc], m_block,
-                                   part="kv")
-            t = t_next
-            doc = n_doc
-            head = n_head
-            m_block = n_block
-            doc_start = n_start
-        publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0), (Int32(0), Int32(0)))
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def load_tma(
         self, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
         sQ, sK, sV, pipe_q, pipe_k, pipe_v, k_half, states, head, kv_head, doc_start, mCu, doc, dt_start, m_block,
-        part: cutlass.Constexpr = "all", pair_len=None,
+        pair_len=None,
     ):
         """Warp 0: TMA loads of query block m_block's Q and its key tiles, diagonal first. dt_start:
-        the document's first V^T column, or None to sum it from cu_seqlens here. part: "all", or
-        only "q" or "kv" (produce_tiles_q_ahead). pair_len (short_pairs): > 0 when the next document
-        shares the tile: its Q rows and diagonal K rows are the second 64-row boxes (k_half: the
-        64-row K atom). Returns the (q, k, v) pipeline states."""
-        D, tn, wm = self.D, self.tile_n, self.wg_m
+        the document's first V^T column, or None to sum it from cu_seqlens here. pair_len
+        (short_pairs): > 0 when the next document shares the tile: its Q rows and diagonal K rows are
+        the second 64-row boxes (k_half: the 64-row K atom). Returns the (q, k, v) pipeline states."""
+        D, tn, wm = self.D, TILE, WG_ROWS
         q_state, k_state, v_state = states
         n_tiles = m_block + 1
         one = cute.make_layout(1)
@@ -887,27 +580,24 @@ class FlamiaFwdSm90:
         if cutlass.const_expr(pair_len is not None):
             paired = pair_len > 0
             pair_start = mCu[doc + 1] - wm
-        if cutlass.const_expr(part != "kv"):
-            pipe_q.producer_acquire(q_state)
-            for w in cutlass.range_constexpr(2):
-                slot = w
-                if cutlass.const_expr(self.persistent):
-                    slot = w + 2 * q_state.index
-                if cutlass.const_expr(pair_len is not None and w == 1):
-                    gQp = cute.local_tile(cute.domain_offset((pair_start, 0), tQ[None, None, head]), (wm, D), (None, 0))
-                    _, tQgp = cute.nvgpu.cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2),
-                                                               cute.group_modes(gQp, 0, 2))
-                    if paired:  # the second document's first 64 rows
-                        cute.copy(tma_q, tQgp[None, 1], tQs[None, slot], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-                    else:
-                        cute.copy(tma_q, tQg[None, 2 * m_block + w], tQs[None, slot],
-                                  tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        pipe_q.producer_acquire(q_state)
+        for w in cutlass.range_constexpr(2):
+            slot = w
+            if cutlass.const_expr(self.persistent):
+                slot = w + 2 * q_state.index
+            if cutlass.const_expr(pair_len is not None and w == 1):
+                gQp = cute.local_tile(cute.domain_offset((pair_start, 0), tQ[None, None, head]), (wm, D), (None, 0))
+                _, tQgp = cute.nvgpu.cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2),
+                                                           cute.group_modes(gQp, 0, 2))
+                if paired:  # the second document's first 64 rows
+                    cute.copy(tma_q, tQgp[None, 1], tQs[None, slot], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
                 else:
                     cute.copy(tma_q, tQg[None, 2 * m_block + w], tQs[None, slot],
                               tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-            q_state.advance()
-        if cutlass.const_expr(part == "q"):
-            return q_state, k_state, v_state
+            else:
+                cute.copy(tma_q, tQg[None, 2 * m_block + w], tQs[None, slot],
+                          tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        q_state.advance()
         # diagonal K tile first: from the per-token copy when the recipe has block scales
         tKs, tKg = k_part(tma_k, tK)
         tma_kd, tKds, tKdg = tma_k, tKs, tKg
@@ -952,7 +642,7 @@ class FlamiaFwdSm90:
         """A short pair's diagonal K tile: rows 0..63 from the first document, 64..127 from the second
         (pair_start: its start 64 rows back), into K stage k_state as two 64-row boxes."""
         tma_kh, tKh = k_half
-        wm, D = self.wg_m, self.D
+        wm, D = WG_ROWS, self.D
         one = cute.make_layout(1)
         # the stage's two 64-row halves: (64, D, half, stage)
         sKh = cute.flat_divide(sK, (wm, D))
@@ -969,15 +659,9 @@ class FlamiaFwdSm90:
     def load_scales(self, mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len, m_block,
                     mSQ, head, pair_len=None):
         """Warp 1: the K and V scales of each key tile of query block m_block into shared memory (0
-        past the document end). With stage_tile_inputs also the block's per-row Q scales into the
-        diagonal (first) step's stage (1 past the end), and a step's K/V loads in two halves, each
-        issued before its stores (two global round trips per step; a whole step's loads at once spill
-        in the producers' 24 registers); without (sessions 1-10), one 32-key chunk at a time.
-        pair_len (short_pairs): rows and keys 64..127 of a paired tile are the second document's.
-        Returns the pipeline state."""
-        tn, tm = self.tile_n, self.cfg.tile_m
-        staged = self.cfg.stage_tile_inputs
-        lane = cute.arch.lane_idx()
+        past the document end), and the block's per-row Q scales into the diagonal (first) step's
+        stage (1 past the end). pair_len (short_pairs): rows and keys 64..127 of a paired tile are the
+        second document's. Returns the pipeline state."""
         # the bounds of the block's second half (rows / keys 64..127): a short pair's second document
         # as if it started 64 tokens before its start, else the tile's own document
         hi_bounds = (doc_start, doc_len)
@@ -986,22 +670,10 @@ class FlamiaFwdSm90:
         for i in cutlass.range(m_block + 1, unroll=1):
             n = m_block - i
             pipe_s.producer_acquire(s_state)
-            # (fewer than 3 trips: the scale warp stages Q's scales, and a pair build takes 2; FwdConfig checks)
-            if cutlass.const_expr(self.cfg.diagonal_scale_trips < 3):
-                if i == 0:
-                    self.stage_diagonal(mSK, mSV, mSKt, mSVt, mSQ, sScale, s_state, kv_head, head, doc_start,
-                                        doc_len, hi_bounds, m_block)
-                else:  # off-diagonal steps: the tile's own document only
-                    self.stage_key_scales(mSK, mSV, mSKt, mSVt, sScale, s_state, i, n, kv_head, doc_start, doc_len)
-            else:
-                if cutlass.const_expr(staged and not self.fuse_q):  # fused: warps 2-3 stage Q's scales
-                    if i == 0:
-                        for c in cutlass.range_constexpr(tm // 32):
-                            row = m_block * tn + lane + 32 * c
-                            sq = Float32(1.0)  # rows past the end: any finite positive scale (never stored)
-                            if row < doc_len:
-                                sq = mSQ[doc_start + row, head]
-                            sScale[2 * tn + lane + 32 * c, s_state.index] = sq
+            if i == 0:
+                self.stage_diagonal(mSK, mSV, mSKt, mSVt, mSQ, sScale, s_state, kv_head, head, doc_start,
+                                    doc_len, hi_bounds, m_block)
+            else:  # off-diagonal steps: the tile's own document only
                 self.stage_key_scales(mSK, mSV, mSKt, mSVt, sScale, s_state, i, n, kv_head, doc_start, doc_len)
             pipe_s.producer_commit(s_state)  # every lane arrives: releases its own stores
             s_state.advance()
@@ -1009,11 +681,12 @@ class FlamiaFwdSm90:
 
     @cute.jit
     def stage_key_scales(self, mSK, mSV, mSKt, mSVt, sScale, s_state, i, n, kv_head, doc_start, doc_len):
-        """Step i's (key tile n's) K and V scales into its stage: staged, in two halves of loads each
-        issued before its stores; else one 32-key chunk at a time."""
-        tn = self.tile_n
+        """Step i's (key tile n's) K and V scales into its stage, in two halves of loads each issued
+        before its stores (two global round trips per step; a whole step's loads at once spill in the
+        producers' 24 registers)."""
+        tn = TILE
         lane = cute.arch.lane_idx()
-        per_group = tn // 64 if self.cfg.stage_tile_inputs else 1  # 32-key chunks loaded before their stores
+        per_group = tn // 64  # 32-key chunks loaded before their stores
         for g in cutlass.range_constexpr(tn // 32 // per_group):
             loaded = []
             for c in cutlass.range_constexpr(g * per_group, (g + 1) * per_group):
@@ -1027,30 +700,24 @@ class FlamiaFwdSm90:
     def stage_diagonal(self, mSK, mSV, mSKt, mSVt, mSQ, sScale, s_state, kv_head, head, doc_start, doc_len,
                        hi_bounds, m_block):
         """The diagonal step's Q, K and V scales, each half's from its own document (hi_bounds: the
-        second half's, a short pair's second document or the tile's own), in diagonal_scale_trips
-        global round trips: 2, a runtime loop over the halves (unrolled, a pair's second document's
-        bases spill in the producers' 24 registers); 1, both halves' loads before any store."""
-        if cutlass.const_expr(self.cfg.diagonal_scale_trips == 1):
-            loaded = self.diagonal_half_scales(mSK, mSV, mSKt, mSVt, mSQ, kv_head, head, doc_start, doc_len, m_block, 0)
-            loaded += self.diagonal_half_scales(mSK, mSV, mSKt, mSVt, mSQ, kv_head, head, doc_start, doc_len, m_block,
-                                                1)
+        second half's, a short pair's second document or the tile's own): one global round trip per
+        half, a runtime loop (unrolled, a pair's second document's bases spill in the producers' 24
+        registers). The consumers wait for this step first, so its round trips are on every tile's path."""
+        for h in cutlass.range(2, unroll=1):
+            start = select(h == 0, doc_start, hi_bounds[0])
+            length = select(h == 0, doc_len, hi_bounds[1])
+            loaded = self.diagonal_half_scales(mSK, mSV, mSKt, mSVt, mSQ, kv_head, head, start, length, m_block, h)
             self.store_diagonal_scales(sScale, s_state, loaded)
-        else:
-            for h in cutlass.range(2, unroll=1):
-                start = select(h == 0, doc_start, hi_bounds[0])
-                length = select(h == 0, doc_len, hi_bounds[1])
-                loaded = self.diagonal_half_scales(mSK, mSV, mSKt, mSVt, mSQ, kv_head, head, start, length, m_block, h)
-                self.store_diagonal_scales(sScale, s_state, loaded)
 
     @cute.jit
     def diagonal_half_scales(self, mSK, mSV, mSKt, mSVt, mSQ, kv_head, head, start, length, m_block, h):
         """(key, Q scale, K scale, V scale) of the lane's keys in half h of the diagonal step."""
-        tn = self.tile_n
+        tn = TILE
         lane = cute.arch.lane_idx()
         loaded = []
         for cc in cutlass.range_constexpr(2):
             key = lane + 32 * cc + (tn // 2) * h
-            row = m_block * tn + key  # (tile_m == tile_n: row and key offsets coincide)
+            row = m_block * tn + key  # (query and key tiles coincide: row and key offsets too)
             sq = Float32(1.0)  # rows past the end: any finite positive scale (never stored)
             if row < length:
                 sq = mSQ[start + row, head]
@@ -1060,7 +727,7 @@ class FlamiaFwdSm90:
 
     @cute.jit
     def store_diagonal_scales(self, sScale, s_state, loaded):
-        tn = self.tile_n
+        tn = TILE
         for key, sq, sk, sv in loaded:
             sScale[2 * tn + key, s_state.index] = sq
             sScale[key, s_state.index] = sk
@@ -1087,81 +754,13 @@ class FlamiaFwdSm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def quantize_q_tiles(self, storage, sQ_layout, sQS, pipe_qb, pipe_q, pipe_t, sSched, mCu, mQ, mSQ, heads,
-                         head, doc_start, doc_len, m_block):
-        """Warps 2-3 with fuse_q_quant: every tile's Q (persistent: as published, until the end mark;
-        else the CTA's tile) from the bf16 tile to an e4m3 Q stage (quantize_q_tile)."""
-        qb_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.tma_q_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
-        if cutlass.const_expr(self.persistent):
-            def quantize_step(rings, head, doc_start, doc_len, m_block):
-                return self.quantize_q_tile(storage, sQ_layout, sQS, pipe_qb, pipe_q, *rings, mQ, mSQ, heads, head,
-                                            doc_start, doc_len, m_block)
-
-            self.for_each_published_tile(pipe_t, sSched, mCu, (qb_state, q_state), quantize_step)
-        else:
-            self.quantize_q_tile(storage, sQ_layout, sQS, pipe_qb, pipe_q, qb_state, q_state, mQ, mSQ, heads, head,
-                                 doc_start, doc_len, m_block)
-
-    @cute.jit
-    def quantize_q_tile(self, storage, sQ_layout, sQS, pipe_qb, pipe_q, qb_state, q_state, mQ, mSQ, heads, head,
-                        doc_start, doc_len, m_block):
-        """One tile's 128 Q rows, quantized as the Q/K/V launch does (per-token power-of-two scale
-        from the row's |x| max, RNE to e4m3: bit-exact), into the e4m3 stage q_state (the layout the
-        consumers' wgmma reads) and its row scales into sQS; rows inside the document also to
-        global memory (the backward's operands). Warp w takes rows 64 w .., D / 8 lanes per row,
-        8 values (16 bytes of bf16) per lane: its loads are whole rows, its stores whole 8-byte
-        halves of the swizzle's 16-byte chunks. Returns the (bf16, e4m3) ring states."""
-        D, wm, tm = self.D, self.wg_m, self.cfg.tile_m
-        lanes_per_row = D // 8
-        tidx, _, _ = cute.arch.thread_idx()
-        warp = tidx // 32 - 2
-        lane = cute.arch.lane_idx()
-        qb_words = cute.make_tensor(cute.recast_ptr(storage.sQb.data_ptr(), dtype=Uint32),
-                                    cute.make_layout(wm * D * self.tma_q_stages))
-        q_words = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), dtype=Uint32),
-                                   cute.make_layout(cute.cosize(sQ_layout) // 4))
-        row_elems = heads * D
-        pipe_qb.consumer_wait(qb_state)
-        pipe_q.producer_acquire(q_state)
-        # two rows in flight per lane when persistent (the per-tile build spills 8 bytes at 2 in its
-        # 24 registers; its Q is on the path at the CTA's start either way)
-        for it in cutlass.range(q_quant_steps(D), unroll=2 if self.persistent else 1):
-            r_wg, r, seg = q_quant_lane(D, warp, it, lane)
-            x = [qb_words[(tm * qb_state.index + r) * (D // 2) + 4 * seg + j] for j in range(4)]
-            sb, ib = pow2_scale_bits(bf16_abs_max_bits(x, lanes_per_row))
-            inv = as_f32(ib)
-            f = []
-            for j in cutlass.range_constexpr(4):
-                f += [as_f32(Int32(x[j] << 16)) * inv, as_f32(Int32(x[j] & Uint32(0xFFFF0000))) * inv]
-            y = (cvt_e4m3x4(f[0], f[1], f[2], f[3]), cvt_e4m3x4(f[4], f[5], f[6], f[7]))
-            dst = smem_word_index(sQ_layout, (r_wg, 8 * seg, 2 * q_state.index + warp), 1)
-            q_words[dst] = y[0]
-            q_words[dst + 1] = y[1]
-            if seg == 0:
-                sQS[tm * q_state.index + r] = as_f32(sb)
-            row = m_block * tm + r
-            if row < doc_len:
-                tok = doc_start + row
-                st_global_v2(mQ.iterator.toint() + Int64(tok) * Int64(row_elems) + Int64(head * D + 8 * seg), y)
-                if seg == 0:
-                    mSQ[tok, head] = as_f32(sb)
-        cute.arch.fence_proxy("async.shared", space="cta")  # generic stores, then the consumers' wgmma
-        pipe_q.producer_commit(q_state)
-        pipe_qb.consumer_release(qb_state)
-        q_state.advance()
-        qb_state.advance()
-        return qb_state, q_state
-
-    # ------------------------------------------------------------------------------------------
-    @cute.jit
     def consume(
-        self, qk_mma, pv_mma, sQ, sK, sV, sScale, sPin, sQS, pipe_q, pipe_k, pipe_v, pipe_s,
-        mO, mLSE, mSQ, mCu, scale_log2, head, doc_start, doc_len, m_block, wg, pipe_t, sSched,
+        self, qk_mma, pv_mma, sQ, sK, sV, sScale, pipe_q, pipe_k, pipe_v, pipe_s,
+        mO, mLSE, scale_log2, head, doc_start, doc_len, m_block, wg, pipe_t, sSched,
     ):
         """The consumer warpgroups: one tile (head, doc, m_block), or when persistent every tile
         the producer warp publishes in sSched until its end mark (the arguments are then unused)."""
-        tn, wm = self.tile_n, self.wg_m
+        tn, wm = TILE, WG_ROWS
         tidx, _, _ = cute.arch.thread_idx()
         ctid = tidx % 128
         qk_thr = qk_mma.get_slice(ctid)
@@ -1170,19 +769,12 @@ class FlamiaFwdSm90:
         tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))  # (MMA, 1, D/32, stages)
         tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))  # (MMA, 1, 4, stages)
         acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((wm, tn)))  # ((2,2,16),1,1)
-        acc_t = pv_thr.make_fragment_C(pv_thr.partition_shape_C((wm, self.d_pv)))  # this tile's P V (and row sum)
-        if cutlass.const_expr(self.cfg.row_sum_mma):
-            # running output: acc_t's first D/2 values per thread (the same linear index; FFMAs only)
-            acc_o = cute.make_rmem_tensor(cute.make_layout(self.D // 2), Float32)
-        else:
-            acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((wm, self.D)))  # running output
+        acc_t = pv_thr.make_fragment_C(pv_thr.partition_shape_C((wm, self.D)))  # this tile's P V
+        acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((wm, self.D)))  # running output
         tOrP = pv_thr.make_fragment_A(pv_thr.partition_shape_A((wm, tn)))  # ((4,2,2),1,4) e4m3
         tOrP32 = cute.recast_tensor(tOrP, Uint32)
         tScS = qk_thr.partition_C(cute.make_identity_tensor((wm, tn)))
-        # row_sum_mma: acc_t's value index of row 0's column D (lane 0 of a quad; the others hold the
-        # zero columns D+2.., D+4.., D+6..), row 1's is 2 further
-        lsum = 4 * (self.D // 8) if self.cfg.row_sum_mma else None
-        frags = (tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum)
+        frags = (tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS)
 
         # Rows of this thread: value index a = v0 + 2*v1 + 4*v2 (v1 picks the row g or g+8)
         row_in_blk = cute.make_rmem_tensor(cute.make_layout(2), Int32)
@@ -1202,7 +794,7 @@ class FlamiaFwdSm90:
         pipes = (pipe_q, pipe_k, pipe_v, pipe_s)
         if cutlass.const_expr(not self.persistent):
             self.consume_tile(
-                frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, sQS, pipes, states, mO, mLSE, mSQ, scale_log2,
+                frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, pipes, states, mO, mLSE, scale_log2,
                 head, doc_start, doc_len, m_block, wg,
             )
         else:
@@ -1211,33 +803,28 @@ class FlamiaFwdSm90:
             # barrier's generation before the other warpgroup's closing wait (which then hung)
             if cutlass.const_expr(self.pingpong):
                 self.pingpong_start(wg)
-            if cutlass.const_expr(self.cfg.overlap_tiles):
-                self.consume_overlapped_tiles(frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states,
-                                              mO, mLSE, mSQ, mCu, scale_log2, wg, pipe_t, sSched)
-            else:
-                def consume_step(states, head, doc_start, doc_len, m_block, *pair):
-                    # the MMA atoms are not loop-carried here: every GEMM sets its ACCUMULATE field first
-                    states, _, _ = self.consume_tile(
-                        frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, sQS, pipes, states, mO, mLSE, mSQ,
-                        scale_log2, head, doc_start, doc_len, m_block, wg, *pair,
-                    )
-                    return states
 
-                self.for_each_published_tile(pipe_t, sSched, mCu, states, consume_step)
+            def consume_step(states, head, doc_start, doc_len, m_block, *pair):
+                # the MMA atoms are not loop-carried here: every GEMM sets its ACCUMULATE field first
+                states, _, _ = self.consume_tile(
+                    frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, pipes, states, mO, mLSE, scale_log2,
+                    head, doc_start, doc_len, m_block, wg, *pair,
+                )
+                return states
+
+            self.for_each_published_tile(pipe_t, sSched, states, consume_step)
             if cutlass.const_expr(self.pingpong):
                 self.pingpong_end(wg)
 
     @cute.jit
     def consume_tile(
-        self, frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, sQS, pipes, states, mO, mLSE, mSQ, scale_log2,
+        self, frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, pipes, states, mO, mLSE, scale_log2,
         head, doc_start, doc_len, m_block, wg, pair_len=None,
     ):
         """Query block m_block of one (document, head): the key tiles from the diagonal down, then the
         epilogue. Returns the pipeline states and MMA atoms (loop-carried when persistent).
         pair_len (short_pairs) > 0: warpgroup 1's rows are the next document's (short_pair_bounds), and it
         masks the first document's keys 0..63."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
-        rs, m_run, l_run, r_run, c_pend = rowst
         pipe_q, pipe_k, pipe_v, pipe_s = pipes
         q_state, k_state, v_state, s_state = states
         n_tiles = m_block + 1  # key tiles 0..m_block; tiles past the diagonal are skipped
@@ -1247,17 +834,15 @@ class FlamiaFwdSm90:
             if wg == 1:
                 doc_start, doc_len = short_pair_bounds(doc_start, doc_len, pair_len)
                 if pair_len > 0:
-                    key_lo = Int32(self.wg_m)
-        self.init_rows(frags, rowst, row_in_blk, mSQ, scale_log2, head, doc_start, doc_len, m_block, wg)
+                    key_lo = Int32(WG_ROWS)
+        self.init_rows(frags, rowst, row_in_blk, scale_log2, m_block, wg)
+        acc_o = frags[5]
         acc_o.fill(0.0)
 
         pipe_q.consumer_wait(q_state)
         q_slot = wg
         if cutlass.const_expr(self.persistent):
             q_slot = wg + 2 * q_state.index
-        if cutlass.const_expr(self.fuse_q):
-            for v1 in cutlass.range_constexpr(2):  # the row scales warps 2-3 staged with the codes
-                rs[v1] = rs[v1] * sQS[q_slot * self.wg_m + frags[8][2 * v1][0]]
 
         if cutlass.const_expr(self.pingpong and not self.persistent):
             self.pingpong_start(wg)
@@ -1270,25 +855,17 @@ class FlamiaFwdSm90:
                 True, m_block, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len, wg, q_slot,
                 key_lo,
             )
-            row_sum_mma = self.cfg.row_sum_mma
             for i in cutlass.range(1, n_tiles, unroll=1):
                 # the MMA atoms carry their ACCUMULATE field as staged state: rebinding them here
                 # makes them loop-carried, so the epilogue's GEMM may use them after the loop
-                l_gate = None
-                if cutlass.const_expr(row_sum_mma):
-                    # i == 1: the diagonal's P V (its sum is in l already); else the row sum's unit 1/256
-                    l_gate = Float32(cutlass.select_(i == 1, Float32(0.0), Float32(1.0 / P_SCALE)))
                 k_state, v_state, s_state, qk_mma, pv_mma = self.overlap_step(
-                    m_block - i, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s,
-                    k_state, v_state, s_state, doc_len, wg, q_slot, l_gate=l_gate,
+                    m_block - i, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
+                    k_state, v_state, s_state, doc_len, wg, q_slot,
                 )
             if cutlass.const_expr(self.persistent):
                 pipe_q.consumer_release(q_state)  # every S GEMM of the tile is done: the next Q may land
                 q_state.advance()
-            l_gate = None
-            if cutlass.const_expr(row_sum_mma):
-                l_gate = Float32(cutlass.select_(n_tiles > 1, Float32(1.0 / P_SCALE), Float32(0.0)))
-            v_state = self.overlap_epilogue(frags, rowst, pv_mma, pipe_v, v_state, wg, l_gate)
+            v_state = self.overlap_epilogue(frags, rowst, pv_mma, pipe_v, v_state, wg)
         else:
             k_state, v_state, s_state = self.tile_step(
                 True, m_block, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
@@ -1313,91 +890,7 @@ class FlamiaFwdSm90:
         return (q_state, k_state, v_state, s_state), qk_mma, pv_mma
 
     @cute.jit
-    def consume_overlapped_tiles(
-        self, frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, sPin, pipes, states, mO, mLSE, mSQ, mCu, scale_log2,
-        wg, pipe_t, sSched,
-    ):
-        """Persistent consumers with overlap_tiles: the tiles as one stream of key-tile steps. Between
-        query blocks, overlap_step(next_diag=True) issues the next block's diagonal S with this block's last P V;
-        this block's O is stored once that P V has been added. The first block starts with the
-        serial diagonal step (every GEMM and its atom update stay inside this one `if`: a staged
-        atom update may not escape the region it was made in)."""
-        acc_o = frags[5]
-        rs, m_run, l_run, r_run, c_pend = rowst
-        pipe_q, pipe_k, pipe_v, pipe_s = pipes
-        q_state, k_state, v_state, s_state = states
-        t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-        m_block, head, doc, doc_start, doc_len, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
-        if m_block >= 0:
-            doc_start, doc_len = self.tile_bounds(mCu, doc, doc_start, doc_len)
-            self.init_rows(frags, rowst, row_in_blk, mSQ, scale_log2, head, doc_start, doc_len, m_block, wg)
-            acc_o.fill(0.0)
-            pipe_q.consumer_wait(q_state)
-            k_state, s_state = self.s_softmax_p(
-                True, m_block, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len, wg,
-                wg + 2 * q_state.index,
-            )
-            while m_block >= 0:
-                q_slot = wg + 2 * q_state.index
-                for i in cutlass.range(1, m_block + 1, unroll=1):
-                    k_state, v_state, s_state, qk_mma, pv_mma = self.overlap_step(
-                        m_block - i, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s,
-                        k_state, v_state, s_state, doc_len, wg, q_slot,
-                    )
-                pipe_q.consumer_release(q_state)  # every S GEMM of this block is done
-                q_state.advance()
-                # this block's row results (final once its last softmax ran); the pending P V's factor
-                f0 = self.row_final(0, rowst, row_in_blk, mLSE, head, doc_start, doc_len)
-                f1 = self.row_final(1, rowst, row_in_blk, mLSE, head, doc_start, doc_len)
-                rows = (row_in_blk[0], row_in_blk[1])
-                c_prev = (c_pend[0], c_pend[1])
-                n_block, n_head, n_doc, n_start, n_len, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
-                if n_block >= 0:
-                    n_start, n_len = self.tile_bounds(mCu, n_doc, n_start, n_len)
-                    self.init_rows(frags, rowst, row_in_blk, mSQ, scale_log2, n_head, n_start, n_len, n_block, wg)
-                    pipe_q.consumer_wait(q_state)
-                    # the atoms rebound in both branches: their staged updates leave the `if` as its results
-                    k_state, v_state, s_state, qk_mma, pv_mma = self.overlap_step(
-                        n_block, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s, k_state,
-                        v_state, s_state, n_len, wg, wg + 2 * q_state.index, next_diag=True, c_prev=c_prev,
-                    )
-                else:
-                    v_state = self.overlap_epilogue(frags, rowst, pv_mma, pipe_v, v_state, wg)
-                    pv_mma = pv_mma  # rebound here too (overlap_epilogue updated it inside this branch)
-                # this block's last P V is in O
-                self.store_o_row(0, f0, acc_o, rows[0], mO, head, doc_start, doc_len)
-                self.store_o_row(1, f1, acc_o, rows[1], mO, head, doc_start, doc_len)
-                if n_block >= 0:
-                    acc_o.fill(0.0)
-                    self.convert_p(frags, r_run, False)  # the next block's diagonal P
-                m_block = n_block
-                head = n_head
-                doc_start = n_start
-                doc_len = n_len
-
-    @cute.jit
-    def read_tile_bounds(self, pipe_t, sSched, t_state):
-        """read_tile with the document's start and length as published (stage_tile_inputs), or 0, 0
-        (tile_bounds then loads them)."""
-        start = Int32(0)
-        length = Int32(0)
-        if cutlass.const_expr(self.cfg.stage_tile_inputs):
-            m_block, head, doc, start, length, t_state = read_tile(pipe_t, sSched, t_state, True)
-        else:
-            m_block, head, doc, t_state = read_tile(pipe_t, sSched, t_state)
-        return m_block, head, doc, start, length, t_state
-
-    @cute.jit
-    def tile_bounds(self, mCu, doc, start, length):
-        """A read tile's document start and length: read_tile_bounds' when published
-        (stage_tile_inputs), else from cu_seqlens (call it for a real tile only)."""
-        if cutlass.const_expr(not self.cfg.stage_tile_inputs):
-            start = mCu[doc]
-            length = mCu[doc + 1] - start
-        return start, length
-
-    @cute.jit
-    def for_each_published_tile(self, pipe_t, sSched, mCu, state, step):
+    def for_each_published_tile(self, pipe_t, sSched, state, step):
         """A persistent role's loop over the tiles the TMA warp publishes, until its end mark: state =
         step(state, head, doc_start, doc_len, m_block) per tile, with short_pairs also the pair length
         (step runs while tracing: inlined). Returns the last state."""
@@ -1408,29 +901,20 @@ class FlamiaFwdSm90:
                 state = step(state, head, start, length, m_block, pair_len)
                 m_block, head, doc, start, length, pair_len, t_state = read_tile(pipe_t, sSched, t_state, 3)
         else:
-            m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
+            m_block, head, doc, start, length, t_state = read_tile(pipe_t, sSched, t_state, True)
             while m_block >= 0:
-                doc_start, doc_len = self.tile_bounds(mCu, doc, start, length)
-                state = step(state, head, doc_start, doc_len, m_block)
-                m_block, head, doc, start, length, t_state = self.read_tile_bounds(pipe_t, sSched, t_state)
+                state = step(state, head, start, length, m_block)
+                m_block, head, doc, start, length, t_state = read_tile(pipe_t, sSched, t_state, True)
         return state
 
     @cute.jit
-    def init_rows(self, frags, rowst, row_in_blk, mSQ, scale_log2, head, doc_start, doc_len, m_block, wg):
+    def init_rows(self, frags, rowst, row_in_blk, scale_log2, m_block, wg):
         """The row statistics of query block m_block before its first key tile."""
-        tn, wm = self.tile_n, self.wg_m
         tScS = frags[8]
         rs, m_run, l_run, r_run, c_pend = rowst
         for v1 in cutlass.range_constexpr(2):
-            row = m_block * tn + wg * wm + tScS[2 * v1][0]
-            row_in_blk[v1] = row
-            if cutlass.const_expr(self.cfg.stage_tile_inputs):
-                rs[v1] = scale_log2  # times the staged sQ in the diagonal softmax
-            else:
-                sq = Float32(1.0)  # rows past the end: any finite positive scale (never stored)
-                if row < doc_len:
-                    sq = mSQ[doc_start + row, head]
-                rs[v1] = sq * scale_log2
+            row_in_blk[v1] = m_block * TILE + wg * WG_ROWS + tScS[2 * v1][0]
+            rs[v1] = scale_log2  # times the staged sQ in the diagonal softmax
             m_run[v1] = -Float32.inf
             l_run[v1] = Float32(0.0)
             r_run[v1] = Float32(0.0)  # no kept tile yet (see softmax: the fold reference)
@@ -1485,17 +969,16 @@ class FlamiaFwdSm90:
     def gemm_qk(self, qk_mma, frags, k_state, q_slot):
         """Issue S = Q K^T for the K tile in stage k_state (async; the caller commits). q_slot: this
         warpgroup's 64 Q rows in sQ (the warpgroup index, plus 2 per Q stage when persistent)."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         for k in cutlass.range_constexpr(self.D // 32):
             qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(qk_mma, acc_s, tSrQ[None, None, k, q_slot], tSrK[None, None, k, k_state.index], acc_s)
 
     @cute.jit
     def gemm_pv(self, pv_mma, frags, v_state):
-        """Issue O_tile = P V (P from registers) into the fresh tile accumulator acc_t (async); with
-        row_sum_mma its column D is the row sum of P (the ones rows below V^T)."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
-        for k in cutlass.range_constexpr(self.tile_n // 32):
+        """Issue O_tile = P V (P from registers) into the fresh tile accumulator acc_t (async)."""
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
+        for k in cutlass.range_constexpr(TILE // 32):
             pv_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(pv_mma, acc_t, tOrP[None, None, k], tOrV[None, None, k, v_state.index], acc_t)
 
@@ -1509,20 +992,19 @@ class FlamiaFwdSm90:
         fold reference r (the max V scale of its visible keys) is below
         max(r_prev * FOLD_DROP, FOLD_REF_MIN) is dropped from P V (P = 0 there, the reference stays):
         an all-zero V tile (scale 2^-126) would make 256 / r and r_prev / r overflow.
-        diag: the diagonal tile (first), the only one with a mask; key_lo (short_pairs): its columns
-        below key_lo are masked too (the other document's keys). The caller waits for and
-        releases the scale stage s_state. Returns the rows' alpha (exp2(m_prev - m)).
-        row_sum_mma, uniform tiles: l is only rescaled here; the tile's sum lands with its P V.
+        diag: the diagonal tile (first), the only one with a mask and the one whose stage holds the
+        block's Q scales; key_lo (short_pairs): its columns below key_lo are masked too (the other
+        document's keys). The caller waits for and releases the scale stage s_state.
         """
-        tn, wm = self.tile_n, self.wg_m
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
+        tn, wm = TILE, WG_ROWS
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         rs, m_run, l_run, r_run, c_pend = rowst
         n_acc_s = cute.size(acc_s)
         lim = doc_len - n * tn  # diagonal tile: visible keys are col < lim and col <= row
         # Block-scaled off-diagonal tile: it is exactly one 128-key scale block, so the K and V
         # scales are constant over it: sK folds into the row factor and w / r == 1.
         uniform = cutlass.const_expr((not diag) and self.diag_copy)
-        if cutlass.const_expr(diag and self.cfg.stage_tile_inputs and not self.fuse_q):
+        if cutlass.const_expr(diag):
             for v1 in cutlass.range_constexpr(2):  # the block's Q scales, staged by the scale warp
                 rs[v1] = rs[v1] * sScale[2 * tn + wg * wm + tScS[2 * v1][0], s_state.index]
         sk_t = sScale[0, s_state.index]
@@ -1560,12 +1042,11 @@ class FlamiaFwdSm90:
                         acc_s[a] = s
                         row_s[v1].append(s)
                         row_w[v1].append(w)
-        chains = self.cfg.max_chains
-        tmax = [fmax_chains(row_s[v1], chains) for v1 in range(2)]
+        tmax = [fmax_chains(row_s[v1], MAX_CHAINS) for v1 in range(2)]
         tmax = list(quad_max2(tmax[0], tmax[1]))
         if cutlass.const_expr(not uniform):
             # w >= 0, so the max over the row's w equals fmax(0, ...) of the serial form
-            wmax = [fmax_chains(row_w[v1], chains) for v1 in range(2)]
+            wmax = [fmax_chains(row_w[v1], MAX_CHAINS) for v1 in range(2)]
             wmax = list(quad_max2(wmax[0], wmax[1]))  # 0: no visible key (dropped below)
         rsv = [rs[0], rs[1]]
         m_safe = [Float32(0.0), Float32(0.0)]
@@ -1602,9 +1083,6 @@ class FlamiaFwdSm90:
             alphas[v1] = alpha
             m_run[v1] = m_new
         psum = [Float32(0.0), Float32(0.0)]
-        # row_sum_mma: a uniform tile's sum comes from P V's column D (accumulate_o adds it)
-        sum_on_mma = uniform and lsum is not None
-        poly_every = self.cfg.exp2_poly_every
         # uniform tiles: P * 256 = exp2(x + 8) saves a multiply per element (P_SCALE = 2^8)
         m_off = [m_safe[0], m_safe[1]]
         if cutlass.const_expr(uniform):
@@ -1615,62 +1093,35 @@ class FlamiaFwdSm90:
                 sw = w_t
                 if cutlass.const_expr(not uniform):
                     sw = sScale[tn + col, s_state.index]
-                # a fixed subset of the columns takes exp2 off the MUFU pipe (exp2_poly_every)
-                on_fma = uniform and poly_every > 0 and v2 % poly_every == poly_every - 1
                 for v1 in cutlass.range_constexpr(2):
                     a = v0 + 2 * v1 + 4 * v2
-                    x = acc_s[a] * rsv[v1] - m_off[v1]
-                    if cutlass.const_expr(on_fma):
-                        p = exp2_poly(x)
-                    else:
-                        p = cute.math.exp2(x, fastmath=True)
-                    if cutlass.const_expr(not sum_on_mma):
-                        psum[v1] = psum[v1] + p
+                    p = cute.math.exp2(acc_s[a] * rsv[v1] - m_off[v1], fastmath=True)
+                    psum[v1] = psum[v1] + p
                     if cutlass.const_expr(uniform):
                         acc_s[a] = p
                     else:
                         acc_s[a] = (p * sw) * inv[v1]  # p = 0 first: a masked key's sw * inv may overflow
         for v1 in cutlass.range_constexpr(2):
-            if cutlass.const_expr(sum_on_mma):
-                l_run[v1] = l_run[v1] * alphas[v1]
-            else:
-                ps = psum[v1]
-                if cutlass.const_expr(uniform):
-                    ps = ps * Float32(1.0 / P_SCALE)  # exact: a power of two
-                l_run[v1] = l_run[v1] * alphas[v1] + ps
-        return alphas
+            ps = psum[v1]
+            if cutlass.const_expr(uniform):
+                ps = ps * Float32(1.0 / P_SCALE)  # exact: a power of two
+            l_run[v1] = l_run[v1] * alphas[v1] + ps
 
     @cute.jit
-    def convert_p(self, frags, r_run, uniform: cutlass.Constexpr, l_run=None):
+    def convert_p(self, frags, r_run, uniform: cutlass.Constexpr):
         """P: fp32 accumulator layout (acc_s) -> e4m3 A-operand registers (tOrP); V^T comes in
         P-fragment key order, so this is 32 conversions and nothing else. Uniform tiles leave P
-        unscaled (w / r == 1), so a dropped row (r_run < 0, see softmax) has its bytes zeroed here:
-        16 ANDs and no branch (a branch over the row's fp32 values spilled). Register i holds
-        row i % 2 (a_fragment_sources). l_run (row_sum_mma): a dropped row's zeroed P would leave its
-        keys out of P V's row sum, so their fp32 sum goes into l here."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
+        unscaled (w / r == 1), so a dropped row (r_run < 0, see softmax) has its bytes zeroed here
+        (16 ANDs; a branch over the row's fp32 values spilled). Register i holds row i % 2
+        (a_fragment_sources)."""
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         pack_a_fragment_e4m3(acc_s, tOrP32)
         if cutlass.const_expr(uniform):
-            if cutlass.const_expr(self.cfg.drop_branch):
-                # a dropped row needs an all-zero V tile after normal ones: test it once per warp
-                dropped = (f32_bits(r_run[0]) | f32_bits(r_run[1])) >> 31
-                if cute.arch.vote_any_sync(dropped != Uint32(0)):
-                    self._zero_dropped_rows(tOrP32, r_run)
-                    if cutlass.const_expr(l_run is not None and frags[9] is not None):
-                        self._sum_dropped_rows(acc_s, r_run, l_run)
-            else:
+            # only after an all-zero V tile following normal ones: tested once per warp, so the common
+            # path carries none of the selects
+            dropped = (f32_bits(r_run[0]) | f32_bits(r_run[1])) >> 31
+            if cute.arch.vote_any_sync(dropped != Uint32(0)):
                 self._zero_dropped_rows(tOrP32, r_run)
-
-    @cute.jit
-    def _sum_dropped_rows(self, acc_s, r_run, l_run):
-        """l += the fp32 P of a dropped row (uniform tile: acc_s holds P * 256), per-thread partial."""
-        for v1 in cutlass.range_constexpr(2):
-            if f32_bits(r_run[v1]) >> 31 != Uint32(0):
-                ps = Float32(0.0)
-                for v2 in cutlass.range_constexpr(cute.size(acc_s) // 4):
-                    for v0 in cutlass.range_constexpr(2):
-                        ps = ps + acc_s[v0 + 2 * v1 + 4 * v2]
-                l_run[v1] = l_run[v1] + ps * Float32(1.0 / P_SCALE)
 
     @cute.jit
     def _zero_dropped_rows(self, tOrP32, r_run):
@@ -1696,8 +1147,7 @@ class FlamiaFwdSm90:
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         v_state.advance()
-        # the diagonal tile's sum is the softmax's fp32 one (its P carries the V scale fold)
-        self.accumulate_o(frags, rowst[4], None if diag else rowst[2])
+        self.accumulate_o(frags, rowst[4])
         return k_state, v_state, s_state
 
     @cute.jit
@@ -1725,24 +1175,14 @@ class FlamiaFwdSm90:
             cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=256)
 
     @cute.jit
-    def accumulate_o(self, frags, c, l_run=None, l_fac=None):
-        """O = O * c + O_tile (one FFMA per element): rescale and promotion of the fresh tile sum.
-        row_sum_mma (l_run given): l += the tile's row sum (P V's column D, of P * 256) times l_fac (1/256 times
-        the alpha of a softmax that ran since its P, or 0 for the diagonal tile's, whose fp32 sum is in
-        l already; None: 1/256).
-        Lane 0 of a quad holds the sum (column D), the others zero columns: l stays a quad-partial sum."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
+    def accumulate_o(self, frags, c):
+        """O = O * c + O_tile (one FFMA per element): rescale and promotion of the fresh tile sum."""
+        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         for j in cutlass.range_constexpr(cute.size(acc_o) // 4):
             for v1 in cutlass.range_constexpr(2):
                 for v0 in cutlass.range_constexpr(2):
                     a = v0 + 2 * v1 + 4 * j
                     acc_o[a] = acc_o[a] * c[v1] + acc_t[a]
-        if cutlass.const_expr(lsum is not None and l_run is not None):
-            for v1 in cutlass.range_constexpr(2):
-                if cutlass.const_expr(l_fac is None):
-                    l_run[v1] = l_run[v1] + acc_t[lsum + 2 * v1] * Float32(1.0 / P_SCALE)
-                else:
-                    l_run[v1] = l_run[v1] + acc_t[lsum + 2 * v1] * l_fac[v1]
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -1765,47 +1205,30 @@ class FlamiaFwdSm90:
         self.softmax(diag, n, frags, rowst, sScale, s_state, doc_len, wg, key_lo)
         pipe_s.consumer_release(s_state)
         s_state.advance()
-        self.convert_p(frags, rowst[3], (not diag) and self.diag_copy, rowst[2])
+        self.convert_p(frags, rowst[3], (not diag) and self.diag_copy)
         return k_state, s_state
 
     @cute.jit
     def overlap_step(
-        self, n, frags, rowst, qk_mma, pv_mma, sScale, sPin, pipe_k, pipe_v, pipe_s,
-        k_state, v_state, s_state, doc_len, wg, q_slot, next_diag: cutlass.Constexpr = False, c_prev=None,
-        l_gate=None,
+        self, n, frags, rowst, qk_mma, pv_mma, sScale, pipe_k, pipe_v, pipe_s,
+        k_state, v_state, s_state, doc_len, wg, q_slot,
     ):
         """Overlap schedule, off-diagonal tile n: issue S_n and P_prev V_prev, softmax of S_n
-        while P V runs, then O = O * c_prev + O_tile(prev) and P_n.
-
-        next_diag (overlap_tiles, between query blocks): n is the next block's diagonal tile (masked
-        softmax; its fresh row statistics already in rowst, doc_len its document's), c_prev this
-        block's pending factor; P stays in acc_s until the caller has stored this block's O.
-        l_gate (row_sum_mma): 0 when the P V in flight is the diagonal tile's, else 1/256."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
+        while P V runs, then O = O * c_prev + O_tile(prev) and P_n."""
         rs, m_run, l_run, r_run, c_pend = rowst
         k_state = self.issue_s_with_pv(qk_mma, pv_mma, frags, pipe_k, pipe_v, pipe_s, k_state, v_state, s_state, wg,
                                        q_slot)
-        if cutlass.const_expr(not next_diag):
-            c_prev = [c_pend[0], c_pend[1]]  # the factor of the tile whose P V is in flight
+        c_prev = [c_pend[0], c_pend[1]]  # the factor of the tile whose P V is in flight
         # reads and writes acc_s only (and the row statistics): P V reads tOrP, writes acc_t
-        alphas = self.softmax(next_diag, n, frags, rowst, sScale, s_state, doc_len, wg)
-        if cutlass.const_expr(self.pin and not next_diag):
-            # the row sums depend on every exp2 of the tile: storing them here keeps the exp2 work
-            # ahead of the wait below (ptxas does not move shared-memory stores across it)
-            sPin[cute.arch.thread_idx()[0] % 256] = rowst[2][0] + rowst[2][1]
+        self.softmax(False, n, frags, rowst, sScale, s_state, doc_len, wg)
         pipe_s.consumer_release(s_state)
         s_state.advance()
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         v_state.advance()
-        # the serial schedule's operation for the previous tile: O = O * c_prev + O_tile; its row sum
-        # (row_sum_mma) is in units of the previous max, so it takes this softmax's alpha too
-        if cutlass.const_expr(l_gate is None):
-            self.accumulate_o(frags, c_prev)
-        else:
-            self.accumulate_o(frags, c_prev, rowst[2], [alphas[0] * l_gate, alphas[1] * l_gate])
-        if cutlass.const_expr(not next_diag):
-            self.convert_p(frags, r_run, self.diag_copy, rowst[2])
+        # the serial schedule's operation for the previous tile: O = O * c_prev + O_tile
+        self.accumulate_o(frags, c_prev)
+        self.convert_p(frags, r_run, self.diag_copy)
         return k_state, v_state, s_state, qk_mma, pv_mma
 
     @cute.jit
@@ -1829,10 +1252,8 @@ class FlamiaFwdSm90:
         return k_state
 
     @cute.jit
-    def overlap_epilogue(self, frags, rowst, pv_mma, pipe_v, v_state, wg, l_gate=None):
-        """Overlap schedule: P V of the last tile, O = O * c_last + O_tile. l_gate (row_sum_mma): 0
-        when that tile is the diagonal one, else 1/256."""
-        tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS, lsum = frags
+    def overlap_epilogue(self, frags, rowst, pv_mma, pipe_v, v_state, wg):
+        """Overlap schedule: P V of the last tile, O = O * c_last + O_tile."""
         pipe_v.consumer_wait(v_state)
         self.wait_turn(wg)
         warpgroup.fence()
@@ -1842,10 +1263,7 @@ class FlamiaFwdSm90:
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         v_state.advance()
-        if cutlass.const_expr(l_gate is None):
-            self.accumulate_o(frags, rowst[4])
-        else:
-            self.accumulate_o(frags, rowst[4], rowst[2], [l_gate, l_gate])
+        self.accumulate_o(frags, rowst[4])
         return v_state
 
 
@@ -1858,7 +1276,6 @@ _F8, _F32, _I32, _BF16 = ARG_F8, ARG_F32, ARG_I32, ARG_BF16
 # The runtime entry's parameters (FlamiaFwdSm90.__call__) for compile_cache.compile_launcher
 ARG_KINDS = (
     _F8, _F32, _F8, _F32, _F8, _F32, _F8, _F32, _F8, _F32,  # q, sq, k, sk, v, sv, k_tok, sk_tok, v_tok, sv_tok
-    _BF16,  # q in bf16 (fuse_q_quant; else any bf16 pointer)
     _I32, _BF16, _F32, _I32,  # cu_seqlens, out, lse, tile counter (persistent; else any int32 pointer)
     ("i32",), ("i32",), ("i32",), ("i32",), ("i32",), ("f32",),  # T, T_dt, Hk, num_docs, grid_x, scale
     ("stream",),
@@ -1898,10 +1315,11 @@ def kernel_artifacts(config: FwdConfig, arch: str = "sm_90a", tvm_ffi: bool = Fa
     return compile_artifacts(lambda cfg, a, opts: compile_fwd_sm90(cfg, a, opts, tvm_ffi=tvm_ffi), config, arch)
 
 
+
 def flamia_fwd_sm90(
     q_td, sq, k_td, sk, v_dt, sv, k_tok_td, sk_tok, v_tok_dt, sv_tok,
     cu_seqlens, max_seqlen: int, softmax_scale: float, config: FwdConfig, poison_outputs: bool = False,
-    dt_cu_seqlens=None, q_bf16=None,
+    dt_cu_seqlens=None,
 ):
     """Causal FP8 attention forward on the current stream; returns (out bf16 (T,H,D), lse fp32 (H,T)).
 
@@ -1915,9 +1333,6 @@ def flamia_fwd_sm90(
     poison_outputs: fill out/lse with NaN first (tests: every element must be written).
     dt_cu_seqlens: accepted for compatibility and unused: the kernel derives every document's start
     column in v_dt (quant.dt_cu_seqlens(cu_seqlens)) from cu_seqlens itself.
-    q_bf16 (T, H, D) bf16, exactly when config.fuse_q_quant: the kernel quantizes it per token
-    (bit-exact with quant.quantize_thd) and writes the codes to q_td and the scales to sq, which
-    are then outputs (e.g. torch.empty).
     Host cost: one kernel launch, two allocations, no torch ops on cu_seqlens when it is already
     int32 on the device; the launch goes through TVM-FFI when apache-tvm-ffi is installed.
     """
@@ -1939,11 +1354,6 @@ def flamia_fwd_sm90(
     if k_tok_td is not k_td:
         checks += [("k_tok_td", k_tok_td, (T, Hk, D), f8), ("v_tok_dt", v_tok_dt, (Hk, D, T_dt), f8),
                    ("sk_tok", sk_tok, (Hk, T), torch.float32), ("sv_tok", sv_tok, (Hk, T), torch.float32)]
-    if config.fuse_q_quant != (q_bf16 is not None):
-        raise ValueError("q_bf16 must be given exactly when config.fuse_q_quant is set "
-                         f"(fuse_q_quant={config.fuse_q_quant}, q_bf16 {'given' if q_bf16 is not None else 'None'})")
-    if q_bf16 is not None:
-        checks.append(("q_bf16", q_bf16, (T, H, D), torch.bfloat16))
     dev = q_td.device
     check_kernel_tensors(checks, dev)
     if T_dt != transposed_tokens(T, num_docs):
@@ -1960,25 +1370,23 @@ def flamia_fwd_sm90(
     if poison_outputs:
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
-    max_m_blocks = (int(max_seqlen) + config.tile_m - 1) // config.tile_m
+    max_m_blocks = (int(max_seqlen) + TILE - 1) // TILE
     if T == 0 or num_docs == 0 or max_m_blocks == 0:
         return out, lse
     if H > 65535 or num_docs > 65535:
         raise ValueError(f"grid too large: {H} query heads of q or {num_docs} documents of cu_seqlens "
                          "(at most 65535 each)")
-    sched_ptr = cu.data_ptr()  # unused unless the tiles are claimed from a counter
+    sched_ptr = cu.data_ptr()  # unused unless persistent
     grid_x = max_m_blocks
     if config.persistent:
         grid_x = min(sm_count(dev), H * min(max_chunks(T, num_docs), num_docs * max_m_blocks))
-        if config.tile_claim == "counter":
-            # the tile counter starts at 0 every call (one per call: no state shared between streams)
-            counter = torch.zeros(1, dtype=torch.int32, device=dev)
-            sched_ptr = counter.data_ptr()
+        # the tile counter starts at 0 every call (one per call: no state shared between streams)
+        counter = torch.zeros(1, dtype=torch.int32, device=dev)
+        sched_ptr = counter.data_ptr()
     launch_on_device(
         get_launcher(config), dev,
         q_td.data_ptr(), sq.data_ptr(), k_td.data_ptr(), sk.data_ptr(), v_dt.data_ptr(), sv.data_ptr(),
-        k_tok_td.data_ptr(), sk_tok.data_ptr(), v_tok_dt.data_ptr(), sv_tok.data_ptr(),
-        (q_bf16 if q_bf16 is not None else out).data_ptr(), cu.data_ptr(),
+        k_tok_td.data_ptr(), sk_tok.data_ptr(), v_tok_dt.data_ptr(), sv_tok.data_ptr(), cu.data_ptr(),
         out.data_ptr(), lse.data_ptr(), sched_ptr, T, T_dt, Hk, num_docs, grid_x, float(softmax_scale * LOG2E),
     )
     return out, lse

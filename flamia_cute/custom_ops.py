@@ -213,7 +213,6 @@ def varlen_fwd(
         out_k, lse, quantized = cute_backend.forward_kernels(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale,
                                                              _kernel_block(recipe),
                                                              ds_bf16=cute_backend.bf16_ds_backward(recipe),
-                                                             row_sum=_recipe(recipe).row_sum,
                                                              q_transposed=cute_backend.dk_e4m3_backward(recipe))
         out = out_k.to(q.dtype)
         return out, lse, _pack_kernel(layout, out_k, quantized)

@@ -22,7 +22,7 @@ from .recipes import NAMED_RECIPES, Recipe
 # at kernel speed so that training can compare it).
 PER_TENSOR = 0
 KERNEL_RECIPES = {"fp8_token": 1, "fp8_tokenblock": 128, "fp8_tensor_current": PER_TENSOR, "fp8_tokenblock_dsbf16": 128,
-                  "fp8_token_dsbf16": 1, "fp8_tokenblock_dsbf16_castsum": 128, "fp8_tokenblock_dke4m3": 128}
+                  "fp8_token_dsbf16": 1, "fp8_tokenblock_dke4m3": 128}
 
 
 def bf16_ds_backward(recipe_name: str) -> bool:
@@ -124,23 +124,18 @@ def quantize_launch_config(head_dim: int, heads_q: int, heads_kv: int, block: in
 
 
 def quantize_operands(q, k, v, cu, block: int, max_seqlen: int, forward_only: bool = False, ds_bf16: bool = False,
-                      with_q: bool = True, q_transposed: bool = False):
+                      q_transposed: bool = False):
     """Q, K, V in ONE fused launch: Q per token; K, V per block plus the per-token diagonal copies.
 
     forward_only: only the orientations the forward reads (quantize_sm90.forward_only); ds_bf16: the
     same, all that the bf16-dS backward reads too (q_transposed: and Q^T, launch_layouts). What is not
-    written is None in the result.
-    with_q=False: K and V only (the forward kernel quantizes Q itself: FwdConfig.fuse_q_quant); Q's
-    entry is then None."""
+    written is None in the result."""
     from .quantize_sm90 import fused_quantize_multi_sm90
 
     cfg = quantize_launch_config(q.shape[2], q.shape[1], k.shape[1], block, max_seqlen, q.shape[0], cu.numel() - 1,
                                  forward_only, ds_bf16, q_transposed)
     if block == PER_TENSOR:
         return _quantize_operands_per_tensor(q, k, v, cu, cfg)
-    if not with_q:
-        (kq, kt), (vq, vt) = fused_quantize_multi_sm90((k, v), cu, dataclasses.replace(cfg, parts=cfg.parts[1:]))
-        return None, (kq, kt), (vq, vt)
     (qq, _), (kq, kt), (vq, vt) = fused_quantize_multi_sm90((q, k, v), cu, cfg)
     return qq, (kq, kt), (vq, vt)
 
@@ -163,54 +158,35 @@ def _quantize_operands_per_tensor(q, k, v, cu, cfg):
 
 
 def forward_config(head_dim: int, heads_q: int, heads_kv: int, max_seqlen: int, total_tokens: int, num_docs: int,
-                   block: int, forward_only: bool, ds_bf16: bool, row_sum: str, q_transposed: bool, q_is_bf16: bool):
-    """(FwdConfig, fuse_q) for a call: the forward kernel's config (tuned) and whether it quantizes Q
-    itself (fused_q_quantization; the config then has fuse_q_quant); memoized."""
-    from .attention_fwd_sm90 import FwdConfig, fuse_q_quant_supported, short_pairs_default, with_fused_q_quant
+                   block: int):
+    """The forward kernel's FwdConfig for a call (tuned for its workload class); memoized."""
+    from .attention_fwd_sm90 import FwdConfig, short_pairs_default
     from .tuning import tuned_fwd_config
-
-    fuse_switch = fused_q_quantization()
 
     def build():
         cfg = FwdConfig(head_dim=head_dim, qhead_per_kvhead=heads_q // heads_kv, diagonal_copy=block > 1,
-                        row_sum_mma=row_sum == "cast_p", short_pairs=short_pairs_default(total_tokens, num_docs))
-        cfg = tuned_fwd_config(cfg, max_seqlen, total_tokens, num_docs)
-        # Q quantized by the forward kernel (per token, as the launch would: same codes and scales). It
-        # writes Q token-major only: enough for the forward and the bf16-dS backward, not for the e4m3-dS
-        # backward's Q^T
-        fuse_q = (fuse_switch and block != PER_TENSOR and q_is_bf16 and (forward_only or ds_bf16)
-                  and not q_transposed and fuse_q_quant_supported(cfg))
-        return (with_fused_q_quant(cfg) if fuse_q else cfg), fuse_q
+                        short_pairs=short_pairs_default(total_tokens, num_docs))
+        return tuned_fwd_config(cfg, max_seqlen, total_tokens, num_docs)
 
-    return _memoized(("fwd", head_dim, heads_q, heads_kv, int(max_seqlen), total_tokens, num_docs, block, forward_only,
-                      ds_bf16, row_sum, q_transposed, q_is_bf16, fuse_switch), build)
+    return _memoized(("fwd", head_dim, heads_q, heads_kv, int(max_seqlen), total_tokens, num_docs, block), build)
 
 
 def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only: bool = False,
-                    ds_bf16: bool = False, row_sum: str = "fp32", q_transposed: bool = False):
+                    ds_bf16: bool = False, q_transposed: bool = False):
     """Quantize + forward kernel. Returns (out bf16, lse (H, T) fp32, saved quantized operands);
     forward_only: a call that needs no backward (the saved operands lack the backward's layouts);
-    ds_bf16: the backward to come is the bf16-dS kernel (no Q^T, K^T: launch_layouts); row_sum: the
-    recipe's (recipes.ROW_SUMS; "cast_p" runs the forward's row sum on the tensor core); q_transposed:
+    ds_bf16: the backward to come is the bf16-dS kernel (no Q^T, K^T: launch_layouts); q_transposed:
     the backward to come reads Q^T as well (dk_e4m3_backward)."""
     from .attention_fwd_sm90 import flamia_fwd_sm90
-    from .quant import QuantizedTHD
 
     q_transposed = q_transposed and not forward_only
-    cfg, fuse_q = forward_config(q.shape[2], q.shape[1], k.shape[1], max_seqlen, q.shape[0], cu.numel() - 1, block,
-                                 forward_only, ds_bf16, row_sum, q_transposed, q.dtype == torch.bfloat16)
+    cfg = forward_config(q.shape[2], q.shape[1], k.shape[1], max_seqlen, q.shape[0], cu.numel() - 1, block)
     qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block, max_seqlen, forward_only, ds_bf16,
-                                               with_q=not fuse_q, q_transposed=q_transposed)
-    q_bf16 = None
-    if fuse_q:
-        T, H, D = q.shape
-        q_bf16 = q.contiguous()
-        qq = QuantizedTHD(torch.empty(T, H, D, dtype=torch.float8_e4m3fn, device=q.device), None,
-                          torch.empty(H, T, dtype=torch.float32, device=q.device), 1, "e4m3", False)
+                                               q_transposed=q_transposed)
     out, lse = flamia_fwd_sm90(
         qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale,
         kt.data_td if kt else None, kt.scale if kt else None, vt.data_dt if vt else None, vt.scale if vt else None,
-        cu, max_seqlen, softmax_scale, cfg, q_bf16=q_bf16,
+        cu, max_seqlen, softmax_scale, cfg,
     )
     return out, lse, (qq, (kq, kt), (vq, vt))
 
@@ -221,13 +197,6 @@ def _env_flag(name: str, default: bool) -> bool:
     if flag not in ("", "0", "1"):
         raise ValueError(f"{name} must be 0 or 1, got {flag!r}")
     return default if flag == "" else flag == "1"
-
-
-def fused_q_quantization() -> bool:
-    """The forward kernel quantizes Q itself (FwdConfig.fuse_q_quant; the Q/K/V launch then does K
-    and V only) when FLAMIA_CUTE_FUSE_Q=1: opt-in, measured slower on every workload on the H200
-    (perf/NOTES.md, session 16)."""
-    return _env_flag("FLAMIA_CUTE_FUSE_Q", False)
 
 
 def forward_only_quantization() -> bool:
@@ -318,7 +287,7 @@ class CuteAttention(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, cu, max_seqlen, softmax_scale, recipe, block):
         out, lse, saved = forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block,
-                                          ds_bf16=bf16_ds_backward(recipe.name), row_sum=recipe.row_sum,
+                                          ds_bf16=bf16_ds_backward(recipe.name),
                                           q_transposed=dk_e4m3_backward(recipe.name))
         fctx.saved = saved
         fctx.meta = (cu, softmax_scale, recipe, q.dtype, max_seqlen)

@@ -186,12 +186,6 @@ def st_global_v4(addr, w):
         result=None, side_effects=True)
 
 
-def st_global_v2(addr, w):
-    """One 8-byte global store of two u32 words (addr: Int64, 8-byte aligned)."""
-    ptx("st.global.v2.b32 [$0], {$1, $2};", "l,r,r,~{memory}", [Int64(addr)] + [Uint32(x) for x in w],
-        result=None, side_effects=True)
-
-
 def st_shared_v4(addr, w):
     """One 16-byte shared-memory store of four u32 words (addr: the 32-bit shared address, 16-byte
     aligned): the compiler does not merge word stores whose swizzled address it cannot prove aligned."""
@@ -308,32 +302,6 @@ def f32_bits(x):
     return Int32(arith.bitcast(Int32.mlir_type, Float32(x).ir_value()))
 
 
-# 2^f on f in [-1/2, 1/2], degree 3, minimax in relative error (8.3e-5, also in fp32 Horner; Lawson
-# iterations on 20001 points). Far below e4m3's 2^-4 steps of P: it moves P * 256 across an e4m3
-# rounding boundary for ~0.1% of values, one step each.
-EXP2_POLY3 = (0.999919593334198, 0.6932621598243713, 0.24271413683891296, 0.055212993174791336)
-EXP2_ROUND = 12582912.0  # 1.5 * 2^23: x + this rounds x to an integer held in the low mantissa bits
-EXP2_POLY_MIN = -126.0  # 2^j with j >= -126 keeps the exponent field >= 0 (smaller: a denormal, ~0)
-
-
-def exp2_poly(x, fmax=None, bits=None, from_bits=None):
-    """2^x on the FMA and integer pipes, for finite x <= 127 (the softmax's exponents): 8 issue slots
-    instead of one MUFU.EX2, whose pipe (16 per SM per cycle) was as busy as the tensor pipe in the
-    forward (ncu s9b). x is clamped to -126 (so -inf is NOT 0: callers keep masked values on MUFU).
-    j = round(x) by the 1.5 * 2^23 trick, f = x - j in [-1/2, 1/2], 2^f by EXP2_POLY3, and j added to
-    the exponent field: the low bits of x + 1.5 * 2^23 are j, and (bits << 23) drops the rest.
-    fmax, bits, from_bits: plain-Python stand-ins for the tests (default: the DSL's)."""
-    fmax = fmax or (lambda a, lo: cute.arch.fmax(a, Float32(lo)))
-    bits = bits or f32_bits
-    from_bits = from_bits or as_f32
-    x = fmax(x, EXP2_POLY_MIN)
-    t = x + EXP2_ROUND
-    f = x - (t - EXP2_ROUND)
-    c0, c1, c2, c3 = EXP2_POLY3
-    p = ((c3 * f + c2) * f + c1) * f + c0
-    return from_bits(bits(p) + (bits(t) << 23))
-
-
 POW2_RECIPROCAL_BITS = 0x7F000000  # (254 << 23): 2^(e-127) -> 2^(127-e) is this minus the bits
 
 
@@ -400,44 +368,33 @@ def document_aligned_starts(mCu: cute.Tensor, doc, aligns: cutlass.Constexpr, un
 
 @cute.jit
 def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Tensor, sWarp: cute.Tensor, tid,
-                     threads: cutlass.Constexpr, barrier_id: cutlass.Constexpr, tile: cutlass.Constexpr,
-                     sHeavy=None, sPair=None):
+                     threads: cutlass.Constexpr, barrier_id: cutlass.Constexpr, tile: cutlass.Constexpr, sPair=None):
     """Per-document tables in shared memory, for d in 0..num_docs: sCum[d] = sum over documents
     b < d of ceil(len_b / tile) (chunks), sDt[d] = document d's first data_dt column (the same sum
-    of lengths rounded up to DT_DOC_ALIGN: quant.dt_cu_seqlens), and when sHeavy is given
-    sHeavy[d] = the same sum of ceil(chunks_b / 2) (the heavy halves of locate_tile's heavy_first).
+    of lengths rounded up to DT_DOC_ALIGN: quant.dt_cu_seqlens).
 
     Run by `threads` threads (tid in 0..threads-1, whole warps) that meet at named barrier
     `barrier_id`; the caller syncs before anyone reads the tables. Thread t owns documents
     [t*k, t*k + k): a serial sum, a warp scan (shfl.up), the warp totals through sWarp (a row of
-    2, or 3 with sHeavy, per warp).
+    2 per warp).
     sPair (the forward's short pairs): sPair[d] = short_pair_len(d) (the length of document d + 1 when
     it shares d's query tile, else 0), and such a document d + 1 counts 0 chunks.
     """
-    heavy = cutlass.const_expr(sHeavy is not None)
     short_pairs = sPair is not None
     k = (num_docs + threads - 1) // threads
     d0 = tid * k
     my_c = Int32(0)
     my_p = Int32(0)
-    my_h = Int32(0)
     for i in cutlass.range(k, unroll=1):
         b = d0 + i
         if b < num_docs:
             c, p = _doc_chunks_and_columns(mCu, b, tile, num_docs, short_pairs)
             my_c = my_c + c
             my_p = my_p + p
-            if cutlass.const_expr(heavy):
-                my_h = my_h + (c + 1) // 2
-    mine = (my_c, my_p, my_h) if cutlass.const_expr(heavy) else (my_c, my_p)
-    runs = group_scan_up(tid, sWarp, threads, barrier_id, True, *mine)
-    run_c, run_p = runs[0], runs[1]
-    run_h = runs[2] if cutlass.const_expr(heavy) else Int32(0)
+    run_c, run_p = group_scan_up(tid, sWarp, threads, barrier_id, True, my_c, my_p)
     if tid == 0:
         sCum[0] = Int32(0)
         sDt[0] = Int32(0)
-        if cutlass.const_expr(heavy):
-            sHeavy[0] = Int32(0)
     for i in cutlass.range(k, unroll=1):
         b = d0 + i
         if b < num_docs:
@@ -448,9 +405,6 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
             sDt[b + 1] = run_p
             if cutlass.const_expr(short_pairs):
                 sPair[b] = short_pair_len(mCu, b, num_docs)
-            if cutlass.const_expr(heavy):
-                run_h = run_h + (c + 1) // 2
-                sHeavy[b + 1] = run_h
 
 
 @cute.jit
@@ -592,37 +546,15 @@ def last_doc_at_or_before(t, cum_at, num_docs, heads):
 
 
 @cute.jit
-def locate_tile(t, sCum: cute.Tensor, num_docs, heads, sHeavy=None):
+def locate_tile(t, sCum: cute.Tensor, num_docs, heads):
     """Tile t of the persistent order -> (document, head, block): documents in order, the heads of a
     document next (a GQA group's query heads together, so its K/V stay in L2), then the document's
-    query blocks from the last (longest causal row) to the first. sCum: doc_chunk_cumsum's table.
-
-    sHeavy (heavy_first): the same order over every document's heavier half of blocks (the last
-    ceil(n/2)) first, then over the lighter halves, so the tiles claimed last are short ones."""
-    if cutlass.const_expr(sHeavy is None):
-        doc = last_doc_at_or_before(t, lambda i: sCum[i], num_docs, heads)
-        nblk = sCum[doc + 1] - sCum[doc]
-        local = t - heads * sCum[doc]
-        head = local // nblk
-        block = nblk - 1 - (local - head * nblk)
-    else:
-        heavy_tiles = heads * sHeavy[num_docs]
-        doc = Int32(0)
-        head = Int32(0)
-        block = Int32(0)
-        if t < heavy_tiles:
-            doc = last_doc_at_or_before(t, lambda i: sHeavy[i], num_docs, heads)
-            n_h = sHeavy[doc + 1] - sHeavy[doc]
-            local = t - heads * sHeavy[doc]
-            head = local // n_h
-            block = sCum[doc + 1] - sCum[doc] - 1 - (local - head * n_h)
-        else:
-            tl = t - heavy_tiles
-            doc = last_doc_at_or_before(tl, lambda i: sCum[i] - sHeavy[i], num_docs, heads)
-            n_l = sCum[doc + 1] - sHeavy[doc + 1] - (sCum[doc] - sHeavy[doc])
-            local = tl - heads * (sCum[doc] - sHeavy[doc])
-            head = local // n_l
-            block = n_l - 1 - (local - head * n_l)
+    query blocks from the last (longest causal row) to the first. sCum: doc_chunk_cumsum's table."""
+    doc = last_doc_at_or_before(t, lambda i: sCum[i], num_docs, heads)
+    nblk = sCum[doc + 1] - sCum[doc]
+    local = t - heads * sCum[doc]
+    head = local // nblk
+    block = nblk - 1 - (local - head * nblk)
     return doc, head, block
 
 

@@ -10,7 +10,6 @@ document length, both known on the host without a sync).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import os
 import re
@@ -64,44 +63,23 @@ def cache_path(key: TuningKey) -> Path:
 # ----------------------------------------------------------------------------- search space
 
 
-def fwd_space(head_dim: int, group: int, diagonal_copy: bool, row_sum_mma: bool = False):
-    """Every forward config the kernel exposes, with the reason each pruned one was dropped.
-    row_sum_mma: the recipe's (row_sum "cast_p"), a numerics choice: fixed, never searched."""
+def fwd_space(head_dim: int, group: int, diagonal_copy: bool):
+    """The forward configs that can win on some workload class, with the reason each pruned one was
+    dropped: the default, deeper K/V pipelines (3 stages won on long and mid-uniform packs), LPT
+    across documents (won on mid-skewed packs) and short pairs toggled (on by default only for packs
+    of short documents). The schedule (ping-pong, intra-warpgroup overlap) follows from the shape;
+    the one-CTA-per-tile build is only the fallback for more documents than the persistent tables
+    hold (per_tile_fallback), slower wherever the persistent one runs."""
     from .attention_fwd_sm90 import FwdConfig, smem_bytes
 
-    keep, pruned = [], []
-    base = FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy, row_sum_mma=row_sum_mma)
-    keep.append((base, "default"))
-    for stages, pingpong, overlap, persistent in itertools.product((2, 3, 4), (True, False), (True, False),
-                                                                  (True, False)):
-        if not persistent and stages != 2:
-            continue  # one CTA per tile: measured slower everywhere (run s10a); its base shapes only
-        # pin_softmax only changes the overlapped schedule; elsewhere it stays the default's
-        for pin in (True, False) if overlap else (base.pin_softmax,):
-            cfg = FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy,
-                            kv_stages=stages, pingpong=pingpong, intra_wg_overlap=overlap, pin_softmax=pin,
-                            persistent=persistent, row_sum_mma=row_sum_mma)
-            if cfg == base:
-                continue
-            smem = smem_bytes(cfg)
-            if overlap and not diagonal_copy:
-                pruned.append((cfg, "spills: the per-token recipe's overlapped schedule needs > 240 registers"))
-            else:
-                (keep if smem <= SMEM_LIMIT_SM90 else pruned).append((cfg, f"smem {smem} B"))
-    if base.persistent:
-        # the default with the other tile claim and order: slower on 16k tokens, 5-6% faster on 1x64k
-        # (run s11a), so searched per workload class
-        keep.append((dataclasses.replace(base, tile_claim="stride"), "static stride claim"))
-        keep.append((dataclasses.replace(base, tile_order="heavy_first"), "heavy halves first"))
-        keep.append((dataclasses.replace(base, tile_order="longest_documents"), "documents longest first"))
-        # two short documents per query tile (session 22): on by default only for packs of short
-        # documents (short_pairs_default), searched for every class
-        keep.append((dataclasses.replace(base, short_pairs=not base.short_pairs), "short pairs toggled"))
-        # the diagonal step's scales in three round trips (before session 23): within +-2% on long documents
-        keep.append((dataclasses.replace(base, diagonal_scale_trips=3), "diagonal scales in three round trips"))
-        if base.intra_wg_overlap and not row_sum_mma:  # (overlap_tiles has no row_sum_mma build)
-            pruned.append((dataclasses.replace(base, overlap_tiles=True),
-                           "slower on every workload: +5..+16% (run s11a)"))
+    base = FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
+    keep, pruned = [(base, "default")], []
+    for stages in (3, 4):
+        cfg = dataclasses.replace(base, kv_stages=stages)
+        smem = smem_bytes(cfg)
+        (keep if smem <= SMEM_LIMIT_SM90 else pruned).append((cfg, f"smem {smem} B"))
+    keep.append((dataclasses.replace(base, tile_order="longest_documents"), "documents longest first"))
+    keep.append((dataclasses.replace(base, short_pairs=not base.short_pairs), "short pairs toggled"))
     return keep, pruned
 
 
@@ -222,14 +200,12 @@ def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool, num_kv_head
 TUNED_KERNELS = ("fwd", "bwd", "quant")
 
 
-def search_space(kernel: str, head_dim: int, heads_q: int, heads_kv: int, block_tokens: int,
-                 row_sum: str = "fp32"):
-    """(kept, pruned) of one kernel for an attention shape; kept[0] is the kernel's default config.
-    row_sum: the recipe's (recipes.ROW_SUMS), which the forward builds in."""
+def search_space(kernel: str, head_dim: int, heads_q: int, heads_kv: int, block_tokens: int):
+    """(kept, pruned) of one kernel for an attention shape; kept[0] is the kernel's default config."""
     if kernel == "quant":
         return quantize_space(head_dim, heads_q, heads_kv, block_tokens)
     if kernel == "fwd":
-        return fwd_space(head_dim, heads_q // heads_kv, block_tokens > 1, row_sum == "cast_p")
+        return fwd_space(head_dim, heads_q // heads_kv, block_tokens > 1)
     if kernel == "bwd_dsbf16":
         return bwd_dsbf16_space(head_dim, heads_q // heads_kv, block_tokens > 1, heads_kv)
     return bwd_space(head_dim, heads_q // heads_kv, block_tokens > 1)
@@ -274,8 +250,7 @@ def config_fields(kernel: str, cfg) -> dict:
     if kernel == "quant":
         return {"raster": cfg.raster, "min_ctas_per_sm": cfg.min_ctas_per_sm,
                 "heads_per_cta": [p.heads_per_cta for p in cfg.parts]}
-    names = {"fwd": ("kv_stages", "pingpong", "intra_wg_overlap", "pin_softmax", "persistent", "tile_claim",
-                     "tile_order", "q_stages", "short_pairs", "diagonal_scale_trips"),
+    names = {"fwd": ("kv_stages", "tile_order", "short_pairs"),
              "bwd": ("q_stages", "qt_stages", "vec_stages", "raster"),
              "bwd_dsbf16": ("q_stages", "vec_stages", "dq_tma_reduce", "prefetch_sdp", "exp_under_dp", "raster",
                             "q_bf16_source", "dk_under_dq_store", "head_window", "phase_prefetch", "persistent",
@@ -290,8 +265,6 @@ def config_from_fields(kernel: str, default, fields: dict):
         hgs = fields.pop("heads_per_cta")
         parts = tuple(dataclasses.replace(p, heads_per_cta=h) for p, h in zip(default.parts, hgs, strict=True))
         return dataclasses.replace(default, parts=parts, **fields)
-    # fwd records from before session 10 lack "persistent" (session 11: the tile claim and order): they
-    # take the default
     if kernel == "bwd_dsbf16":  # records from before session 8's fields: their automatic choices
         fields = {"q_bf16_source": None, "dk_under_dq_store": None, **fields}
         if "head_window" not in fields:  # before session 18: the default's window, in its order only
@@ -303,8 +276,6 @@ def config_from_fields(kernel: str, default, fields: dict):
 
             plain = dataclasses.replace(default, short_pairs=False, **fields)
             fields["short_pairs"] = default.short_pairs and short_pairs_supported(plain)
-    if kernel == "fwd":  # records from before session 11's q_stages (23's diagonal_scale_trips): the automatic
-        fields = {"q_stages": None, "diagonal_scale_trips": None, **fields}
     return dataclasses.replace(default, **fields)
 
 
@@ -315,8 +286,7 @@ def config_label(kernel: str, cfg) -> str:
 
 def fwd_shape(cfg) -> str:
     """Cache shape of a FwdConfig, BwdConfig or BwdDsBf16Config (same field names)."""
-    sums = "_castsum" if getattr(cfg, "row_sum_mma", False) else ""  # a forward numerics variant: tuned apart
-    return f"d{cfg.head_dim}_g{cfg.qhead_per_kvhead}_{'tokenblock' if cfg.diagonal_copy else 'token'}{sums}"
+    return f"d{cfg.head_dim}_g{cfg.qhead_per_kvhead}_{'tokenblock' if cfg.diagonal_copy else 'token'}"
 
 
 def quant_shape(cfg) -> str:
@@ -518,7 +488,6 @@ def run_tune(args) -> int:
 
     from .bench import DEFAULT_WORKLOADS, _progress
     from .cute_backend import KERNEL_RECIPES, bf16_ds_backward, layout_block
-    from .recipes import NAMED_RECIPES
 
     data = json.loads(Path(args.workloads or DEFAULT_WORKLOADS).read_text())
     head = data["head_configs"].get(args.heads)
@@ -539,9 +508,7 @@ def run_tune(args) -> int:
     if args.only:
         wl = {w: wl[w] for w in args.only.split(",") if w in wl} or wl
     block = layout_block(KERNEL_RECIPES[args.recipe])  # PER_TENSOR runs the per-token kernels
-    row_sum = NAMED_RECIPES[args.recipe].row_sum
-    spaces = {k: search_space(k, head["head_dim"], head["heads_q"], head["heads_kv"], block, row_sum)
-              for k in kernels}
+    spaces = {k: search_space(k, head["head_dim"], head["heads_q"], head["heads_kv"], block) for k in kernels}
     shapes = {k: kernel_shape(k, keep[0][0]) for k, (keep, _) in spaces.items()}
     classes = {w: workload_class(max(ls), sum(ls), len(ls)) for w, ls in wl.items()}
     if args.dry_run:

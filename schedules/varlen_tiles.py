@@ -82,8 +82,8 @@ SHORT_PAIR_ROWS = 64
 
 
 # Pair short documents when the mean document length is at most this: packs whose documents mostly
-# fit half a tile. The host knows the mean without a sync (tokens / documents); the pair builds cost
-# 0-3% where nothing pairs (perf/RESULTS.md, session 22).
+# fit half a tile. The host knows the mean without a sync (tokens / documents); the pair builds are
+# slightly slower where nothing pairs.
 SHORT_PAIRS_MEAN_TOKENS = 96
 
 
@@ -105,23 +105,22 @@ def short_pair_partner(lengths, a: int, dt_align: int = 32) -> int:
     return n_b if cols == SHORT_PAIR_ROWS and n_b <= SHORT_PAIR_ROWS else 0
 
 
-def chunk_table(lengths, tile: int = 128, heavy: bool = False, short_pairs: bool = False) -> list[int]:
+def chunk_table(lengths, tile: int = 128, short_pairs: bool = False) -> list[int]:
     """cum[d] = chunks of documents before d (len num_docs + 1): sm90_device.doc_chunk_cumsum's table;
-    heavy: the same sum of each document's heavier half, ceil(chunks / 2) (its sHeavy table);
     short_pairs: a document that shares its predecessor's tile counts 0 chunks."""
     cum = [0]
     for d, n in enumerate(lengths):
         c = (n + tile - 1) // tile
         if short_pairs and d % 2 and short_pair_partner(lengths, d - 1) > 0:
             c = 0
-        cum.append(cum[-1] + ((c + 1) // 2 if heavy else c))
+        cum.append(cum[-1] + c)
     return cum
 
 
 # The most documents the forward ranks longest first (one per producer-warpgroup thread: a rank is
 # a pass over all documents); with more, "longest_documents" keeps the given order.
 LPT_MAX_DOCS = 128
-TILE_ORDERS = ("documents", "heavy_first", "longest_documents")
+TILE_ORDERS = ("documents", "longest_documents")
 
 
 def lpt_document_order(lengths, tile: int = 128, short_pairs: bool = False) -> list[int]:
@@ -139,22 +138,15 @@ def persistent_order(lengths, heads: int, tile: int = 128, order: str = "documen
                      short_pairs: bool = False) -> list[tuple[int, int, int]]:
     """(document, head, query block) of every tile in the order the persistent CTAs take them:
     documents in order, then heads, then the document's blocks from the last (the longest causal
-    row) to the first. order="heavy_first": that order over every (document, head)'s heavier half
-    of blocks (the last ceil(n/2)), then over the lighter halves. order="longest_documents": the
-    documents by chunk count, most first (lpt_document_order), then as "documents". short_pairs: a
-    document sharing its predecessor's tile (short_pair_partner) has no tile of its own; its
-    predecessor's tile (d, h, 0) runs both."""
+    row) to the first. order="longest_documents": the documents by chunk count, most first
+    (lpt_document_order), then as "documents". short_pairs: a document sharing its predecessor's tile
+    (short_pair_partner) has no tile of its own; its predecessor's tile (d, h, 0) runs both."""
     if order not in TILE_ORDERS:
         raise ValueError(f"order must be one of {TILE_ORDERS}, got {order!r}")
     cum = chunk_table(lengths, tile, short_pairs=short_pairs)
     blocks = [list(reversed(range(cum[d + 1] - cum[d]))) for d in range(len(lengths))]
-    if order != "heavy_first":
-        docs = (lpt_document_order(lengths, tile, short_pairs) if order == "longest_documents"
-                else range(len(lengths)))
-        return [(d, h, b) for d in docs for h in range(heads) for b in blocks[d]]
-    half = [(len(bs) + 1) // 2 for bs in blocks]
-    return ([(d, h, b) for d, bs in enumerate(blocks) for h in range(heads) for b in bs[:half[d]]]
-            + [(d, h, b) for d, bs in enumerate(blocks) for h in range(heads) for b in bs[half[d]:]])
+    docs = lpt_document_order(lengths, tile, short_pairs) if order == "longest_documents" else range(len(lengths))
+    return [(d, h, b) for d in docs for h in range(heads) for b in blocks[d]]
 
 
 def _last_doc_at_or_before(t: int, cum_at, num_docs: int, heads: int) -> int:
@@ -168,29 +160,13 @@ def _last_doc_at_or_before(t: int, cum_at, num_docs: int, heads: int) -> int:
     return lo
 
 
-def locate_tile_model(t: int, cum: list[int], heads: int, heavy: list[int] | None = None) -> tuple[int, int, int]:
-    """Tile t -> (document, head, block) by the binary searches of sm90_device.locate_tile (heavy:
-    chunk_table(..., heavy=True) for the heavy_first order)."""
-    nd = len(cum) - 1
-    if heavy is None:
-        d = _last_doc_at_or_before(t, lambda i: cum[i], nd, heads)
-        nblk = cum[d + 1] - cum[d]
-        local = t - heads * cum[d]
-        head = local // nblk
-        return d, head, nblk - 1 - (local - head * nblk)
-    if t < heads * heavy[nd]:
-        d = _last_doc_at_or_before(t, lambda i: heavy[i], nd, heads)
-        n_h = heavy[d + 1] - heavy[d]
-        local = t - heads * heavy[d]
-        head = local // n_h
-        return d, head, cum[d + 1] - cum[d] - 1 - (local - head * n_h)
-    tl = t - heads * heavy[nd]
-    light = [c - h for c, h in zip(cum, heavy, strict=True)]
-    d = _last_doc_at_or_before(tl, lambda i: light[i], nd, heads)
-    n_l = light[d + 1] - light[d]
-    local = tl - heads * light[d]
-    head = local // n_l
-    return d, head, n_l - 1 - (local - head * n_l)
+def locate_tile_model(t: int, cum: list[int], heads: int) -> tuple[int, int, int]:
+    """Tile t -> (document, head, block) by the binary search of sm90_device.locate_tile."""
+    d = _last_doc_at_or_before(t, lambda i: cum[i], len(cum) - 1, heads)
+    nblk = cum[d + 1] - cum[d]
+    local = t - heads * cum[d]
+    head = local // nblk
+    return d, head, nblk - 1 - (local - head * nblk)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -34,8 +34,7 @@ def test_auto_falls_back_to_the_emulator_without_a_gpu():
 
 def test_launch_configs_are_built_once_per_shape_and_switch(monkeypatch):
     """cute_backend memoizes each call's configs (tuning.derived_memo): a repeat call builds nothing,
-    a switch that changes them (FLAMIA_CUTE_FUSE_Q, FLAMIA_CUTE_NO_TUNING) builds anew, and the memo
-    stays bounded."""
+    a switch that changes them (FLAMIA_CUTE_NO_TUNING) builds anew, and the memo stays bounded."""
     import flamia_cute.attention_fwd_sm90 as fwd
     from flamia_cute import cute_backend as cb
     from flamia_cute import tuning
@@ -43,24 +42,20 @@ def test_launch_configs_are_built_once_per_shape_and_switch(monkeypatch):
     builds = []
     real = fwd.short_pairs_default
     monkeypatch.setattr(fwd, "short_pairs_default", lambda *a: builds.append(a) or real(*a))
-    monkeypatch.delenv("FLAMIA_CUTE_FUSE_Q", raising=False)
     monkeypatch.delenv("FLAMIA_CUTE_NO_TUNING", raising=False)
-    # (head_dim, heads_q, heads_kv, max_seqlen, tokens, docs, block, forward_only, ds_bf16, row_sum, Q^T, bf16 Q)
-    args = (128, 4, 2, 1000, 5000, 7, 128, False, True, "fp32", False, True)
+    # (head_dim, heads_q, heads_kv, max_seqlen, tokens, docs, block)
+    args = (128, 4, 2, 1000, 5000, 7, 128)
     plain = cb.forward_config(*args)
-    assert cb.forward_config(*args) is plain and len(builds) == 1 and not plain[1]
-    monkeypatch.setenv("FLAMIA_CUTE_FUSE_Q", "1")
-    fused = cb.forward_config(*args)
-    assert len(builds) == 2 and fused[1] and fused[0].fuse_q_quant
+    assert cb.forward_config(*args) is plain and len(builds) == 1
     monkeypatch.setenv("FLAMIA_CUTE_NO_TUNING", "1")
     cb.forward_config(*args)
-    assert len(builds) == 3
+    assert len(builds) == 2
     qkv = cb.quantize_launch_config(128, 4, 2, 128, 1000, 5000, 7, ds_bf16=True)
     assert cb.quantize_launch_config(128, 4, 2, 128, 1000, 5000, 7, ds_bf16=True) is qkv
     assert cb.quantize_launch_config(128, 4, 2, 128, 1000, 5000, 7) is not qkv  # other layouts
     monkeypatch.setattr(tuning, "DERIVED_MEMO_MAX", 3)
     for docs in range(1, 6):
-        cb.forward_config(128, 4, 2, 1000, 5000, docs, 128, False, True, "fp32", False, True)
+        cb.forward_config(128, 4, 2, 1000, 5000, docs, 128)
         assert len(tuning.derived_memo()) <= 3
 
 
@@ -112,22 +107,6 @@ def test_kernel_path_matches_emulator(recipe, heads):
     assert rel_l2(got["out"], ref["out"]) < 8e-3
     for name in ("dq", "dk", "dv"):
         assert rel_l2(got[name], ref[name]) < 2e-2, name
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16", "fp8_tokenblock", "fp8_token"])
-def test_fused_q_quantization_changes_no_bit(recipe, monkeypatch):
-    """FLAMIA_CUTE_FUSE_Q=1 (the forward kernel quantizes Q; opt-in, measured slower): the training
-    call's O and (deterministic) gradients are bitwise the default's; recipes whose backward needs
-    Q^T (e4m3 dS) keep the launch's Q."""
-    monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1")
-    q, k, v, do, cu, scale = make_inputs(LENGTHS, 4, 2, 128, device="cuda", seed=3)
-    monkeypatch.setenv("FLAMIA_CUTE_FUSE_Q", "0")
-    ref = attention_fn_for(recipe, scale, backend="cute")(q, k, v, cu, do)
-    monkeypatch.setenv("FLAMIA_CUTE_FUSE_Q", "1")
-    got = attention_fn_for(recipe, scale, backend="cute")(q, k, v, cu, do)
-    for name in ("out", "lse", "dq", "dk", "dv"):
-        assert torch.equal(got[name], ref[name]), name
 
 
 @pytest.mark.gpu

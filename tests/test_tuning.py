@@ -52,32 +52,27 @@ def test_same_key_loads_silently(tmp_path):
 def test_dry_run_enumerates_the_space(capsys):
     assert main(["tune", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "stages=2 pingpong=True" in out and "stages=4 pingpong=False" in out
+    assert "keep   kv_stages=2 tile_order=documents short_pairs=False  (default)" in out
+    assert "keep   kv_stages=4 tile_order=documents short_pairs=False" in out
     assert "workload 1x16k: class long-uniform" in out
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("diagonal_copy", [False, True])
-def test_fwd_space_times_each_effective_config_once(diagonal_copy):
-    """pin_softmax changes nothing without the overlap schedule: such configs must not repeat another."""
-    from flamia_cute.tuning import fwd_space
+def test_fwd_space_holds_the_default_and_each_winning_variant_once(head_dim, diagonal_copy):
+    """The default first, then one change each: 3 and 4 K/V stages, LPT across documents, short pairs
+    toggled; all persistent (the per-tile build is only the many-documents fallback), all within
+    shared memory."""
+    from flamia_cute.attention_fwd_sm90 import FwdConfig, smem_bytes
+    from flamia_cute.tuning import SMEM_LIMIT_SM90, fwd_space
 
-    keep, _ = fwd_space(128, 1, diagonal_copy)
-    effective = [(c.kv_stages, c.pingpong, c.intra_wg_overlap, c.pin_softmax if c.intra_wg_overlap else None,
-                  c.persistent, c.tile_claim, c.tile_order, c.short_pairs, c.diagonal_scale_trips) for c, _ in keep]
-    assert len(effective) == len(set(effective))
-    assert sum(c.short_pairs for c, _ in keep) == 1  # the default with short pairs toggled
-    assert sum(c.diagonal_scale_trips == 3 for c, _ in keep) == 1  # the default with three trips
-
-
-def test_fwd_space_searches_the_tile_claim_and_order_but_not_overlap_tiles():
-    """Stride and heavy_first won on 1x64k only (run s11a): searched per class; overlap_tiles lost everywhere."""
-    from flamia_cute.tuning import fwd_space
-
-    keep, pruned = fwd_space(128, 1, True)
-    kept = [c for c, _ in keep]
-    assert any(c.tile_claim == "stride" for c in kept) and any(c.tile_order == "heavy_first" for c in kept)
-    assert not any(c.overlap_tiles for c in kept)
-    assert any(c.overlap_tiles for c, _ in pruned)
+    keep, pruned = fwd_space(head_dim, 1, diagonal_copy)
+    base = FwdConfig(head_dim=head_dim, diagonal_copy=diagonal_copy)
+    assert keep[0] == (base, "default") and not pruned
+    assert [c for c, _ in keep[1:]] == [dataclasses.replace(base, kv_stages=3), dataclasses.replace(base, kv_stages=4),
+                                        dataclasses.replace(base, tile_order="longest_documents"),
+                                        dataclasses.replace(base, short_pairs=True)]
+    assert all(c.persistent and smem_bytes(c) <= SMEM_LIMIT_SM90 for c, _ in keep)
 
 
 def test_tune_rejects_unknown_recipe(capsys):
@@ -142,9 +137,7 @@ def _defaults():
             "bwd_dsbf16": BwdDsBf16Config(head_dim=128, diagonal_copy=True), "quant": qkv_config(128, 16, 16, 128)}
 
 
-TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "pin_softmax": False, "persistent": True,
-                 "tile_claim": "stride", "tile_order": "heavy_first", "q_stages": 3, "short_pairs": True,
-                 "diagonal_scale_trips": 2},
+TUNED = {"fwd": {"kv_stages": 3, "tile_order": "longest_documents", "short_pairs": True},
          "bwd": {"q_stages": 1, "qt_stages": 1, "vec_stages": 3, "raster": "blocks"},
          "bwd_dsbf16": {"q_stages": 1, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": True,
                         "exp_under_dp": False, "raster": "heads", "q_bf16_source": "convert",
@@ -176,19 +169,16 @@ def test_lookup_returns_the_tuned_config_for_its_class_only(tmp_path, monkeypatc
     assert lookup(default, 1024, 4096, 4) is default
 
 
-def test_fwd_record_without_persistent_keeps_the_default():
-    """Records tuned before the persistent forward existed lack its field: the default (persistent) applies."""
+def test_fwd_record_with_a_removed_field_is_ignored(tmp_path, monkeypatch):
+    """A forward record naming a field the config no longer has (a removed variant's) is not used:
+    the lookup warns and keeps the default."""
+    cache = TuningCache(KEY, tmp_path / "t.json")
+    cache.put("fwd", "mid-uniform", "d128_g1_tokenblock", {"config": {"kv_stages": 3, "pin_softmax": False},
+                                                           "ms": 1.0, "default_ms": 1.0})
+    monkeypatch.setattr(tuning, "_loaded", {"cache": cache})
     default = _defaults()["fwd"]
-    old = {k: v for k, v in TUNED["fwd"].items()
-           if k not in ("persistent", "tile_claim", "tile_order", "q_stages", "short_pairs", "diagonal_scale_trips")}
-    cfg = tuning.config_from_fields("fwd", default, old)
-    assert cfg.persistent is default.persistent is True
-    assert cfg.diagonal_scale_trips == 2  # (session 23's field: the automatic choice)
-    assert (cfg.tile_claim, cfg.tile_order) == (default.tile_claim, default.tile_order) == ("counter", "documents")
-    assert cfg.q_stages == 2
-    # a one-CTA-per-tile record from before q_stages existed: its stages follow (1), not the default's 2
-    per_tile = tuning.config_from_fields("fwd", default, {**old, "persistent": False})
-    assert not per_tile.persistent and per_tile.q_stages == 1
+    with pytest.warns(UserWarning, match="ignoring tuned fwd config"):
+        assert tuning.tuned_fwd_config(default, 1024, 4096, 4) is default
 
 
 def test_lookup_ignores_an_unusable_entry(tmp_path, monkeypatch):
