@@ -85,12 +85,10 @@ from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from . import recipes as _recipes
-from .attention_bwd_sm90 import (
-    P_SCALE,
+from .bwd_common_sm90 import backward_grid, backward_work_item
+from .bwd_device_sm90 import (
     add_dq_tile,
     atom_add_relaxed_gpu_u32,
-    backward_grid,
-    backward_work_item,
     dq_turn_pass,
     dq_turn_wait,
     fence_acq_rel_gpu,
@@ -146,13 +144,14 @@ from .validation import check_kernel_tensors, int32_cu_seqlens
 
 SOURCE_FILES = (
     Path(__file__).resolve(),
-    Path(__file__).resolve().with_name("attention_bwd_sm90.py"),  # the shared epilogue and dQ helpers
+    Path(__file__).resolve().with_name("bwd_device_sm90.py"),
     Path(_recipes.__file__).resolve(),
     *SHARED_SOURCE_FILES,
 )
 
 LOG2E = math.log2(math.e)
 SMEM_LIMIT = 232448  # sm_90 dynamic shared memory per CTA (227 KB)
+P_SCALE = 256.0  # the recipe's fixed power-of-two P scale (Recipe.p_scale)
 N_VEC = 5  # per-query vectors per tile in shared memory (see load_vectors)
 KEY_BLOCK = 128
 QUERY_TILE = 64
@@ -2036,7 +2035,7 @@ def flamia_bwd_dsbf16_sm90(
     dO preprocess runs on the current one (all three are memory-bound and independent; the kernel
     waits for both streams). None: OVERLAP_PASSES.
     """
-    from .attention_bwd_sm90 import backward_grid_blocks, backward_outputs, preprocess_bwd
+    from .bwd_common_sm90 import backward_grid_blocks, backward_outputs, preprocess_bwd
 
     T, H, D = q_td.shape
     Hk = k_td.shape[1]

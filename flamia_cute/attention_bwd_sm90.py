@@ -59,6 +59,15 @@ from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from . import recipes as _recipes
+from .bwd_common_sm90 import backward_grid, backward_grid_blocks, backward_outputs, backward_work_item, preprocess_bwd
+from .bwd_device_sm90 import (
+    add_dq_tile,
+    dq_turn_pass,
+    dq_turn_wait,
+    load_row_scales,
+    store_key_rows_bf16,
+    store_query_vectors,
+)
 from .compile_cache import compile_entry, launch_on_device
 from .quant import transposed_tokens
 from .recipes import FOLD_REF_MIN
@@ -69,7 +78,6 @@ from .sm90_device import (
     ARG_I32,
     SHARED_SOURCE_FILES,
     as_f32,
-    cvt_bf16x2,
     cvt_e4m3x4,
     document_dt_start,
     f32_bits,
@@ -77,15 +85,14 @@ from .sm90_device import (
     pow2_scale_bits,
     ptx,
     quad_max,
-    quad_transpose4,
-    st_global_v4,
     tma_pipeline,
     warp_pipeline,
 )
 from .validation import check_kernel_tensors, int32_cu_seqlens
 
 # recipes.py holds FOLD_REF_MIN: a change there must recompile
-SOURCE_FILES = (Path(__file__).resolve(), Path(_recipes.__file__).resolve(), *SHARED_SOURCE_FILES)
+SOURCE_FILES = (Path(__file__).resolve(), Path(_recipes.__file__).resolve(),
+                Path(__file__).resolve().with_name("bwd_device_sm90.py"), *SHARED_SOURCE_FILES)
 
 LOG2E = math.log2(math.e)
 P_SCALE = 256.0  # the recipe's fixed power-of-two P scale
@@ -162,160 +169,6 @@ def _red_add_f32(addr, x):
     ptx("red.global.add.f32 [$0], $1;", "l,f,~{memory}", [Int64(addr), Float32(x)], result=None, side_effects=True)
 
 
-def _red_add_v2_f32(addr, x, y):
-    """Two adjacent fp32 atomic adds in one instruction (sm_90: red.global.add.v2.f32, 8-byte aligned)."""
-    ptx("red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f,~{memory}", [Int64(addr), Float32(x), Float32(y)],
-        result=None, side_effects=True)
-
-
-def ld_acquire_gpu_u32(addr):
-    """Load with acquire semantics at GPU scope (the semaphore read of deterministic dQ)."""
-    return ptx("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l,~{memory}", [Int64(addr)], side_effects=True)
-
-
-def red_release_gpu_add_u32(addr, x):
-    """Atomic add with release semantics at GPU scope (hands the next key block its turn)."""
-    ptx("red.release.gpu.global.add.u32 [$0], $1;", "l,r,~{memory}", [Int64(addr), Uint32(x)], result=None,
-        side_effects=True)
-
-
-def fence_acq_rel_gpu():
-    ptx("fence.acq_rel.gpu;", "~{memory}", [], result=None, side_effects=True)
-
-
-def nanosleep(ns: int):
-    ptx("nanosleep.u32 $0;", "r,~{memory}", [Uint32(ns)], result=None, side_effects=True)
-
-
-def atom_add_relaxed_gpu_u32(addr, x):
-    """Atomic add at GPU scope, relaxed; returns the old value (a dQ tile's claim: who arrives first, and
-    whether the first one's flag is up). Relaxed, so the warp does not wait for it where it is issued
-    (an acquire atomic makes ptxas wait for its result and invalidate L1 right there)."""
-    return ptx("atom.relaxed.gpu.global.add.u32 $0, [$1], $2;", "=r,l,r,~{memory}", [Int64(addr), Uint32(x)],
-               side_effects=True)
-
-
-def fence_proxy_async_global():
-    """Orders this thread's generic-proxy accesses of global memory with its async-proxy ones (TMA):
-    a TMA reduce-add after an acquire sees what the release published, and a TMA store's completed
-    writes are ordered before a later release."""
-    ptx("fence.proxy.async.global;", "~{memory}", [], result=None, side_effects=True)
-
-
-@cute.jit
-def store_query_vectors(sVec, col, st, q, doc_start, doc_len, hq, mSQ, mLSE, mDelta, mSdO, scale_log2):
-    """Column `col` of a query tile's vectors in stage st of sVec (query q of the document, head hq):
-    0 sq * softmax_scale * log2e, 1 lse * log2e (+inf past the document end: P = 0 there), 2 D =
-    rowsum(dO * O), 3 the dO scale (0 past the end), 4 sq. Returns the dO scale."""
-    a_ = Float32(0.0)
-    b_ = Float32.inf
-    d_ = Float32(0.0)
-    w_ = Float32(0.0)
-    s_ = Float32(0.0)
-    if q < doc_len:
-        s_ = mSQ[doc_start + q, hq]
-        a_ = s_ * scale_log2
-        b_ = mLSE[doc_start + q, hq] * Float32(LOG2E)
-        d_ = mDelta[doc_start + q, hq]
-        w_ = mSdO[doc_start + q, hq]
-    sVec[col, 0, st] = a_
-    sVec[col, 1, st] = b_
-    sVec[col, 2, st] = d_
-    sVec[col, 3, st] = w_
-    sVec[col, 4, st] = s_
-    return w_
-
-
-@cute.jit
-def load_row_scales(rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, key0):
-    """rsc = (sk(row 0), sk(row 1), sv(row 0), sv(row 1)) of this thread's key rows krow of the block
-    starting at key0 (0 past the document end)."""
-    for v1 in cutlass.range_constexpr(2):
-        key = key0 + krow[v1]
-        sk = Float32(0.0)
-        sv = Float32(0.0)
-        if key < doc_len:
-            sk = mSK[doc_start + key, kv_head]
-            sv = mSV[doc_start + key, kv_head]
-        rsc[v1] = sk
-        rsc[2 + v1] = sv
-
-
-@cute.jit
-def store_key_rows_bf16(mdX, pair, krow, key0, doc_start, doc_len, kv_head, D: cutlass.Constexpr,
-                        n_acc: cutlass.Constexpr):
-    """Epilogue of an m64nD key-row accumulator (dK or dV of one consumer warpgroup): bf16 rows with
-    16-byte stores. pair(i0) gives the fp32 values of accumulator indices i0, i0 + 1 (scaled as
-    the caller needs); krow[v1]: the thread's key rows in the block starting at key0; rows at or
-    past doc_len are not stored. The quad transpose makes each lane's 8 columns contiguous."""
-    lane = cute.arch.lane_idx()
-    quad = lane % 4
-    odd_lane = quad % 2 == 1
-    hi_lane = quad >= 2
-
-    def shfl_xor(x, k):
-        return Uint32(cute.arch.shuffle_sync_bfly(x, offset=k))
-
-    def sel(c, a, b):
-        return Uint32(cutlass.select_(c, a, b))
-
-    row_stride = mdX.stride[0]  # Hk * D elements
-    base = mdX.iterator.toint()
-    for v1 in cutlass.range_constexpr(2):
-        key = key0 + krow[v1]
-        row_addr = base + (Int64(doc_start + key) * Int64(row_stride) + Int64(kv_head * D + 8 * quad)) * 2
-        for G in cutlass.range_constexpr(n_acc // 16):
-            w = []
-            for jj in cutlass.range_constexpr(4):
-                x0, x1 = pair(2 * v1 + 4 * (4 * G + jj))
-                w.append(cvt_bf16x2(x0, x1))
-            ow = quad_transpose4(w, odd_lane, hi_lane, shfl_xor, sel)
-            if key < doc_len:
-                st_global_v4(row_addr + 64 * G, ow)
-
-
-@cute.jit
-def add_dq_tile(mdQ, acc, tScQ, q0, d0, doc_start, doc_len, hq, D: cutlass.Constexpr, row_scale):
-    """red.global.add.v2.f32 of an m64nN query-row accumulator into the fp32 dQ accumulator
-    (T, H, D): tScQ gives each value's (query row, column); the row's query is q0 + row, its
-    columns start at d0; row_scale(row) multiplies the row (the dS scale and softmax_scale)."""
-    base = mdQ.iterator.toint()
-    row_stride = mdQ.stride[0]  # H * D
-    n_acc = cute.size(acc)
-    for v1 in cutlass.range_constexpr(2):
-        qr = tScQ[2 * v1][0]
-        f = row_scale(qr)
-        q = q0 + qr
-        if q < doc_len:
-            row_addr = base + (Int64(doc_start + q) * Int64(row_stride) + Int64(hq * D + d0)) * 4
-            for j in cutlass.range_constexpr(n_acc // 4):
-                a = 2 * v1 + 4 * j
-                _red_add_v2_f32(row_addr + 4 * tScQ[a][1], acc[a] * f, acc[a + 1] * f)
-
-
-@cute.jit
-def dq_turn_wait(mSem, hq, doc, m, n_blk, tidx, tiles_per_block: cutlass.Constexpr):
-    """Deterministic dQ: wait until key blocks 0 .. n_blk-1 have added to query tile m of head hq
-    (one counter per (query head, document, query tile); tiles_per_block query tiles per key
-    block); returns the counter's address for dq_turn_pass."""
-    _, n_docs, n_blocks = cute.arch.grid_dim()
-    sem_addr = mSem.iterator.toint() + Int64((hq * n_docs + doc) * (n_blocks * tiles_per_block) + m) * 4
-    if tidx == 128:
-        while ld_acquire_gpu_u32(sem_addr) != Uint32(n_blk):
-            nanosleep(64)
-    cute.arch.barrier(barrier_id=3, number_of_threads=256)
-    return sem_addr
-
-
-@cute.jit
-def dq_turn_pass(sem_addr, tidx):
-    """Deterministic dQ: every thread's additions are visible GPU-wide, then the next key block's turn."""
-    fence_acq_rel_gpu()
-    cute.arch.barrier(barrier_id=3, number_of_threads=256)
-    if tidx == 128:
-        red_release_gpu_add_u32(sem_addr, 1)
-
-
 def _byte(w, i: int):
     return Uint8((Uint32(w) >> (8 * i)) & 0xFF)
 
@@ -328,32 +181,6 @@ def ds_byte_base(qlo, key):
 def ds_byte_offset(w: int) -> int:
     """Extra offset of query column q = 8 w + qlo (qlo < 8): slab w // 8, row block w % 8 (swizzle-free)."""
     return (w // 8) * 8192 + (w % 8) * 1024
-
-
-def backward_grid(raster: str, num_kv_heads, num_docs, max_n_blocks, head_window: int = 1) -> list:
-    """Launch grid (x fastest) of a backward kernel's CTA order: "heads" runs the KV head fastest and
-    the key block slowest (key block 0, the most query tiles, of every head and document first);
-    "blocks" runs the key block fastest (the CTAs of one (document, KV head) together, sharing its Q,
-    dO and dQ accumulator in L2). head_window W > 1 ("blocks" only): documents in order, and in each
-    the KV heads in windows of W, a window's key blocks in order with its W heads fastest, so each
-    window's CTAs start longest first (its block 0 of every head, then block 1, ...) and a long CTA
-    cannot be the last one issued (W = 1 is the plain "blocks" order). Trace time: `raster` and
-    `head_window` are config values; num_kv_heads % head_window == 0 (the host checks it)."""
-    if raster == "blocks":
-        if head_window == 1:  # apart from the general form, so the plain order's code stays as it was
-            return [max_n_blocks, num_kv_heads, num_docs]
-        return [max_n_blocks * head_window, num_kv_heads // head_window, num_docs]
-    return [num_kv_heads, num_docs, max_n_blocks]
-
-
-def backward_work_item(raster: str, block_idx, head_window: int = 1) -> tuple:
-    """(KV head, document, key block) of this CTA under backward_grid(raster, ..., head_window)."""
-    x, y, z = block_idx
-    if raster == "blocks":
-        if head_window == 1:  # the plain order without the window's index math (its SASS unchanged)
-            return y, z, x
-        return y * head_window + x % head_window, z, x // head_window
-    return x, y, z
 
 
 def tile_schedule(i, n, group, per):
@@ -1077,32 +904,6 @@ def kernel_artifacts(config: BwdConfig, arch: str = "sm_90a"):
     return compile_artifacts(compile_bwd_sm90, config, arch)
 
 
-def preprocess_bwd(dout: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tensor, dv_ref_group: int = 0):
-    """D = rowsum(dO * O) (H, T) fp32 and dO quantized per token in both orientations (QuantizedTHD).
-
-    One launch of the fused quantization kernel: dO bit-exact with quant.quantize_thd, and D from
-    the same read of dO (fp32 sums of exact bf16 products; the order differs from torch's by a
-    rounding or two). With dv_ref_group g > 0 it also returns the bf16-dS backward's dV fold
-    references (H / g, docs) fp32 from the same launch (bitwise dv_fold_reference's; one memset).
-    """
-    from .quantize_sm90 import dout_delta_config, quantize_with_rowdot_sm90
-
-    dout = dout if dout.dtype == torch.bfloat16 else dout.to(torch.bfloat16)
-    out = out if out.dtype == torch.bfloat16 else out.to(torch.bfloat16)
-    T, H, D = dout.shape
-    docmax = None
-    if dv_ref_group:
-        docmax = torch.zeros(H // dv_ref_group, cu_seqlens.numel() - 1, dtype=torch.int32, device=dout.device)
-    doq, delta = quantize_with_rowdot_sm90(dout, out, cu_seqlens, dout_delta_config(D, H, dv_ref_group),
-                                           docmax=docmax)
-    if not dv_ref_group:
-        return delta, doq
-    from .recipes import FOLD_REF_MIN
-
-    # empty documents (never raised) and all-zero dO stay at the fold's floor, as dv_fold_reference
-    return delta, doq, docmax.view(torch.float32).clamp_min(FOLD_REF_MIN)
-
-
 def flamia_bwd_sm90(
     dout, out, lse, q_td, q_dt, sq, k_td, k_dt, sk, v_td, sv,
     k_tok_td, k_tok_dt, sk_tok, v_tok_td, sv_tok,
@@ -1163,37 +964,6 @@ def flamia_bwd_sm90(
     # dQ: fp32 accumulator -> bf16 (a small pass; softmax_scale and the dS scales are already applied)
     dq = dq_acc.to(torch.bfloat16)
     return dq, dk, dv
-
-
-def backward_outputs(T: int, H: int, Hk: int, D: int, device, poison: bool = False, zero_dq: bool = True):
-    """The backward kernels' outputs: the fp32 dQ accumulator and dK, dV bf16 (every row written by the
-    kernel; NaN first with `poison`, as the tests ask). zero_dq: the accumulator zeroed (the kernels add
-    into it); False for a kernel that initializes it itself (dq_first_store), which `poison` then fills too."""
-    if zero_dq:
-        dq_acc = torch.zeros(T, H, D, dtype=torch.float32, device=device)
-    else:
-        dq_acc = torch.empty(T, H, D, dtype=torch.float32, device=device)
-        if poison:
-            dq_acc.fill_(float("nan"))
-    dk = torch.empty(T, Hk, D, dtype=torch.bfloat16, device=device)
-    dv = torch.empty(T, Hk, D, dtype=torch.bfloat16, device=device)
-    if poison:
-        dk.fill_(float("nan"))
-        dv.fill_(float("nan"))
-    return dq_acc, dk, dv
-
-
-def backward_grid_blocks(T: int, H: int, D: int, T_dt: int, num_docs: int, max_seqlen: int, key_block: int) -> int:
-    """Key blocks per document of the backward grid (heads, documents, key blocks), after checking
-    that the launch fits 32-bit indexing and the grid limits (errors name the argument at fault)."""
-    max_n_blocks = (int(max_seqlen) + key_block - 1) // key_block
-    if T > 0 and num_docs > 0 and max_n_blocks > 0:
-        if H * D * T_dt >= 2**31 or T * H * D >= 2**31:
-            raise ValueError("tensor too large for 32-bit indexing")
-        if max_n_blocks > 65535 or num_docs > 65535:
-            raise ValueError(f"grid too large: max_seqlen {max_seqlen} (at most 65535 blocks of {key_block}) or "
-                             f"{num_docs} documents (at most 65535)")
-    return max_n_blocks
 
 
 def default_config(qq, kq, kt) -> BwdConfig:

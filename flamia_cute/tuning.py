@@ -454,7 +454,7 @@ def _kernel_calls(case, block: int, kernels, ds_bf16: bool) -> dict:
 
     calls["fwd"] = (fwd, len(ops))
     if "bwd" in kernels or "bwd_dsbf16" in kernels:
-        from .attention_bwd_sm90 import preprocess_bwd
+        from .bwd_common_sm90 import preprocess_bwd
 
         out, lse = fwd(FwdConfig(head_dim=case.head_dim, qhead_per_kvhead=case.heads_q // case.heads_kv,
                                  diagonal_copy=block > 1), 0)

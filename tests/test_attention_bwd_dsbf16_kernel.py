@@ -138,7 +138,7 @@ def test_head_window_config_and_auto_choice():
     """head_window: the blocks order only, a power of two dividing the KV heads (the host checks that);
     auto_head_window keeps 16k-token documents in the plain order and windows short ones."""
     from flamia_cute.attention_bwd_dsbf16_sm90 import auto_head_window
-    from flamia_cute.attention_bwd_sm90 import backward_grid, backward_work_item
+    from flamia_cute.bwd_common_sm90 import backward_grid, backward_work_item
 
     with pytest.raises(ValueError, match="head_window"):
         BwdDsBf16Config(head_dim=128, head_window=3)

@@ -91,7 +91,7 @@ def test_config_smem_fits():
 def test_backward_outputs_and_grid_checks():
     """Both backward entries allocate and check through these: a zeroed fp32 dQ accumulator, dK/dV
     poisoned on request; the grid's key blocks, and errors past 32-bit indexing or the grid limits."""
-    from flamia_cute.attention_bwd_sm90 import backward_grid_blocks, backward_outputs
+    from flamia_cute.bwd_common_sm90 import backward_grid_blocks, backward_outputs
 
     dq, dk, dv = backward_outputs(10, 4, 2, 64, torch.device("cpu"), poison=True)
     assert dq.dtype == torch.float32 and dq.shape == (10, 4, 64) and bool((dq == 0).all())

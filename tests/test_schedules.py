@@ -114,7 +114,7 @@ def test_backward_persistent_order_is_the_grid_order_without_empty_ctas(lengths,
     """The persistent backward's items (schedules.backward_persistent_order, located by the arithmetic of
     sm90_device.locate_key_block) are the grid build's non-empty CTAs in launch order: every (document,
     KV head, key block) with keys exactly once, each window's key blocks longest first."""
-    from flamia_cute.attention_bwd_sm90 import backward_grid, backward_work_item
+    from flamia_cute.bwd_common_sm90 import backward_grid, backward_work_item
     from flamia_cute.schedules.varlen_tiles import backward_persistent_order, chunk_table, locate_key_block_model
 
     if kv_heads % window:
