@@ -128,33 +128,6 @@ def quantize_space(head_dim: int, heads_q: int, heads_kv: int, block_tokens: int
     return keep, pruned
 
 
-def bwd_space(head_dim: int, group: int, diagonal_copy: bool):
-    """Every backward config by effective stages (and the default in the key-block-fastest CTA order),
-    with the reason each pruned one was dropped."""
-    from .attention_bwd_sm90 import BwdConfig, smem_bytes
-
-    def stages(cfg):
-        return cfg.stages_a, cfg.stages_b, cfg.vec_stages
-
-    default = BwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
-    keep, pruned, seen = [(default, "default")], [], {stages(default)}
-    # q_stages / qt_stages 0 (auto) resolve to 1 or 2, so the explicit values cover every effective config
-    for q_stages in (1, 2):
-        for qt_stages in (1, 2):
-            for vec_stages in (1, 2, 3):
-                fields = {"q_stages": q_stages, "qt_stages": qt_stages, "vec_stages": vec_stages}
-                try:
-                    cfg = BwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy, **fields)
-                except ValueError as e:  # shared memory over SMEM_LIMIT
-                    pruned.append((fields, str(e)))
-                    continue
-                if stages(cfg) not in seen:
-                    seen.add(stages(cfg))
-                    keep.append((cfg, f"smem {smem_bytes(cfg)} B"))
-    keep.append((dataclasses.replace(default, raster="blocks"), "the key-block-fastest CTA order"))
-    return keep, pruned
-
-
 def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool, num_kv_heads: int = 1):
     """Every bf16-dS backward config (recipe fp8_tokenblock_dsbf16) by effective fields: query and
     vector stages, the dQ path, the S^T/dP^T prefetch (each with its automatic exp_under_dp), and the
@@ -217,8 +190,8 @@ def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool, num_kv_head
     return keep, pruned
 
 
-# `flamia-cute tune --kernels` names; "bwd" means the backward kernel the recipe runs ("bwd_dsbf16"
-# for recipes with bf16 dS, bf16_ds_backward)
+# `flamia-cute tune --kernels` names; "bwd" means the backward kernel ("bwd_dsbf16"), which recipes with
+# bf16 dS run (bf16_ds_backward; the others' backward is the emulator's: nothing to tune)
 TUNED_KERNELS = ("fwd", "bwd", "quant")
 
 
@@ -232,7 +205,7 @@ def search_space(kernel: str, head_dim: int, heads_q: int, heads_kv: int, block_
         return fwd_space(head_dim, heads_q // heads_kv, block_tokens > 1, row_sum == "cast_p")
     if kernel == "bwd_dsbf16":
         return bwd_dsbf16_space(head_dim, heads_q // heads_kv, block_tokens > 1, heads_kv)
-    return bwd_space(head_dim, heads_q // heads_kv, block_tokens > 1)
+    raise ValueError(f"no search space for kernel {kernel!r}")
 
 
 def workload_space(kernel: str, keep: list, heads_kv: int, max_seqlen: int) -> list:
@@ -276,7 +249,6 @@ def config_fields(kernel: str, cfg) -> dict:
                 "heads_per_cta": [p.heads_per_cta for p in cfg.parts]}
     names = {"fwd": ("kv_stages", "pingpong", "intra_wg_overlap", "pin_softmax", "persistent", "tile_claim",
                      "tile_order", "q_stages", "short_pairs", "diagonal_scale_trips"),
-             "bwd": ("q_stages", "qt_stages", "vec_stages", "raster"),
              "bwd_dsbf16": ("q_stages", "vec_stages", "dq_tma_reduce", "prefetch_sdp", "exp_under_dp", "raster",
                             "q_bf16_source", "dk_under_dq_store", "head_window", "phase_prefetch", "persistent",
                             "early_block_scales", "short_pairs")}
@@ -314,7 +286,7 @@ def config_label(kernel: str, cfg) -> str:
 
 
 def fwd_shape(cfg) -> str:
-    """Cache shape of a FwdConfig, BwdConfig or BwdDsBf16Config (same field names)."""
+    """Cache shape of a FwdConfig or BwdDsBf16Config (same field names)."""
     sums = "_castsum" if getattr(cfg, "row_sum_mma", False) else ""  # a forward numerics variant: tuned apart
     return f"d{cfg.head_dim}_g{cfg.qhead_per_kvhead}_{'tokenblock' if cfg.diagonal_copy else 'token'}{sums}"
 
@@ -402,10 +374,6 @@ def tuned_fwd_config(default, max_seqlen: int, total_tokens: int, num_docs: int)
     return _tuned_config("fwd", default, max_seqlen, total_tokens, num_docs)
 
 
-def tuned_bwd_config(default, max_seqlen: int, total_tokens: int, num_docs: int):
-    return _tuned_config("bwd", default, max_seqlen, total_tokens, num_docs)
-
-
 def tuned_bwd_dsbf16_config(default, max_seqlen: int, total_tokens: int, num_docs: int):
     return _tuned_config("bwd_dsbf16", default, max_seqlen, total_tokens, num_docs)
 
@@ -441,7 +409,7 @@ def _kernel_calls(case, block: int, kernels, ds_bf16: bool) -> dict:
             launch_fused_quantize_multi_sm90(case.sets[i][:3], case.cu, launch_layouts(cfg, ds_bf16=ds_bf16), outs)
 
         calls["quant"] = (quant, len(case.sets))
-    if not {"fwd", "bwd", "bwd_dsbf16"} & set(kernels):
+    if not {"fwd", "bwd_dsbf16"} & set(kernels):
         return calls
     ops = [quantize_operands(q, k, v, case.cu, block, case.max_len, ds_bf16=ds_bf16) for q, k, v, _ in case.sets]
 
@@ -453,7 +421,8 @@ def _kernel_calls(case, block: int, kernels, ds_bf16: bool) -> dict:
                                case.cu, case.max_len, case.scale, cfg)
 
     calls["fwd"] = (fwd, len(ops))
-    if "bwd" in kernels or "bwd_dsbf16" in kernels:
+    if "bwd_dsbf16" in kernels:
+        from .attention_bwd_dsbf16_sm90 import flamia_bwd_dsbf16_sm90_from_saved
         from .bwd_common_sm90 import preprocess_bwd
 
         out, lse = fwd(FwdConfig(head_dim=case.head_dim, qhead_per_kvhead=case.heads_q // case.heads_kv,
@@ -463,16 +432,6 @@ def _kernel_calls(case, block: int, kernels, ds_bf16: bool) -> dict:
         # precomputed: only the kernel is timed
         delta, doq, dv_ref = preprocess_bwd(dout, out, case.cu, dv_ref_group=group)
         qq, (kq, kt), (vq, vt) = ops[0]
-    if "bwd" in kernels:
-        from .attention_bwd_sm90 import flamia_bwd_sm90_from_saved
-
-        def bwd(cfg, _i):
-            flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
-                                       config=cfg, do_quantized=doq, delta=delta)
-
-        calls["bwd"] = (bwd, 1)
-    if "bwd_dsbf16" in kernels:
-        from .attention_bwd_dsbf16_sm90 import flamia_bwd_dsbf16_sm90_from_saved
 
         def bwd_dsbf16(cfg, _i):
             flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
@@ -533,8 +492,14 @@ def run_tune(args) -> int:
     if unknown or not kernels:
         print(f"tune --kernels: unknown {unknown or args.kernels!r}; tunable: {','.join(TUNED_KERNELS)}", file=sys.stderr)
         return 2
-    if bf16_ds_backward(args.recipe):  # the backward this recipe runs, and its run-time lookup
+    if bf16_ds_backward(args.recipe):  # the backward kernel this recipe runs, and its run-time lookup
         kernels = ["bwd_dsbf16" if k == "bwd" else k for k in kernels]
+    elif "bwd" in kernels:
+        print(f"tune: recipe {args.recipe!r} has no backward kernel (its backward is the emulator's): bwd skipped",
+              file=sys.stderr)
+        kernels = [k for k in kernels if k != "bwd"]
+        if not kernels:
+            return 2
     wl = data["workloads"]
     if args.only:
         wl = {w: wl[w] for w in args.only.split(",") if w in wl} or wl

@@ -17,9 +17,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as hst
-from test_attention_bwd_kernel import _grad_errors, _needs_sm90, _setup, _violations
 
+from flamia_cute.emulator import EmulatorContext, emulate_backward, emulate_forward, operand_from_quantized
 from flamia_cute.kernels import lane_divergent_collectives
+from flamia_cute.quant import quantize_attention_operands
 from flamia_cute.recipes import FOLD_REF_MIN, Recipe
 from flamia_cute.testing import check_leakage, make_inputs, rel_l2
 
@@ -45,6 +46,70 @@ needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl not impo
 
 # the named recipes: token-block K/V and the per-token twin (the kernel's diagonal_copy=False build)
 RECIPES = {name: Recipe.from_name(name) for name in ("fp8_tokenblock_dsbf16", "fp8_token_dsbf16")}
+
+# GPU tolerances (relative L2 of dQ, dK, dV against emulate_backward on the same quantized operands;
+# each document's worst at twice these). The kernel reproduces the emulator's quantized values up to
+# fp32 order; the differences come from Hopper's fp8 wgmma accumulation (~14 significant bits per k32
+# chain) in S^T and dP^T, which flips e4m3 roundings of P (the dV operand). Index, mask or scale bugs
+# give errors of order 1e-1..1.
+GRAD_REL_L2_TOL = {"dq": 1.5e-2, "dk": 1.5e-2, "dv": 1.5e-2}
+
+
+def _needs_sm90():
+    return pytest.mark.skipif(
+        not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)), reason="needs an sm_90 GPU"
+    )
+
+
+def _setup(lengths, H, Hk, D, recipe, seed, device="cpu", zero_do_rows=False):
+    """recipe: a name or a Recipe (its K block size picks the layouts). zero_do_rows: dO is 0 on the
+    last token of every document and on a whole 128-query tile of the longest, as in training where
+    a token's target is ignored (dO scale 2^-126)."""
+    q, k, v, do, cu, scale = make_inputs(lengths, heads_q=H, heads_kv=Hk, head_dim=D, seed=seed, device=device)
+    if zero_do_rows:
+        c = cu.tolist()
+        for e in c[1:]:
+            if e > 0:
+                do[e - 1] = 0
+        longest = max(range(len(lengths)), key=lambda i: lengths[i])
+        do[c[longest] + 128 : min(c[longest] + 256, c[longest + 1])] = 0
+    rec = recipe if isinstance(recipe, Recipe) else Recipe.from_name(recipe)
+    block = rec.k.block_tokens
+    cu = cu.to(device)
+    qq, (kq, kt), (vq, vt) = quantize_attention_operands(q, k, v, cu, block)
+    # the emulator's forward recomputes the same quantization; its O and LSE are what the kernel saves
+    out, lse, _ = emulate_forward(q, k, v, cu, cu, scale, True, rec)
+    ectx = EmulatorContext(rec, scale, True, cu, cu, operand_from_quantized(qq), operand_from_quantized(kq, kt),
+                           operand_from_quantized(vq, vt), out, lse)
+    edq, edk, edv = emulate_backward(do, ectx)
+    return dict(q=q, k=k, v=v, do=do, cu=cu, scale=scale, qq=qq, kq=kq, vq=vq, kt=kt, vt=vt, out=out, lse=lse,
+                emu=(edq, edk, edv), block=block)
+
+
+def _grad_errors(res, emu, cu):
+    out = {}
+    for name, a, e in zip(("dq", "dk", "dv"), res, emu, strict=True):
+        a, e = a.float().cpu(), e.float().cpu()
+        out[name] = rel_l2(a, e)
+        out[name + "_nan"] = int(torch.isnan(a).sum())
+        worst = 0.0
+        for s, t in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+            if t - s >= 16 and e[s:t].norm() > 0:
+                worst = max(worst, rel_l2(a[s:t], e[s:t]))
+        out[name + "_doc"] = worst
+    return out
+
+
+def _violations(err, scale=1.0):
+    bad = []
+    for name, tol in GRAD_REL_L2_TOL.items():
+        if err[name + "_nan"]:
+            bad.append(f"{name}: {err[name + '_nan']} NaN")
+        if not err[name] < tol * scale:
+            bad.append(f"{name} rel_l2 {err[name]:.3e} >= {tol * scale:.1e}")
+        if not err[name + "_doc"] < 2 * tol * scale:
+            bad.append(f"{name} worst document rel_l2 {err[name + '_doc']:.3e} >= {2 * tol * scale:.1e}")
+    return bad
 
 
 # ----------------------------------------------------------------------------------------------
@@ -104,7 +169,7 @@ def test_dq_path_follows_determinism(monkeypatch):
     cu = torch.tensor([0, T], dtype=torch.int32)
     for env, tma in (("0", True), ("1", False)):
         monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", env)
-        cfg = backward_config(qq, kq, kq, cu, T, ds_bf16=True)
+        cfg = backward_config(qq, kq, kq, cu, T)
         assert (cfg.dq_tma_reduce, cfg.deterministic, cfg.qhead_per_kvhead) == (tma, not tma, 2), cfg
 
 
@@ -126,11 +191,28 @@ def test_cta_order_is_blocks_unless_deterministic(monkeypatch):
     for env, length, want in (("0", 1024, ("blocks", 2)), ("0", 4096, ("blocks", 2)), ("1", 1024, ("heads", 1))):
         monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", env)
         cu = torch.tensor(list(range(0, T + 1, length)), dtype=torch.int32)
-        cfg = backward_config(qq, kq, kq, cu, length, ds_bf16=True)
+        cfg = backward_config(qq, kq, kq, cu, length)
         assert (cfg.raster, cfg.head_window) == want, (env, length)
     monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "0")
-    assert backward_config(qq, kq, kq, torch.tensor([0, T], dtype=torch.int32), 16384,
-                           ds_bf16=True).head_window == 1  # long documents keep the plain order
+    assert backward_config(qq, kq, kq, torch.tensor([0, T], dtype=torch.int32),
+                           16384).head_window == 1  # long documents keep the plain order
+
+
+def test_backward_outputs_and_grid_checks():
+    """The backward allocates and checks through these: a zeroed fp32 dQ accumulator, dK/dV
+    poisoned on request; the grid's key blocks, and errors past 32-bit indexing or the grid limits."""
+    from flamia_cute.bwd_common_sm90 import backward_grid_blocks, backward_outputs
+
+    dq, dk, dv = backward_outputs(10, 4, 2, 64, torch.device("cpu"), poison=True)
+    assert dq.dtype == torch.float32 and dq.shape == (10, 4, 64) and bool((dq == 0).all())
+    assert dk.shape == dv.shape == (10, 2, 64) and dk.dtype == torch.bfloat16 and bool(dv.isnan().all())
+    assert backward_grid_blocks(1000, 4, 64, 1024, 3, 300, 128) == 3
+    assert backward_grid_blocks(1000, 4, 64, 1024, 3, 300, 64) == 5
+    assert backward_grid_blocks(0, 4, 64, 0, 0, 0, 128) == 0
+    with pytest.raises(ValueError, match="grid too large: max_seqlen"):
+        backward_grid_blocks(1000, 4, 64, 1024, 3, 128 * 70000, 128)
+    with pytest.raises(ValueError, match="32-bit indexing"):
+        backward_grid_blocks(2**22, 16, 128, 2**22, 1, 2**22, 128)
 
 
 @needs_dsl

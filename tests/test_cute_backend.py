@@ -45,8 +45,8 @@ def test_launch_configs_are_built_once_per_shape_and_switch(monkeypatch):
     monkeypatch.setattr(fwd, "short_pairs_default", lambda *a: builds.append(a) or real(*a))
     monkeypatch.delenv("FLAMIA_CUTE_FUSE_Q", raising=False)
     monkeypatch.delenv("FLAMIA_CUTE_NO_TUNING", raising=False)
-    # (head_dim, heads_q, heads_kv, max_seqlen, tokens, docs, block, forward_only, ds_bf16, row_sum, Q^T, bf16 Q)
-    args = (128, 4, 2, 1000, 5000, 7, 128, False, True, "fp32", False, True)
+    # (head_dim, heads_q, heads_kv, max_seqlen, tokens, docs, block, forward_only, ds_bf16, row_sum, bf16 Q)
+    args = (128, 4, 2, 1000, 5000, 7, 128, False, True, "fp32", True)
     plain = cb.forward_config(*args)
     assert cb.forward_config(*args) is plain and len(builds) == 1 and not plain[1]
     monkeypatch.setenv("FLAMIA_CUTE_FUSE_Q", "1")
@@ -60,7 +60,7 @@ def test_launch_configs_are_built_once_per_shape_and_switch(monkeypatch):
     assert cb.quantize_launch_config(128, 4, 2, 128, 1000, 5000, 7) is not qkv  # other layouts
     monkeypatch.setattr(tuning, "DERIVED_MEMO_MAX", 3)
     for docs in range(1, 6):
-        cb.forward_config(128, 4, 2, 1000, 5000, docs, 128, False, True, "fp32", False, True)
+        cb.forward_config(128, 4, 2, 1000, 5000, docs, 128, False, True, "fp32", True)
         assert len(tuning.derived_memo()) <= 3
 
 
@@ -255,3 +255,24 @@ def test_forward_without_grad_quantizes_less_and_matches(monkeypatch, recipe, he
     assert torch.equal(out.view(torch.int16), train_out.detach().view(torch.int16))
     assert torch.equal(lse, train_lse.detach())
     assert torch.equal(out0.view(torch.int16), out.view(torch.int16))
+
+
+def test_deterministic_backward_switch(monkeypatch):
+    """torch.use_deterministic_algorithms(True) or FLAMIA_CUTE_DETERMINISTIC=1 selects the ordered dQ."""
+    from flamia_cute.cute_backend import deterministic_backward
+
+    monkeypatch.delenv("FLAMIA_CUTE_DETERMINISTIC", raising=False)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert not deterministic_backward()
+        torch.use_deterministic_algorithms(True)
+        assert deterministic_backward()
+        torch.use_deterministic_algorithms(False)
+        monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1")
+        assert deterministic_backward()
+        monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "yes")
+        with pytest.raises(ValueError, match="FLAMIA_CUTE_DETERMINISTIC"):
+            deterministic_backward()
+    finally:
+        torch.use_deterministic_algorithms(was)

@@ -84,17 +84,15 @@ def test_tune_rejects_unknown_recipe(capsys):
     assert main(["tune", "--dry-run", "--recipe", "mxfp8"]) == 2
 
 
-def test_dry_run_lists_the_quant_and_bwd_spaces(capsys):
-    # the e4m3-dS backward's space: tuned for the recipes that run it (the default runs the bf16-dS one)
+def test_dry_run_lists_the_quant_space_and_skips_an_emulated_backward(capsys):
+    # fp8_tokenblock's backward (e4m3 dS) is the emulator's: no backward kernel to tune
     assert main(["tune", "--dry-run", "--recipe", "fp8_tokenblock"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "quant search space (" in out and "shape d128_q16_kv16_tokenblock" in out
     assert "raster=chunks min_ctas_per_sm=0 heads_per_cta=[4, 4, 4]" in out
-    assert "bwd search space (" in out and "q_stages=1 qt_stages=1 vec_stages=3" in out
-    assert "pruned q_stages=2 qt_stages=2 vec_stages=3: BwdConfig.q_stages: shared memory" in out
-    assert main(["tune", "--dry-run", "--recipe", "fp8_tokenblock", "--kernels", "bwd"]) == 0
-    out = capsys.readouterr().out
-    assert "bwd search space (" in out and "fwd search space" not in out and "quant search space" not in out
+    assert "bwd" not in out and "has no backward kernel" in captured.err
+    assert main(["tune", "--dry-run", "--recipe", "fp8_tokenblock", "--kernels", "bwd"]) == 2
 
 
 def test_tune_rejects_unknown_kernels(capsys):
@@ -119,33 +117,18 @@ def test_quantize_space_starts_with_the_default_and_prunes_with_reasons():
     assert tuning.quantize_space(128, 16, 16, 1)[0][0][0] == qkv_config(128, 16, 16, 1)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_bwd_space_fits_shared_memory_and_starts_with_the_default(head_dim):
-    from flamia_cute.attention_bwd_sm90 import SMEM_LIMIT, BwdConfig, smem_bytes
-
-    keep, pruned = tuning.bwd_space(head_dim, 1, True)
-    assert keep[0] == (BwdConfig(head_dim=head_dim, diagonal_copy=True), "default")
-    assert all(smem_bytes(c) <= SMEM_LIMIT for c, _ in keep)
-    stages = [(c.stages_a, c.stages_b, c.vec_stages, c.raster) for c, _ in keep]
-    assert len(set(stages)) == len(stages) == (12 if head_dim == 64 else 3) + 1
-    assert [c for c, _ in keep if c.raster == "blocks"] == [dataclasses.replace(keep[0][0], raster="blocks")]
-    assert all("exceeds" in why for _, why in pruned) and (head_dim == 64) == (not pruned)
-
-
 def _defaults():
     from flamia_cute.attention_bwd_dsbf16_sm90 import BwdDsBf16Config
-    from flamia_cute.attention_bwd_sm90 import BwdConfig
     from flamia_cute.attention_fwd_sm90 import FwdConfig
     from flamia_cute.quantize_sm90 import qkv_config
 
-    return {"fwd": FwdConfig(head_dim=128, diagonal_copy=True), "bwd": BwdConfig(head_dim=128, diagonal_copy=True),
+    return {"fwd": FwdConfig(head_dim=128, diagonal_copy=True),
             "bwd_dsbf16": BwdDsBf16Config(head_dim=128, diagonal_copy=True), "quant": qkv_config(128, 16, 16, 128)}
 
 
 TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "pin_softmax": False, "persistent": True,
                  "tile_claim": "stride", "tile_order": "heavy_first", "q_stages": 3, "short_pairs": True,
                  "diagonal_scale_trips": 2},
-         "bwd": {"q_stages": 1, "qt_stages": 1, "vec_stages": 3, "raster": "blocks"},
          "bwd_dsbf16": {"q_stages": 1, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": True,
                         "exp_under_dp": False, "raster": "heads", "q_bf16_source": "convert",
                         "dk_under_dq_store": False, "head_window": 1, "phase_prefetch": False,
@@ -153,10 +136,10 @@ TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "p
          "quant": {"raster": "chunks", "min_ctas_per_sm": 0, "heads_per_cta": [2, 2, 2]}}
 
 
-@pytest.mark.parametrize("kernel", ["fwd", "bwd", "bwd_dsbf16", "quant"])
+@pytest.mark.parametrize("kernel", ["fwd", "bwd_dsbf16", "quant"])
 def test_lookup_returns_the_tuned_config_for_its_class_only(tmp_path, monkeypatch, kernel):
-    lookup = {"fwd": tuning.tuned_fwd_config, "bwd": tuning.tuned_bwd_config,
-              "bwd_dsbf16": tuning.tuned_bwd_dsbf16_config, "quant": tuning.tuned_quantize_config}[kernel]
+    lookup = {"fwd": tuning.tuned_fwd_config, "bwd_dsbf16": tuning.tuned_bwd_dsbf16_config,
+              "quant": tuning.tuned_quantize_config}[kernel]
     default = _defaults()[kernel]
     cache = TuningCache(KEY, tmp_path / "t.json")
     shape = "d128_q16_kv16_tokenblock" if kernel == "quant" else "d128_g1_tokenblock"
@@ -168,8 +151,8 @@ def test_lookup_returns_the_tuned_config_for_its_class_only(tmp_path, monkeypatc
     assert tuning.config_fields(kernel, tuned) == TUNED[kernel]
     assert lookup(default, 1024, 4096, 4) is tuned  # memoized: no config built per call
     assert lookup(default, 16384, 16384, 1) is default  # long-uniform: nothing tuned
-    # entries of another kernel are not used (the two backward kernels share shape names)
-    other = {"fwd": "quant", "bwd": "bwd_dsbf16", "bwd_dsbf16": "bwd", "quant": "bwd"}[kernel]
+    # entries of another kernel are not used (the forward and the backward share shape names)
+    other = {"fwd": "bwd_dsbf16", "bwd_dsbf16": "fwd", "quant": "fwd"}[kernel]
     other_default = _defaults()[other]
     assert tuning._tuned_config(other, other_default, 1024, 4096, 4) is other_default
     monkeypatch.setenv("FLAMIA_CUTE_NO_TUNING", "1")
@@ -193,15 +176,15 @@ def test_fwd_record_without_persistent_keeps_the_default():
 
 def test_lookup_ignores_an_unusable_entry(tmp_path, monkeypatch):
     cache = TuningCache(KEY, tmp_path / "t.json")
-    cache.put("bwd", "mid-uniform", "d128_g1_tokenblock", {"config": {"q_stages": 2, "qt_stages": 2}, "ms": 1.0,
-                                                           "default_ms": 1.0})  # over the smem limit
+    cache.put("bwd_dsbf16", "mid-uniform", "d128_g1_tokenblock", {"config": {"vec_stages": 4}, "ms": 1.0,
+                                                                  "default_ms": 1.0})  # not a valid config
     monkeypatch.setattr(tuning, "_loaded", {"cache": cache})
-    default = _defaults()["bwd"]
-    with pytest.warns(UserWarning, match="ignoring tuned bwd config"):
-        assert tuning.tuned_bwd_config(default, 1024, 4096, 4) is default
+    default = _defaults()["bwd_dsbf16"]
+    with pytest.warns(UserWarning, match="ignoring tuned bwd_dsbf16 config"):
+        assert tuning.tuned_bwd_dsbf16_config(default, 1024, 4096, 4) is default
 
 
-@pytest.mark.parametrize("kernel", ["fwd", "bwd", "bwd_dsbf16", "quant"])
+@pytest.mark.parametrize("kernel", ["fwd", "bwd_dsbf16", "quant"])
 def test_every_kept_config_round_trips_through_the_cache_fields(kernel):
     keep, _ = tuning.search_space(kernel, 128, 16, 16, 128)
     default = keep[0][0]
@@ -226,7 +209,7 @@ def test_tune_loop_keeps_the_best_skips_failures_and_reuses_the_cache(tmp_path, 
     monkeypatch.setattr(TuningKey, "current", classmethod(lambda cls: KEY))
     monkeypatch.setenv("FLAMIA_CUTE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(bench.Case, "build", lambda self, seed=0: self)
-    keeps = {k: [c for c, _ in tuning.search_space(k, 128, 16, 16, 128)[0]] for k in tuning.TUNED_KERNELS}
+    keeps = {k: [c for c, _ in tuning.search_space(k, 128, 16, 16, 128)[0]] for k in ("fwd", "quant")}
 
     layouts = []  # the ds_bf16 flag of each _kernel_calls: the recipe's quantization layouts
 
@@ -244,31 +227,31 @@ def test_tune_loop_keeps_the_best_skips_failures_and_reuses_the_cache(tmp_path, 
 
     monkeypatch.setattr(tuning, "_kernel_calls", fake_calls)
     monkeypatch.setattr(bench, "_time_calls", lambda fn, n_sets, device, reps, **kw: fn(0))
+    # fp8_tokenblock: its backward is the emulator's, so fwd and quant only (the bf16-dS backward's
+    # tune: test_tune_loop_records_the_automatic_window)
     argv = ["tune", "--only", "16x1k,4x4k", "--reps", "1", "--recipe", "fp8_tokenblock"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     entries = json.loads(next((tmp_path / "tuning").glob("*.json")).read_text())["entries"]
-    assert sorted(entries) == ["bwd", "fwd", "quant"]
-    for k, shape in (("fwd", "d128_g1_tokenblock"), ("bwd", "d128_g1_tokenblock"),
-                     ("quant", "d128_q16_kv16_tokenblock")):
+    assert sorted(entries) == ["fwd", "quant"]
+    for k, shape in (("fwd", "d128_g1_tokenblock"), ("quant", "d128_q16_kv16_tokenblock")):
         rec = entries[k][f"{shape}/mid-uniform"]
         assert rec["config"] == tuning.config_fields(k, keeps[k][-1]) and rec["ms"] == 0.5
         assert rec["default_ms"] == 1.0 and rec["workload"] == "16x1k"
         assert list(rec["failed"]) == [tuning.config_label(k, keeps[k][1])]
         assert len(rec["all"]) == len(keeps[k]) - 1
         assert f"{k:6s} 16x1k" in out and f"{k:6s} 4x4k " in out  # 4x4k: same class, cached
-    assert _statuses(out) == ["tuned"] * 3 + ["cached"] * 3 and "2.00x" in out
-    assert main(argv + ["--kernels", "bwd"]) == 0
+    assert _statuses(out) == ["tuned"] * 2 + ["cached"] * 2 and "2.00x" in out
+    assert main(argv + ["--kernels", "fwd"]) == 0
     assert _statuses(capsys.readouterr().out) == ["cached", "cached"]
-    assert main(argv + ["--kernels", "bwd", "--force"]) == 0
+    assert main(argv + ["--kernels", "fwd", "--force"]) == 0
     assert _statuses(capsys.readouterr().out) == ["tuned", "cached"]
-    assert layouts and not any(layouts)  # fp8_tokenblock's backward reads every layout
+    assert layouts and not any(layouts)  # fp8_tokenblock's (emulated) backward: every layout
     assert main(["tune", "--only", "16x1k", "--reps", "1", "--kernels", "quant", "--force"]) == 0
     assert layouts[-1] is True  # the default recipe (bf16 dS) launches fewer: those are timed
     assert main(["tune", "--print"]) == 0
     out = capsys.readouterr().out
-    for line in ("fwd d128_g1_tokenblock/mid-uniform:", "bwd d128_g1_tokenblock/mid-uniform:",
-                 "quant d128_q16_kv16_tokenblock/mid-uniform: {'raster'"):
+    for line in ("fwd d128_g1_tokenblock/mid-uniform:", "quant d128_q16_kv16_tokenblock/mid-uniform: {'raster'"):
         assert line in out
 
 
@@ -320,7 +303,7 @@ def test_short_real_tune_then_fresh_process_uses_it(tmp_path):
 
 def test_bf16_ds_recipe_tunes_its_own_backward(capsys):
     """fp8_tokenblock_dsbf16 (the default) runs the bf16-dS backward kernel: `--kernels bwd` searches
-    that kernel's space (BwdDsBf16Config), not the e4m3-dS one's, whose entries it would never read."""
+    that kernel's space (BwdDsBf16Config)."""
     for argv in (["tune", "--dry-run"], ["tune", "--dry-run", "--recipe", "fp8_tokenblock_dsbf16"]):
         assert main(argv) == 0
         out = capsys.readouterr().out
@@ -392,14 +375,10 @@ def test_api_backward_config_follows_the_tuned_bwd_dsbf16_entry(tmp_path, monkey
     kq = QuantizedTHD(torch.zeros(T, H, D, dtype=torch.float8_e4m3fn), None, torch.ones(H, T), 128, "e4m3")
     cu = torch.tensor([0, 1024, 2048, 3072, 4096], dtype=torch.int32)
     monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "0")
-    cfg = backward_config(qq, kq, kq, cu, 1024, ds_bf16=True)
+    cfg = backward_config(qq, kq, kq, cu, 1024)
     assert tuning.config_fields("bwd_dsbf16", cfg) == TUNED["bwd_dsbf16"]
-    # the e4m3-dK recipe takes the same record, with Q^T by TMA (the record's Q source is "convert")
-    dk8 = backward_config(qq, kq, kq, cu, 1024, ds_bf16=True, dk_e4m3=True)
-    assert dk8.dk_e4m3 and dk8.q_bf16_source == "tma" and not dk8.persistent
-    assert (dk8.q_stages, dk8.vec_stages, dk8.raster) == (cfg.q_stages, cfg.vec_stages, cfg.raster)
     monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1")
-    cfg = backward_config(qq, kq, kq, cu, 1024, ds_bf16=True)
+    cfg = backward_config(qq, kq, kq, cu, 1024)
     assert cfg.deterministic and not cfg.dq_tma_reduce and cfg.q_stages == 2
 
 
