@@ -36,15 +36,10 @@ def preprocess_bwd(dout: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tens
 
 
 def backward_outputs(T: int, H: int, Hk: int, D: int, device, poison: bool = False, zero_dq: bool = True):
-    """The backward kernels' outputs: the fp32 dQ accumulator and dK, dV bf16 (every row written by the
-    kernel; NaN first with `poison`, as the tests ask). zero_dq: the accumulator zeroed (the kernels add
-    into it); False for a kernel that initializes it itself (dq_first_store), which `poison` then fills too."""
-    if zero_dq:
-        dq_acc = torch.zeros(T, H, D, dtype=torch.float32, device=device)
-    else:
-        dq_acc = torch.empty(T, H, D, dtype=torch.float32, device=device)
-        if poison:
-            dq_acc.fill_(float("nan"))
+    """The backward kernel's outputs: the fp32 dQ accumulator and dK, dV bf16 (every row written by the
+    kernel; NaN first with `poison`, as the tests ask). zero_dq: the accumulator zeroed here (the kernel
+    adds into it); False when the caller zeroes it (on a side stream)."""
+    dq_acc = (torch.zeros if zero_dq else torch.empty)(T, H, D, dtype=torch.float32, device=device)
     dk = torch.empty(T, Hk, D, dtype=torch.bfloat16, device=device)
     dv = torch.empty(T, Hk, D, dtype=torch.bfloat16, device=device)
     if poison:

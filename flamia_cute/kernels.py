@@ -89,7 +89,7 @@ KERNELS = {
         # the backward (bf16 dS: recipe fp8_tokenblock_dsbf16 and its per-token variant)
         KernelEntry("bwd_dsbf16", ("sm_90a",), "flamia_cute.attention_bwd_dsbf16_sm90", "BwdDsBf16Config",
                     ATTENTION_CONFIGS),
-        # Q's e4m3 codes as bf16 for the bf16-dS backward's q_bf16_source="tma"
+        # Q's e4m3 codes as bf16 for the backward's dK operand
         KernelEntry("codes", ("sm_90a",), "flamia_cute.codes_sm90", "CodesConfig", {"default": {}}),
         # Blackwell: the MXFP8 forward on block-scaled tcgen05 (compile-only here: no sm_100 GPU)
         KernelEntry("fwd_mx", ("sm_100a",), "flamia_cute.attention_fwd_sm100", "FwdSm100Config", {

@@ -129,65 +129,21 @@ def quantize_space(head_dim: int, heads_q: int, heads_kv: int, block_tokens: int
 
 
 def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool, num_kv_heads: int = 1):
-    """Every bf16-dS backward config (recipe fp8_tokenblock_dsbf16) by effective fields: query and
-    vector stages, the dQ path, the S^T/dP^T prefetch (each with its automatic exp_under_dp), and the
-    default with one S^T/dP^T wait, with the heads CTA order, with each head window of the blocks
-    order that divides num_kv_heads, with Q's bf16 codes the other way and with dK and dQ waited for
-    together; the pruned ones with the reason."""
-    from .attention_bwd_dsbf16_sm90 import HEAD_WINDOWS, BwdDsBf16Config
-
-    def effective(cfg):  # the config resolves its automatic fields
-        return (cfg.q_stages, cfg.vec_stages, cfg.dq_tma_reduce, cfg.prefetch_sdp, cfg.exp_under_dp, cfg.raster,
-                cfg.q_bf16_source, cfg.dk_under_dq_store, cfg.head_window, cfg.phase_prefetch, cfg.persistent,
-                cfg.early_block_scales, cfg.short_pairs)
+    """The backward's candidates (BwdDsBf16Config): the default, with three vector stages, in each head
+    window of the blocks order that divides num_kv_heads, and with short_pairs toggled where its build
+    takes pairs. The tuned fields that won a workload class (perf/RESULTS.md, "The tuner on today's
+    kernels"): three vector stages (long documents) and the head windows (short ones); short pairs
+    are the default for packs of short documents only. Nothing is pruned."""
+    from .attention_bwd_dsbf16_sm90 import HEAD_WINDOWS, BwdDsBf16Config, short_pairs_supported
 
     default = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
-    keep, pruned, seen = [(default, "default")], [], {effective(default)}
-    for dq_tma_reduce in (True, False):
-        for q_stages in (1, 2, 3):
-            for vec_stages in (2, 3):  # the default 2, and one deeper: kept short (each config compiles)
-                for prefetch_sdp in (False, True):
-                    fields = {"q_stages": q_stages, "vec_stages": vec_stages, "dq_tma_reduce": dq_tma_reduce,
-                              "prefetch_sdp": prefetch_sdp}
-                    if prefetch_sdp and head_dim == 128:
-                        # S^T, dP^T in flight beside dV, dK and the dQ tile: no spills since the scales
-                        # went into the B operands (session 8), but slower at d128: 1.4-4% (run s7c),
-                        # 3-10% against dK under the dQ store (run s8e); spills with the atomics path
-                        pruned.append((fields, "slower at d128 (the prefetch; runs s7c, s8e)"))
-                        continue
-                    try:
-                        cfg = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group,
-                                              diagonal_copy=diagonal_copy, **fields)
-                    except ValueError as e:  # shared memory over the limit
-                        pruned.append((fields, str(e)))
-                        continue
-                    if effective(cfg) not in seen:
-                        seen.add(effective(cfg))
-                        keep.append((cfg, "variant"))
-    if default.exp_under_dp:
-        keep.append((dataclasses.replace(default, exp_under_dp=False), "variant"))
-    keep.append((dataclasses.replace(default, raster="heads"), "variant"))  # the other CTA order
-    if default.phase_prefetch:  # the phase change prepared after the last diagonal tile only
-        keep.append((dataclasses.replace(default, phase_prefetch=False), "variant"))
+    keep = [(default, "default"), (dataclasses.replace(default, vec_stages=3), "three vector stages")]
     for w in HEAD_WINDOWS[1:]:  # the blocks order in windows of w KV heads
         if w <= num_kv_heads and num_kv_heads % w == 0:
-            keep.append((dataclasses.replace(default, head_window=w), "variant"))
-    # Q's bf16 codes the other way (the timed call includes the copy's launch when it is "tma")
-    other = "convert" if default.q_bf16_source == "tma" else "tma"
-    keep.append((dataclasses.replace(default, q_bf16_source=other), "variant"))
-    if default.dk_under_dq_store:  # dK and dQ waited for together
-        keep.append((dataclasses.replace(default, dk_under_dq_store=False), "variant"))
-    if default.early_block_scales:  # phase 1's block scales loaded at the phase change
-        keep.append((dataclasses.replace(default, early_block_scales=False), "variant"))
-    if default.dq_tma_reduce and not default.prefetch_sdp and (default.phase_prefetch or not diagonal_copy):
-        # the persistent build (items from the counter; the stride claim measured 1.4-1.6x slower, s19b;
-        # without the early block scales, which spill there)
-        keep.append((dataclasses.replace(default, persistent=True, early_block_scales=False), "variant"))
-    from .attention_bwd_dsbf16_sm90 import short_pairs_supported
-
-    if short_pairs_supported(default):  # two short documents per CTA (session 22)
-        keep.append((dataclasses.replace(default, short_pairs=not default.short_pairs), "variant"))
-    return keep, pruned
+            keep.append((dataclasses.replace(default, head_window=w), f"head window {w}"))
+    if short_pairs_supported(default):  # two short documents per CTA
+        keep.append((dataclasses.replace(default, short_pairs=not default.short_pairs), "short pairs toggled"))
+    return keep, []
 
 
 # `flamia-cute tune --kernels` names; "bwd" means the backward kernel ("bwd_dsbf16"), which recipes with
@@ -218,15 +174,13 @@ def workload_space(kernel: str, keep: list, heads_kv: int, max_seqlen: int) -> l
 
     window = auto_head_window(heads_kv, max_seqlen)
     default = dataclasses.replace(keep[0][0], head_window=window)
-    # the persistent build takes items in the same windowed order
-    keep = [(dataclasses.replace(c, head_window=window) if c.persistent else c, why) for c, why in keep]
     return [(default, "default")] + [(c, "variant" if why == "default" else why) for c, why in keep if c != default]
 
 
 # A bf16-dS record's head_window when the window that the tuned workload's length picks
 # (auto_head_window) won: the lookup then picks it again by each call's length. A class holds
 # documents of 1k to 4k tokens (mid-uniform: 16x1k and 4x4k), whose automatic windows differ (16, 4);
-# a number tuned on 16x1k cost 4x4k's backward +4.5% (run s21c).
+# a number tuned on 16x1k slowed 4x4k's backward (perf/RESULTS.md).
 AUTO_WINDOW = "auto"
 
 
@@ -249,9 +203,7 @@ def config_fields(kernel: str, cfg) -> dict:
                 "heads_per_cta": [p.heads_per_cta for p in cfg.parts]}
     names = {"fwd": ("kv_stages", "pingpong", "intra_wg_overlap", "pin_softmax", "persistent", "tile_claim",
                      "tile_order", "q_stages", "short_pairs", "diagonal_scale_trips"),
-             "bwd_dsbf16": ("q_stages", "vec_stages", "dq_tma_reduce", "prefetch_sdp", "exp_under_dp", "raster",
-                            "q_bf16_source", "dk_under_dq_store", "head_window", "phase_prefetch", "persistent",
-                            "early_block_scales", "short_pairs")}
+             "bwd_dsbf16": ("vec_stages", "head_window", "short_pairs")}
     return {n: getattr(cfg, n) for n in names[kernel]}
 
 
@@ -264,17 +216,10 @@ def config_from_fields(kernel: str, default, fields: dict):
         return dataclasses.replace(default, parts=parts, **fields)
     # fwd records from before session 10 lack "persistent" (session 11: the tile claim and order): they
     # take the default
-    if kernel == "bwd_dsbf16":  # records from before session 8's fields: their automatic choices
-        fields = {"q_bf16_source": None, "dk_under_dq_store": None, **fields}
-        if "head_window" not in fields:  # before session 18: the default's window, in its order only
-            fields["head_window"] = default.head_window if fields.get("raster", default.raster) == "blocks" else 1
-        elif fields["head_window"] == AUTO_WINDOW:  # the call's own (default_config picks it by length)
-            fields["head_window"] = default.head_window
-        if "short_pairs" not in fields:  # before session 22: the call's choice, where the record's build takes it
-            from .attention_bwd_dsbf16_sm90 import short_pairs_supported
-
-            plain = dataclasses.replace(default, short_pairs=False, **fields)
-            fields["short_pairs"] = default.short_pairs and short_pairs_supported(plain)
+    # bf16-dS records with the fields of the config before it went lean (q_stages, raster, ...) fail
+    # here and are ignored with _tuned_config's warning
+    if kernel == "bwd_dsbf16" and fields.get("head_window") == AUTO_WINDOW:  # the call's own (by length)
+        fields = {**fields, "head_window": default.head_window}
     if kernel == "fwd":  # records from before session 11's q_stages (23's diagonal_scale_trips): the automatic
         fields = {"q_stages": None, "diagonal_scale_trips": None, **fields}
     return dataclasses.replace(default, **fields)

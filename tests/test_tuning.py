@@ -129,10 +129,7 @@ def _defaults():
 TUNED = {"fwd": {"kv_stages": 3, "pingpong": False, "intra_wg_overlap": True, "pin_softmax": False, "persistent": True,
                  "tile_claim": "stride", "tile_order": "heavy_first", "q_stages": 3, "short_pairs": True,
                  "diagonal_scale_trips": 2},
-         "bwd_dsbf16": {"q_stages": 1, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": True,
-                        "exp_under_dp": False, "raster": "heads", "q_bf16_source": "convert",
-                        "dk_under_dq_store": False, "head_window": 1, "phase_prefetch": False,
-                        "persistent": False, "early_block_scales": False, "short_pairs": False},
+         "bwd_dsbf16": {"vec_stages": 3, "head_window": 1, "short_pairs": True},
          "quant": {"raster": "chunks", "min_ctas_per_sm": 0, "heads_per_cta": [2, 2, 2]}}
 
 
@@ -316,48 +313,23 @@ def test_bf16_ds_recipe_tunes_its_own_backward(capsys):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_bwd_dsbf16_space(head_dim):
-    """Default first; every effective config (stages, dQ path, prefetch, split S^T/dP^T waits) once;
-    nothing kept that exceeds shared memory or is known to spill (the prefetch at d128); the default
-    also with one S^T/dP^T wait (d128), in the heads CTA order and with Q's bf16 codes the other way;
-    every kept config round-trips through its cache fields."""
+    """The default first, then three vector stages, every head window dividing the KV heads, and short
+    pairs toggled where the build takes them (d128); each once, each round-trips through its cache
+    fields."""
+    pytest.importorskip("cutlass")
     from flamia_cute.attention_bwd_dsbf16_sm90 import SMEM_LIMIT, BwdDsBf16Config, smem_bytes
 
-    keep, pruned = tuning.bwd_dsbf16_space(head_dim, 2, True)
+    keep, pruned = tuning.bwd_dsbf16_space(head_dim, 2, True, num_kv_heads=8)
     default = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=2, diagonal_copy=True)
-    assert keep[0] == (default, "default")
-    eff = [(c.q_stages, c.vec_stages, c.dq_tma_reduce, c.prefetch_sdp, c.exp_under_dp, c.raster, c.q_bf16_source,
-            c.dk_under_dq_store, c.head_window, c.phase_prefetch, c.persistent, c.early_block_scales) for c, _ in keep
-           if not c.short_pairs]
-    assert len(set(eff)) == len(eff) and all(smem_bytes(c) <= SMEM_LIMIT for c, _ in keep)
-    # the default with two short documents per CTA, where its build takes them (not d64's prefetch)
-    assert [c for c, _ in keep if c.short_pairs] == ([dataclasses.replace(default, short_pairs=True)]
-                                                     if head_dim == 128 else [])
-    assert {e[2] for e in eff} == {True, False} and {e[0] for e in eff} == {1, 2, 3}
-    assert not any(e[3] and e[4] for e in eff)  # the prefetch with split S^T/dP^T waits
-    if head_dim == 128:  # the late phase change once, beside the default's early one
-        assert [c for c, _ in keep if not c.phase_prefetch] == [dataclasses.replace(default, phase_prefetch=False)]
-    else:  # d64's S^T/dP^T prefetch reads the stage after the last diagonal tile: no early release
-        assert not default.phase_prefetch and not any(c.phase_prefetch and c.prefetch_sdp for c, _ in keep)
-    windows = [c.head_window for c, _ in tuning.bwd_dsbf16_space(head_dim, 2, True, num_kv_heads=8)[0]]
-    assert sorted(set(windows)) == [1, 2, 4, 8] and windows.count(8) == 1
-    assert [c for c, _ in keep if c.q_bf16_source != default.q_bf16_source and c.q_stages == default.q_stages] \
-        == [dataclasses.replace(default, q_bf16_source="convert")]
-    assert [c for c, _ in keep if c.raster == "heads"] == [dataclasses.replace(default, raster="heads")]
+    want = [default, dataclasses.replace(default, vec_stages=3)]
+    want += [dataclasses.replace(default, head_window=w) for w in (2, 4, 8)]
+    want += [dataclasses.replace(default, short_pairs=True)] if head_dim == 128 else []
+    assert [c for c, _ in keep] == want and keep[0][1] == "default" and not pruned
+    assert all(smem_bytes(c) <= SMEM_LIMIT for c, _ in keep)
     for c, _ in keep:
         assert tuning.config_from_fields("bwd_dsbf16", default, tuning.config_fields("bwd_dsbf16", c)) == c
-    if head_dim == 128:
-        assert (2, 2, True, False, False, "blocks", "tma", True, 1, True, False, True) in eff
-        assert (2, 2, True, False, True, "blocks", "tma", True, 1, True, False, True) in eff
-        assert (2, 2, True, False, True, "blocks", "tma", False, 1, True, False, True) in eff
-        # the persistent build once, and the default with phase 1's block scales loaded late
-        assert [c for c, _ in keep if c.persistent] == [dataclasses.replace(default, persistent=True,
-                                                                            early_block_scales=False)]
-        assert default.early_block_scales and dataclasses.replace(default, early_block_scales=False) in [
-            c for c, _ in keep]
-        assert not any(e[3] for e in eff)
-        assert any("slower at d128" in why for _, why in pruned) and any("shared memory" in why for _, why in pruned)
-    else:  # d64's prefetch: no persistent build, and the block scales at the phase change
-        assert not default.early_block_scales and not any(c.persistent for c, _ in keep)
+    assert [c.head_window for c, _ in tuning.bwd_dsbf16_space(head_dim, 2, True, num_kv_heads=6)[0]] == \
+        [1, 1, 2] + ([1] if head_dim == 128 else [])
 
 
 def test_api_backward_config_follows_the_tuned_bwd_dsbf16_entry(tmp_path, monkeypatch):
@@ -379,21 +351,23 @@ def test_api_backward_config_follows_the_tuned_bwd_dsbf16_entry(tmp_path, monkey
     assert tuning.config_fields("bwd_dsbf16", cfg) == TUNED["bwd_dsbf16"]
     monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1")
     cfg = backward_config(qq, kq, kq, cu, 1024)
-    assert cfg.deterministic and not cfg.dq_tma_reduce and cfg.q_stages == 2
+    assert cfg.deterministic and not cfg.dq_tma_reduce and cfg.vec_stages == 2 and not cfg.short_pairs
 
 
-def test_bwd_dsbf16_records_from_before_q_bf16_source_still_load():
-    """A cached bf16-dS record without q_bf16_source (written before session 8) gets that field's
-    automatic choice for its own stages: 3 query stages at d128 do not fit the bf16 Q copy."""
+def test_bwd_dsbf16_records_of_removed_fields_are_ignored(tmp_path, monkeypatch):
+    """A bf16-dS record written with fields the config no longer has (q_stages, raster, persistent, ...)
+    is not applied: the lookup warns and runs the default."""
     pytest.importorskip("cutlass")
-    keep, _ = tuning.search_space("bwd_dsbf16", 128, 16, 16, 128)
-    default = keep[0][0]
-    old = {"q_stages": 3, "vec_stages": 2, "dq_tma_reduce": False, "prefetch_sdp": False, "exp_under_dp": True,
-           "raster": "blocks"}
-    cfg = tuning.config_from_fields("bwd_dsbf16", default, old)
-    assert (cfg.q_stages, cfg.q_bf16_source) == (3, "convert")
-    assert tuning.config_from_fields("bwd_dsbf16", default, dict(old, q_stages=2)).q_bf16_source == "tma"
-    assert {c.q_bf16_source for c, _ in keep} == {"tma", "convert"}
+    old = {"q_stages": 2, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": False, "exp_under_dp": True,
+           "raster": "blocks", "q_bf16_source": "tma", "dk_under_dq_store": True, "head_window": 1,
+           "phase_prefetch": True, "persistent": False, "early_block_scales": True, "short_pairs": False}
+    cache = TuningCache(KEY, tmp_path / "t.json")
+    cache.put("bwd_dsbf16", "mid-uniform", "d128_g1_tokenblock", {"config": old, "ms": 1.0, "default_ms": 1.0})
+    monkeypatch.setattr(tuning, "_loaded", {"cache": cache})
+    monkeypatch.delenv("FLAMIA_CUTE_NO_TUNING", raising=False)
+    default = _defaults()["bwd_dsbf16"]
+    with pytest.warns(UserWarning, match="ignoring tuned bwd_dsbf16 config"):
+        assert tuning.tuned_bwd_dsbf16_config(default, 1024, 4096, 4) is default
 
 
 def test_workload_space_starts_from_the_untuned_default():
@@ -405,13 +379,12 @@ def test_workload_space_starts_from_the_untuned_default():
     assert keep[0][0] in [c for c, _ in short[1:]] and len({c for c, _ in short}) == len(short) == len(keep)
     assert tuning.workload_space("bwd_dsbf16", keep, 16, 16384)[0][0] == keep[0][0]
     assert tuning.workload_space("fwd", keep, 16, 1024) is keep
-    assert [c.head_window for c, _ in short if c.persistent] == [16]  # the persistent build in the same order
 
 
 def test_bwd_dsbf16_auto_window_stays_per_call(tmp_path, monkeypatch):
     """A bf16-dS record whose head window is the one its tuned workload's length picks stores it as
     "auto", and each call of the class then gets its own length's window (16x1k: 16, 4x4k: 4; one
-    class, mid-uniform: a stored 16 cost 4x4k's backward +4.5%, run s21c); any other window is kept."""
+    class, mid-uniform: a stored 16 slowed 4x4k's backward); any other window is kept."""
     pytest.importorskip("cutlass")
     from flamia_cute.attention_bwd_dsbf16_sm90 import BwdDsBf16Config
 
@@ -421,7 +394,7 @@ def test_bwd_dsbf16_auto_window_stays_per_call(tmp_path, monkeypatch):
     assert auto_cfg.head_window == 16
     rec = tuning.record_fields("bwd_dsbf16", auto_cfg, 16, 1024)
     assert rec["head_window"] == tuning.AUTO_WINDOW
-    plain = next(c for c, _ in space if c.head_window == 1 and not c.persistent)
+    plain = next(c for c, _ in space if c.head_window == 1)
     assert tuning.record_fields("bwd_dsbf16", plain, 16, 1024)["head_window"] == 1
     assert tuning.record_fields("fwd", _defaults()["fwd"], 16, 1024) == tuning.config_fields("fwd", _defaults()["fwd"])
     rec = dict(rec, vec_stages=3)  # a tuned field besides the window: the record is applied, not ignored
@@ -451,25 +424,9 @@ def test_tune_loop_records_the_automatic_window(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench.Case, "build", lambda self, seed=0: self)
     # the untuned default (the automatic window) is the fastest
     monkeypatch.setattr(tuning, "_kernel_calls", lambda case, block, kernels, ds_bf16: {
-        k: ((lambda cfg, i: 1.0 if cfg.head_window == 16 and not cfg.persistent else 2.0), 1) for k in kernels})
+        k: ((lambda cfg, i: 1.0 if cfg.head_window == 16 else 2.0), 1) for k in kernels})
     monkeypatch.setattr(bench, "_time_calls", lambda fn, n_sets, device, reps, **kw: fn(0))
     assert main(["tune", "--only", "16x1k", "--reps", "1", "--kernels", "bwd"]) == 0
     entries = json.loads(next((tmp_path / "tuning").glob("*.json")).read_text())["entries"]
     assert entries["bwd_dsbf16"]["d128_g1_tokenblock/mid-uniform"]["config"]["head_window"] == tuning.AUTO_WINDOW
     assert "head_window=auto" in capsys.readouterr().out
-
-
-def test_bwd_dsbf16_records_from_before_short_pairs_keep_the_calls_choice():
-    """A bf16-dS record written before session 22 lacks short_pairs: a call that pairs its documents
-    keeps pairing where the record's build takes pairs, and drops them where it cannot (persistent)."""
-    pytest.importorskip("cutlass")
-    from flamia_cute.attention_bwd_dsbf16_sm90 import BwdDsBf16Config
-
-    paired = BwdDsBf16Config(head_dim=128, diagonal_copy=True, short_pairs=True)
-    old = {k: v for k, v in tuning.config_fields("bwd_dsbf16", paired).items() if k != "short_pairs"}
-    assert tuning.config_from_fields("bwd_dsbf16", paired, {**old, "vec_stages": 3}).short_pairs
-    persistent = tuning.config_from_fields("bwd_dsbf16", paired, {**old, "persistent": True,
-                                                                  "early_block_scales": False})
-    assert persistent.persistent and not persistent.short_pairs
-    plain = dataclasses.replace(paired, short_pairs=False)
-    assert not tuning.config_from_fields("bwd_dsbf16", plain, old).short_pairs
