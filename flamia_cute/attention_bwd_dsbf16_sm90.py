@@ -1,75 +1,61 @@
-"""FP8 causal attention backward for Hopper (sm_90a), recipe fp8_tokenblock_dsbf16, in the CuTe DSL.
+"""FP8 causal attention backward for Hopper (sm_90a), recipes fp8_tokenblock_dsbf16 and
+fp8_token_dsbf16, in the CuTe DSL.
 
 Numerics: `flamia_cute.emulator.emulate_backward` with `Recipe.ds_cast = "bf16"` and
 `Recipe.dv_fold = "document"`: S^T, dP^T and dV on e4m3 tensor cores, dK and dQ on bf16 ones.
-`BwdDsBf16Config.dk_e4m3` (recipe fp8_tokenblock_dke4m3, ds_cast "e4m3_dk"): dK's product on e4m3
-too, dS^T * sq cast per key row and 64-query tile (e4m3_dk_rows, e4m3_dk_pack); measured 6-9%
-slower than bf16 dK on the H200 (perf/RESULTS.md, session 24), so opt-in.
 
-Why a second backward kernel (perf/NOTES.md, "the register budget of three backward designs"):
-the e4m3-dS kernel (attention_bwd_sm90) gives every tile product its own scales, so each product
-lands in a fresh accumulator that is scaled and added to the running sum, dK lives in shared
-memory, and the dQ scale needs a cross-warpgroup amax per tile. Here nothing is scaled per tile:
+Nothing is scaled per tile, so every product accumulates in the MMA's own registers (perf/NOTES.md,
+"the register budget of three backward designs"):
 - dV: dO's per-token scale is folded into P^T relative to ONE reference r per (KV head, document)
   (the max dO scale there, `dv_fold_reference`), so the e4m3 MMA accumulates dV across all query
-  tiles and heads of the group in its own registers; dV = acc * r / 256 once, in the epilogue;
+  tiles and heads of the group; dV = acc * r / 256 once, in the epilogue;
 - dK += bf16(dS^T) . (sq Q-codes) and dQ = bf16(dS) . (sk K-codes) on bf16 wgmma: the scaled codes
   are exact in bf16 (powers of two), so this is bf16(dS s) . codes as the recipe says (bf16(dS s) =
-  bf16(dS) s), with one bf16 conversion of dS for both products. Q in bf16 comes as a copy made
-  before the launch (`codes_sm90`, `q_bf16_source="tma"`) or is converted per tile in shared memory
-  ("convert"); the consumers convert the key block once per phase; all [t, d] (MN-major B
-  operands, so no transposed copies);
+  bf16(dS) s), with one bf16 conversion of dS for both products. Q in bf16 is a copy made before
+  the launch (`codes_sm90`) and loaded by TMA; the consumers convert the key block once per phase;
+  all [t, d] (MN-major B operands, so no transposed copies);
 - 64-query tiles: S^T and dP^T take 32 registers each, so dV (64) and dK (64) both stay in
-  registers next to them: 224 fp32 accumulators per thread at d128 (FA3's budget).
+  registers next to them: 224 fp32 accumulators per thread at d128.
 
 Organization (one CTA per (128-key block n, KV head, document), GQA query heads looped inside the
 CTA, so dK and dV are summed over the group in registers: deterministic):
 - producer warp 0 (TMA): K and V^T (e4m3; two 64-key slabs) once per phase (the per-token copies
-  for the diagonal tiles when `diagonal_copy`, then the block-scaled ones, which load under the
-  last diagonal tile with `phase_prefetch`); V^T is the forward's
-  P V operand, and each consumer warpgroup transposes its slab in place into V [key, d], dP^T's A
-  operand (transpose_v), so the quantization writes no token-major V;
-  per 64-query tile, Q and dO (e4m3 [t, d]: the B operands of S^T and dP^T, pipeline a) and dO^T
-  (e4m3 [d, t], dV's B, pipeline b, with Q in bf16 [t, d], dK's B, by default);
-- phase 1's block scales are loaded at the CTA's start (`early_block_scales`, the default with
-  diagonal copies), off the phase change's path;
+  for the diagonal tiles when `diagonal_copy`, then the block-scaled ones, which at d128 load under
+  the last diagonal tile); V^T is the forward's P V operand, and each consumer warpgroup transposes
+  its slab in place into V [key, d], dP^T's A operand (transpose_v), so the quantization writes no
+  token-major V; per 64-query tile, Q and dO (e4m3 [t, d]: the B operands of S^T and dP^T,
+  pipeline a) and dO^T (e4m3 [d, t], dV's B) with Q in bf16 [t, d] (dK's B; pipeline b);
 - producer warp 1: per query tile, sq * softmax_scale * log2e, lse * log2e (+inf past the
   document end, so P = 0 there), D = rowsum(dO * O), the dO scale (0 past the end) and sq;
-- producer warp 2, with `dq_tma_reduce` (the default unless deterministic): the dQ tiles' TMA
-  reduce-adds (reduce_dq);
+- producer warp 2, unless deterministic: the dQ tiles' TMA reduce-adds (reduce_dq);
 - consumer warpgroup w owns keys 64 w .. 64 w + 63 of the block (M everywhere):
   S^T = K Q^T and dP^T = V dO^T (e4m3, fp32), P^T = exp2(S^T sk sq scale log2e - lse log2e)
   (masked on the diagonal tiles), dS^T = P^T (dP^T sv sdo - D);
   dV += e4m3(P^T * sdo * 256 / r) . dO^T (A from registers);
   dK += bf16(dS^T) . Q bf16 (A from registers);
   bf16(dS sk) is also stored to shared memory [q, key] (double-buffered: a warpgroup may write
-  the next tile's while the other still reads this one), then after one
-  barrier of the two warpgroups dQ_tile = dS . K bf16 for the warpgroup's half of the head
-  dimension; softmax_scale * dQ_tile goes into an fp32 dQ accumulator (T, H, D), through a
-  shared-memory tile and warp 2's TMA reduce-add (`dq_tma_reduce`), or by red.global.add.v2.f32
-  from the consumers (the deterministic mode orders those);
+  the next tile's while the other still reads this one), then after one barrier of the two
+  warpgroups dQ_tile = dS . K bf16 for the warpgroup's half of the head dimension;
+  softmax_scale * dQ_tile goes into an fp32 dQ accumulator (T, H, D), through a shared-memory
+  tile and warp 2's TMA reduce-add, or (deterministic) by red.global.add.v2.f32 from the
+  consumers in key-block order;
 - epilogue: dK * softmax_scale and dV * r / 256 to bf16 with 16-byte stores.
 
-CTA order (`raster`): key block fastest by default, so the CTAs of one (document, KV head) run
-together and share its Q, dO and dQ accumulator in L2 (the heads-fastest order, kept for the
-deterministic mode, hit L2 30% of the time on 16 documents of 1k); for short documents in windows of
+CTA order (`BwdDsBf16Config.raster`): key block fastest, so the CTAs of one (document, KV head) run
+together and share its Q, dO and dQ accumulator in L2; for short documents in windows of
 `head_window` KV heads of one document, each window's CTAs longest first, so that the last
 document's long key blocks are not the last CTAs issued (auto_head_window picks it by length).
-`persistent` (opt-in, a tuner variant): one CTA per SM takes the same items in the same order from a
-counter (produce_items, locate_key_block), every role keeping its pipeline states across items, the
-K/V stage released inside each item's last tile so the next item's copies load under it; measured
--0.8..-1.2% kernel on 16x1k and +3..+9% on 4x4k and 1x16k (runs s19b, s19c), so not the default.
+The deterministic mode keeps the heads-fastest order its ordered dQ additions were tested in.
 
 Tile order inside a CTA: the diagonal tiles (query tiles 2n and 2n + 1, the second only when it
 holds queries) of every head first, then every head's off-diagonal tiles. Only diagonal tiles
 need masks. `deterministic=True` orders the dQ additions per (query head, document, 64-query
-tile) exactly as the e4m3-dS kernel does per 128-query tile.
+tile) by key block.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -85,57 +71,34 @@ from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from . import recipes as _recipes
-from .attention_bwd_sm90 import (
-    P_SCALE,
+from .bwd_common_sm90 import backward_grid, backward_work_item
+from .bwd_device_sm90 import (
     add_dq_tile,
-    atom_add_relaxed_gpu_u32,
-    backward_grid,
-    backward_work_item,
     dq_turn_pass,
     dq_turn_wait,
-    fence_acq_rel_gpu,
-    fence_proxy_async_global,
-    ld_acquire_gpu_u32,
     load_row_scales,
-    nanosleep,
-    red_release_gpu_add_u32,
     store_key_rows_bf16,
     store_query_vectors,
 )
-from .compile_cache import compile_entry, launch_on_device, sm_count
+from .compile_cache import compile_entry, launch_on_device
 from .quant import PV_ORDER16, transposed_tokens
 from .recipes import FOLD_REF_MIN
-from .schedules.varlen_chunks import max_chunks
 from .sm90_device import (
     ARG_BF16,
     ARG_F8,
     ARG_F32,
     ARG_I32,
     SHARED_SOURCE_FILES,
-    as_f32,
     byte_transpose4x4,
-    claim_next_tile,
     cvt_bf16x2,
-    doc_chunk_cumsum,
     document_dt_start,
     e4m3x2_to_bf16x2,
-    f32_bits,
-    fmax_chains,
-    globaltimer_lo,
-    locate_key_block,
     pack_a_fragment_e4m3,
-    pow2_reciprocal,
-    pow2_scale_bits,
-    publish_tile,
-    quad_max2,
-    read_tile,
     select,
     short_pair_bounds,
     short_pair_follower,
     short_pair_len,
-    sm_id,
     smem_word_index,
-    st_global_v4,
     st_shared_v4,
     tma_pipeline,
     warp_pipeline,
@@ -146,179 +109,51 @@ from .validation import check_kernel_tensors, int32_cu_seqlens
 
 SOURCE_FILES = (
     Path(__file__).resolve(),
-    Path(__file__).resolve().with_name("attention_bwd_sm90.py"),  # the shared epilogue and dQ helpers
+    Path(__file__).resolve().with_name("bwd_device_sm90.py"),
     Path(_recipes.__file__).resolve(),
     *SHARED_SOURCE_FILES,
 )
 
 LOG2E = math.log2(math.e)
 SMEM_LIMIT = 232448  # sm_90 dynamic shared memory per CTA (227 KB)
+P_SCALE = 256.0  # the recipe's fixed power-of-two P scale (Recipe.p_scale)
 N_VEC = 5  # per-query vectors per tile in shared memory (see load_vectors)
 KEY_BLOCK = 128
 QUERY_TILE = 64
+# query-tile stages of both pipelines: a third does not fit beside Q's bf16 copy and the dQ tile at d128
+Q_STAGES = 2
 HEAD_WINDOWS = (1, 2, 4, 8, 16, 32, 64)  # BwdDsBf16Config.head_window
 # auto_head_window: the windows' documents hold at most this many tokens together, so that the Q,
 # dO and dQ accumulator rows their CTAs share stay a few MB per head (the plain order's locality)
 WINDOW_TOKENS = 16384
 # named barriers (1: dS and Q bf16 stored, 2: the phase change, 3: deterministic dQ turns)
-DQ_FULL, DQ_EMPTY = 4, 5  # dq_tma_reduce: consumers (256 threads) and the dQ warp (32)
+DQ_FULL, DQ_EMPTY = 4, 5  # the dQ warp's tile hand-off: consumers (256 threads) and the dQ warp (32)
 VT_BARRIER = 6  # + warpgroup: transpose_v's two barriers (128 threads)
-SCAN_BARRIER = 8  # persistent: the producer warpgroup's scan of cu_seqlens (doc_chunk_cumsum)
-# cta_timeline's record per CTA: the kernel's start and the consumers' end, SM and query tiles, then
-# the first consumer warpgroup's stamps: its start (shared memory set up), phase 0's scales shared,
-# its K/V arrived, K converted and V transposed, the diagonal tiles done, phase 1 ready (0 without
-# it), every tile done (the epilogue's start); one spare word
-TIMELINE_FIELDS = ("start", "end", "sm", "tiles", "consumer_start", "scales0", "kv0", "ready0", "diagonal_done",
-                   "ready1", "tiles_done", "spare")
-TIMELINE_WORDS = len(TIMELINE_FIELDS)
-# persistent: documents the shared-memory tables hold (4 KB of the 6 KB left beside the kernel's
-# 226 KB); more fall back to the grid build
-PERSISTENT_MAX_DOCS = 512
-# persistent: items published ahead by the TMA warp. One is enough (every reader takes its item at the
-# item's start; the TMA warp publishes the next one only after issuing this one's loads) and keeps the
-# ring state a phase bit in the consumers, whose item loop is at the register limit
-SCHED_STAGES = 1
 # bf16 dS [q, key] for dQ's A operand (queries contiguous), two buffers; stored by hand (ds_word_index)
 DS_LAYOUT = "S<3,4,3> o 0 o ((64,1),(8,16),(1,2)):((1,0),(64,512),(0,8192))"
-# dq_first_store: one claim word per (query head, 64-query tile). Its low bits count the CTAs that
-# reached the tile; DQ_STORED is raised once the first one's tile (or, for a tile past the document's
-# end, its zeroed rows) is in the accumulator: the others reduce-add only after that
-DQ_STORED = 1 << 30
-
-
-def dq_claim_slots(total_tokens: int, num_docs: int) -> int:
-    """Claim words per query head: a bound on the 64-query tiles of all documents together."""
-    return total_tokens // QUERY_TILE + num_docs + 1
-
-
-def dq_claim_slot(doc_start, doc, m):
-    """The claim word of document doc's 64-query tile m (doc_start = cu_seqlens[doc]). Distinct over
-    all documents' tiles: a document of length L starting at s has ceil(L / 64) tiles, and the next
-    document's first word is floor((s + L) / 64) + doc + 1 >= floor(s / 64) + doc + ceil(L / 64)."""
-    return doc_start // QUERY_TILE + doc + m
 
 
 @dataclass(frozen=True)
 class BwdDsBf16Config:
-    """Compile-time shape of the bf16-dS backward kernel. T, heads and documents are dynamic."""
+    """Compile-time shape of the backward kernel. T, heads and documents are dynamic; the build's
+    other choices follow from these fields (the properties below, the kernel's __init__)."""
 
     head_dim: int
     qhead_per_kvhead: int = 1
     diagonal_copy: bool = False  # token-block K/V: per-token copies (and their bf16 K) on the diagonal tiles
-    q_stages: int = 2  # query-tile stages of both pipelines
-    vec_stages: int = 2
     deterministic: bool = False  # dQ additions in key-block order: bit-reproducible dQ
-    # issue the next tile's S^T, dP^T before this tile's dQ atomics, or with dq_tma_reduce after its dQ
-    # tile is stored (None: where registers allow, d64; at d128 with atomics, S^T, dP^T in flight next to
-    # dV, dK and the dQ tile need 224 + ~30 > 240: spills)
-    prefetch_sdp: bool | None = None
-    # dQ tiles through shared memory, added to the fp32 accumulator by a TMA reduce-add that a producer
-    # warp issues (FA3's scheme) instead of the consumers' red.global.add (None: on unless deterministic
-    # or out of shared memory; kernel -12% on 1x16k, -14% on 1x64k, run s6b)
-    dq_tma_reduce: bool | None = None
-    # S^T and dP^T in separate commit groups, waited for one by one, so that P^T's exp2 (and the Q
-    # tile's bf16 conversion) run while dP^T is on the tensor cores (FA4's order); False: one wait.
-    # None: on unless prefetch_sdp (with the prefetch in flight across the loop, ptxas serializes
-    # every wgmma of the split build: 44-60 warpgroup arrives instead of 6-8)
-    exp_under_dp: bool | None = None
-    # CTA order: "blocks" (key block fastest: the CTAs of one (document, KV head) run together and
-    # share its Q, dO and dQ accumulator in L2) or "heads" (KV head fastest, key block slowest: the
-    # longest CTAs of every head start first). Heads hit L2 29.7% of the time on 16x1k (ncu s7d);
-    # blocks is faster on every workload (run s7e, kernel alone: 16x1k -18%, longtail32k -24%,
-    # mixed16k -21%, 1x16k and 1x64k -3%, 4x4k -1%). None: blocks, but heads when deterministic
-    # (the order the ordered dQ additions were GPU-tested in)
-    raster: str | None = None
-    # "blocks" order in windows of this many KV heads (attention_bwd_sm90.backward_grid): a window's
-    # CTAs start longest first, so the last document's long key blocks are not issued last. A host
-    # model of the CTA queue (132 SMs, cost = query tiles) puts the plain order's makespan 6-7% over
-    # the ideal on 4x4k and 16x1k and 4% on longtail32k, the windowed one within 0.3-2%
-    # (perf/NOTES.md, session 18). 1: the plain order; default_config picks it by document length
+    vec_stages: int = 2  # stages of the per-query vectors (3: a tuner candidate, won on long documents)
+    # the "blocks" order in windows of this many KV heads (backward_grid): a window's CTAs start
+    # longest first, so the last document's long key blocks are not issued last (perf/NOTES.md, the
+    # host model of the CTA queue). 1: the plain order; default_config picks it by document length
     head_window: int = 1
-    # dQ tile stores: odd rows store column block i ^ 2 at the step even rows store block i, so a
-    # half-warp's 4 rows hit 4 distinct 32-byte pairs of the swizzled tile (2 wavefronts per 64-bit
-    # store instead of 4, ncu s7d) at 2 selects per store. Kernel -2..-7% (run s8a, 4x4k -6.8%)
-    dq_store_swap: bool = True
-    # dK's B operand, Q in bf16 (codes times sq): "tma" (the TMA loads a bf16 copy, made before the
-    # launch by codes_sm90, into pipeline b's stage next to dO^T: 16 KB more per tile from L2 at
-    # d128) or "convert" (the consumers convert the e4m3 tile in shared memory, ~105 warp
-    # instructions per tile per warp). Kernel alone -3..-8% with "tma" (run s8b). None: "tma" where
-    # it fits in shared memory (not with 3 query stages at d128: 16 KB more per stage)
-    q_bf16_source: str | None = None
-    # dQ's GEMM issued before dK's, in its own commit group: the warpgroups wait for dQ alone, and
-    # store the dQ tile while dK computes (FA4's order): kernel -2..-4% (run s8d). Needs
-    # dq_tma_reduce, no prefetch_sdp. None: on where allowed (d128 by default)
-    dk_under_dq_store: bool | None = None
-    # columns of S^T whose per-query vectors (the P loop's two) are loaded before the wait for S^T,
-    # not after it: the loop's first FFMA waited on them for 5% of all stall samples (ncu s8f)
-    preload_vectors: int = 0
-    # transpose_v of a phase after its first tile's S^T is issued, not before: the transpose runs
-    # while S^T is on the tensor cores. Measured (s12e before, s13a: kernel alone, medians of three
-    # rotated rounds): -1.2..+1.2%, no gain, so off. Needs exp_under_dp (S^T in its own commit
-    # group), so no prefetch_sdp
-    transpose_v_under_s: bool = False
-    # The dQ accumulator without its zero fill: the first CTA to reach a (query head, 64-query tile)
-    # stores its tile with a plain TMA store (a tile past its document's end: zeroes the document's
-    # rows first), the others reduce-add once its flag is up (dq_claim_slot). Removes the 134 MB fill
-    # per 16k tokens (29 us, s12e) but measured SLOWER in three designs (runs s13b-s13d, GPU tests
-    # passed; this one s13d: 16x1k +2.9%, 1x16k +9.7%, 1x64k +29%): every tile's reduce-add then needs
-    # an acquire and a proxy fence (without them, unsafe, still +3.3% / +19%: s13e), and the dQ warp's
-    # cycle outgrows the consumers' tile step (perf/NOTES.md, session 13). Needs dq_tma_reduce; off
-    dq_first_store: bool = False
-    # The change from the diagonal tiles' per-token K/V to the block-scaled ones prepared early: the
-    # stage is released once the last diagonal tile's S^T and dP^T are done (not with prefetch_sdp,
-    # whose dummy S^T, dP^T reads it after the tile), so the block-scaled copies load under the rest
-    # of that tile. False: released after the tile (before session 18). None: on, except with
-    # prefetch_sdp (d64's default) or dq_first_store (kept as it was measured)
-    phase_prefetch: bool | None = None
-    # The block-scaled row scales of phase 1 loaded at the CTA's start (4 registers held through the
-    # diagonal tiles), not at the phase change: kernel 16x1k -2.1% / -1.7% (runs s19a, s19b), the
-    # others within +-0.4% (mixed16k -4%, noisy). None: on with diagonal copies, except beside the
-    # S^T/dP^T prefetch (d64, not measured there) and in the persistent build (24 bytes of spills)
-    early_block_scales: bool | None = None
-    # Phase 0's row scales (each consumer thread's two key rows) loaded at the kernel's entry, before the
-    # shared-memory setup and the barriers, so their global-load latency runs under it (the stamped
-    # timeline, s19e: launch to the consumers 0.8 us, then the scales 1.1 us, one after the other).
-    # Grid build only. Built late in session 19, CPU-checked
-    scales_at_entry: bool = False
-    # bf16 dS tiles in shared memory: 2 (a warpgroup may write the next tile's while the other still
-    # reads this one) or 1, which the dQ path's DQ_EMPTY barrier already orders (both warpgroups'
-    # dQ products of a tile are done before either stores the dQ tile, and so before the next
-    # tile's dS): 16 KB less, toward a second K/V stage (perf/NOTES.md, session 18). Needs
-    # dq_tma_reduce. Built in session 18, CPU-checked only; off until its GPU tests run
-    ds_buffers: int = 2
-    # One CTA per SM taking (document, KV head, key block) items in backward_persistent_order (the
-    # grid's windowed blocks order without its empty CTAs), so the next item's K/V load once this
-    # item's last S^T, dP^T have read the stage and its Q/dO tiles queue behind this item's: the
-    # ~5.7 us of prologue and epilogue per CTA that the timeline measured (perf/NOTES.md, session 18)
-    # overlap the neighbouring items. More than PERSISTENT_MAX_DOCS documents: the grid build.
-    # Needs dq_tma_reduce, the early phase change with diagonal copies, not deterministic
-    persistent: bool = False
-    # persistent: "counter" (the next item from a global atomic counter, as the hardware queue would
-    # hand out CTAs) or "stride" (items c, c + grid, ...: no counter)
-    item_claim: str = "counter"
-    # persistent: the K/V stage released inside the item's last tile, once its S^T and dP^T are done
-    # (True), or after the tile (False: no release under a runtime branch in the hot loop)
-    release_in_last_tile: bool = True
-    # Measurement only: each CTA writes a record of TIMELINE_FIELDS (%globaltimer_lo in ns at its start,
-    # its end and the first consumer warpgroup's phase boundaries; its SM and query tiles) into the
-    # int32 buffer that the semaphores use otherwise, in launch order (cta_timeline_words;
-    # perf/bwd_cta_timeline.py reads them). Not deterministic nor dq_first_store (their words)
-    cta_timeline: bool = False
-    # Grid build: two short documents per CTA, one per consumer warpgroup's 64 keys, by the forward's
-    # rule (schedules.varlen_tiles.short_pair_partner, so the second starts 64 V^T and dO^T columns
-    # after the first). The pair is one item of two diagonal query tiles: tile 0 the first document's
+    # Two short documents per CTA, one per consumer warpgroup's 64 keys, by the forward's rule
+    # (schedules.varlen_tiles.short_pair_partner, so the second starts 64 V^T and dO^T columns after
+    # the first). The pair is one item of two diagonal query tiles: tile 0 the first document's
     # queries, tile 1 the second's; each warpgroup takes its document's bounds (the second's shifted
     # 64 back), the first masks tile 1. The second document's CTA exits at once. Gradients
     # bit-identical (a masked P is 0, so the other document's keys and queries add exact zeros).
     short_pairs: bool = False
-    # dK's product on e4m3 (recipe fp8_tokenblock_dke4m3): A = e4m3(dS^T * sq / s) from registers, one
-    # power-of-two s per key row and query tile (the row's amax over the tile's 64 queries: a quad's
-    # shuffles, no exchange between warps), B = Q^T's e4m3 codes in P-fragment order by TMA in
-    # pipeline b (8 KB per tile instead of Q's 16 KB bf16 copy, and no copy pass). dK accumulates in
-    # units of the current tile's s (its rows rescaled by s_prev / s per tile, exact: powers of two;
-    # s is kept >= 2^-64 of the row's largest s so far, so the rescale cannot overflow; the emulator's
-    # cast differs only for values below 2^-64 of the row's). dQ's product stays bf16. Grid build only
-    dk_e4m3: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -328,119 +163,57 @@ class BwdDsBf16Config:
             bad("head_dim", "must be 64 or 128")
         if not isinstance(self.qhead_per_kvhead, int) or self.qhead_per_kvhead < 1:
             bad("qhead_per_kvhead", "must be an int >= 1")
-        for name in ("diagonal_copy", "deterministic", "dq_store_swap", "transpose_v_under_s", "dq_first_store",
-                     "cta_timeline", "persistent", "release_in_last_tile", "scales_at_entry", "short_pairs",
-                     "dk_e4m3"):
+        for name in ("diagonal_copy", "deterministic", "short_pairs"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
-        for name in ("prefetch_sdp", "dq_tma_reduce", "exp_under_dp", "dk_under_dq_store", "phase_prefetch",
-                     "early_block_scales"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                bad(name, "must be None (auto) or a bool")
-        if self.q_bf16_source not in (None, "convert", "tma"):
-            bad("q_bf16_source", "must be None (auto), 'convert' or 'tma'")
-        if self.raster not in (None, "heads", "blocks"):
-            bad("raster", "must be None (auto), 'heads' or 'blocks'")
-        if not isinstance(self.preload_vectors, int) or not 0 <= self.preload_vectors <= QUERY_TILE // 4:
-            bad("preload_vectors", f"must be an int in 0..{QUERY_TILE // 4} (a thread's S^T columns)")
+        if self.vec_stages not in (2, 3):
+            bad("vec_stages", "must be 2 or 3")
         if type(self.head_window) is not int or self.head_window not in HEAD_WINDOWS:
             bad("head_window", f"must be one of {HEAD_WINDOWS}")
-        if type(self.ds_buffers) is not int or self.ds_buffers not in (1, 2):
-            bad("ds_buffers", "must be 1 or 2")
-        if self.item_claim not in ("counter", "stride"):
-            bad("item_claim", "must be 'counter' or 'stride'")
-        if self.q_stages not in (1, 2, 3):
-            bad("q_stages", "must be 1, 2 or 3")
-        if self.vec_stages not in (1, 2, 3):
-            bad("vec_stages", "must be 1, 2 or 3")
-        # the automatic choices, resolved here so that the config says what the kernel builds
-        if self.prefetch_sdp is None:
-            object.__setattr__(self, "prefetch_sdp", self.head_dim == 64)
-        if self.raster is None:
-            object.__setattr__(self, "raster", "heads" if self.deterministic else "blocks")
-        if self.exp_under_dp is None:
-            object.__setattr__(self, "exp_under_dp", not self.prefetch_sdp)
-        if self.exp_under_dp and self.prefetch_sdp:
-            bad("exp_under_dp", "with prefetch_sdp, ptxas serializes the split S^T/dP^T waits")
-        if self.dk_e4m3 and self.q_bf16_source == "convert":
-            bad("q_bf16_source", "dk_e4m3 loads Q^T's e4m3 codes by TMA: no bf16 Q to convert")
-        if self.dk_e4m3 and self.persistent:
-            bad("dk_e4m3", "is built for the grid build only (not persistent)")
-        if self.dk_e4m3:
-            object.__setattr__(self, "q_bf16_source", "tma")  # the TMA path of dK's B operand
-        if self.q_bf16_source is None:  # before the dQ path: smem_bytes counts no dQ tile yet
-            object.__setattr__(self, "q_bf16_source", "tma")
-            if smem_bytes(self) > SMEM_LIMIT:
-                object.__setattr__(self, "q_bf16_source", "convert")
-        if self.dq_tma_reduce is None:
-            # on where allowed and its 33 KB dQ tile fits (not with 3 query stages at d128)
-            object.__setattr__(self, "dq_tma_reduce", not self.deterministic)
-            if smem_bytes(self) > SMEM_LIMIT:
-                object.__setattr__(self, "dq_tma_reduce", False)
-        if self.phase_prefetch is None:
-            object.__setattr__(self, "phase_prefetch", not (self.dq_first_store or self.prefetch_sdp))
-        if self.phase_prefetch and self.prefetch_sdp:
-            bad("phase_prefetch", "not with prefetch_sdp: its dummy S^T, dP^T after the phase's last tile reads sK, sV")
-        if self.ds_buffers == 1 and not self.dq_tma_reduce:
-            bad("ds_buffers", "1 needs dq_tma_reduce (its DQ_EMPTY barrier orders the dS tile's reuse)")
-        if self.early_block_scales is None:
-            object.__setattr__(self, "early_block_scales",
-                               self.diagonal_copy and not self.prefetch_sdp and not self.persistent)
-        if self.scales_at_entry and self.persistent:
-            bad("scales_at_entry", "the grid build's (the persistent build loads them per item)")
-        if self.early_block_scales and not self.diagonal_copy:
-            bad("early_block_scales", "needs diagonal_copy (without copies there is no phase change)")
-        if self.cta_timeline and (self.deterministic or self.dq_first_store):
-            bad("cta_timeline", "writes the words the deterministic and dq_first_store modes use")
-        if self.head_window > 1 and self.raster != "blocks":
-            bad("head_window", "windows the 'blocks' CTA order only")
-        if self.dq_tma_reduce and self.deterministic:
-            bad("dq_tma_reduce", "the deterministic dQ order is kept by the atomics path only")
-        if self.dq_first_store and not self.dq_tma_reduce:
-            bad("dq_first_store", "needs dq_tma_reduce (the claims order the TMA store before the reduce-adds)")
-        if self.dk_under_dq_store is None:
-            object.__setattr__(self, "dk_under_dq_store", bool(self.dq_tma_reduce and not self.prefetch_sdp))
-        if self.dk_under_dq_store and (not self.dq_tma_reduce or self.prefetch_sdp):
-            bad("dk_under_dq_store", "needs dq_tma_reduce and no prefetch_sdp")
-        if self.persistent:
-            # the dQ warp's and the phase change's protocols are the ones carried across items
-            # (deterministic resolves dq_tma_reduce off, or refuses it on)
-            if not self.dq_tma_reduce or self.dq_first_store or self.cta_timeline:
-                bad("persistent", "needs dq_tma_reduce (so not deterministic), and not dq_first_store nor cta_timeline")
-            if self.diagonal_copy and not self.phase_prefetch:
-                bad("persistent", "needs phase_prefetch with diagonal_copy (the stage released inside the tile)")
-            if self.prefetch_sdp:
-                bad("persistent", "not with prefetch_sdp (its dummy S^T, dP^T read the stage after the item)")
+        if self.head_window > 1 and self.deterministic:
+            bad("head_window", "windows the 'blocks' CTA order only (not the deterministic mode's)")
         if self.short_pairs and not short_pairs_supported(self):
-            bad("short_pairs", "needs the grid build with dq_tma_reduce (so not deterministic), and not dq_first_store, "
-                "prefetch_sdp nor scales_at_entry")
-        if self.transpose_v_under_s and not self.exp_under_dp:
-            bad("transpose_v_under_s", "needs exp_under_dp (S^T in its own commit group; not with prefetch_sdp)")
-        if smem_bytes(self) > SMEM_LIMIT:
-            bad("q_stages", f"shared memory {smem_bytes(self)} bytes exceeds {SMEM_LIMIT}")
+            bad("short_pairs", "needs the dQ warp (not deterministic) and no S^T/dP^T prefetch (d64)")
+
+    @property
+    def prefetch_sdp(self) -> bool:
+        """d64: the next tile's S^T and dP^T are issued right after this tile's dQ product (or its dQ
+        tile's store), so they run on the tensor cores under this tile's dQ traffic. At d128, in
+        flight beside dV, dK and the dQ tile, they measured slower (and spill on the atomics path)."""
+        return self.head_dim == 64
+
+    @property
+    def dq_tma_reduce(self) -> bool:
+        """dQ tiles through shared memory, added to the fp32 accumulator by a TMA reduce-add that a
+        producer warp issues (FA3's scheme: faster than the consumers' red.global.add on long
+        documents), except in the deterministic mode, whose ordered additions are the atomics'."""
+        return not self.deterministic
+
+    @property
+    def raster(self) -> str:
+        """CTA order (backward_grid): "blocks", key block fastest (the CTAs of one (document, KV
+        head) run together and share its Q, dO and dQ accumulator in L2: faster on every workload
+        than "heads"); "heads", KV head fastest, in the deterministic mode, whose ordered dQ
+        additions were GPU-tested in that order."""
+        return "heads" if self.deterministic else "blocks"
 
 
 def short_pairs_supported(cfg: BwdDsBf16Config) -> bool:
-    """Whether a config's build can take short_pairs: the grid build's dQ warp (TMA reduce-adds, so
-    not deterministic), no first-store claims, no S^T/dP^T prefetch (d64's default), no entry scales."""
-    return not (cfg.persistent or not cfg.dq_tma_reduce or cfg.dq_first_store or cfg.prefetch_sdp
-                or cfg.scales_at_entry)
+    """Whether a config's build can take short_pairs: the dQ warp (TMA reduce-adds, so not
+    deterministic) and no S^T/dP^T prefetch (d64)."""
+    return cfg.dq_tma_reduce and not cfg.prefetch_sdp
 
 
 def smem_bytes(cfg: BwdDsBf16Config) -> int:
     """Shared memory of one CTA (upper bound: 1 KB alignment per buffer)."""
     D, tq = cfg.head_dim, QUERY_TILE
     kv = 2 * KEY_BLOCK * D + 2 * KEY_BLOCK * D  # K, V e4m3 + K bf16 (converted in the kernel)
-    qb_tma = cfg.q_bf16_source == "tma"
-    qb = tq * D if cfg.dk_e4m3 else 2 * tq * D if qb_tma else 0  # Q^T e4m3 or Q bf16 by TMA
-    per_stage = 2 * tq * D + tq * D + qb  # Q, dO e4m3 | dO^T e4m3 (+ dK's B operand)
-    ds = cfg.ds_buffers * 2 * tq * KEY_BLOCK + (0 if qb_tma else 2 * 2 * tq * D)  # bf16 dS [q, key] (+ Q bf16)
+    per_stage = 2 * tq * D + tq * D + 2 * tq * D  # Q, dO e4m3 | dO^T e4m3, Q bf16
+    ds = 2 * 2 * tq * KEY_BLOCK  # bf16 dS [q, key], two buffers
     vec = N_VEC * tq * 4 * cfg.vec_stages + KEY_BLOCK * 4  # + the phase's key scales
-    bars = 8 * 2 * (1 + 2 * cfg.q_stages + cfg.vec_stages)
+    bars = 8 * 2 * (1 + 2 * Q_STAGES + cfg.vec_stages)
     dq = tq * D * 4 + 1024 if cfg.dq_tma_reduce else 0  # the fp32 dQ tile
-    # persistent: the key-block and V^T-column tables, their scan's warp totals, the item ring
-    tables = 2 * 4 * (PERSISTENT_MAX_DOCS + 1) + 32 + 8 * 4 * SCHED_STAGES + 16 if cfg.persistent else 0
-    return kv + per_stage * cfg.q_stages + ds + vec + bars + dq + tables + 9 * 1024
+    return kv + per_stage * Q_STAGES + ds + vec + bars + dq + 9 * 1024
 
 
 def _pv_order_key(m, b: int):
@@ -464,7 +237,7 @@ def transpose_v_words(sVt_layout, sV_layout, ctid, slab, head_dim: int):
     goes for the key in column 4q + b, i.e. word b of the 4x4 byte transpose of src[4j .. 4j + 3].
     A warp's lanes cover 16 column quads of 2 row blocks: its word loads hit 16 banks twice and its
     16-byte stores take 8 wavefronts (twice the minimum), where 4 d x 16 key blocks (a warp down one
-    column group) loaded from 2 banks 16 times (kernel +2.3 us per CTA, run s12b). Plain Python over
+    column group) loaded from 2 banks 16 times (measurably slower). Plain Python over
     DSL or Python integers (the CPU tests replay it on the layouts and count its bank conflicts)."""
     q, a = ctid % 16, ctid // 16
     src = [smem_word_index(sVt_layout, (16 * a + 4 * j + r, 4 * q, slab), 1) for j in range(4) for r in range(4)]
@@ -560,7 +333,7 @@ class FlamiaBwdDsBf16Sm90:
         self.group = config.qhead_per_kvhead
         self.diag_copy = config.diagonal_copy
         self.deterministic = config.deterministic
-        self.stages = config.q_stages
+        self.stages = Q_STAGES
         self.sv = config.vec_stages
         self.kb = KEY_BLOCK
         self.tq = QUERY_TILE
@@ -570,9 +343,19 @@ class FlamiaBwdDsBf16Sm90:
         self.regs_consumer = 240
         self.prefetch = config.prefetch_sdp
         self.dq_tma = config.dq_tma_reduce
-        self.sdp_groups = 2 if config.exp_under_dp else 1  # commit groups of one issue_sdp
-        self.qb_tma = config.q_bf16_source == "tma"
-        self.dk8 = config.dk_e4m3
+        # S^T and dP^T in separate commit groups, waited for one by one, so that P^T's exp2 runs while
+        # dP^T is on the tensor cores (FA4's order). With the prefetch (S^T, dP^T in flight across the
+        # loop) ptxas serializes every wgmma of the split build: one group there
+        self.sdp_groups = 1 if self.prefetch else 2  # commit groups of one issue_sdp
+        # dQ's GEMM issued before dK's, in its own commit group: the warpgroups wait for dQ alone and
+        # store the dQ tile while dK computes (FA4's order); needs the dQ warp, not the prefetch
+        self.dk_late = self.dq_tma and not self.prefetch
+        # the change from the diagonal tiles' per-token K/V to the block-scaled ones prepared early:
+        # the stage released once the last diagonal tile's S^T and dP^T are done, so the block-scaled
+        # copies load under the rest of that tile, and their row scales loaded at the CTA's start
+        # (4 registers through the diagonal tiles), off the phase change's path. Not beside the
+        # prefetch, whose dummy S^T, dP^T after the phase's last tile reads the stage
+        self.early_phase = self.diag_copy and not self.prefetch
         # the e4m3 -> bf16 conversion walks (_conversion_plans): 4-code words per row, and rows per
         # step of the 256 consumer threads
         self.walk_wpr = self.D // 4
@@ -587,11 +370,8 @@ class FlamiaBwdDsBf16Sm90:
         sd_mma = sm90_utils.make_trivial_tiled_mma(e4, e4, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, tq))
         # dV: M = 64 keys, N = D, K = 64 queries; A = e4m3(P^T) from registers, B = dO^T (K-major)
         dv_mma = sm90_utils.make_trivial_tiled_mma(e4, e4, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, D), RMEM)
-        # dK: M = 64 keys, N = D, K = 64 queries; A = bf16(dS^T) from registers, B = Q bf16 [t, d] (MN-major);
-        # dk_e4m3: A = e4m3(dS^T sq / s) from registers, B = Q^T e4m3 [d, t] (K-major), as dV's
-        dk_mma = (sm90_utils.make_trivial_tiled_mma(e4, e4, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (wm, D), RMEM)
-                  if self.dk8 else
-                  sm90_utils.make_trivial_tiled_mma(bf, bf, K_MAJOR, MN_MAJOR, Float32, (1, 1, 1), (wm, D), RMEM))
+        # dK: M = 64 keys, N = D, K = 64 queries; A = bf16(dS^T) from registers, B = Q bf16 [t, d] (MN-major)
+        dk_mma = sm90_utils.make_trivial_tiled_mma(bf, bf, K_MAJOR, MN_MAJOR, Float32, (1, 1, 1), (wm, D), RMEM)
         # dQ: M = 64 queries, N = D (warpgroup w computes columns w D/2 .. (w+1) D/2 - 1), K = 128
         # keys; A = dS [q, key] (queries contiguous), B = K bf16 [t, d] (MN-major)
         dq_mma = sm90_utils.make_trivial_tiled_mma(bf, bf, MN_MAJOR, MN_MAJOR, Float32, (1, 2, 1), (tq, D // 2))
@@ -607,10 +387,7 @@ class FlamiaBwdDsBf16Sm90:
             Vt=sm90_utils.make_smem_layout_b(ROW, (wm, D, wm), e4, 2),
             Q=sm90_utils.make_smem_layout_b(ROW, (wm, tq, D), e4, st),  # (64 q, D, stages)
             dOt=sm90_utils.make_smem_layout_b(ROW, (wm, D, tq), e4, st),  # (D, 64 q, stages)
-            # (D, 64 q, 2 buffers, or a stage each when loaded by TMA), d contiguous; dk_e4m3: Q^T e4m3
-            # (D, 64 q, stages) as dO^T
-            Qb=(sm90_utils.make_smem_layout_b(ROW, (wm, D, tq), e4, st) if self.dk8 else
-                sm90_utils.make_smem_layout_b(COL, (wm, D, tq), bf, st if self.qb_tma else 2)),
+            Qb=sm90_utils.make_smem_layout_b(COL, (wm, D, tq), bf, st),  # (D, 64 q, stages), d contiguous
             Kb=sm90_utils.make_smem_layout_b(COL, (tq, D, kb), bf, 1),  # (D, 128 keys, 1)
             dS=sm90_utils.make_smem_layout_a(COL, (tq, D, kb), bf, 2),  # (64 q, 128 keys, 2 buffers)
         )
@@ -619,8 +396,7 @@ class FlamiaBwdDsBf16Sm90:
     def __call__(
         self,
         q_ptr: cute.Pointer,  # (T, H, D) e4m3
-        qb_ptr: cute.Pointer,  # (T, H, D) bf16: Q's codes times sq (q_bf16_source "tma", else unused);
-        # dk_e4m3: (H, D, T_dt) e4m3, Q^T's codes in P-fragment order
+        qb_ptr: cute.Pointer,  # (T, H, D) bf16: Q's codes times sq
         sq_ptr: cute.Pointer,  # (H, T) f32
         k_ptr: cute.Pointer,  # (T, Hk, D) e4m3
         sk_ptr: cute.Pointer,  # (Hk, T) f32
@@ -640,8 +416,7 @@ class FlamiaBwdDsBf16Sm90:
         dq_acc_ptr: cute.Pointer,  # (T, H, D) f32, zeroed
         dk_ptr: cute.Pointer,  # (T, Hk, D) bf16
         dv_ptr: cute.Pointer,  # (T, Hk, D) bf16
-        sem_ptr: cute.Pointer,  # int32 zeros: (H, docs, 2 max_n_blocks) when deterministic, (H, dq_claim_slots)
-        # with dq_first_store, else unused
+        sem_ptr: cute.Pointer,  # int32 zeros: (H, docs, 2 max_n_blocks) when deterministic, else unused
         T: Int32,
         T_dt: Int32,
         num_kv_heads: Int32,
@@ -685,13 +460,6 @@ class FlamiaBwdDsBf16Sm90:
         mSem = None
         if cutlass.const_expr(self.deterministic):
             mSem = cute.make_tensor(sem_ptr, cute.make_layout(H * num_docs * 2 * max_n_blocks))
-        if cutlass.const_expr(self.cfg.dq_first_store):
-            n_slots = dq_claim_slots(T, num_docs)  # (claim word, query head)
-            mSem = cute.make_tensor(sem_ptr, cute.make_layout((n_slots, H), stride=(1, n_slots)))
-        if cutlass.const_expr(self.cfg.cta_timeline):
-            mSem = cute.make_tensor(sem_ptr, cute.make_layout(TIMELINE_WORDS * max_n_blocks * num_kv_heads * num_docs))
-        if cutlass.const_expr(self.cfg.persistent):  # the item counter (item_claim "counter")
-            mSem = cute.make_tensor(sem_ptr, cute.make_layout(1))
         mdK = cute.make_tensor(dk_ptr, ktd)
         mdV = cute.make_tensor(dv_ptr, ktd)
 
@@ -710,33 +478,22 @@ class FlamiaBwdDsBf16Sm90:
         tma_q, tQ = atom(mQ, L["Q"], (tq, D))
         tma_do, tdO = atom(mdO, L["Q"], (tq, D))
         tma_dot, tdOt = atom(mdOt, L["dOt"], (D, tq))
-        tma_qb, tQb = None, None
-        if cutlass.const_expr(self.dk8):  # Q^T [d, t] e4m3: (D, 64 q) boxes, as dO^T's
-            tma_qb, tQb = atom(cute.make_tensor(qb_ptr, dt_layout(H)), L["Qb"], (D, tq))
-        elif cutlass.const_expr(self.qb_tma):
-            # Q in bf16 [t, d] seen as (d, t): the (D, 64 q) boxes of dK's MN-major B operand
-            tma_qb, tQb = atom(cute.make_tensor(qb_ptr, cute.make_layout((D, T, H), stride=(1, hd, D))), L["Qb"],
-                               (D, tq))
+        # Q in bf16 [t, d] seen as (d, t): the (D, 64 q) boxes of dK's MN-major B operand
+        tma_qb, tQb = atom(cute.make_tensor(qb_ptr, cute.make_layout((D, T, H), stride=(1, hd, D))), L["Qb"], (D, tq))
         # the dQ tile: fp32 rows with an epilogue tile's 128-byte swizzle (8-row x 32-float atoms): a
         # warp's 64-bit stores take 4 wavefronts, row-major they took 8 (its 8 rows in one bank; ideal
-        # 2: rows r and r^1 still pair up, ncu s7d); the TMA reduce-add reads it as 32-column boxes
+        # 2: rows r and r^1 still pair up); the TMA reduce-add reads it as 32-column boxes
         sdQ_layout = sm90_utils.make_smem_layout_epi(Float32, cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, (tq, D), 1)
-        tma_dq, tdQ, tma_dq_store, tdQ_store = None, None, None, None  # no descriptor to build unless used
+        tma_dq, tdQ = None, None  # no descriptor to build unless used
         if cutlass.const_expr(self.dq_tma):
             tma_dq, tdQ = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, cute.slice_(sdQ_layout, (None, None, 0)),
                 (tq, D))
-        if cutlass.const_expr(self.cfg.dq_first_store):  # the first arrival's plain store of the same tile
-            tma_dq_store, tdQ_store = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mdQ, cute.slice_(sdQ_layout, (None, None, 0)),
-                (tq, D))
         self.kv_bytes = 2 * kb * D
         self.a_bytes = 2 * tq * D
-        self.b_bytes = tq * D + (tq * D if self.dk8 else 2 * tq * D if self.qb_tma else 0)
+        self.b_bytes = tq * D + 2 * tq * D
 
         st, sv = self.stages, self.sv
-        n_tab = PERSISTENT_MAX_DOCS + 1 if self.cfg.persistent else 4
-        qb_type = Float8E4M3FN if self.dk8 else BFloat16
 
         @cute.struct
         class SharedStorage:
@@ -752,28 +509,18 @@ class FlamiaBwdDsBf16Sm90:
             sQ: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["Q"])], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["Q"])], 1024]
             sdOt: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["dOt"])], 1024]
-            sQb: cute.struct.Align[cute.struct.MemRange[qb_type, cute.cosize(L["Qb"])], 1024]
-            # DS_LAYOUT's two buffer slots; with ds_buffers=1 only slot 0 is allocated and used
-            sdS: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["dS"]) * self.cfg.ds_buffers // 2],
-                                   1024]
+            sQb: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["Qb"])], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["dS"])], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout) if self.dq_tma else 4], 1024]
-            # persistent: the item ring and the tables of produce_items (a few words otherwise)
-            t_mbar: cute.struct.MemRange[cutlass.Int64, 2 * SCHED_STAGES]
-            sSched: cute.struct.Align[cute.struct.MemRange[Int32, 5 * SCHED_STAGES], 16]
-            sWarp: cute.struct.Align[cute.struct.MemRange[Int32, 8], 16]
-            sCum: cute.struct.Align[cute.struct.MemRange[Int32, n_tab], 16]
-            sDt: cute.struct.Align[cute.struct.MemRange[Int32, n_tab], 16]
 
         self.shared_storage = SharedStorage
         tmas = (tma_k, tK, tma_v, tV, tma_ktok, tKtok, tma_vtok, tVtok, tma_q, tQ, tma_do, tdO, tma_dot, tdOt, tma_dq,
-                tdQ, sdQ_layout, tma_qb, tQb, tma_dq_store, tdQ_store)
+                tdQ, sdQ_layout, tma_qb, tQb)
         self.kernel(
             mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV, mSem,
             L["K"], L["Q"], L["dOt"], L["Qb"], L["Kb"], L["dS"], L["Vt"], softmax_scale,
         ).launch(
-            # persistent: max_n_blocks is the number of CTAs (flamia_bwd_dsbf16_sm90)
-            grid=[max_n_blocks, 1, 1] if self.cfg.persistent else
-            backward_grid(self.cfg.raster, num_kv_heads, num_docs, max_n_blocks, self.cfg.head_window),
+            grid=backward_grid(self.cfg.raster, num_kv_heads, num_docs, max_n_blocks, self.cfg.head_window),
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -807,67 +554,8 @@ class FlamiaBwdDsBf16Sm90:
         sVt_layout: cute.ComposedLayout,
         softmax_scale: Float32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        layouts = (sK_layout, sQ_layout, sdOt_layout, sQb_layout, sKb_layout, sdS_layout, sVt_layout)
-        cta_word = Int32(0)
-        if cutlass.const_expr(self.cfg.cta_timeline):
-            bx, by, bz = cute.arch.block_idx()
-            gx, gy, _ = cute.arch.grid_dim()
-            cta_word = TIMELINE_WORDS * ((bz * gy + by) * gx + bx)
-            if tidx == 0:
-                mSem[cta_word] = Int32(globaltimer_lo())
-                mSem[cta_word + 2] = Int32(sm_id())
-        if cutlass.const_expr(self.cfg.persistent):
-            self.kernel_persistent(mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK,
-                                   mdV, mSem, layouts, softmax_scale)
-        else:
-            self.kernel_grid(mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV,
-                             mSem, layouts, softmax_scale, cta_word)
-
-    @cute.jit
-    def shared_buffers(self, layouts, tmas):
-        """The CTA's shared memory: (storage, bufs, sVec, sdQ, sdQ_words, dq_plan, (pipe_kv, pipe_a, pipe_b,
-        pipe_v)), the barriers initialized (the caller fences and syncs)."""
-        sK_layout, sQ_layout, sdOt_layout, sQb_layout, sKb_layout, sdS_layout, sVt_layout = layouts
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-
-        def buf(mem, layout):
-            return mem.get_tensor(layout.outer, swizzle=layout.inner)
-
-        bufs = (
-            buf(storage.sK, sK_layout), buf(storage.sV, sK_layout), buf(storage.sKb, sKb_layout),
-            buf(storage.sQ, sQ_layout), buf(storage.sdO, sQ_layout), buf(storage.sdOt, sdOt_layout),
-            buf(storage.sQb, sQb_layout), buf(storage.sdS, sdS_layout),
-            storage.sdS.get_tensor(cute.make_layout(cute.cosize(sdS_layout) // 2), dtype=Uint32),  # by hand
-            # 32-bit word views for the in-kernel e4m3 -> bf16 conversions of Q and K
-            storage.sQ.get_tensor(cute.make_layout(cute.cosize(sQ_layout) // 4), dtype=Uint32),
-            storage.sK.get_tensor(cute.make_layout(cute.cosize(sK_layout) // 4), dtype=Uint32),
-            storage.sQb.get_tensor(cute.make_layout(cute.cosize(sQb_layout) // 2), dtype=Uint32),
-            storage.sKb.get_tensor(cute.make_layout(cute.cosize(sKb_layout) // 2), dtype=Uint32),
-            self._conversion_plans(sQ_layout, sK_layout, sQb_layout, sKb_layout),
-            (sQ_layout, sK_layout, sQb_layout, sKb_layout),
-            storage.sKs.get_tensor(cute.make_layout(self.kb)),  # the phase's key scales (convert_k)
-            buf(storage.sV, sVt_layout),  # the TMA's view of sV: V^T slabs (transpose_v)
-            storage.sV.get_tensor(cute.make_layout(cute.cosize(sK_layout) // 4), dtype=Uint32),
-            sVt_layout,
-        )
-        sVec = storage.sVec.get_tensor(cute.make_layout((self.tq, N_VEC, self.sv)))
-        sdQ, sdQ_words, dq_plan = None, None, None
-        if cutlass.const_expr(self.dq_tma):
-            sdQ = buf(storage.sdQ, tmas[16])  # the TMA's view
-            sdQ_words = storage.sdQ.get_tensor(cute.make_layout(cute.cosize(tmas[16])))  # stored by hand
-            dq_plan = self._dq_store_plan(tmas[16])  # trace time, once per build
-        pipe_kv = tma_pipeline(1, self.kv_bytes, storage.kv_mbar.data_ptr())
-        pipe_a = tma_pipeline(self.stages, self.a_bytes, storage.a_mbar.data_ptr())
-        pipe_b = tma_pipeline(self.stages, self.b_bytes, storage.b_mbar.data_ptr())
-        pipe_v = warp_pipeline(self.sv, storage.v_mbar.data_ptr())
-        return storage, bufs, sVec, sdQ, sdQ_words, dq_plan, (pipe_kv, pipe_a, pipe_b, pipe_v)
-
-    @cute.jit
-    def kernel_grid(self, mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV,
-                    mSem, layouts, softmax_scale, cta_word):
         """One CTA per (document, KV head, key block) of backward_grid."""
+        layouts = (sK_layout, sQ_layout, sdOt_layout, sQb_layout, sKb_layout, sdS_layout, sVt_layout)
         tidx, _, _ = cute.arch.thread_idx()
         kv_head, doc, n_blk = backward_work_item(self.cfg.raster, cute.arch.block_idx(), self.cfg.head_window)
         doc_start = mCu[doc]
@@ -894,14 +582,7 @@ class FlamiaBwdDsBf16Sm90:
 
         if live_blk:
             sched = self._item_sched(n_blk, item_len)
-            n_diag, per = sched[1], sched[2]
-            rsc0 = None
-            if cutlass.const_expr(self.cfg.scales_at_entry):  # issued before the setup below (its latency under it)
-                rsc0 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-                if tidx >= 128:
-                    self.load_phase0_scales(rsc0, self.key_rows(mmas, tidx, tidx // 128 - 1), (mSK, mSV, mSKtok, mSVtok), kv_head,
-                                            doc_start, doc_len, n_blk)
-            _, bufs, sVec, sdQ, sdQ_words, dq_plan, pipes = self.shared_buffers(layouts, tmas)
+            bufs, sVec, sdQ, sdQ_words, dq_plan, pipes = self.shared_buffers(layouts, tmas)
             pipe_kv, pipe_a, pipe_b, pipe_v = pipes
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
@@ -919,10 +600,7 @@ class FlamiaBwdDsBf16Sm90:
                                       hi_len=hi_len if cutlass.const_expr(pairs) else None)
                 if cutlass.const_expr(self.dq_tma):
                     if warp_idx == 2:
-                        first_store = None
-                        if cutlass.const_expr(self.cfg.dq_first_store):
-                            first_store = (tmas[19], tmas[20], mSem, mdQ, doc, doc_len)
-                        self.reduce_dq(tmas[14], tmas[15], sdQ, kv_head, doc_start, sched, first_store,
+                        self.reduce_dq(tmas[14], tmas[15], sdQ, kv_head, doc_start, sched,
                                        hi_start=hi_start if cutlass.const_expr(pairs) else None)
             else:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
@@ -939,78 +617,46 @@ class FlamiaBwdDsBf16Sm90:
                 self.consume(
                     mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok,
                     mRef[kv_head, w_doc], (mdQ, mSem, doc, sdQ_words, dq_plan), mdK, mdV, kv_head,
-                    w_start, w_len, sched, softmax_scale, wg_idx - 1,
-                    (mSem, cta_word) if cutlass.const_expr(self.cfg.cta_timeline) else None, rsc0, pair_first,
+                    w_start, w_len, sched, softmax_scale, wg_idx - 1, pair_first,
                 )
-                if cutlass.const_expr(self.cfg.cta_timeline):
-                    if tidx == 128:  # the first consumer warpgroup's epilogue is done
-                        mSem[cta_word + 1] = Int32(globaltimer_lo())
-                        mSem[cta_word + 3] = self._tile_count(n_diag, per)
 
     @cute.jit
-    def kernel_persistent(self, mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK,
-                          mdV, mSem, layouts, softmax_scale):
-        """One CTA per SM over the items the TMA warp takes (produce_items); every role keeps its
-        pipeline states from item to item."""
-        tidx, _, _ = cute.arch.thread_idx()
-        storage, bufs, sVec, sdQ, sdQ_words, dq_plan, pipes = self.shared_buffers(layouts, tmas)
-        pipe_kv, pipe_a, pipe_b, pipe_v = pipes
-        # the item hand-off from the TMA warp to the vector and dQ warps and the consumers
-        pipe_t = warp_pipeline(SCHED_STAGES, storage.t_mbar.data_ptr(), consumers=320)
-        sSched = storage.sSched.get_tensor(cute.make_layout((5, SCHED_STAGES)))
-        sCum = storage.sCum.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
-        sDt = storage.sDt.get_tensor(cute.make_layout(PERSISTENT_MAX_DOCS + 1))
-        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
-        if wg_idx == 0:
-            # each document's first key block (locate_key_block) and V^T column, by the producer warpgroup
-            sWarp = storage.sWarp.get_tensor(cute.make_layout((4, 2), stride=(2, 1)))
-            doc_chunk_cumsum(mCu, cute.size(mCu) - 1, sCum, sDt, sWarp, tidx, 128, SCAN_BARRIER, self.kb)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+    def shared_buffers(self, layouts, tmas):
+        """The CTA's shared memory: (bufs, sVec, sdQ, sdQ_words, dq_plan, (pipe_kv, pipe_a, pipe_b, pipe_v)),
+        the barriers initialized (the caller fences and syncs)."""
+        sK_layout, sQ_layout, sdOt_layout, sQb_layout, sKb_layout, sdS_layout, sVt_layout = layouts
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
 
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        heads = mdK.shape[2]
-        if wg_idx == 0:
-            cute.arch.setmaxregister_decrease(self.regs_producer)
-            if warp_idx == 0:
-                self.produce_items(tmas, bufs, pipe_kv, pipe_a, pipe_b, pipe_t, sSched, sCum, sDt, mCu, mSem, heads)
-            if warp_idx == 1:
-                def vectors_step(v_state, n_blk, kv_head, doc, doc_start, doc_len):
-                    return self.load_vectors(mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, kv_head, doc_start, doc_len,
-                                             self._item_sched(n_blk, doc_len), softmax_scale, v_state)
+        def buf(mem, layout):
+            return mem.get_tensor(layout.outer, swizzle=layout.inner)
 
-                self.for_each_item(pipe_t, sSched, pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.sv), vectors_step)
-            if warp_idx == 2:
-                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)  # the buffer starts free
-
-                def dq_step(owed, n_blk, kv_head, doc, doc_start, doc_len):
-                    self.reduce_dq(tmas[14], tmas[15], sdQ, kv_head, doc_start, self._item_sched(n_blk, doc_len),
-                                   owed=owed)
-                    return Boolean(True)
-
-                self.for_each_item(pipe_t, sSched, Boolean(False), dq_step)
-                cute.arch.cp_async_bulk_wait_group(0)  # the last adds complete before the CTA retires
-        else:
-            cute.arch.setmaxregister_increase(self.regs_consumer)
-            wg = wg_idx - 1
-            frags, krow = self.consumer_fragments(mmas, bufs, wg)
-
-            count_tiles = self.stages != 2  # (two stages: the Q stage index is the dS buffer's parity)
-
-            def consume_step(state, n_blk, kv_head, doc, doc_start, doc_len):
-                states, tiles = state
-                sched = self._item_sched(n_blk, doc_len)
-                states = self.consume_item(
-                    frags, krow, bufs, sVec, pipes, states, mSK, mSV, mSKtok, mSVtok, mRef[kv_head, doc],
-                    (mdQ, mSem, doc, sdQ_words, dq_plan), mdK, mdV, kv_head, doc_start, doc_len, sched,
-                    softmax_scale, wg, tiles if count_tiles else None,
-                )
-                if cutlass.const_expr(count_tiles):
-                    tiles = tiles + self._tile_count(sched[1], sched[2])
-                return states, tiles
-
-            self.for_each_item(pipe_t, sSched, (self.consumer_states(), Int32(0)), consume_step)
+        bufs = (
+            buf(storage.sK, sK_layout), buf(storage.sV, sK_layout), buf(storage.sKb, sKb_layout),
+            buf(storage.sQ, sQ_layout), buf(storage.sdO, sQ_layout), buf(storage.sdOt, sdOt_layout),
+            buf(storage.sQb, sQb_layout), buf(storage.sdS, sdS_layout),
+            storage.sdS.get_tensor(cute.make_layout(cute.cosize(sdS_layout) // 2), dtype=Uint32),  # by hand
+            # 32-bit word views for the in-kernel e4m3 -> bf16 conversion of K (convert_k)
+            storage.sK.get_tensor(cute.make_layout(cute.cosize(sK_layout) // 4), dtype=Uint32),
+            storage.sKb.get_tensor(cute.make_layout(cute.cosize(sKb_layout) // 2), dtype=Uint32),
+            self._conversion_plans(sK_layout, sKb_layout),
+            (sK_layout, sKb_layout),
+            storage.sKs.get_tensor(cute.make_layout(self.kb)),  # the phase's key scales (convert_k)
+            buf(storage.sV, sVt_layout),  # the TMA's view of sV: V^T slabs (transpose_v)
+            storage.sV.get_tensor(cute.make_layout(cute.cosize(sK_layout) // 4), dtype=Uint32),
+            sVt_layout,
+        )
+        sVec = storage.sVec.get_tensor(cute.make_layout((self.tq, N_VEC, self.sv)))
+        sdQ, sdQ_words, dq_plan = None, None, None
+        if cutlass.const_expr(self.dq_tma):
+            sdQ = buf(storage.sdQ, tmas[16])  # the TMA's view
+            sdQ_words = storage.sdQ.get_tensor(cute.make_layout(cute.cosize(tmas[16])))  # stored by hand
+            dq_plan = self._dq_store_plan(tmas[16])  # trace time, once per build
+        pipe_kv = tma_pipeline(1, self.kv_bytes, storage.kv_mbar.data_ptr())
+        pipe_a = tma_pipeline(self.stages, self.a_bytes, storage.a_mbar.data_ptr())
+        pipe_b = tma_pipeline(self.stages, self.b_bytes, storage.b_mbar.data_ptr())
+        pipe_v = warp_pipeline(self.sv, storage.v_mbar.data_ptr())
+        return bufs, sVec, sdQ, sdQ_words, dq_plan, (pipe_kv, pipe_a, pipe_b, pipe_v)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -1036,7 +682,7 @@ class FlamiaBwdDsBf16Sm90:
         tKg1 = tKg
         if cutlass.const_expr(hi_start is not None):
             _, tKg1 = self._part(atom_k, t_k, kv_head, bufs[0], (self.wm, D), hi_start, 0)
-        tVs, tVg = self._part(atom_v, t_v, kv_head, bufs[16], (D, self.wm), dt_start, 1)
+        tVs, tVg = self._part(atom_v, t_v, kv_head, bufs[14], (D, self.wm), dt_start, 1)
         pipe_kv.producer_acquire(kv_state)
         bar = pipe_kv.producer_get_barrier(kv_state)
         for w in cutlass.range_constexpr(2):
@@ -1064,29 +710,19 @@ class FlamiaBwdDsBf16Sm90:
         pipe_b.producer_acquire(b_state)
         bar = pipe_b.producer_get_barrier(b_state)
         cute.copy(tma_dot, tdOtg[None, m], tdOts[None, b_state.index], tma_bar_ptr=bar)
-        if cutlass.const_expr(self.qb_tma):
-            tma_qb, tQb = tmas[17:19]
-            # Q^T (dk_e4m3): columns from the document's dt_start, as dO^T's; Q bf16: tokens
-            tQbs, tQbg = self._part(tma_qb, tQb, hq, bufs[6], (D, tq), dt_start if self.dk8 else doc_start, 1)
-            cute.copy(tma_qb, tQbg[None, m], tQbs[None, b_state.index], tma_bar_ptr=bar)
+        tma_qb, tQb = tmas[17:19]
+        tQbs, tQbg = self._part(tma_qb, tQb, hq, bufs[6], (D, tq), doc_start, 1)
+        cute.copy(tma_qb, tQbg[None, m], tQbs[None, b_state.index], tma_bar_ptr=bar)
         b_state.advance()
         return a_state, b_state
 
-    def producer_states(self):
-        """The TMA warp's fresh producer states of the K/V and the two query-tile pipelines."""
-        return (
-            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
-            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
-            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
-        )
-
     @cute.jit
-    def load_tma(self, tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, doc_start, dt_start, sched, states=None,
-                 hi_start=None):
-        """Warp 0: one item's K/V and query tiles, both phases; returns the producer states after it
-        (states: the previous item's, persistent; else fresh; hi_start: short_pairs, _load_kv's)."""
+    def load_tma(self, tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, doc_start, dt_start, sched, hi_start=None):
+        """Warp 0: the CTA's K/V and query tiles, both phases (hi_start: short_pairs, _load_kv's)."""
         n_blk, n_diag, per = sched
-        kv_state, a_state, b_state = self.producer_states() if cutlass.const_expr(states is None) else states
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        a_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        b_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         # phase 0: the diagonal tiles of every head (per-token K/V when diag_copy)
         if cutlass.const_expr(self.diag_copy):
             kv_state = self._load_kv(tmas[4:8], bufs, pipe_kv, kv_state, kv_head, doc_start, dt_start, n_blk, hi_start)
@@ -1104,48 +740,11 @@ class FlamiaBwdDsBf16Sm90:
                 a_state, b_state = self._load_q(tmas, bufs, pipe_a, pipe_b, a_state, b_state,
                                                 kv_head * self.group + j // per, 2 * n_blk + 2 + j % per,
                                                 doc_start, dt_start)
-        return kv_state, a_state, b_state
-
-    @cute.jit
-    def produce_items(self, tmas, bufs, pipe_kv, pipe_a, pipe_b, pipe_t, sSched, sCum, sDt, mCu, mSem, heads):
-        """Persistent TMA warp: take items (the first by CTA index, then from the global counter
-        mSem[0], which the host zeroes per call, or every grid-th with item_claim="stride") in
-        locate_key_block's order, publish each (key block, KV head, document, its start and length)
-        to the vector, dQ and consumer warps, issue its loads; an end mark (block -1) after the last."""
-        num_docs = cute.size(mCu) - 1
-        total = heads * sCum[num_docs]
-        t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
-        states = self.producer_states()
-        bidx, _, _ = cute.arch.block_idx()
-        t = Int32(bidx)
-        while t < total:
-            doc, kv_head, n_blk = locate_key_block(t, sCum, num_docs, heads, self.cfg.head_window)
-            doc_start = mCu[doc]
-            doc_len = mCu[doc + 1] - doc_start
-            t_state = publish_tile(pipe_t, sSched, t_state, n_blk, kv_head, doc, (doc_start, doc_len))
-            states = self.load_tma(tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, doc_start, sDt[doc],
-                                   self._item_sched(n_blk, doc_len), states)
-            if cutlass.const_expr(self.cfg.item_claim == "stride"):
-                t = t + cute.arch.grid_dim()[0]
-            else:
-                t = claim_next_tile(mSem)
-        publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0), (Int32(0), Int32(0)))
-
-    @cute.jit
-    def for_each_item(self, pipe_t, sSched, state, step):
-        """A persistent role's loop over the items the TMA warp publishes, until its end mark: state =
-        step(state, n_blk, kv_head, doc, doc_start, doc_len) per item (inlined while tracing)."""
-        t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-        n_blk, kv_head, doc, doc_start, doc_len, t_state = read_tile(pipe_t, sSched, t_state, True)
-        while n_blk >= 0:
-            state = step(state, n_blk, kv_head, doc, doc_start, doc_len)
-            n_blk, kv_head, doc, doc_start, doc_len, t_state = read_tile(pipe_t, sSched, t_state, True)
-        return state
 
     @cute.jit
     def _item_sched(self, n_blk, doc_len):
         """(key block, its diagonal 64-query tiles per head, its off-diagonal ones per head: may be
-        <= 0) of an item of a document of doc_len tokens."""
+        <= 0) of a CTA's item in a document of doc_len tokens."""
         n_q = (doc_len + self.tq - 1) // self.tq  # 64-query tiles of the document
         return n_blk, cutlass.min(n_q - 2 * n_blk, 2), n_q - 2 * n_blk - 2
 
@@ -1172,153 +771,41 @@ class FlamiaBwdDsBf16Sm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def reduce_dq(self, atom, t_dq, sdQ, kv_head, doc_start, sched, first_store=None, owed=None, hi_start=None):
+    def reduce_dq(self, atom, t_dq, sdQ, kv_head, doc_start, sched, hi_start=None):
         """Producer warp 2 (dq_tma_reduce): per tile, wait until both consumer warpgroups stored the
         tile's dQ (named barrier DQ_FULL), add it to the fp32 accumulator with one TMA reduce-add, and
         hand the buffer back once the TMA has read it (DQ_EMPTY). Rows past the document end are 0
         (P = 0 there) and rows past T are clipped by the TMA, so whole 64-row tiles are added.
 
-        first_store (dq_first_store: the store atom and tensor, the claim words, the accumulator, the
-        document and its length): the accumulator is not zeroed. The first CTA to claim a tile stores
-        it with a plain TMA store; a tile reaching past the document end would overwrite the next
-        document's rows that way, so there the first CTA zeroes its own document's rows and reduce-adds
-        (adding 0 to the other rows commutes with whatever their own first CTA does). Either way it then
-        raises DQ_STORED, and every later CTA reduce-adds only once it sees that flag.
-
-        owed (persistent, a runtime flag: not the CTA's first item): the previous item's last tile owes
-        the DQ_EMPTY arrive that the grid build leaves out after a CTA's last tile; it is made before
-        this item's first tile, so no arrive is left over when the CTA ends.
-
         hi_start (short_pairs): the token start of tiles m >= 1 (a pair's second document, 64 back)."""
         n_blk, n_diag, per = sched
         total = self._tile_count(n_diag, per)
-        if cutlass.const_expr(owed is None):
-            cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)  # the buffer starts free
-        elif owed:
-            cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)  # the last item's last add read it
-        if cutlass.const_expr(first_store is not None):
-            self._reduce_dq_first_store(atom, t_dq, sdQ, kv_head, doc_start, sched, total, *first_store)
-        else:
-            for i in cutlass.range(total, unroll=1):
-                hi, m = self._tile_of(i, n_blk, n_diag, per)
-                cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=288)
-                # the whole warp: a TMA copy elects its issuing lane with a full-mask elect.sync, so calling
-                # it from one lane deadlocks (the first version did: it hung on the H200)
-                start = doc_start
-                if cutlass.const_expr(hi_start is not None):
-                    start = select(m >= 1, hi_start, doc_start)
-                tSs, tSg = self._part(atom, t_dq, kv_head * self.group + hi, sdQ, (self.tq, self.D), start, 0)
-                cute.copy(atom, tSs[None, 0], tSg[None, m])
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                if i + 1 < total:
-                    cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)
-        if cutlass.const_expr(owed is None):  # (persistent: once, after the CTA's last item)
-            cute.arch.cp_async_bulk_wait_group(0)  # the last adds complete before the CTA retires
-
-    @cute.jit
-    def _claim_dq_tile(self, mSem, kv_head, doc_start, doc, sched, i):
-        """dq_first_store: tile i's claim word, and (lane 0) its claim: the word's old value, read only
-        after tile i's DQ_FULL. Issued two tiles ahead, relaxed, so its round trip (long under the
-        reduce-add traffic in L2) overlaps the dQ warp's waits (a claim waited for in its own tile, runs
-        s13b and s13c, was as slow: +0.4..+31% backward; so is this, s13d: the fences cost more)."""
-        n_blk, n_diag, per = sched
-        hi, m = self._tile_of(i, n_blk, n_diag, per)
-        hq = kv_head * self.group + hi
-        word = mSem.iterator.toint() + Int64(hq * mSem.stride[1] + dq_claim_slot(doc_start, doc, m)) * 4
-        got = Uint32(0)
-        if cute.arch.lane_idx() == 0:
-            got = atom_add_relaxed_gpu_u32(word, 1)
-        return word, got
-
-    @cute.jit
-    def _reduce_dq_first_store(self, atom, t_dq, sdQ, kv_head, doc_start, sched, total, store_atom, t_store, mSem,
-                               mdQ, doc, doc_len):
-        """reduce_dq's loop with dq_first_store (see reduce_dq)."""
-        n_blk, n_diag, per = sched
-        # claims two tiles ahead: tile i's (word, got), then tile i + 1's
-        word, got = self._claim_dq_tile(mSem, kv_head, doc_start, doc, sched, 0)
-        word1, got1 = word, got
-        if total > 1:
-            word1, got1 = self._claim_dq_tile(mSem, kv_head, doc_start, doc, sched, 1)
+        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)  # the buffer starts free
         for i in cutlass.range(total, unroll=1):
             hi, m = self._tile_of(i, n_blk, n_diag, per)
-            hq = kv_head * self.group + hi
             cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=288)
-            old = cute.arch.shuffle_sync(got, 0)
-            first = old == Uint32(0)
-            rows = doc_len - m * self.tq  # of this document in the tile (> 0)
-            whole = first
-            if rows < self.tq:
-                whole = cutlass.Boolean(False)
-            if whole:
-                tSs, tSg = self._part(store_atom, t_store, hq, sdQ, (self.tq, self.D), doc_start, 0)
-                cute.copy(store_atom, tSs[None, 0], tSg[None, m])
-            else:
-                if first:
-                    self._zero_dq_rows(mdQ, hq, doc_start + m * self.tq, rows)
-                    self._raise_dq_stored(word)
-                else:
-                    if (old & Uint32(DQ_STORED)) == Uint32(0):  # claimed before the first one had stored
-                        if cute.arch.lane_idx() == 0:
-                            while (ld_acquire_gpu_u32(word) & Uint32(DQ_STORED)) == Uint32(0):
-                                nanosleep(64)
-                    else:
-                        fence_acq_rel_gpu()  # the relaxed claim saw the flag: with this fence, an acquire
-                    cute.arch.sync_warp()  # lane 0's acquire, then every lane's proxy fence
-                fence_proxy_async_global()  # what the flag published, before this TMA reduce-add
-                tSs, tSg = self._part(atom, t_dq, hq, sdQ, (self.tq, self.D), doc_start, 0)
-                cute.copy(atom, tSs[None, 0], tSg[None, m])
+            # the whole warp: a TMA copy elects its issuing lane with a full-mask elect.sync, so calling
+            # it from one lane deadlocks
+            start = doc_start
+            if cutlass.const_expr(hi_start is not None):
+                start = select(m >= 1, hi_start, doc_start)
+            tSs, tSg = self._part(atom, t_dq, kv_head * self.group + hi, sdQ, (self.tq, self.D), start, 0)
+            cute.copy(atom, tSs[None, 0], tSg[None, m])
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
             if i + 1 < total:
                 cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)
-            if whole:
-                # the consumers already refill the buffer; the flag waits for the store's writes
-                cute.arch.cp_async_bulk_wait_group(0)
-                fence_proxy_async_global()
-                self._raise_dq_stored(word)
-            # tile i + 2's claim after the bulk waits (ptxas waits for an atomic's result at them too); its
-            # round trip runs under the consumers' next tile and the next tile's TMA
-            word, got = word1, got1
-            if i + 2 < total:
-                word1, got1 = self._claim_dq_tile(mSem, kv_head, doc_start, doc, sched, i + 2)
-
-    @cute.jit
-    def _zero_dq_rows(self, mdQ, hq, row0, rows):
-        """dq_first_store, a tile past its document's end: zero rows row0 .. row0 + rows - 1 of head hq's
-        accumulator (16-byte stores by the warp, D / 4 lanes per row)."""
-        lanes_per_row = self.D // 4
-        rows_per_step = 32 // lanes_per_row
-        lane = cute.arch.lane_idx()
-        stride = Int64(mdQ.stride[0])
-        base = mdQ.iterator.toint() + (Int64(row0) * stride + Int64(hq * self.D + 4 * (lane % lanes_per_row))) * 4
-        zero = Uint32(0)
-        for r0 in cutlass.range(0, rows, rows_per_step, unroll=1):
-            r = r0 + lane // lanes_per_row
-            if r < rows:
-                st_global_v4(base + Int64(r) * stride * 4, (zero, zero, zero, zero))
-
-    @cute.jit
-    def _raise_dq_stored(self, word):
-        """Publish this warp's writes of a tile (every lane's, GPU-wide), then raise the claim word's
-        DQ_STORED flag with release semantics."""
-        fence_acq_rel_gpu()
-        cute.arch.sync_warp()
-        if cute.arch.lane_idx() == 0:
-            red_release_gpu_add_u32(word, DQ_STORED)
+        cute.arch.cp_async_bulk_wait_group(0)  # the last adds complete before the CTA retires
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def load_vectors(self, mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, kv_head, doc_start, doc_len, sched,
-                     softmax_scale, v_state=None, hi_start=None, hi_len=None):
-        """Warp 1: per query tile of an item, the five per-query vectors (store_query_vectors); returns
-        the state after it (v_state: the previous item's, persistent; else fresh; hi_start, hi_len:
-        short_pairs, the bounds of tiles m >= 1)."""
+                     softmax_scale, hi_start=None, hi_len=None):
+        """Warp 1: per query tile of the CTA, the five per-query vectors (store_query_vectors; hi_start,
+        hi_len: short_pairs, the bounds of tiles m >= 1)."""
         n_blk, n_diag, per = sched
         lane = cute.arch.lane_idx()
-        if cutlass.const_expr(v_state is None):
-            v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sv)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sv)
         scale_log2 = softmax_scale * Float32(LOG2E)
         total = self._tile_count(n_diag, per)
         for i in cutlass.range(total, unroll=1):
@@ -1336,68 +823,12 @@ class FlamiaBwdDsBf16Sm90:
                                     scale_log2)
             pipe_v.producer_commit(v_state)
             v_state.advance()
-        return v_state
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def consume(
-        self, mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok, dv_ref, dq_out, mdK,
-        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, stamps=None, rsc0=None, pair_first=None,
-    ):
-        """The consumer warpgroups of the grid build: the CTA's one item (stamps: cta_timeline's; rsc0:
-        phase 0's row scales when loaded at the entry, scales_at_entry; pair_first: short_pairs, set in
-        a pair's first warpgroup)."""
-        self.stamp(stamps, 4)
-        frags, krow = self.consumer_fragments(mmas, bufs, wg)
-        self.consume_item(
-            frags, krow, bufs, sVec, (pipe_kv, pipe_a, pipe_b, pipe_v), self.consumer_states(), mSK, mSV, mSKtok,
-            mSVtok, dv_ref, dq_out, mdK, mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, stamps=stamps,
-            rsc0=rsc0, pair_first=pair_first,
-        )
-
-    @cute.jit
-    def load_phase0_scales(self, rsc, krow, scales, kv_head, doc_start, doc_len, n_blk):
-        """Phase 0's row scales of the thread's key rows into rsc (load_row_scales): the per-token
-        copies' with diagonal copies, else the only ones. scales: (mSK, mSV, mSKtok, mSVtok)."""
-        mSK, mSV, mSKtok, mSVtok = scales
-        load_row_scales(rsc, krow, mSKtok if self.diag_copy else mSK, mSVtok if self.diag_copy else mSV, kv_head,
-                        doc_start, doc_len, n_blk * self.kb)
-
-    @cute.jit
-    def key_rows(self, mmas, tidx, wg):
-        """A consumer thread's two key rows in the 128-key block (krow): its warpgroup wg's 64-key half
-        and its rows in the S^T accumulator. consumer_fragments computes the same rows in its own loop
-        beside their ds_key_parts: calling this there reorders the default build's prologue (SASS no
-        longer the GPU-tested one), so the two stay apart."""
-        sd_thr = mmas[0].get_slice(tidx % 128)
-        tScS = sd_thr.partition_C(cute.make_identity_tensor((self.wm, self.tq)))
-        krow = cute.make_rmem_tensor(cute.make_layout(2), Int32)
-        for v1 in cutlass.range_constexpr(2):
-            krow[v1] = wg * self.wm + tScS[2 * v1][0]
-        return krow
-
-    @cute.jit
-    def stamp(self, stamps, word: cutlass.Constexpr):
-        """cta_timeline (stamps = (the record buffer, the CTA's first word)): %globaltimer_lo into word
-        `word` of the CTA's record, by the first consumer thread; nothing otherwise."""
-        if cutlass.const_expr(stamps is not None):
-            tidx, _, _ = cute.arch.thread_idx()
-            if tidx == 128:
-                stamps[0][stamps[1] + word] = Int32(globaltimer_lo())
-
-    def consumer_states(self):
-        """Fresh consumer states of the K/V, Q/dO, dO^T and vector pipelines."""
-        return (
-            pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
-            pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages),
-            pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages),
-            pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sv),
-        )
-
-    @cute.jit
     def consumer_fragments(self, mmas, bufs, wg):
         """The consumer warpgroup's MMA fragments and accumulators (tile_step's frags), and its two
-        key rows in the 128-key block (krow): the same for every item."""
+        key rows in the 128-key block (krow)."""
         D, wm, tq = self.D, self.wm, self.tq
         sK, sV, sKb, sQ, sdO, sdOt, sQb, sdS = bufs[:8]
         tidx, _, _ = cute.arch.thread_idx()
@@ -1412,7 +843,7 @@ class FlamiaBwdDsBf16Sm90:
         tSrQ = sd_thr.make_fragment_B(sd_thr.partition_B(sQ))  # (MMA, 1, D/32, stages)
         tSrdO = sd_thr.make_fragment_B(sd_thr.partition_B(sdO))
         tVrdOt = dv_thr.make_fragment_B(dv_thr.partition_B(sdOt))  # (MMA, 1, 2, stages)
-        tKrQb = dk_thr.make_fragment_B(dk_thr.partition_B(sQb))  # (MMA, 1, 4, 2 buffers or stages)
+        tKrQb = dk_thr.make_fragment_B(dk_thr.partition_B(sQb))  # (MMA, 1, 4, stages)
         tQrdS = dq_thr.make_fragment_A(dq_thr.partition_A(sdS))  # (MMA, 1, 8, 2 buffers)
         tQrKb = dq_thr.make_fragment_B(dq_thr.partition_B(sKb))  # (MMA, 1, 8, 1): this warpgroup's half
         acc_s = sd_thr.make_fragment_C(sd_thr.partition_shape_C((wm, tq)))
@@ -1437,94 +868,73 @@ class FlamiaBwdDsBf16Sm90:
         return frags, krow
 
     @cute.jit
-    def consume_item(
-        self, frags, krow, bufs, sVec, pipes, states, mSK, mSV, mSKtok, mSVtok, dv_ref, dq_out, mdK, mdV, kv_head,
-        doc_start, doc_len, sched, softmax_scale, wg, tile_base=None, stamps=None, rsc0=None, pair_first=None,
+    def consume(
+        self, mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok, dv_ref, dq_out, mdK,
+        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, pair_first=None,
     ):
-        """One item (key block n_blk of KV head kv_head in the document): both phases' tiles, then dK and
-        dV to global memory; returns the pipeline states after it. pair_first (short_pairs): this
-        warpgroup holds a pair's first document, so the second diagonal tile (the second document's
-        queries) is masked whole. tile_base (persistent, not two query
-        stages): the tiles the CTA ran before, so the dS buffers keep alternating across items.
-        Persistent: the K/V stage is released inside the item's last tile as well (the next item's
-        copies load under it)."""
+        """Consumer warpgroup wg: the CTA's item (key block n_blk of KV head kv_head in the document),
+        both phases' tiles, then dK and dV to global memory. pair_first (short_pairs): this warpgroup
+        holds a pair's first document, so the second diagonal tile (the second document's queries) is
+        masked whole."""
+        frags, krow = self.consumer_fragments(mmas, bufs, wg)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        a_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        b_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sv)
         n_blk, n_diag, per = sched
         kb = self.kb
-        pipe_kv, pipe_a, pipe_b, pipe_v = pipes
-        kv_state, a_state, b_state, v_state = states
         D = self.D
-        sKs = bufs[15]
-        persistent = self.cfg.persistent
-        in_tile = self.cfg.release_in_last_tile
+        sKs = bufs[13]
         acc_dv, acc_dk = frags[10], frags[11]
-        # (0: the grid build's SASS as it was, and with two query stages, whose index is the parity)
-        base = tile_base if cutlass.const_expr(tile_base is not None) else 0
         acc_dv.fill(0.0)
         acc_dk.fill(0.0)
-        dk_unit = None
-        if cutlass.const_expr(self.dk8):
-            # per key row: the unit of acc_dk (the last tile's dS scale s) and the largest s so far
-            dk_unit = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-            for v1 in cutlass.range_constexpr(2):
-                dk_unit[v1] = Float32(2.0**-126)
-                dk_unit[2 + v1] = Float32(0.0)
         # the dV fold: P^T * sdo * (256 / r), one r per (KV head, document) (a power of two)
         r = cute.arch.fmax(dv_ref, Float32(FOLD_REF_MIN))
         cf = Float32(P_SCALE) / r
 
         lim = doc_len - n_blk * kb  # keys >= lim lie past the document end
-        if cutlass.const_expr(rsc0 is not None):
-            rsc = rsc0  # loaded at the kernel's entry (scales_at_entry)
-        else:
-            rsc = cute.make_rmem_tensor(cute.make_layout(4), Float32)  # sk(row 0), sk(row 1), sv(row 0), sv(row 1)
-            self.load_phase0_scales(rsc, krow, (mSK, mSV, mSKtok, mSVtok), kv_head, doc_start, doc_len, n_blk)
+        # phase 0's row scales: the per-token copies' with diagonal copies, else the only ones
+        rsc = cute.make_rmem_tensor(cute.make_layout(4), Float32)  # sk(row 0), sk(row 1), sv(row 0), sv(row 1)
+        load_row_scales(rsc, krow, mSKtok if self.diag_copy else mSK, mSVtok if self.diag_copy else mSV, kv_head,
+                        doc_start, doc_len, n_blk * kb)
+        early = self.early_phase
         rsc_blk = None
-        if cutlass.const_expr(self.cfg.early_block_scales):  # phase 1's, off the phase change's path
+        if cutlass.const_expr(early):  # phase 1's, off the phase change's path
             rsc_blk = cute.make_rmem_tensor(cute.make_layout(4), Float32)
             load_row_scales(rsc_blk, krow, mSK, mSV, kv_head, doc_start, doc_len, n_blk * kb)
 
         # ---- phase 0: diagonal tiles
         self.share_key_scales(sKs, rsc, krow)
         cute.arch.barrier(barrier_id=2, number_of_threads=256)  # every key's scale is in sKs
-        self.stamp(stamps, 5)
         pipe_kv.consumer_wait(kv_state)
-        self.stamp(stamps, 6)
         self.convert_k(bufs, sKs)
-        late_v = self.cfg.transpose_v_under_s  # then the phase's first tile step transposes V
-        if cutlass.const_expr(not late_v):
-            self.transpose_v(bufs, wg)
-        self.stamp(stamps, 7)
+        self.transpose_v(bufs, wg)
         if cutlass.const_expr(self.prefetch):
             self.issue_sdp(frags, pipe_a, a_state, wg)
-        # the per-token copies' stage goes back inside the last diagonal tile, once its S^T and dP^T are
-        # done, so the block-scaled K/V load while that tile finishes (phase_prefetch)
-        early_kv = self.diag_copy and self.cfg.phase_prefetch
         for i in cutlass.range(self.group * n_diag, unroll=1):
-            # the stage's last reader: the last diagonal tile, or (persistent, one stage for the whole
-            # item) the item's last tile
-            last_diag = i + 1 == (self.group * n_diag if early_kv else self._tile_count(n_diag, per))
+            # the per-token copies' stage goes back inside the last diagonal tile (early_phase)
+            last_diag = i + 1 == self.group * n_diag
             lim_i = lim
             if cutlass.const_expr(pair_first is not None):
                 if pair_first:
                     if i % n_diag == 1:
                         lim_i = Int32(0)  # every key of this warpgroup is the other document's
             a_state, b_state, v_state = self.tile_step(
-                True, i + base, i + 1 < self.group * n_diag, kv_head * self.group + i // n_diag,
+                True, i, i + 1 < self.group * n_diag, kv_head * self.group + i // n_diag,
                 2 * n_blk + i % n_diag, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state,
-                v_state, dq_out, doc_start, doc_len, lim_i, n_blk, softmax_scale, wg, i == 0 if late_v else None,
-                (pipe_kv, kv_state, last_diag) if early_kv or (persistent and in_tile) else None, dk_unit,
+                v_state, dq_out, doc_start, doc_len, lim_i, n_blk, softmax_scale, wg,
+                (pipe_kv, kv_state, last_diag) if early else None,
             )
         if cutlass.const_expr(self.prefetch and self.dq_tma):
             warpgroup.wait_group(0)  # the dummy S^T, dP^T issued after the phase's last tile
-        self.stamp(stamps, 8)
         # ---- phase 1: off-diagonal tiles
         if cutlass.const_expr(self.diag_copy):
-            if cutlass.const_expr(not early_kv):
+            if cutlass.const_expr(not early):
                 pipe_kv.consumer_release(kv_state)  # the per-token copies are done
             kv_state.advance()
         if per > 0:
             if cutlass.const_expr(self.diag_copy):
-                if cutlass.const_expr(self.cfg.early_block_scales):
+                if cutlass.const_expr(early):
                     for v in cutlass.range_constexpr(4):
                         rsc[v] = rsc_blk[v]
                 else:
@@ -1536,77 +946,46 @@ class FlamiaBwdDsBf16Sm90:
                 cute.arch.barrier(barrier_id=2, number_of_threads=256)
                 pipe_kv.consumer_wait(kv_state)
                 self.convert_k(bufs, sKs)
-                if cutlass.const_expr(not late_v):
-                    self.transpose_v(bufs, wg)
-            self.stamp(stamps, 9)
+                self.transpose_v(bufs, wg)
             if cutlass.const_expr(self.prefetch):
                 self.issue_sdp(frags, pipe_a, a_state, wg)
             for j in cutlass.range(self.group * per, unroll=1):
                 a_state, b_state, v_state = self.tile_step(
-                    False, self.group * n_diag + j + base, j + 1 < self.group * per, kv_head * self.group + j // per,
+                    False, self.group * n_diag + j, j + 1 < self.group * per, kv_head * self.group + j // per,
                     2 * n_blk + 2 + j % per, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state,
                     b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg,
-                    j == 0 if late_v and self.diag_copy else None,  # without copies V stays from phase 0
-                    (pipe_kv, kv_state, j + 1 == self.group * per) if persistent and in_tile else None, dk_unit,
                 )
-            if cutlass.const_expr(persistent and self.diag_copy):
-                if cutlass.const_expr(not in_tile):
-                    pipe_kv.consumer_release(kv_state)
-                kv_state.advance()  # the block-scaled copies' stage
-        if cutlass.const_expr(persistent and not self.diag_copy):
-            if cutlass.const_expr(not in_tile):
-                pipe_kv.consumer_release(kv_state)
-            kv_state.advance()  # the item's one stage
 
         if cutlass.const_expr(self.prefetch and self.dq_tma):
             warpgroup.wait_group(0)  # the dummy after phase 1's last tile
-        self.stamp(stamps, 10)
         # ---- epilogue: dV * r / 256 and dK * softmax_scale to bf16
         rfac = r / Float32(P_SCALE)
         store_key_rows_bf16(mdV, lambda i0: (acc_dv[i0] * rfac, acc_dv[i0 + 1] * rfac), krow, n_blk * kb,
                             doc_start, doc_len, kv_head, D, cute.size(acc_dv))
-        if cutlass.const_expr(self.dk8):  # acc_dk rows in units of their last dS scale
-            for v1 in cutlass.range_constexpr(2):
-                dk_unit[v1] = dk_unit[v1] * softmax_scale
-            store_key_rows_bf16(mdK, lambda i0: (acc_dk[i0] * dk_unit[(i0 // 2) % 2],
-                                                 acc_dk[i0 + 1] * dk_unit[(i0 // 2) % 2]),
-                                krow, n_blk * kb, doc_start, doc_len, kv_head, D, cute.size(acc_dk))
-        else:
-            store_key_rows_bf16(mdK, lambda i0: (acc_dk[i0] * softmax_scale, acc_dk[i0 + 1] * softmax_scale), krow,
-                                n_blk * kb, doc_start, doc_len, kv_head, D, cute.size(acc_dk))
-        return kv_state, a_state, b_state, v_state
+        store_key_rows_bf16(mdK, lambda i0: (acc_dk[i0] * softmax_scale, acc_dk[i0 + 1] * softmax_scale), krow,
+                            n_blk * kb, doc_start, doc_len, kv_head, D, cute.size(acc_dk))
 
     # ------------------------------------------------------------------------------------------
-    def _conversion_plans(self, sQ_layout, sK_layout, sQb_layout, sKb_layout):
-        """Trace time: word offsets of the e4m3 -> bf16 conversion walks (sm90_device.word_walk).
-        Thread t converts the 4 codes (row, d .. d + 3) with d = 4 (t % wpr), rows t // wpr + j rpw
-        (wpr: words per row, rpw = 256 / wpr rows per step); Q tile rows are queries, K rows keys
-        (two 64-key slabs in sK)."""
+    def _conversion_plans(self, sK_layout, sKb_layout):
+        """Trace time: word offsets of the key block's e4m3 -> bf16 conversion walk (sm90_device.word_walk).
+        Thread t converts the 4 codes (key, d .. d + 3) with d = 4 (t % wpr), keys t // wpr + j rpw
+        (wpr: words per row, rpw = 256 / wpr rows per step; two 64-key slabs in sK)."""
         wpr, rpw = self.walk_wpr, self.walk_rpw
 
         def rc(t, j):
             return t // wpr + j * rpw, 4 * (t % wpr)
 
-        nq, nk = self.tq // rpw, self.kb // rpw
-        plan = dict(
+        nk = self.kb // rpw
+        return dict(
             k_src=word_walk(sK_layout, lambda t, j: (rc(t, j)[0] % self.wm, rc(t, j)[1], rc(t, j)[0] // self.wm),
                             1, 256, nk),
             k_dst=word_walk(sKb_layout, lambda t, j: (rc(t, j)[1], rc(t, j)[0], 0), 2, 256, nk),
         )
-        if not self.dk8:  # dk_e4m3 converts no Q: dK's B operand is Q^T's e4m3 codes
-            plan.update(
-                q_src=word_walk(sQ_layout, lambda t, j: (*rc(t, j), 0), 1, 256, nq),
-                q_dst=word_walk(sQb_layout, lambda t, j: (rc(t, j)[1], rc(t, j)[0], 0), 2, 256, nq),
-                # the stage (Q e4m3) and buffer (Q bf16) strides in words: a shift of the whole walk
-                q_stage=word_walk(sQ_layout, lambda t, j: (*rc(t, 0), j), 1, 256, 2)[1],
-                q_buf=word_walk(sQb_layout, lambda t, j: (rc(t, 0)[1], rc(t, 0)[0], j), 2, 256, 2)[1],
-            )
-        return plan
 
     def _dq_store_plan(self, sdQ_layout):
         """Trace time: (layout, xors, adds, swap) of the dQ tile's column pairs in the swizzled shared
         tile (sm90_device.xor_walk over the dQ MMA's thread-value layout: pair j holds values 2j,
-        2j+1); swap: the word XOR of dq_store_swap (_dq_swap_xor), 0 without it."""
+        2j+1); swap: the odd rows' word XOR (_dq_swap_xor)."""
         tv = self._make_mmas()[3].tv_layout_C_tiled
 
         def coord(t, j):
@@ -1614,16 +993,16 @@ class FlamiaBwdDsBf16Sm90:
             return idx % self.tq, idx // self.tq, 0
 
         xors, adds = xor_walk(sdQ_layout, coord, 4, 256, self.D // 8)
-        swap = self._dq_swap_xor(xors, adds) if self.cfg.dq_store_swap else 0
+        swap = self._dq_swap_xor(xors, adds)
         return sdQ_layout, xors, adds, swap
 
     def _dq_swap_xor(self, xors, adds):
-        """Trace time (dq_store_swap): the word XOR that takes a thread's pair j to pair j ^ 4 (column
-        block i ^ 2: pair j holds row half j % 2 of block j // 2), the same for every j (checked)."""
+        """Trace time: the word XOR that takes a thread's pair j to pair j ^ 4 (column block i ^ 2: pair
+        j holds row half j % 2 of block j // 2), the same for every j (checked)."""
         x = xors[4] ^ xors[0]
         for j in range(len(xors)):
             if xors[j ^ 4] != xors[j] ^ x or adds[j ^ 4] != adds[j]:
-                raise ValueError(f"dq_store_swap: pair {j ^ 4} is not pair {j} ^ {x} in the dQ store plan")
+                raise ValueError(f"the dQ store swap: pair {j ^ 4} is not pair {j} ^ {x} in the dQ store plan")
         return x
 
     @cute.jit
@@ -1647,8 +1026,8 @@ class FlamiaBwdDsBf16Sm90:
         """K bf16 [d, key] (dQ's B operand) from the e4m3 key block in shared memory (two 64-key A
         slabs), times each key's scale of this phase (sKs, share_key_scales: per-token or block, 0
         past the document end): exact (powers of two), so dQ's A operand is bf16(dS) itself."""
-        sK_words, sKb_words, plan = bufs[10], bufs[12], bufs[13]
-        sK_layout, sKb_layout = bufs[14][1], bufs[14][3]
+        sK_words, sKb_words, plan = bufs[9], bufs[10], bufs[11]
+        sK_layout, sKb_layout = bufs[12]
         key, d = self._walk_start()
         src = smem_word_index(sK_layout, (key % self.wm, d, key // self.wm), 1)
         dst = smem_word_index(sKb_layout, (d, key, 0), 2)
@@ -1662,10 +1041,10 @@ class FlamiaBwdDsBf16Sm90:
         transposed only (2 bytes per element less, with the per-token copy). Thread t of the
         warpgroup moves a block of 16 d x 4 keys (transpose_v_words): 16 word reads, 4x4 byte
         transposes, 4 16-byte writes; every read of the slab lands before any write (in place)."""
-        sV_words, sVt_layout = bufs[17], bufs[18]
+        sV_words, sVt_layout = bufs[15], bufs[16]
         tidx, _, _ = cute.arch.thread_idx()
         ctid = tidx % 128
-        src, dst = transpose_v_words(sVt_layout, bufs[14][1], ctid, wg, self.D)
+        src, dst = transpose_v_words(sVt_layout, bufs[12][0], ctid, wg, self.D)
         works = ctid < transpose_v_threads(self.D)
         x = cute.make_rmem_tensor(cute.make_layout(16), Uint32)
         if works:
@@ -1681,19 +1060,6 @@ class FlamiaBwdDsBf16Sm90:
         cute.arch.barrier(barrier_id=VT_BARRIER + wg, number_of_threads=128)
 
     @cute.jit
-    def convert_q(self, bufs, stage, dbuf, sVec, vs):
-        """Q bf16 [d, q] buffer dbuf (dK's B operand) from the e4m3 query tile in stage `stage`, times
-        each query's scale sq (sVec vector 4, stage vs; 0 past the document end): exact (powers of
-        two), so dK's A operand is bf16(dS^T) itself, as with q_bf16_source "tma"."""
-        sQ_words, sQb_words, plan = bufs[9], bufs[11], bufs[13]
-        sQ_layout, sQb_layout = bufs[14][0], bufs[14][2]
-        q, d = self._walk_start()
-        src = smem_word_index(sQ_layout, (q, d, 0), 1) + stage * plan["q_stage"]
-        dst = smem_word_index(sQb_layout, (d, q, 0), 2) + dbuf * plan["q_buf"]
-        self._convert_walk(sQ_words, sQb_words, src, dst, plan["q_src"], plan["q_dst"],
-                           lambda j: sVec[q + j * self.walk_rpw, 4, vs])
-
-    @cute.jit
     def _convert_walk(self, src_words, dst_words, src, dst, src_walk, dst_walk, row_scale):
         """One conversion walk: e4m3 words at src + src_walk[j] -> two bf16x2 words each at
         dst + dst_walk[j] (the plans of _conversion_plans, fixed at trace time), times row_scale(j),
@@ -1706,13 +1072,11 @@ class FlamiaBwdDsBf16Sm90:
             dst_words[o + 1] = e4m3x2_to_bf16x2(x, True, sc)
 
     @cute.jit
-    def issue_sdp(self, frags, pipe_a, a_state, wg, has_tile=True, transpose=None):
-        """Issue S^T = K Q^T and dP^T = V dO^T of the query tile in stage a_state (one commit group, or
-        one each with exp_under_dp: self.sdp_groups).
+    def issue_sdp(self, frags, pipe_a, a_state, wg, has_tile=True):
+        """Issue S^T = K Q^T and dP^T = V dO^T of the query tile in stage a_state (one commit group each,
+        or one for both: self.sdp_groups).
         has_tile (a runtime flag, or True): False issues on the stage as it is, without waiting for a
-        load (a dummy whose result is dropped: see tile_step's dq_tma_reduce prefetch).
-        transpose (transpose_v_under_s): (bufs, flag): with the runtime flag set, transpose_v between
-        S^T's issue and dP^T's (the phase's first tile)."""
+        load (a dummy whose result is dropped: see tile_step's dq_tma_reduce prefetch)."""
         D = self.D
         tSrK, tSrV, tSrQ, tSrdO = frags[0:4]
         acc_s, acc_dp = frags[8], frags[9]
@@ -1726,13 +1090,8 @@ class FlamiaBwdDsBf16Sm90:
         for k in cutlass.range_constexpr(D // 32):
             sd_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(sd_mma, acc_s, tSrK[None, None, k, wg], tSrQ[None, None, k, a_state.index], acc_s)
-        if cutlass.const_expr(self.cfg.exp_under_dp):
+        if cutlass.const_expr(self.sdp_groups == 2):
             warpgroup.commit_group()
-        if cutlass.const_expr(transpose is not None):
-            if transpose[1]:
-                # S^T is on the tensor cores meanwhile; dP^T's operands are shared memory (made
-                # visible to the async proxy by transpose_v's fence) and untouched accumulators
-                self.transpose_v(transpose[0], wg)
         for k in cutlass.range_constexpr(D // 32):
             sd_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(sd_mma, acc_dp, tSrV[None, None, k, wg], tSrdO[None, None, k, a_state.index], acc_dp)
@@ -1741,14 +1100,12 @@ class FlamiaBwdDsBf16Sm90:
     @cute.jit
     def tile_step(
         self, diag: cutlass.Constexpr, i, has_next, hq, m, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v,
-        a_state, b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg, transpose_first=None,
-        release_kv=None, dk_unit=None,
+        a_state, b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg, release_kv=None,
     ):
         """One 64-query tile m of query head hq (tile number i of the CTA). diag: m in {2n, 2n+1}.
-        transpose_first (transpose_v_under_s): a runtime flag, set on the phase's first tile.
         release_kv (pipe_kv, its state, a runtime flag): when the flag is set, the K/V stage is released
         as soon as this tile's S^T and dP^T have read it (the phase's last tile: the next phase's copies
-        load under the rest of the tile). dk_unit (dk_e4m3): the rows' dK units (e4m3_dk_pack).
+        load under the rest of the tile).
 
         With prefetch, its S^T and dP^T were issued before (issue_sdp: by the previous tile of the
         phase, or before the phase) and has_next issues the next tile's after this tile's dQ
@@ -1763,28 +1120,19 @@ class FlamiaBwdDsBf16Sm90:
         sd_mma, dv_mma, dk_mma, dq_mma = self._make_mmas()
 
         if cutlass.const_expr(not self.prefetch):
-            self.issue_sdp(frags, pipe_a, a_state, wg,
-                           transpose=None if transpose_first is None else (bufs, transpose_first))
+            self.issue_sdp(frags, pipe_a, a_state, wg)
         # ---- P^T = exp2(S^T sk sq scale log2e - lse log2e) into acc_s (masked on the diagonal tiles);
-        # column-outer: each query's vectors loaded once. With exp_under_dp, while dP^T still runs
-        dbuf = i % 2
-        if cutlass.const_expr(self.cfg.persistent and self.stages == 2):
-            dbuf = a_state.index  # the CTA's tile count mod 2, in no extra register across items
-        ds_buf = dbuf if cutlass.const_expr(self.cfg.ds_buffers == 2) else 0
+        # column-outer: each query's vectors loaded once. With two commit groups, while dP^T still runs
+        ds_buf = i % 2
         pipe_v.consumer_wait(v_state)
         vs = v_state.index
-        # the first columns' vectors loaded while S^T is still on the tensor cores (preload_vectors)
         walk = _column_walk(n_s)
-        early = {c: (sVec[tScS[c][1], 0, vs], sVec[tScS[c][1], 1, vs]) for c, _ in walk[:self.cfg.preload_vectors]}
         warpgroup.wait_group(self.sdp_groups - 1)
         qoff = (m - 2 * n_blk) * tq  # diagonal tiles: query index in the key block = qoff + column
         for c, rows in walk:
             col = tScS[c][1]
-            if cutlass.const_expr(c in early):
-                ca, cb = early[c]
-            else:
-                ca = sVec[col, 0, vs]
-                cb = sVec[col, 1, vs]
+            ca = sVec[col, 0, vs]
+            cb = sVec[col, 1, vs]
             for a, v1 in rows:
                 p = cute.math.exp2(acc_s[a] * rsc[v1] * ca - cb, fastmath=True)
                 if cutlass.const_expr(diag):
@@ -1793,9 +1141,7 @@ class FlamiaBwdDsBf16Sm90:
                     if krow[v1] >= lim:
                         p = Float32(0.0)
                 acc_s[a] = p
-        # ---- Q to bf16 for dK (S^T has read the e4m3 tile); once dP^T is done it can go
-        if cutlass.const_expr(not self.qb_tma):
-            self.convert_q(bufs, a_state.index, dbuf, sVec, vs)
+        # ---- once dP^T is done the Q/dO stage can go
         if cutlass.const_expr(self.sdp_groups == 2):
             warpgroup.wait_group(0)
         pipe_a.consumer_release(a_state)
@@ -1815,9 +1161,8 @@ class FlamiaBwdDsBf16Sm90:
                 p = acc_s[a]
                 acc_dp[a] = p * (acc_dp[a] * rsc[2 + v1] * cw - cd)
                 acc_s[a] = p * cwf  # <= 256: sdo <= r
-        if cutlass.const_expr(not self.dk8):
-            pipe_v.consumer_release(v_state)
-            v_state.advance()
+        pipe_v.consumer_release(v_state)
+        v_state.advance()
         pack_a_fragment_e4m3(acc_s, tVrP32)
         # bf16(dS) once per value pair, for both bf16 products: the query and key scales are in their
         # B operands (Q and K in bf16 times sq and sk: exact, powers of two; bf16(dS s) = bf16(dS) s
@@ -1828,14 +1173,8 @@ class FlamiaBwdDsBf16Sm90:
             for v1 in cutlass.range_constexpr(2):
                 a0 = 4 * w_ + 2 * v1
                 pair = cvt_bf16x2(acc_dp[a0], acc_dp[a0 + 1])
-                if cutlass.const_expr(not self.dk8):
-                    tKrdS32[2 * w_ + v1] = pair
+                tKrdS32[2 * w_ + v1] = pair
                 sdS_words[ds_word(w_, dsk[v1], dsk[2 + v1], ds_buf)] = pair
-        dk_amax = None
-        if cutlass.const_expr(self.dk8):  # dK's A on e4m3, part 1 (acc_s is free once P^T is packed)
-            dk_amax = self.e4m3_dk_rows(acc_dp, acc_s, sVec, vs, tScS)
-            pipe_v.consumer_release(v_state)  # after sq's reads
-            v_state.advance()
 
         # ---- dV += e4m3(P^T fold) . dO^T (accumulates in place)
         pipe_b.consumer_wait(b_state)
@@ -1844,23 +1183,21 @@ class FlamiaBwdDsBf16Sm90:
         for k in cutlass.range_constexpr(tq // 32):
             cute.gemm(dv_mma, acc_dv, tVrP[None, None, k], tVrdOt[None, None, k, b_state.index], acc_dv)
         warpgroup.commit_group()
-        if cutlass.const_expr(self.dk8):  # dK's A on e4m3, part 2, while dV runs
-            self.e4m3_dk_pack(dk_amax, acc_s, tKrdS32, acc_dk, dk_unit)
 
-        # ---- both warpgroups' dS (and Q bf16) halves are in shared memory: dK += bf16(dS^T) . Q bf16
+        # ---- both warpgroups' dS halves are in shared memory: dK += bf16(dS^T) . Q bf16
         # and dQ_tile = bf16(dS) . K bf16 for this warpgroup's half of D
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=1, number_of_threads=256)
         warpgroup.fence()
         dk_mma.set(warpgroup.Field.ACCUMULATE, True)
-        qbuf = b_state.index if cutlass.const_expr(self.qb_tma) else dbuf
-        dk_late = self.cfg.dk_under_dq_store
+        qbuf = b_state.index
+        dk_late = self.dk_late
         if cutlass.const_expr(dk_late):  # dQ first, in its own group: its store runs while dK computes
             for k in cutlass.range_constexpr(self.kb // 16):
                 dq_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
                 cute.gemm(dq_mma, acc_dq, tQrdS[None, None, k, ds_buf], tQrKb[None, None, k, 0], acc_dq)
             warpgroup.commit_group()
-        for k in cutlass.range_constexpr(tq // (32 if self.dk8 else 16)):
+        for k in cutlass.range_constexpr(tq // 16):
             cute.gemm(dk_mma, acc_dk, tKrdS[None, None, k], tKrQb[None, None, k, qbuf], acc_dk)
         if cutlass.const_expr(not dk_late):
             for k in cutlass.range_constexpr(self.kb // 16):
@@ -1911,54 +1248,22 @@ class FlamiaBwdDsBf16Sm90:
         return a_state, b_state, v_state
 
     @cute.jit
-    def e4m3_dk_rows(self, acc_dp, acc_c, sVec, vs, tScS):
-        """dk_e4m3, part 1 (while the tile's vectors are held): c = dS^T sq into acc_c (acc_dp's shape)
-        and each key row's |c| max over the tile (quad_max2: the row's 64 queries lie in one quad)."""
-        n_s = cute.size(acc_dp)
-        for c, rows in _column_walk(n_s):
-            sqc = sVec[tScS[c][1], 4, vs]
-            for a, _v1 in rows:
-                acc_c[a] = acc_dp[a] * sqc
-        amax = [fmax_chains([abs(acc_c[a]) for a in range(n_s) if (a // 2) % 2 == v1]) for v1 in range(2)]
-        return quad_max2(amax[0], amax[1])
-
-    @cute.jit
-    def e4m3_dk_pack(self, amax, acc_c, tKrdS32, acc_dk, dk_unit):
-        """dk_e4m3, part 2: dK's A operand e4m3(c / s) into tKrdS32, s = the power-of-two scale of each
-        row's amax, kept >= 2^-64 of the row's largest s so far (dk_unit[2 + v1]); acc_dk's rows go from
-        units of the previous s (dk_unit[v1]) to this tile's (exact: powers of two). After the tile's
-        dV issue, so that this runs while dV is on the tensor cores."""
-        inv = []
-        for v1 in cutlass.range_constexpr(2):
-            sb, _ = pow2_scale_bits(f32_bits(amax[v1]))
-            s_row = cute.arch.fmax(as_f32(sb), dk_unit[2 + v1] * Float32(2.0**-64))
-            inv_row = pow2_reciprocal(s_row)
-            ratio = dk_unit[v1] * inv_row  # s_prev / s
-            for a in [a for a in range(cute.size(acc_dk)) if (a // 2) % 2 == v1]:  # unrolled while tracing
-                acc_dk[a] = acc_dk[a] * ratio
-            dk_unit[v1] = s_row
-            dk_unit[2 + v1] = cute.arch.fmax(dk_unit[2 + v1], s_row)
-            inv.append(inv_row)
-        for a in cutlass.range_constexpr(cute.size(acc_c)):
-            acc_c[a] = acc_c[a] * inv[(a // 2) % 2]
-        pack_a_fragment_e4m3(acc_c, tKrdS32)
-
-    @cute.jit
     def _store_dq_tile(self, sdQ_words, dq_plan, acc_dq, tScQ, softmax_scale):
         """softmax_scale * acc_dq into the swizzled shared dQ tile (64-bit stores): one base word per
         thread, each column pair an XOR and an add away from it (_dq_store_plan)."""
         sdQ_layout, xors, adds, swap = dq_plan
         row0, col0 = tScQ[0]
         w0 = smem_word_index(sdQ_layout, (row0, col0, 0), 4)
+        # odd rows store column block i ^ 2 at the step even rows store block i, so a half-warp's 4 rows
+        # hit 4 distinct 32-byte pairs of the swizzled tile (2 wavefronts per 64-bit store instead of
+        # 4) at 2 selects per store
         odd = (row0 % 2) == 1
-        if cutlass.const_expr(self.cfg.dq_store_swap):
-            w0 = w0 ^ select(odd, Int32(swap), Int32(0))
+        w0 = w0 ^ select(odd, Int32(swap), Int32(0))
         for j in cutlass.range_constexpr(len(xors)):
             w = (w0 ^ xors[j]) + adds[j]
             lo, hi = acc_dq[2 * j], acc_dq[2 * j + 1]
-            if cutlass.const_expr(self.cfg.dq_store_swap):  # odd rows: pair j ^ 4, at its own address
-                lo = select(odd, acc_dq[2 * (j ^ 4)], lo)
-                hi = select(odd, acc_dq[2 * (j ^ 4) + 1], hi)
+            lo = select(odd, acc_dq[2 * (j ^ 4)], lo)  # odd rows: pair j ^ 4, at its own address
+            hi = select(odd, acc_dq[2 * (j ^ 4) + 1], hi)
             sdQ_words[w] = lo * softmax_scale
             sdQ_words[w + 1] = hi * softmax_scale
 
@@ -1969,7 +1274,7 @@ class FlamiaBwdDsBf16Sm90:
 
 
 ARG_KINDS = (
-    ARG_F8, ARG_BF16, ARG_F32,  # q, q in bf16 (codes times sq; dk_e4m3: Q^T e4m3, arg_kinds), sq
+    ARG_F8, ARG_BF16, ARG_F32,  # q, q in bf16 (codes times sq), sq
     ARG_F8, ARG_F32,  # k, sk
     ARG_F8, ARG_F32,  # v, sv
     ARG_F8, ARG_F32, ARG_F8, ARG_F32,  # per-token k, sk, v, sv
@@ -1982,15 +1287,10 @@ ARG_KINDS = (
 )
 
 
-def arg_kinds(config: BwdDsBf16Config) -> tuple:
-    """The runtime entry's parameter kinds: dk_e4m3 takes Q^T's e4m3 codes where Q's bf16 copy goes."""
-    return (ARG_KINDS[0], ARG_F8, *ARG_KINDS[2:]) if config.dk_e4m3 else ARG_KINDS
-
-
 def compile_bwd_dsbf16_sm90(config: BwdDsBf16Config, arch: str = "sm_90a", extra_options: str = "",
                             tvm_ffi: bool = False):
     """cute.compile the backward for `arch` from plain values only (no tensors, no GPU needed)."""
-    return compile_entry(FlamiaBwdDsBf16Sm90(config), arg_kinds(config), arch, extra_options, tvm_ffi)
+    return compile_entry(FlamiaBwdDsBf16Sm90(config), ARG_KINDS, arch, extra_options, tvm_ffi)
 
 
 def get_launcher(config: BwdDsBf16Config, arch: str | None = None, use_tvm_ffi: bool | None = None):
@@ -1998,7 +1298,7 @@ def get_launcher(config: BwdDsBf16Config, arch: str | None = None, use_tvm_ffi: 
 
     return compile_launcher(
         SOURCE_FILES, config, arch or target_arch(), lambda cfg, a, t: compile_bwd_dsbf16_sm90(cfg, a, tvm_ffi=t),
-        arg_kinds(config), use_tvm_ffi,
+        ARG_KINDS, use_tvm_ffi,
     )
 
 
@@ -2011,32 +1311,28 @@ def kernel_artifacts(config: BwdDsBf16Config, arch: str = "sm_90a"):
 def flamia_bwd_dsbf16_sm90(
     dout, out, lse, q_td, sq, k_td, sk, v_dt, sv, k_tok_td, sk_tok, v_tok_dt, sv_tok,
     cu_seqlens, max_seqlen: int, softmax_scale: float, config: BwdDsBf16Config,
-    poison_outputs: bool = False, do_quantized=None, delta=None, dv_ref=None, q_bf16=None, timeline=None,
-    overlap_passes: bool | None = None, q_dt=None,
+    poison_outputs: bool = False, do_quantized=None, delta=None, dv_ref=None, q_bf16=None,
+    overlap_passes: bool | None = None,
 ):
-    """Causal FP8 attention backward of recipe fp8_tokenblock_dsbf16 on the current stream; returns
-    (dq, dk, dv) bf16.
+    """Causal FP8 attention backward of the bf16-dS recipes on the current stream; returns (dq, dk, dv)
+    bf16.
 
     dout, out: (T, H, D) bf16; lse (H, T) fp32 (the forward's). q_td (T, H, D) e4m3 and sq (H, T);
     k_td (T, Hk, D), sk; v_dt (Hk, D, T_dt) in P-fragment order (V^T, the forward's P V operand: the
     kernel transposes it in shared memory), sv: the forward's saved operands (quant.quantize
     layouts, whose scales are powers of two: the kernel multiplies Q's and K's codes by them in
-    bf16, exactly only then; no transposed Q or K: the kernel converts K's (and Q's) e4m3 values to
-    bf16 in shared memory). *_tok*: the per-token K/V copies of the diagonal tiles when
+    bf16, exactly only then; no transposed Q or K: the kernel converts K's e4m3 values to bf16 in
+    shared memory). *_tok*: the per-token K/V copies of the diagonal tiles when
     config.diagonal_copy (else ignored). do_quantized (QuantizedTHD with data_dt in P-fragment
     order) and delta (H, T) may be passed precomputed; else the preprocess computes them; so may
-    dv_ref, the dv_fold_reference (perf/bench_fwd_breakdown.py times the kernel alone); when dO is
-    quantized here, the same launch computes dv_ref (no torch launches). q_bf16 (T, H, D): q_td's
-    codes times sq in bf16 for config.q_bf16_source "tma" (made here by codes_sm90 when not given;
-    exact: the scales are powers of two). q_dt (H, D, T_dt): with config.dk_e4m3 (recipe
-    fp8_tokenblock_dke4m3), Q^T's e4m3 codes in P-fragment order (quantize Q with pv_order=True and
-    pass its data_dt; made here from q_td when not given). timeline: with config.cta_timeline, an int32 tensor of at
-    least cta_timeline_words(...) elements that receives each CTA's record (zeroed here first).
+    dv_ref, the dv_fold_reference (to time the kernel alone); when dO is quantized here, the same
+    launch computes dv_ref (no torch launches). q_bf16 (T, H, D): q_td's codes times sq in bf16,
+    dK's B operand (made here by codes_sm90 when not given; exact: the scales are powers of two).
     overlap_passes: Q's bf16 copy and the dQ accumulator's zero fill run on a side stream while the
     dO preprocess runs on the current one (all three are memory-bound and independent; the kernel
     waits for both streams). None: OVERLAP_PASSES.
     """
-    from .attention_bwd_sm90 import backward_grid_blocks, backward_outputs, preprocess_bwd
+    from .bwd_common_sm90 import backward_grid_blocks, backward_outputs, preprocess_bwd
 
     T, H, D = q_td.shape
     Hk = k_td.shape[1]
@@ -2046,8 +1342,6 @@ def flamia_bwd_dsbf16_sm90(
         if config.diagonal_copy:
             raise ValueError("config.diagonal_copy needs k_tok_td, sk_tok, v_tok_dt, sv_tok")
         k_tok_td, sk_tok, v_tok_dt, sv_tok = k_td, sk, v_dt, sv
-    if config.persistent and cu_seqlens.numel() - 1 > PERSISTENT_MAX_DOCS:
-        config = dataclasses.replace(config, persistent=False)  # the tables would not fit in shared memory
     dev = q_td.device
     cu = int32_cu_seqlens(cu_seqlens, dev)
     num_docs = cu.numel() - 1
@@ -2057,11 +1351,9 @@ def flamia_bwd_dsbf16_sm90(
     side = side_stream(dev) if (OVERLAP_PASSES if overlap_passes is None else overlap_passes) else None
     if side is not None:
         side.wait_stream(main)  # the forward's operands are ready before the side passes read them
-    # allocated here on the current stream (its memory pool), filled on the side stream when overlapped.
-    # dq_first_store: the kernel initializes every row of the accumulator (so poison reaches it too)
-    zero_dq = not config.dq_first_store
-    dq_acc, dk, dv = backward_outputs(T, H, Hk, D, dev, poison_outputs, zero_dq=zero_dq and side is None)
-    make_q_bf16 = config.q_bf16_source == "tma" and q_bf16 is None and not config.dk_e4m3
+    # allocated here on the current stream (its memory pool), filled on the side stream when overlapped
+    dq_acc, dk, dv = backward_outputs(T, H, Hk, D, dev, poison_outputs, zero_dq=side is None)
+    make_q_bf16 = q_bf16 is None
     if make_q_bf16:
         q_bf16 = torch.empty(T, H, D, dtype=torch.bfloat16, device=dev)
     try:
@@ -2070,7 +1362,7 @@ def flamia_bwd_dsbf16_sm90(
                 from .codes_sm90 import e4m3_codes_to_bf16
 
                 e4m3_codes_to_bf16(q_td, sq, out=q_bf16)
-            if zero_dq and side is not None:
+            if side is not None:
                 dq_acc.zero_()
         if do_quantized is None or delta is None:
             # the dV fold references come from the same launch when it also quantizes dO
@@ -2082,18 +1374,8 @@ def flamia_bwd_dsbf16_sm90(
     finally:  # joined even when an argument check raises: the side writes finish before the buffers are freed
         if side is not None:
             main.wait_stream(side)
-    if config.dk_e4m3:
-        if q_dt is None:
-            from .quant.quantize import transpose_tokens
-
-            q_dt = transpose_tokens(q_td.view(torch.uint8), cu, pv_order=True).view(f8)  # (no fp8 index_put)
-        check_kernel_tensors((("q_dt", q_dt, (H, D, T_dt), f8),), dev)
-        q_bf16 = q_dt  # the kernel's dK B-operand pointer
-    elif config.q_bf16_source == "tma":
-        check_kernel_tensors((("q_bf16", q_bf16, (T, H, D), torch.bfloat16),), dev)
-    else:
-        q_bf16 = q_td  # not read: any valid pointer
     check_kernel_tensors((
+        ("q_bf16", q_bf16, (T, H, D), torch.bfloat16),
         ("q_td", q_td, (T, H, D), f8), ("k_td", k_td, (T, Hk, D), f8), ("v_dt", v_dt, (Hk, D, T_dt), f8),
         ("k_tok_td", k_tok_td, (T, Hk, D), f8), ("v_tok_dt", v_tok_dt, (Hk, D, T_dt), f8),
         ("do_td", do_quantized.data_td, (T, H, D), f8), ("do_dt", do_quantized.data_dt, (H, D, T_dt), f8),
@@ -2114,34 +1396,19 @@ def flamia_bwd_dsbf16_sm90(
             dv_ref = dv_fold_reference(do_quantized.scale, cu, config.qhead_per_kvhead)
         ptrs = (q_td, q_bf16, sq, k_td, sk, v_dt, sv, k_tok_td, sk_tok, v_tok_dt, sv_tok,
                 do_quantized.data_td, do_quantized.data_dt, do_quantized.scale, lse, delta, dv_ref, cu, dq_acc, dk, dv)
-        # deterministic dQ: one turn counter per (query head, document, 64-query tile); dq_first_store:
-        # one claim word per (query head, dq_claim_slot)
+        # deterministic dQ: one turn counter per (query head, document, 64-query tile)
         sem = None
-        grid_arg = max_n_blocks
-        if config.persistent:  # one CTA per SM (at most one per item); the item counter starts at 0
-            grid_arg = min(sm_count(dev), Hk * min(max_chunks(T, num_docs, KEY_BLOCK), num_docs * max_n_blocks))
-            sem = torch.zeros(1, dtype=torch.int32, device=dev)
         if config.deterministic:
             sem = torch.zeros(H * num_docs * 2 * max_n_blocks, dtype=torch.int32, device=dev)
-        elif config.dq_first_store:
-            sem = torch.zeros(H * dq_claim_slots(T, num_docs), dtype=torch.int32, device=dev)
-        elif config.cta_timeline:
-            words = cta_timeline_words(Hk, num_docs, max_n_blocks)
-            if timeline is None or timeline.dtype != torch.int32 or timeline.numel() < words or timeline.device != dev:
-                raise ValueError(f"timeline must be an int32 tensor of at least {words} elements on {dev} "
-                                 "(config.cta_timeline)")
-            sem = timeline
-            sem.zero_()
         launch_on_device(get_launcher(config), dev, *(t.data_ptr() for t in ptrs),
                          sem.data_ptr() if sem is not None else 0,
-                         T, T_dt, Hk, num_docs, grid_arg, float(softmax_scale))
+                         T, T_dt, Hk, num_docs, max_n_blocks, float(softmax_scale))
     dq = dq_acc.to(torch.bfloat16)  # softmax_scale is already applied
     return dq, dk, dv
 
 
-# flamia_bwd_dsbf16_sm90's overlap_passes default. Run s20b (perf/RESULTS.md, session 20): the three
-# passes 124 -> 118 us per 16k tokens on every workload (-4.7%), the 16x1k backward call -0.7%; the
-# call's other differences are within its round-to-round spread (the kernel's). Gradients unchanged
+# flamia_bwd_dsbf16_sm90's overlap_passes default: the three memory-bound passes overlapped are
+# faster on every workload (perf/RESULTS.md); gradients unchanged
 OVERLAP_PASSES = True
 
 
@@ -2149,12 +1416,6 @@ OVERLAP_PASSES = True
 def side_stream(device) -> torch.cuda.Stream:
     """One side stream per device for the passes that overlap the dO preprocess (overlap_passes)."""
     return torch.cuda.Stream(device=device)
-
-
-def cta_timeline_words(num_kv_heads: int, num_docs: int, max_n_blocks: int) -> int:
-    """int32 words of the cta_timeline records: TIMELINE_WORDS per CTA of the grid, in launch order (x
-    fastest; a CTA past its document's end leaves all but its start and SM 0)."""
-    return TIMELINE_WORDS * num_kv_heads * num_docs * max_n_blocks
 
 
 def auto_head_window(num_kv_heads: int, max_seqlen: int | None) -> int:
@@ -2171,9 +1432,8 @@ def auto_head_window(num_kv_heads: int, max_seqlen: int | None) -> int:
 
 def default_config(qq, kq, kt, deterministic: bool = False, max_seqlen: int | None = None) -> BwdDsBf16Config:
     """The default BwdDsBf16Config for the forward's saved operands (kt: per-token K copy or None); the
-    dQ path and the CTA order follow `deterministic` (atomics in key-block order, else the TMA
-    reduce-add; see BwdDsBf16Config.raster), the order's head window the longest document
-    (auto_head_window; not in the deterministic mode's order)."""
+    dQ path and the CTA order follow `deterministic` (BwdDsBf16Config.dq_tma_reduce, .raster), the
+    order's head window the longest document (auto_head_window; not in the deterministic mode's order)."""
     hk = kq.data_td.shape[1]
     return BwdDsBf16Config(head_dim=qq.data_td.shape[2], qhead_per_kvhead=qq.data_td.shape[1] // hk,
                            diagonal_copy=kt is not None, deterministic=deterministic,

@@ -89,11 +89,10 @@ def _placeholder(device) -> torch.Tensor:
 def _qkv_launch(Hq: int, Hk: int, D: int, recipe: str):
     """The layouts of a kernel recipe's Q/K/V launch in a training call (quantize_sm90.qkv_config with
     cute_backend.launch_layouts; tuning changes no layout)."""
-    from .cute_backend import bf16_ds_backward, dk_e4m3_backward, launch_layouts, layout_block
+    from .cute_backend import bf16_ds_backward, launch_layouts, layout_block
     from .quantize_sm90 import qkv_config
 
-    return launch_layouts(qkv_config(D, Hq, Hk, layout_block(_kernel_block(recipe))), ds_bf16=bf16_ds_backward(recipe),
-                          q_transposed=dk_e4m3_backward(recipe))
+    return launch_layouts(qkv_config(D, Hq, Hk, layout_block(_kernel_block(recipe))), ds_bf16=bf16_ds_backward(recipe))
 
 
 def _qkv_plan(T: int, num_docs: int, Hq: int, Hk: int, D: int, recipe: str):
@@ -212,8 +211,7 @@ def varlen_fwd(
             raise NotImplementedError("backend 'cute': causal=False has no sm_90a kernel")
         out_k, lse, quantized = cute_backend.forward_kernels(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale,
                                                              _kernel_block(recipe),
-                                                             ds_bf16=cute_backend.bf16_ds_backward(recipe),
-                                                             q_transposed=cute_backend.dk_e4m3_backward(recipe))
+                                                             ds_bf16=cute_backend.bf16_ds_backward(recipe))
         out = out_k.to(q.dtype)
         return out, lse, _pack_kernel(layout, out_k, quantized)
     from .emulator import emulate_forward
@@ -264,13 +262,13 @@ def varlen_bwd(
     rec = _recipe(recipe)
     dout = dout.contiguous()
     if backend == "cute":
-        from .cute_backend import backward_backend, backward_kernels, bf16_ds_backward, dk_e4m3_backward
+        from .cute_backend import backward_backend, backward_kernels, bf16_ds_backward
 
         block = _kernel_block(recipe)
         qq, kq, vq, kt, vt = _unpack_kernel(saved, recipe, out.shape[0], cu_seqlens_q.shape[0] - 1, out.shape[1])
-        if backward_backend() == "cute":
+        if backward_backend() == "cute" and bf16_ds_backward(recipe):
             dq, dk, dv = backward_kernels(dout, out_bf16, lse, qq, kq, vq, kt, vt, cu_seqlens_q, max_seqlen_q,
-                                          softmax_scale, block, bf16_ds_backward(recipe), dk_e4m3_backward(recipe))
+                                          softmax_scale, block)
             return dq.to(dt), dk.to(dt), dv.to(dt)
         from .emulator import operand_from_quantized
 

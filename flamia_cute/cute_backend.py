@@ -1,9 +1,10 @@
 """The GPU path of flamia_attn_varlen_func on sm_90a: fused quantization + the FP8 forward kernel.
 
 The autograd context keeps the FP8 operands and scales the forward used (never
-the bf16 inputs); the sm_90a backward kernel recomputes from exactly those, so
-forward and backward stay consistent. FLAMIA_CUTE_BWD=emulate runs the
-emulator's backward from the same saved operands instead.
+the bf16 inputs); the sm_90a backward kernel (recipes with bf16 dS: bf16_ds_backward)
+recomputes from exactly those, so forward and backward stay consistent. The other
+recipes, and FLAMIA_CUTE_BWD=emulate, run the emulator's backward from the same
+saved operands instead.
 """
 
 from __future__ import annotations
@@ -21,22 +22,15 @@ from .recipes import NAMED_RECIPES, Recipe
 # per-token kernels fed one scale per tensor (quantized by torch: the cuDNN-like leaky control, run
 # at kernel speed so that training can compare it).
 PER_TENSOR = 0
-KERNEL_RECIPES = {"fp8_token": 1, "fp8_tokenblock": 128, "fp8_tensor_current": PER_TENSOR, "fp8_tokenblock_dsbf16": 128,
-                  "fp8_token_dsbf16": 1, "fp8_tokenblock_dke4m3": 128}
+KERNEL_RECIPES = {"fp8_token": 1, "fp8_tokenblock": 128, "fp8_tensor_current": PER_TENSOR, "fp8_tokenblock_dsbf16": 128}
 
 
 def bf16_ds_backward(recipe_name: str) -> bool:
-    """Whether the recipe's backward is the bf16-dS kernel (attention_bwd_dsbf16_sm90) rather than
-    the e4m3-dS one (attention_bwd_sm90): dQ's dS cast is bf16 (dK's too, or e4m3 per key row:
-    dk_e4m3_backward) and its dV fold per document."""
+    """Whether the recipe's backward runs the sm_90a backward kernel (attention_bwd_dsbf16_sm90: dS cast
+    to bf16, dV folded per document); the others (e4m3 dS) run the emulator's backward from the
+    forward's saved operands."""
     rec = NAMED_RECIPES[recipe_name]
-    return rec.ds_cast in ("bf16", "e4m3_dk") and rec.dv_fold == "document"
-
-
-def dk_e4m3_backward(recipe_name: str) -> bool:
-    """Whether the recipe's bf16-dS backward runs dK's product on e4m3 (ds_cast "e4m3_dk":
-    BwdDsBf16Config.dk_e4m3, which reads Q^T's codes: launch_layouts' q_transposed)."""
-    return NAMED_RECIPES[recipe_name].ds_cast == "e4m3_dk"
+    return rec.ds_cast == "bf16" and rec.dv_fold == "document"
 
 
 def layout_block(block: int) -> int:
@@ -79,16 +73,13 @@ def unsupported_reason(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | 
     return None
 
 
-def launch_layouts(cfg, forward_only: bool = False, ds_bf16: bool = False, q_transposed: bool = False):
+def launch_layouts(cfg, forward_only: bool = False, ds_bf16: bool = False):
     """A Q/K/V launch config reduced to the layouts that will be read: the forward's only
-    (forward_only), which are also all that the bf16-dS backward reads (ds_bf16; with q_transposed,
-    Q^T too: dk_e4m3_backward), or all (the e4m3-dS backward reads Q^T, K^T and V token-major).
-    Layouts only: the tuned launch settings stay."""
+    (forward_only), which are also all that the bf16-dS backward reads (ds_bf16), or all (the other
+    recipes' emulated backward). Layouts only: the tuned launch settings stay."""
     from .quantize_sm90 import forward_only as forward_only_config
 
-    if forward_only:
-        return forward_only_config(cfg)
-    return forward_only_config(cfg, q_transposed) if ds_bf16 else cfg
+    return forward_only_config(cfg) if forward_only or ds_bf16 else cfg
 
 
 def _memoized(key: tuple, build):
@@ -106,8 +97,7 @@ def _memoized(key: tuple, build):
 
 
 def quantize_launch_config(head_dim: int, heads_q: int, heads_kv: int, block: int, max_seqlen: int,
-                           total_tokens: int, num_docs: int, forward_only: bool = False, ds_bf16: bool = False,
-                           q_transposed: bool = False):
+                           total_tokens: int, num_docs: int, forward_only: bool = False, ds_bf16: bool = False):
     """The Q/K/V launch's MultiQuantizeConfig: tuned for the workload (not PER_TENSOR, which torch
     quantizes), reduced to the layouts that will be read (launch_layouts); memoized."""
     from .quantize_sm90 import qkv_config
@@ -117,23 +107,22 @@ def quantize_launch_config(head_dim: int, heads_q: int, heads_kv: int, block: in
         cfg = qkv_config(head_dim, heads_q, heads_kv, layout_block(block))
         if block != PER_TENSOR:
             cfg = tuned_quantize_config(cfg, max_seqlen, total_tokens, num_docs)
-        return launch_layouts(cfg, forward_only, ds_bf16, q_transposed)
+        return launch_layouts(cfg, forward_only, ds_bf16)
 
     return _memoized(("qkv", head_dim, heads_q, heads_kv, block, int(max_seqlen), total_tokens, num_docs,
-                      forward_only, ds_bf16, q_transposed), build)
+                      forward_only, ds_bf16), build)
 
 
-def quantize_operands(q, k, v, cu, block: int, max_seqlen: int, forward_only: bool = False, ds_bf16: bool = False,
-                      q_transposed: bool = False):
+def quantize_operands(q, k, v, cu, block: int, max_seqlen: int, forward_only: bool = False, ds_bf16: bool = False):
     """Q, K, V in ONE fused launch: Q per token; K, V per block plus the per-token diagonal copies.
 
     forward_only: only the orientations the forward reads (quantize_sm90.forward_only); ds_bf16: the
-    same, all that the bf16-dS backward reads too (q_transposed: and Q^T, launch_layouts). What is not
+    same, all that the bf16-dS backward reads too (launch_layouts). What is not
     written is None in the result."""
     from .quantize_sm90 import fused_quantize_multi_sm90
 
     cfg = quantize_launch_config(q.shape[2], q.shape[1], k.shape[1], block, max_seqlen, q.shape[0], cu.numel() - 1,
-                                 forward_only, ds_bf16, q_transposed)
+                                 forward_only, ds_bf16)
     if block == PER_TENSOR:
         return _quantize_operands_per_tensor(q, k, v, cu, cfg)
     (qq, _), (kq, kt), (vq, vt) = fused_quantize_multi_sm90((q, k, v), cu, cfg)
@@ -172,17 +161,14 @@ def forward_config(head_dim: int, heads_q: int, heads_kv: int, max_seqlen: int, 
 
 
 def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only: bool = False,
-                    ds_bf16: bool = False, q_transposed: bool = False):
+                    ds_bf16: bool = False):
     """Quantize + forward kernel. Returns (out bf16, lse (H, T) fp32, saved quantized operands);
     forward_only: a call that needs no backward (the saved operands lack the backward's layouts);
-    ds_bf16: the backward to come is the bf16-dS kernel (no Q^T, K^T: launch_layouts); q_transposed:
-    the backward to come reads Q^T as well (dk_e4m3_backward)."""
+    ds_bf16: the backward to come is the bf16-dS kernel (no Q^T, K^T: launch_layouts)."""
     from .attention_fwd_sm90 import flamia_fwd_sm90
 
-    q_transposed = q_transposed and not forward_only
     cfg = forward_config(q.shape[2], q.shape[1], k.shape[1], max_seqlen, q.shape[0], cu.numel() - 1, block)
-    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block, max_seqlen, forward_only, ds_bf16,
-                                               q_transposed=q_transposed)
+    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block, max_seqlen, forward_only, ds_bf16)
     out, lse = flamia_fwd_sm90(
         qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale,
         kt.data_td if kt else None, kt.scale if kt else None, vt.data_dt if vt else None, vt.scale if vt else None,
@@ -210,72 +196,48 @@ def deterministic_backward() -> bool:
     return _env_flag("FLAMIA_CUTE_DETERMINISTIC", False) or torch.are_deterministic_algorithms_enabled()
 
 
-def backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16: bool = False, dk_e4m3: bool = False):
+def backward_config(qq, kq, kt, cu, max_seqlen):
     """The backward kernel's config for the saved operands, tuned for this workload class when
-    `flamia-cute tune` measured it, deterministic when asked (deterministic_backward); dk_e4m3: the
-    bf16-dS kernel's dK on e4m3 (dk_e4m3_backward: the bf16-dS record's settings, in the grid build,
-    Q^T by TMA whatever Q source the record chose). Memoized by the operands' shapes."""
+    `flamia-cute tune` measured it, deterministic when asked (deterministic_backward). Memoized by the
+    operands' shapes."""
     key = ("bwd", tuple(qq.data_td.shape), tuple(kq.data_td.shape), kt is not None, cu.numel() - 1, int(max_seqlen),
-           ds_bf16, dk_e4m3, deterministic_backward())
-    return _memoized(key, lambda: _backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16, dk_e4m3))
+           deterministic_backward())
+    return _memoized(key, lambda: _backward_config(qq, kq, kt, cu, max_seqlen))
 
 
-def _backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16: bool, dk_e4m3: bool):
-    if ds_bf16 and dk_e4m3:
-        cfg = _backward_config(qq, kq, kt, cu, max_seqlen, True, False)
-        return dataclasses.replace(cfg, dk_e4m3=True, persistent=False, q_bf16_source="tma")
-    if ds_bf16:
-        from .attention_bwd_dsbf16_sm90 import default_config as bf16_ds_default
-        from .attention_bwd_dsbf16_sm90 import short_pairs_supported
-        from .schedules.varlen_tiles import short_pairs_worth
-        from .tuning import tuned_bwd_dsbf16_config
+def _backward_config(qq, kq, kt, cu, max_seqlen):
+    from .attention_bwd_dsbf16_sm90 import default_config, short_pairs_supported
+    from .schedules.varlen_tiles import short_pairs_worth
+    from .tuning import tuned_bwd_dsbf16_config
 
-        if deterministic_backward():  # the ordered atomics path, untuned
-            return bf16_ds_default(qq, kq, kt, deterministic=True)
-        total, num_docs = qq.data_td.shape[0], cu.numel() - 1
-        default = bf16_ds_default(qq, kq, kt, max_seqlen=max_seqlen)
-        # two short documents per CTA for packs of short documents (a tuned record may say otherwise)
-        if short_pairs_worth(total, num_docs) and short_pairs_supported(default):
-            default = dataclasses.replace(default, short_pairs=True)
-        return tuned_bwd_dsbf16_config(default, max_seqlen, total, num_docs)
-    from .attention_bwd_sm90 import default_config
-    from .tuning import tuned_bwd_config
-
-    cfg = tuned_bwd_config(default_config(qq, kq, kt), max_seqlen, qq.data_td.shape[0], cu.numel() - 1)
-    return dataclasses.replace(cfg, deterministic=True) if deterministic_backward() else cfg
+    if deterministic_backward():  # the ordered atomics path, untuned
+        return default_config(qq, kq, kt, deterministic=True)
+    total, num_docs = qq.data_td.shape[0], cu.numel() - 1
+    default = default_config(qq, kq, kt, max_seqlen=max_seqlen)
+    # two short documents per CTA for packs of short documents (a tuned record may say otherwise)
+    if short_pairs_worth(total, num_docs) and short_pairs_supported(default):
+        default = dataclasses.replace(default, short_pairs=True)
+    return tuned_bwd_dsbf16_config(default, max_seqlen, total, num_docs)
 
 
-def backward_kernels(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale, block: int = 1,
-                     ds_bf16: bool = False, dk_e4m3: bool = False):
-    """The sm_90a backward kernel from the forward's saved operands (see backward_config); block: the
-    recipe's KERNEL_RECIPES entry (PER_TENSOR quantizes dO with one scale, and D by torch); ds_bf16,
-    dk_e4m3: the recipe's bf16_ds_backward, dk_e4m3_backward (Q^T from qq.data_dt)."""
-    from .attention_bwd_sm90 import flamia_bwd_sm90_from_saved
+def backward_kernels(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale, block: int = 1):
+    """The sm_90a backward kernel (bf16 dS) from the forward's saved operands (see backward_config);
+    block: the recipe's KERNEL_RECIPES entry (PER_TENSOR quantizes dO with one scale, and D by torch)."""
+    from .attention_bwd_dsbf16_sm90 import flamia_bwd_dsbf16_sm90_from_saved
     from .quantize_sm90 import dout_config
 
-    cfg = backward_config(qq, kq, kt, cu, max_seqlen, ds_bf16, dk_e4m3)
-    if ds_bf16:
-        from .attention_bwd_dsbf16_sm90 import flamia_bwd_dsbf16_sm90_from_saved
-
-        kw = {}
-        if dk_e4m3:
-            if qq.data_dt is None or not qq.dt_pv_order:
-                raise ValueError("qq.data_dt must be Q^T in P-fragment order for the e4m3-dK backward "
-                                 "(quantize with launch_layouts(..., q_transposed=True))")
-            kw["q_dt"] = qq.data_dt
-        return flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale,
-                                                 config=cfg, **kw)
+    cfg = backward_config(qq, kq, kt, cu, max_seqlen)
     kw = {}
     if block == PER_TENSOR:
         pv_order = dout_config(dout.shape[2], dout.shape[1]).dt_pv_order
         kw["do_quantized"] = quantize_thd_per_tensor(dout.to(torch.bfloat16), cu, pv_order=pv_order)
         kw["delta"] = (dout.float() * out.float()).sum(-1).t().contiguous()  # D = rowsum(dO * O), as the emulator
-    return flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale, config=cfg,
-                                      **kw)
+    return flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale,
+                                             config=cfg, **kw)
 
 
 def backward_backend() -> str:
-    """The sm_90a backward kernel (default; it passes its GPU tests on the H200), or with
+    """The sm_90a backward kernel (default, for the recipes that have one: bf16_ds_backward), or with
     FLAMIA_CUTE_BWD=emulate the emulator on the GPU from the forward's saved FP8 operands."""
     choice = os.environ.get("FLAMIA_CUTE_BWD", "cute")
     if choice not in ("emulate", "cute"):
@@ -287,8 +249,7 @@ class CuteAttention(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, cu, max_seqlen, softmax_scale, recipe, block):
         out, lse, saved = forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block,
-                                          ds_bf16=bf16_ds_backward(recipe.name),
-                                          q_transposed=dk_e4m3_backward(recipe.name))
+                                          ds_bf16=bf16_ds_backward(recipe.name))
         fctx.saved = saved
         fctx.meta = (cu, softmax_scale, recipe, q.dtype, max_seqlen)
         fctx.save_for_backward(out, lse)
@@ -302,10 +263,9 @@ class CuteAttention(torch.autograd.Function):
         out, lse = fctx.saved_tensors
         cu, scale, recipe, dt, max_seqlen = fctx.meta
         qq, (kq, kt), (vq, vt) = fctx.saved
-        if backward_backend() == "cute":
+        if backward_backend() == "cute" and bf16_ds_backward(recipe.name):
             grads = backward_kernels(dout.contiguous(), out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, scale,
-                                     kernel_block_tokens(recipe), bf16_ds_backward(recipe.name),
-                                     dk_e4m3_backward(recipe.name))
+                                     kernel_block_tokens(recipe))
             # the kernels' grads are bf16: .to() only for fp16 inputs (a no-op .to costs host time too)
             return (*(g if g.dtype == dt else g.to(dt) for g in grads), None, None, None, None, None)
         ectx = EmulatorContext(recipe, scale, True, cu, cu, operand_from_quantized(qq),

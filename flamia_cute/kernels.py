@@ -86,12 +86,10 @@ KERNELS = {
             "dout_delta_d128": dict(head_dim=128, num_heads=16, block_tokens=1, dt_pv_order=True, emit_rowdot=True),
         }),
         KernelEntry("fwd", ("sm_90a",), "flamia_cute.attention_fwd_sm90", "FwdConfig", ATTENTION_CONFIGS),
-        KernelEntry("bwd", ("sm_90a",), "flamia_cute.attention_bwd_sm90", "BwdConfig", ATTENTION_CONFIGS),
-        # the bf16-dS backward (recipe fp8_tokenblock_dsbf16; with dK on e4m3: fp8_tokenblock_dke4m3)
+        # the backward (bf16 dS: recipe fp8_tokenblock_dsbf16 and its per-token variant)
         KernelEntry("bwd_dsbf16", ("sm_90a",), "flamia_cute.attention_bwd_dsbf16_sm90", "BwdDsBf16Config",
-                    {**ATTENTION_CONFIGS,
-                     "tokenblock_d128_dke4m3": dict(head_dim=128, diagonal_copy=True, dk_e4m3=True)}),
-        # Q's e4m3 codes as bf16 for the bf16-dS backward's q_bf16_source="tma"
+                    ATTENTION_CONFIGS),
+        # Q's e4m3 codes as bf16 for the backward's dK operand
         KernelEntry("codes", ("sm_90a",), "flamia_cute.codes_sm90", "CodesConfig", {"default": {}}),
         # Blackwell: the MXFP8 forward on block-scaled tcgen05 (compile-only here: no sm_100 GPU)
         KernelEntry("fwd_mx", ("sm_100a",), "flamia_cute.attention_fwd_sm100", "FwdSm100Config", {

@@ -921,18 +921,16 @@ def qkv_config(head_dim: int, q_heads: int, kv_heads: int, block_tokens: int, he
 
 
 @functools.cache
-def forward_only(qkv: MultiQuantizeConfig, q_transposed: bool = False) -> MultiQuantizeConfig:
+def forward_only(qkv: MultiQuantizeConfig) -> MultiQuantizeConfig:
     """A Q/K/V launch (qkv_config, tuned or not) reduced to what the forward and the bf16-dS backward
     (attention_bwd_dsbf16_sm90) read: Q and K (and K's per-token copy) token-major only, V (and its
     copy) transposed in P-fragment order only. That backward converts Q's and K's [t, d] codes to
     bf16 in shared memory and transposes V^T there (dP^T's A operand), so a training call writes
     what an inference call writes: token-block K and V 2 of their 4 bytes per element, Q 1 of 2.
     The launch settings stay but the bound: at 5 CTAs per SM (48 registers) such a body spills 32
-    bytes (per-token K, V), at 4 it does not. q_transposed: Q^T in P-fragment order as well (the
-    bf16-dS backward with dK on e4m3, BwdDsBf16Config.dk_e4m3, reads it as dK's B operand)."""
+    bytes (per-token K, V), at 4 it does not."""
     q, k, v = qkv.parts
-    if not q_transposed:
-        q = dataclasses.replace(q, emit_transposed=False, dt_pv_order=False)
+    q = dataclasses.replace(q, emit_transposed=False, dt_pv_order=False)
     k = dataclasses.replace(k, emit_transposed=False)
     v = dataclasses.replace(v, emit_token_major=False)
     bound = min(qkv.min_ctas_per_sm, 4) if qkv.min_ctas_per_sm else 0

@@ -40,16 +40,6 @@ def ptx(text: str, constraints: str, operands, result=Uint32, side_effects: bool
     return result(value) if result is not None else None
 
 
-def globaltimer_lo():
-    """The low 32 bits of the GPU's nanosecond timer (measurement builds; volatile: not moved or merged)."""
-    return ptx("mov.u32 $0, %globaltimer_lo;", "=r", [], side_effects=True)
-
-
-def sm_id():
-    """The SM this thread runs on (measurement builds)."""
-    return ptx("mov.u32 $0, %smid;", "=r", [], side_effects=True)
-
-
 def prmt(a, b, sel: int):
     return ptx("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [Uint32(a), Uint32(b), Uint32(sel)])
 
@@ -555,25 +545,6 @@ def locate_tile(t, sCum: cute.Tensor, num_docs, heads):
     local = t - heads * sCum[doc]
     head = local // nblk
     block = nblk - 1 - (local - head * nblk)
-    return doc, head, block
-
-
-@cute.jit
-def locate_key_block(t, sCum: cute.Tensor, num_docs, heads, window: cutlass.Constexpr = 1):
-    """Item t of the persistent backward's order -> (document, KV head, key block): documents in
-    order, in each the heads in windows of `window`, a window's key blocks first to last (the most
-    query tiles first) with its heads fastest. sCum: doc_chunk_cumsum's table over key blocks
-    (schedules.varlen_tiles.locate_key_block_model is the same arithmetic)."""
-    doc = last_doc_at_or_before(t, lambda i: sCum[i], num_docs, heads)
-    nblk = sCum[doc + 1] - sCum[doc]
-    local = t - heads * sCum[doc]
-    head = local // nblk
-    block = local - head * nblk
-    if cutlass.const_expr(window > 1):
-        win = local // (window * nblk)
-        r = local - win * (window * nblk)
-        head = win * window + r % window
-        block = r // window
     return doc, head, block
 
 

@@ -106,97 +106,26 @@ def quantize_space(head_dim: int, heads_q: int, heads_kv: int, block_tokens: int
     return keep, pruned
 
 
-def bwd_space(head_dim: int, group: int, diagonal_copy: bool):
-    """Every backward config by effective stages (and the default in the key-block-fastest CTA order),
-    with the reason each pruned one was dropped."""
-    from .attention_bwd_sm90 import BwdConfig, smem_bytes
-
-    def stages(cfg):
-        return cfg.stages_a, cfg.stages_b, cfg.vec_stages
-
-    default = BwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
-    keep, pruned, seen = [(default, "default")], [], {stages(default)}
-    # q_stages / qt_stages 0 (auto) resolve to 1 or 2, so the explicit values cover every effective config
-    for q_stages in (1, 2):
-        for qt_stages in (1, 2):
-            for vec_stages in (1, 2, 3):
-                fields = {"q_stages": q_stages, "qt_stages": qt_stages, "vec_stages": vec_stages}
-                try:
-                    cfg = BwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy, **fields)
-                except ValueError as e:  # shared memory over SMEM_LIMIT
-                    pruned.append((fields, str(e)))
-                    continue
-                if stages(cfg) not in seen:
-                    seen.add(stages(cfg))
-                    keep.append((cfg, f"smem {smem_bytes(cfg)} B"))
-    keep.append((dataclasses.replace(default, raster="blocks"), "the key-block-fastest CTA order"))
-    return keep, pruned
-
-
 def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool, num_kv_heads: int = 1):
-    """Every bf16-dS backward config (recipe fp8_tokenblock_dsbf16) by effective fields: query and
-    vector stages, the dQ path, the S^T/dP^T prefetch (each with its automatic exp_under_dp), and the
-    default with one S^T/dP^T wait, with the heads CTA order, with each head window of the blocks
-    order that divides num_kv_heads, with Q's bf16 codes the other way and with dK and dQ waited for
-    together; the pruned ones with the reason."""
-    from .attention_bwd_dsbf16_sm90 import HEAD_WINDOWS, BwdDsBf16Config
-
-    def effective(cfg):  # the config resolves its automatic fields
-        return (cfg.q_stages, cfg.vec_stages, cfg.dq_tma_reduce, cfg.prefetch_sdp, cfg.exp_under_dp, cfg.raster,
-                cfg.q_bf16_source, cfg.dk_under_dq_store, cfg.head_window, cfg.phase_prefetch, cfg.persistent,
-                cfg.early_block_scales, cfg.short_pairs)
+    """The backward's candidates (BwdDsBf16Config): the default, with three vector stages, in each head
+    window of the blocks order that divides num_kv_heads, and with short_pairs toggled where its build
+    takes pairs. The tuned fields that won a workload class (perf/RESULTS.md, "The tuner on today's
+    kernels"): three vector stages (long documents) and the head windows (short ones); short pairs
+    are the default for packs of short documents only. Nothing is pruned."""
+    from .attention_bwd_dsbf16_sm90 import HEAD_WINDOWS, BwdDsBf16Config, short_pairs_supported
 
     default = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
-    keep, pruned, seen = [(default, "default")], [], {effective(default)}
-    for dq_tma_reduce in (True, False):
-        for q_stages in (1, 2, 3):
-            for vec_stages in (2, 3):  # the default 2, and one deeper: kept short (each config compiles)
-                for prefetch_sdp in (False, True):
-                    fields = {"q_stages": q_stages, "vec_stages": vec_stages, "dq_tma_reduce": dq_tma_reduce,
-                              "prefetch_sdp": prefetch_sdp}
-                    if prefetch_sdp and head_dim == 128:
-                        # S^T, dP^T in flight beside dV, dK and the dQ tile: no spills since the scales
-                        # went into the B operands (session 8), but slower at d128: 1.4-4% (run s7c),
-                        # 3-10% against dK under the dQ store (run s8e); spills with the atomics path
-                        pruned.append((fields, "slower at d128 (the prefetch; runs s7c, s8e)"))
-                        continue
-                    try:
-                        cfg = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group,
-                                              diagonal_copy=diagonal_copy, **fields)
-                    except ValueError as e:  # shared memory over the limit
-                        pruned.append((fields, str(e)))
-                        continue
-                    if effective(cfg) not in seen:
-                        seen.add(effective(cfg))
-                        keep.append((cfg, "variant"))
-    if default.exp_under_dp:
-        keep.append((dataclasses.replace(default, exp_under_dp=False), "variant"))
-    keep.append((dataclasses.replace(default, raster="heads"), "variant"))  # the other CTA order
-    if default.phase_prefetch:  # the phase change prepared after the last diagonal tile only
-        keep.append((dataclasses.replace(default, phase_prefetch=False), "variant"))
+    keep = [(default, "default"), (dataclasses.replace(default, vec_stages=3), "three vector stages")]
     for w in HEAD_WINDOWS[1:]:  # the blocks order in windows of w KV heads
         if w <= num_kv_heads and num_kv_heads % w == 0:
-            keep.append((dataclasses.replace(default, head_window=w), "variant"))
-    # Q's bf16 codes the other way (the timed call includes the copy's launch when it is "tma")
-    other = "convert" if default.q_bf16_source == "tma" else "tma"
-    keep.append((dataclasses.replace(default, q_bf16_source=other), "variant"))
-    if default.dk_under_dq_store:  # dK and dQ waited for together
-        keep.append((dataclasses.replace(default, dk_under_dq_store=False), "variant"))
-    if default.early_block_scales:  # phase 1's block scales loaded at the phase change
-        keep.append((dataclasses.replace(default, early_block_scales=False), "variant"))
-    if default.dq_tma_reduce and not default.prefetch_sdp and (default.phase_prefetch or not diagonal_copy):
-        # the persistent build (items from the counter; the stride claim measured 1.4-1.6x slower, s19b;
-        # without the early block scales, which spill there)
-        keep.append((dataclasses.replace(default, persistent=True, early_block_scales=False), "variant"))
-    from .attention_bwd_dsbf16_sm90 import short_pairs_supported
-
-    if short_pairs_supported(default):  # two short documents per CTA (session 22)
-        keep.append((dataclasses.replace(default, short_pairs=not default.short_pairs), "variant"))
-    return keep, pruned
+            keep.append((dataclasses.replace(default, head_window=w), f"head window {w}"))
+    if short_pairs_supported(default):  # two short documents per CTA
+        keep.append((dataclasses.replace(default, short_pairs=not default.short_pairs), "short pairs toggled"))
+    return keep, []
 
 
-# `flamia-cute tune --kernels` names; "bwd" means the backward kernel the recipe runs ("bwd_dsbf16"
-# for recipes with bf16 dS, bf16_ds_backward)
+# `flamia-cute tune --kernels` names; "bwd" means the backward kernel ("bwd_dsbf16"), which recipes with
+# bf16 dS run (bf16_ds_backward; the others' backward is the emulator's: nothing to tune)
 TUNED_KERNELS = ("fwd", "bwd", "quant")
 
 
@@ -208,7 +137,7 @@ def search_space(kernel: str, head_dim: int, heads_q: int, heads_kv: int, block_
         return fwd_space(head_dim, heads_q // heads_kv, block_tokens > 1)
     if kernel == "bwd_dsbf16":
         return bwd_dsbf16_space(head_dim, heads_q // heads_kv, block_tokens > 1, heads_kv)
-    return bwd_space(head_dim, heads_q // heads_kv, block_tokens > 1)
+    raise ValueError(f"no search space for kernel {kernel!r}")
 
 
 def workload_space(kernel: str, keep: list, heads_kv: int, max_seqlen: int) -> list:
@@ -221,15 +150,13 @@ def workload_space(kernel: str, keep: list, heads_kv: int, max_seqlen: int) -> l
 
     window = auto_head_window(heads_kv, max_seqlen)
     default = dataclasses.replace(keep[0][0], head_window=window)
-    # the persistent build takes items in the same windowed order
-    keep = [(dataclasses.replace(c, head_window=window) if c.persistent else c, why) for c, why in keep]
     return [(default, "default")] + [(c, "variant" if why == "default" else why) for c, why in keep if c != default]
 
 
 # A bf16-dS record's head_window when the window that the tuned workload's length picks
 # (auto_head_window) won: the lookup then picks it again by each call's length. A class holds
 # documents of 1k to 4k tokens (mid-uniform: 16x1k and 4x4k), whose automatic windows differ (16, 4);
-# a number tuned on 16x1k cost 4x4k's backward +4.5% (run s21c).
+# a number tuned on 16x1k slowed 4x4k's backward (perf/RESULTS.md).
 AUTO_WINDOW = "auto"
 
 
@@ -251,10 +178,7 @@ def config_fields(kernel: str, cfg) -> dict:
         return {"raster": cfg.raster, "min_ctas_per_sm": cfg.min_ctas_per_sm,
                 "heads_per_cta": [p.heads_per_cta for p in cfg.parts]}
     names = {"fwd": ("kv_stages", "tile_order", "short_pairs"),
-             "bwd": ("q_stages", "qt_stages", "vec_stages", "raster"),
-             "bwd_dsbf16": ("q_stages", "vec_stages", "dq_tma_reduce", "prefetch_sdp", "exp_under_dp", "raster",
-                            "q_bf16_source", "dk_under_dq_store", "head_window", "phase_prefetch", "persistent",
-                            "early_block_scales", "short_pairs")}
+             "bwd_dsbf16": ("vec_stages", "head_window", "short_pairs")}
     return {n: getattr(cfg, n) for n in names[kernel]}
 
 
@@ -265,17 +189,8 @@ def config_from_fields(kernel: str, default, fields: dict):
         hgs = fields.pop("heads_per_cta")
         parts = tuple(dataclasses.replace(p, heads_per_cta=h) for p, h in zip(default.parts, hgs, strict=True))
         return dataclasses.replace(default, parts=parts, **fields)
-    if kernel == "bwd_dsbf16":  # records from before session 8's fields: their automatic choices
-        fields = {"q_bf16_source": None, "dk_under_dq_store": None, **fields}
-        if "head_window" not in fields:  # before session 18: the default's window, in its order only
-            fields["head_window"] = default.head_window if fields.get("raster", default.raster) == "blocks" else 1
-        elif fields["head_window"] == AUTO_WINDOW:  # the call's own (default_config picks it by length)
-            fields["head_window"] = default.head_window
-        if "short_pairs" not in fields:  # before session 22: the call's choice, where the record's build takes it
-            from .attention_bwd_dsbf16_sm90 import short_pairs_supported
-
-            plain = dataclasses.replace(default, short_pairs=False, **fields)
-            fields["short_pairs"] = default.short_pairs and short_pairs_supported(plain)
+    if kernel == "bwd_dsbf16" and fields.get("head_window") == AUTO_WINDOW:  # the call's own (by length)
+        fields = {**fields, "head_window": default.head_window}
     return dataclasses.replace(default, **fields)
 
 
@@ -285,7 +200,7 @@ def config_label(kernel: str, cfg) -> str:
 
 
 def fwd_shape(cfg) -> str:
-    """Cache shape of a FwdConfig, BwdConfig or BwdDsBf16Config (same field names)."""
+    """Cache shape of a FwdConfig or BwdDsBf16Config (same field names)."""
     return f"d{cfg.head_dim}_g{cfg.qhead_per_kvhead}_{'tokenblock' if cfg.diagonal_copy else 'token'}"
 
 
@@ -372,10 +287,6 @@ def tuned_fwd_config(default, max_seqlen: int, total_tokens: int, num_docs: int)
     return _tuned_config("fwd", default, max_seqlen, total_tokens, num_docs)
 
 
-def tuned_bwd_config(default, max_seqlen: int, total_tokens: int, num_docs: int):
-    return _tuned_config("bwd", default, max_seqlen, total_tokens, num_docs)
-
-
 def tuned_bwd_dsbf16_config(default, max_seqlen: int, total_tokens: int, num_docs: int):
     return _tuned_config("bwd_dsbf16", default, max_seqlen, total_tokens, num_docs)
 
@@ -411,7 +322,7 @@ def _kernel_calls(case, block: int, kernels, ds_bf16: bool) -> dict:
             launch_fused_quantize_multi_sm90(case.sets[i][:3], case.cu, launch_layouts(cfg, ds_bf16=ds_bf16), outs)
 
         calls["quant"] = (quant, len(case.sets))
-    if not {"fwd", "bwd", "bwd_dsbf16"} & set(kernels):
+    if not {"fwd", "bwd_dsbf16"} & set(kernels):
         return calls
     ops = [quantize_operands(q, k, v, case.cu, block, case.max_len, ds_bf16=ds_bf16) for q, k, v, _ in case.sets]
 
@@ -423,8 +334,9 @@ def _kernel_calls(case, block: int, kernels, ds_bf16: bool) -> dict:
                                case.cu, case.max_len, case.scale, cfg)
 
     calls["fwd"] = (fwd, len(ops))
-    if "bwd" in kernels or "bwd_dsbf16" in kernels:
-        from .attention_bwd_sm90 import preprocess_bwd
+    if "bwd_dsbf16" in kernels:
+        from .attention_bwd_dsbf16_sm90 import flamia_bwd_dsbf16_sm90_from_saved
+        from .bwd_common_sm90 import preprocess_bwd
 
         out, lse = fwd(FwdConfig(head_dim=case.head_dim, qhead_per_kvhead=case.heads_q // case.heads_kv,
                                  diagonal_copy=block > 1), 0)
@@ -433,16 +345,6 @@ def _kernel_calls(case, block: int, kernels, ds_bf16: bool) -> dict:
         # precomputed: only the kernel is timed
         delta, doq, dv_ref = preprocess_bwd(dout, out, case.cu, dv_ref_group=group)
         qq, (kq, kt), (vq, vt) = ops[0]
-    if "bwd" in kernels:
-        from .attention_bwd_sm90 import flamia_bwd_sm90_from_saved
-
-        def bwd(cfg, _i):
-            flamia_bwd_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len, case.scale,
-                                       config=cfg, do_quantized=doq, delta=delta)
-
-        calls["bwd"] = (bwd, 1)
-    if "bwd_dsbf16" in kernels:
-        from .attention_bwd_dsbf16_sm90 import flamia_bwd_dsbf16_sm90_from_saved
 
         def bwd_dsbf16(cfg, _i):
             flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
@@ -502,8 +404,14 @@ def run_tune(args) -> int:
     if unknown or not kernels:
         print(f"tune --kernels: unknown {unknown or args.kernels!r}; tunable: {','.join(TUNED_KERNELS)}", file=sys.stderr)
         return 2
-    if bf16_ds_backward(args.recipe):  # the backward this recipe runs, and its run-time lookup
+    if bf16_ds_backward(args.recipe):  # the backward kernel this recipe runs, and its run-time lookup
         kernels = ["bwd_dsbf16" if k == "bwd" else k for k in kernels]
+    elif "bwd" in kernels:
+        print(f"tune: recipe {args.recipe!r} has no backward kernel (its backward is the emulator's): bwd skipped",
+              file=sys.stderr)
+        kernels = [k for k in kernels if k != "bwd"]
+        if not kernels:
+            return 2
     wl = data["workloads"]
     if args.only:
         wl = {w: wl[w] for w in args.only.split(",") if w in wl} or wl

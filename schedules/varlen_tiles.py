@@ -167,34 +167,3 @@ def locate_tile_model(t: int, cum: list[int], heads: int) -> tuple[int, int, int
     local = t - heads * cum[d]
     head = local // nblk
     return d, head, nblk - 1 - (local - head * nblk)
-
-
-# ----------------------------------------------------------------------------------------------
-# The persistent backward's item order (flamia_cute.attention_bwd_dsbf16_sm90, BwdDsBf16Config.persistent)
-# ----------------------------------------------------------------------------------------------
-
-
-def backward_persistent_order(lengths, kv_heads: int, window: int = 1, key_block: int = 128) -> list[tuple[int, int, int]]:
-    """(document, KV head, key block) of every backward item in the order persistent CTAs take them:
-    documents in order; in each, the KV heads in windows of `window`, a window's key blocks from the
-    first (the most query tiles) to the last with its heads fastest (the grid order of
-    attention_bwd_sm90.backward_grid's "blocks" raster without its empty CTAs)."""
-    if kv_heads % window:
-        raise ValueError(f"window {window} does not divide the {kv_heads} KV heads")
-    order = []
-    for d, n in enumerate(lengths):
-        nblk = (n + key_block - 1) // key_block
-        for w0 in range(0, kv_heads, window):
-            order += [(d, w0 + h, b) for b in range(nblk) for h in range(window)]
-    return order
-
-
-def locate_key_block_model(t: int, cum: list[int], kv_heads: int, window: int = 1) -> tuple[int, int, int]:
-    """Item t -> (document, KV head, key block) by the arithmetic of sm90_device.locate_key_block
-    (cum: chunk_table(lengths, key_block))."""
-    d = _last_doc_at_or_before(t, lambda i: cum[i], len(cum) - 1, kv_heads)
-    nblk = cum[d + 1] - cum[d]
-    local = t - kv_heads * cum[d]
-    win = local // (window * nblk)
-    r = local - win * window * nblk
-    return d, win * window + r % window, r // window

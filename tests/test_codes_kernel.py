@@ -4,7 +4,7 @@ import re
 
 import pytest
 import torch
-from test_attention_bwd_kernel import _needs_sm90
+from test_attention_bwd_dsbf16_kernel import _needs_sm90
 
 try:
     from flamia_cute.codes_sm90 import CodesConfig, e4m3_codes_to_bf16, kernel_artifacts

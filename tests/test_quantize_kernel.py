@@ -1013,7 +1013,7 @@ def test_dv_fold_references_from_the_dout_launch(lengths, H, group):
     """preprocess_bwd(dv_ref_group=g): dO and D bitwise the plain launch's, and the (H / g, docs) dV fold
     references bitwise dv_fold_reference's (torch), with empty documents and all-zero dO rows."""
     from flamia_cute.attention_bwd_dsbf16_sm90 import dv_fold_reference
-    from flamia_cute.attention_bwd_sm90 import preprocess_bwd
+    from flamia_cute.bwd_common_sm90 import preprocess_bwd
 
     do, cu = _input(lengths, H, 128, seed=len(lengths) + group)
     o, _ = _input(lengths, H, 128, seed=200 + group)

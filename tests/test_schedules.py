@@ -110,18 +110,19 @@ def test_simulate_policies():
     kv_heads=st.sampled_from([1, 2, 4, 8]),
     window=st.sampled_from([1, 2, 4, 8]),
 )
-def test_backward_persistent_order_is_the_grid_order_without_empty_ctas(lengths, kv_heads, window):
-    """The persistent backward's items (schedules.backward_persistent_order, located by the arithmetic of
-    sm90_device.locate_key_block) are the grid build's non-empty CTAs in launch order: every (document,
-    KV head, key block) with keys exactly once, each window's key blocks longest first."""
-    from flamia_cute.attention_bwd_sm90 import backward_grid, backward_work_item
-    from flamia_cute.schedules.varlen_tiles import backward_persistent_order, chunk_table, locate_key_block_model
+def test_backward_grid_runs_every_key_block_once_windows_longest_first(lengths, kv_heads, window):
+    """The backward's "blocks" grid (bwd_common_sm90.backward_grid, backward_work_item): its non-empty
+    CTAs in launch order are documents in order, in each the KV heads in windows of `window`, a
+    window's key blocks from the first (the most query tiles) with its heads fastest: every (document,
+    KV head, key block) with keys exactly once."""
+    from flamia_cute.bwd_common_sm90 import backward_grid, backward_work_item
 
     if kv_heads % window:
         window = 1
-    order = backward_persistent_order(lengths, kv_heads, window)
-    cum = chunk_table(lengths, 128)
-    assert [locate_key_block_model(t, cum, kv_heads, window) for t in range(len(order))] == order
+    order = []
+    for d, n in enumerate(lengths):
+        for w0 in range(0, kv_heads, window):
+            order += [(d, w0 + h, b) for b in range((n + 127) // 128) for h in range(window)]
     n_blocks = max((n + 127) // 128 for n in lengths)
     gx, gy, gz = backward_grid("blocks", kv_heads, len(lengths), n_blocks, window)
     launched = []
@@ -132,7 +133,7 @@ def test_backward_persistent_order_is_the_grid_order_without_empty_ctas(lengths,
                 if blk * 128 < lengths[doc]:
                     launched.append((doc, head, blk))
     assert order == launched
-    assert len(set(order)) == len(order) == kv_heads * cum[-1]
+    assert len(set(order)) == len(order) == kv_heads * sum((n + 127) // 128 for n in lengths)
 
 
 @settings(max_examples=150, deadline=None)

@@ -79,17 +79,15 @@ def test_tune_rejects_unknown_recipe(capsys):
     assert main(["tune", "--dry-run", "--recipe", "mxfp8"]) == 2
 
 
-def test_dry_run_lists_the_quant_and_bwd_spaces(capsys):
-    # the e4m3-dS backward's space: tuned for the recipes that run it (the default runs the bf16-dS one)
+def test_dry_run_lists_the_quant_space_and_skips_an_emulated_backward(capsys):
+    # fp8_tokenblock's backward (e4m3 dS) is the emulator's: no backward kernel to tune
     assert main(["tune", "--dry-run", "--recipe", "fp8_tokenblock"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "quant search space (" in out and "shape d128_q16_kv16_tokenblock" in out
     assert "raster=chunks min_ctas_per_sm=0 heads_per_cta=[4, 4, 4]" in out
-    assert "bwd search space (" in out and "q_stages=1 qt_stages=1 vec_stages=3" in out
-    assert "pruned q_stages=2 qt_stages=2 vec_stages=3: BwdConfig.q_stages: shared memory" in out
-    assert main(["tune", "--dry-run", "--recipe", "fp8_tokenblock", "--kernels", "bwd"]) == 0
-    out = capsys.readouterr().out
-    assert "bwd search space (" in out and "fwd search space" not in out and "quant search space" not in out
+    assert "bwd" not in out and "has no backward kernel" in captured.err
+    assert main(["tune", "--dry-run", "--recipe", "fp8_tokenblock", "--kernels", "bwd"]) == 2
 
 
 def test_tune_rejects_unknown_kernels(capsys):
@@ -114,42 +112,24 @@ def test_quantize_space_starts_with_the_default_and_prunes_with_reasons():
     assert tuning.quantize_space(128, 16, 16, 1)[0][0][0] == qkv_config(128, 16, 16, 1)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_bwd_space_fits_shared_memory_and_starts_with_the_default(head_dim):
-    from flamia_cute.attention_bwd_sm90 import SMEM_LIMIT, BwdConfig, smem_bytes
-
-    keep, pruned = tuning.bwd_space(head_dim, 1, True)
-    assert keep[0] == (BwdConfig(head_dim=head_dim, diagonal_copy=True), "default")
-    assert all(smem_bytes(c) <= SMEM_LIMIT for c, _ in keep)
-    stages = [(c.stages_a, c.stages_b, c.vec_stages, c.raster) for c, _ in keep]
-    assert len(set(stages)) == len(stages) == (12 if head_dim == 64 else 3) + 1
-    assert [c for c, _ in keep if c.raster == "blocks"] == [dataclasses.replace(keep[0][0], raster="blocks")]
-    assert all("exceeds" in why for _, why in pruned) and (head_dim == 64) == (not pruned)
-
-
 def _defaults():
     from flamia_cute.attention_bwd_dsbf16_sm90 import BwdDsBf16Config
-    from flamia_cute.attention_bwd_sm90 import BwdConfig
     from flamia_cute.attention_fwd_sm90 import FwdConfig
     from flamia_cute.quantize_sm90 import qkv_config
 
-    return {"fwd": FwdConfig(head_dim=128, diagonal_copy=True), "bwd": BwdConfig(head_dim=128, diagonal_copy=True),
+    return {"fwd": FwdConfig(head_dim=128, diagonal_copy=True),
             "bwd_dsbf16": BwdDsBf16Config(head_dim=128, diagonal_copy=True), "quant": qkv_config(128, 16, 16, 128)}
 
 
 TUNED = {"fwd": {"kv_stages": 3, "tile_order": "longest_documents", "short_pairs": True},
-         "bwd": {"q_stages": 1, "qt_stages": 1, "vec_stages": 3, "raster": "blocks"},
-         "bwd_dsbf16": {"q_stages": 1, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": True,
-                        "exp_under_dp": False, "raster": "heads", "q_bf16_source": "convert",
-                        "dk_under_dq_store": False, "head_window": 1, "phase_prefetch": False,
-                        "persistent": False, "early_block_scales": False, "short_pairs": False},
+         "bwd_dsbf16": {"vec_stages": 3, "head_window": 1, "short_pairs": True},
          "quant": {"raster": "chunks", "min_ctas_per_sm": 0, "heads_per_cta": [2, 2, 2]}}
 
 
-@pytest.mark.parametrize("kernel", ["fwd", "bwd", "bwd_dsbf16", "quant"])
+@pytest.mark.parametrize("kernel", ["fwd", "bwd_dsbf16", "quant"])
 def test_lookup_returns_the_tuned_config_for_its_class_only(tmp_path, monkeypatch, kernel):
-    lookup = {"fwd": tuning.tuned_fwd_config, "bwd": tuning.tuned_bwd_config,
-              "bwd_dsbf16": tuning.tuned_bwd_dsbf16_config, "quant": tuning.tuned_quantize_config}[kernel]
+    lookup = {"fwd": tuning.tuned_fwd_config, "bwd_dsbf16": tuning.tuned_bwd_dsbf16_config,
+              "quant": tuning.tuned_quantize_config}[kernel]
     default = _defaults()[kernel]
     cache = TuningCache(KEY, tmp_path / "t.json")
     shape = "d128_q16_kv16_tokenblock" if kernel == "quant" else "d128_g1_tokenblock"
@@ -161,8 +141,8 @@ def test_lookup_returns_the_tuned_config_for_its_class_only(tmp_path, monkeypatc
     assert tuning.config_fields(kernel, tuned) == TUNED[kernel]
     assert lookup(default, 1024, 4096, 4) is tuned  # memoized: no config built per call
     assert lookup(default, 16384, 16384, 1) is default  # long-uniform: nothing tuned
-    # entries of another kernel are not used (the two backward kernels share shape names)
-    other = {"fwd": "quant", "bwd": "bwd_dsbf16", "bwd_dsbf16": "bwd", "quant": "bwd"}[kernel]
+    # entries of another kernel are not used (the forward and the backward share shape names)
+    other = {"fwd": "bwd_dsbf16", "bwd_dsbf16": "fwd", "quant": "fwd"}[kernel]
     other_default = _defaults()[other]
     assert tuning._tuned_config(other, other_default, 1024, 4096, 4) is other_default
     monkeypatch.setenv("FLAMIA_CUTE_NO_TUNING", "1")
@@ -183,15 +163,15 @@ def test_fwd_record_with_a_removed_field_is_ignored(tmp_path, monkeypatch):
 
 def test_lookup_ignores_an_unusable_entry(tmp_path, monkeypatch):
     cache = TuningCache(KEY, tmp_path / "t.json")
-    cache.put("bwd", "mid-uniform", "d128_g1_tokenblock", {"config": {"q_stages": 2, "qt_stages": 2}, "ms": 1.0,
-                                                           "default_ms": 1.0})  # over the smem limit
+    cache.put("bwd_dsbf16", "mid-uniform", "d128_g1_tokenblock", {"config": {"vec_stages": 4}, "ms": 1.0,
+                                                                  "default_ms": 1.0})  # not a valid config
     monkeypatch.setattr(tuning, "_loaded", {"cache": cache})
-    default = _defaults()["bwd"]
-    with pytest.warns(UserWarning, match="ignoring tuned bwd config"):
-        assert tuning.tuned_bwd_config(default, 1024, 4096, 4) is default
+    default = _defaults()["bwd_dsbf16"]
+    with pytest.warns(UserWarning, match="ignoring tuned bwd_dsbf16 config"):
+        assert tuning.tuned_bwd_dsbf16_config(default, 1024, 4096, 4) is default
 
 
-@pytest.mark.parametrize("kernel", ["fwd", "bwd", "bwd_dsbf16", "quant"])
+@pytest.mark.parametrize("kernel", ["fwd", "bwd_dsbf16", "quant"])
 def test_every_kept_config_round_trips_through_the_cache_fields(kernel):
     keep, _ = tuning.search_space(kernel, 128, 16, 16, 128)
     default = keep[0][0]
@@ -216,7 +196,7 @@ def test_tune_loop_keeps_the_best_skips_failures_and_reuses_the_cache(tmp_path, 
     monkeypatch.setattr(TuningKey, "current", classmethod(lambda cls: KEY))
     monkeypatch.setenv("FLAMIA_CUTE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(bench.Case, "build", lambda self, seed=0: self)
-    keeps = {k: [c for c, _ in tuning.search_space(k, 128, 16, 16, 128)[0]] for k in tuning.TUNED_KERNELS}
+    keeps = {k: [c for c, _ in tuning.search_space(k, 128, 16, 16, 128)[0]] for k in ("fwd", "quant")}
 
     layouts = []  # the ds_bf16 flag of each _kernel_calls: the recipe's quantization layouts
 
@@ -234,31 +214,31 @@ def test_tune_loop_keeps_the_best_skips_failures_and_reuses_the_cache(tmp_path, 
 
     monkeypatch.setattr(tuning, "_kernel_calls", fake_calls)
     monkeypatch.setattr(bench, "_time_calls", lambda fn, n_sets, device, reps, **kw: fn(0))
+    # fp8_tokenblock: its backward is the emulator's, so fwd and quant only (the bf16-dS backward's
+    # tune: test_tune_loop_records_the_automatic_window)
     argv = ["tune", "--only", "16x1k,4x4k", "--reps", "1", "--recipe", "fp8_tokenblock"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     entries = json.loads(next((tmp_path / "tuning").glob("*.json")).read_text())["entries"]
-    assert sorted(entries) == ["bwd", "fwd", "quant"]
-    for k, shape in (("fwd", "d128_g1_tokenblock"), ("bwd", "d128_g1_tokenblock"),
-                     ("quant", "d128_q16_kv16_tokenblock")):
+    assert sorted(entries) == ["fwd", "quant"]
+    for k, shape in (("fwd", "d128_g1_tokenblock"), ("quant", "d128_q16_kv16_tokenblock")):
         rec = entries[k][f"{shape}/mid-uniform"]
         assert rec["config"] == tuning.config_fields(k, keeps[k][-1]) and rec["ms"] == 0.5
         assert rec["default_ms"] == 1.0 and rec["workload"] == "16x1k"
         assert list(rec["failed"]) == [tuning.config_label(k, keeps[k][1])]
         assert len(rec["all"]) == len(keeps[k]) - 1
         assert f"{k:6s} 16x1k" in out and f"{k:6s} 4x4k " in out  # 4x4k: same class, cached
-    assert _statuses(out) == ["tuned"] * 3 + ["cached"] * 3 and "2.00x" in out
-    assert main(argv + ["--kernels", "bwd"]) == 0
+    assert _statuses(out) == ["tuned"] * 2 + ["cached"] * 2 and "2.00x" in out
+    assert main(argv + ["--kernels", "fwd"]) == 0
     assert _statuses(capsys.readouterr().out) == ["cached", "cached"]
-    assert main(argv + ["--kernels", "bwd", "--force"]) == 0
+    assert main(argv + ["--kernels", "fwd", "--force"]) == 0
     assert _statuses(capsys.readouterr().out) == ["tuned", "cached"]
-    assert layouts and not any(layouts)  # fp8_tokenblock's backward reads every layout
+    assert layouts and not any(layouts)  # fp8_tokenblock's (emulated) backward: every layout
     assert main(["tune", "--only", "16x1k", "--reps", "1", "--kernels", "quant", "--force"]) == 0
     assert layouts[-1] is True  # the default recipe (bf16 dS) launches fewer: those are timed
     assert main(["tune", "--print"]) == 0
     out = capsys.readouterr().out
-    for line in ("fwd d128_g1_tokenblock/mid-uniform:", "bwd d128_g1_tokenblock/mid-uniform:",
-                 "quant d128_q16_kv16_tokenblock/mid-uniform: {'raster'"):
+    for line in ("fwd d128_g1_tokenblock/mid-uniform:", "quant d128_q16_kv16_tokenblock/mid-uniform: {'raster'"):
         assert line in out
 
 
@@ -310,7 +290,7 @@ def test_short_real_tune_then_fresh_process_uses_it(tmp_path):
 
 def test_bf16_ds_recipe_tunes_its_own_backward(capsys):
     """fp8_tokenblock_dsbf16 (the default) runs the bf16-dS backward kernel: `--kernels bwd` searches
-    that kernel's space (BwdDsBf16Config), not the e4m3-dS one's, whose entries it would never read."""
+    that kernel's space (BwdDsBf16Config)."""
     for argv in (["tune", "--dry-run"], ["tune", "--dry-run", "--recipe", "fp8_tokenblock_dsbf16"]):
         assert main(argv) == 0
         out = capsys.readouterr().out
@@ -323,48 +303,23 @@ def test_bf16_ds_recipe_tunes_its_own_backward(capsys):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_bwd_dsbf16_space(head_dim):
-    """Default first; every effective config (stages, dQ path, prefetch, split S^T/dP^T waits) once;
-    nothing kept that exceeds shared memory or is known to spill (the prefetch at d128); the default
-    also with one S^T/dP^T wait (d128), in the heads CTA order and with Q's bf16 codes the other way;
-    every kept config round-trips through its cache fields."""
+    """The default first, then three vector stages, every head window dividing the KV heads, and short
+    pairs toggled where the build takes them (d128); each once, each round-trips through its cache
+    fields."""
+    pytest.importorskip("cutlass")
     from flamia_cute.attention_bwd_dsbf16_sm90 import SMEM_LIMIT, BwdDsBf16Config, smem_bytes
 
-    keep, pruned = tuning.bwd_dsbf16_space(head_dim, 2, True)
+    keep, pruned = tuning.bwd_dsbf16_space(head_dim, 2, True, num_kv_heads=8)
     default = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=2, diagonal_copy=True)
-    assert keep[0] == (default, "default")
-    eff = [(c.q_stages, c.vec_stages, c.dq_tma_reduce, c.prefetch_sdp, c.exp_under_dp, c.raster, c.q_bf16_source,
-            c.dk_under_dq_store, c.head_window, c.phase_prefetch, c.persistent, c.early_block_scales) for c, _ in keep
-           if not c.short_pairs]
-    assert len(set(eff)) == len(eff) and all(smem_bytes(c) <= SMEM_LIMIT for c, _ in keep)
-    # the default with two short documents per CTA, where its build takes them (not d64's prefetch)
-    assert [c for c, _ in keep if c.short_pairs] == ([dataclasses.replace(default, short_pairs=True)]
-                                                     if head_dim == 128 else [])
-    assert {e[2] for e in eff} == {True, False} and {e[0] for e in eff} == {1, 2, 3}
-    assert not any(e[3] and e[4] for e in eff)  # the prefetch with split S^T/dP^T waits
-    if head_dim == 128:  # the late phase change once, beside the default's early one
-        assert [c for c, _ in keep if not c.phase_prefetch] == [dataclasses.replace(default, phase_prefetch=False)]
-    else:  # d64's S^T/dP^T prefetch reads the stage after the last diagonal tile: no early release
-        assert not default.phase_prefetch and not any(c.phase_prefetch and c.prefetch_sdp for c, _ in keep)
-    windows = [c.head_window for c, _ in tuning.bwd_dsbf16_space(head_dim, 2, True, num_kv_heads=8)[0]]
-    assert sorted(set(windows)) == [1, 2, 4, 8] and windows.count(8) == 1
-    assert [c for c, _ in keep if c.q_bf16_source != default.q_bf16_source and c.q_stages == default.q_stages] \
-        == [dataclasses.replace(default, q_bf16_source="convert")]
-    assert [c for c, _ in keep if c.raster == "heads"] == [dataclasses.replace(default, raster="heads")]
+    want = [default, dataclasses.replace(default, vec_stages=3)]
+    want += [dataclasses.replace(default, head_window=w) for w in (2, 4, 8)]
+    want += [dataclasses.replace(default, short_pairs=True)] if head_dim == 128 else []
+    assert [c for c, _ in keep] == want and keep[0][1] == "default" and not pruned
+    assert all(smem_bytes(c) <= SMEM_LIMIT for c, _ in keep)
     for c, _ in keep:
         assert tuning.config_from_fields("bwd_dsbf16", default, tuning.config_fields("bwd_dsbf16", c)) == c
-    if head_dim == 128:
-        assert (2, 2, True, False, False, "blocks", "tma", True, 1, True, False, True) in eff
-        assert (2, 2, True, False, True, "blocks", "tma", True, 1, True, False, True) in eff
-        assert (2, 2, True, False, True, "blocks", "tma", False, 1, True, False, True) in eff
-        # the persistent build once, and the default with phase 1's block scales loaded late
-        assert [c for c, _ in keep if c.persistent] == [dataclasses.replace(default, persistent=True,
-                                                                            early_block_scales=False)]
-        assert default.early_block_scales and dataclasses.replace(default, early_block_scales=False) in [
-            c for c, _ in keep]
-        assert not any(e[3] for e in eff)
-        assert any("slower at d128" in why for _, why in pruned) and any("shared memory" in why for _, why in pruned)
-    else:  # d64's prefetch: no persistent build, and the block scales at the phase change
-        assert not default.early_block_scales and not any(c.persistent for c, _ in keep)
+    assert [c.head_window for c, _ in tuning.bwd_dsbf16_space(head_dim, 2, True, num_kv_heads=6)[0]] == \
+        [1, 1, 2] + ([1] if head_dim == 128 else [])
 
 
 def test_api_backward_config_follows_the_tuned_bwd_dsbf16_entry(tmp_path, monkeypatch):
@@ -382,29 +337,27 @@ def test_api_backward_config_follows_the_tuned_bwd_dsbf16_entry(tmp_path, monkey
     kq = QuantizedTHD(torch.zeros(T, H, D, dtype=torch.float8_e4m3fn), None, torch.ones(H, T), 128, "e4m3")
     cu = torch.tensor([0, 1024, 2048, 3072, 4096], dtype=torch.int32)
     monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "0")
-    cfg = backward_config(qq, kq, kq, cu, 1024, ds_bf16=True)
+    cfg = backward_config(qq, kq, kq, cu, 1024)
     assert tuning.config_fields("bwd_dsbf16", cfg) == TUNED["bwd_dsbf16"]
-    # the e4m3-dK recipe takes the same record, with Q^T by TMA (the record's Q source is "convert")
-    dk8 = backward_config(qq, kq, kq, cu, 1024, ds_bf16=True, dk_e4m3=True)
-    assert dk8.dk_e4m3 and dk8.q_bf16_source == "tma" and not dk8.persistent
-    assert (dk8.q_stages, dk8.vec_stages, dk8.raster) == (cfg.q_stages, cfg.vec_stages, cfg.raster)
     monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1")
-    cfg = backward_config(qq, kq, kq, cu, 1024, ds_bf16=True)
-    assert cfg.deterministic and not cfg.dq_tma_reduce and cfg.q_stages == 2
+    cfg = backward_config(qq, kq, kq, cu, 1024)
+    assert cfg.deterministic and not cfg.dq_tma_reduce and cfg.vec_stages == 2 and not cfg.short_pairs
 
 
-def test_bwd_dsbf16_records_from_before_q_bf16_source_still_load():
-    """A cached bf16-dS record without q_bf16_source (written before session 8) gets that field's
-    automatic choice for its own stages: 3 query stages at d128 do not fit the bf16 Q copy."""
+def test_bwd_dsbf16_records_of_removed_fields_are_ignored(tmp_path, monkeypatch):
+    """A bf16-dS record written with fields the config no longer has (q_stages, raster, persistent, ...)
+    is not applied: the lookup warns and runs the default."""
     pytest.importorskip("cutlass")
-    keep, _ = tuning.search_space("bwd_dsbf16", 128, 16, 16, 128)
-    default = keep[0][0]
-    old = {"q_stages": 3, "vec_stages": 2, "dq_tma_reduce": False, "prefetch_sdp": False, "exp_under_dp": True,
-           "raster": "blocks"}
-    cfg = tuning.config_from_fields("bwd_dsbf16", default, old)
-    assert (cfg.q_stages, cfg.q_bf16_source) == (3, "convert")
-    assert tuning.config_from_fields("bwd_dsbf16", default, dict(old, q_stages=2)).q_bf16_source == "tma"
-    assert {c.q_bf16_source for c, _ in keep} == {"tma", "convert"}
+    old = {"q_stages": 2, "vec_stages": 3, "dq_tma_reduce": True, "prefetch_sdp": False, "exp_under_dp": True,
+           "raster": "blocks", "q_bf16_source": "tma", "dk_under_dq_store": True, "head_window": 1,
+           "phase_prefetch": True, "persistent": False, "early_block_scales": True, "short_pairs": False}
+    cache = TuningCache(KEY, tmp_path / "t.json")
+    cache.put("bwd_dsbf16", "mid-uniform", "d128_g1_tokenblock", {"config": old, "ms": 1.0, "default_ms": 1.0})
+    monkeypatch.setattr(tuning, "_loaded", {"cache": cache})
+    monkeypatch.delenv("FLAMIA_CUTE_NO_TUNING", raising=False)
+    default = _defaults()["bwd_dsbf16"]
+    with pytest.warns(UserWarning, match="ignoring tuned bwd_dsbf16 config"):
+        assert tuning.tuned_bwd_dsbf16_config(default, 1024, 4096, 4) is default
 
 
 def test_workload_space_starts_from_the_untuned_default():
@@ -416,13 +369,12 @@ def test_workload_space_starts_from_the_untuned_default():
     assert keep[0][0] in [c for c, _ in short[1:]] and len({c for c, _ in short}) == len(short) == len(keep)
     assert tuning.workload_space("bwd_dsbf16", keep, 16, 16384)[0][0] == keep[0][0]
     assert tuning.workload_space("fwd", keep, 16, 1024) is keep
-    assert [c.head_window for c, _ in short if c.persistent] == [16]  # the persistent build in the same order
 
 
 def test_bwd_dsbf16_auto_window_stays_per_call(tmp_path, monkeypatch):
     """A bf16-dS record whose head window is the one its tuned workload's length picks stores it as
     "auto", and each call of the class then gets its own length's window (16x1k: 16, 4x4k: 4; one
-    class, mid-uniform: a stored 16 cost 4x4k's backward +4.5%, run s21c); any other window is kept."""
+    class, mid-uniform: a stored 16 slowed 4x4k's backward); any other window is kept."""
     pytest.importorskip("cutlass")
     from flamia_cute.attention_bwd_dsbf16_sm90 import BwdDsBf16Config
 
@@ -432,7 +384,7 @@ def test_bwd_dsbf16_auto_window_stays_per_call(tmp_path, monkeypatch):
     assert auto_cfg.head_window == 16
     rec = tuning.record_fields("bwd_dsbf16", auto_cfg, 16, 1024)
     assert rec["head_window"] == tuning.AUTO_WINDOW
-    plain = next(c for c, _ in space if c.head_window == 1 and not c.persistent)
+    plain = next(c for c, _ in space if c.head_window == 1)
     assert tuning.record_fields("bwd_dsbf16", plain, 16, 1024)["head_window"] == 1
     assert tuning.record_fields("fwd", _defaults()["fwd"], 16, 1024) == tuning.config_fields("fwd", _defaults()["fwd"])
     rec = dict(rec, vec_stages=3)  # a tuned field besides the window: the record is applied, not ignored
@@ -462,25 +414,9 @@ def test_tune_loop_records_the_automatic_window(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench.Case, "build", lambda self, seed=0: self)
     # the untuned default (the automatic window) is the fastest
     monkeypatch.setattr(tuning, "_kernel_calls", lambda case, block, kernels, ds_bf16: {
-        k: ((lambda cfg, i: 1.0 if cfg.head_window == 16 and not cfg.persistent else 2.0), 1) for k in kernels})
+        k: ((lambda cfg, i: 1.0 if cfg.head_window == 16 else 2.0), 1) for k in kernels})
     monkeypatch.setattr(bench, "_time_calls", lambda fn, n_sets, device, reps, **kw: fn(0))
     assert main(["tune", "--only", "16x1k", "--reps", "1", "--kernels", "bwd"]) == 0
     entries = json.loads(next((tmp_path / "tuning").glob("*.json")).read_text())["entries"]
     assert entries["bwd_dsbf16"]["d128_g1_tokenblock/mid-uniform"]["config"]["head_window"] == tuning.AUTO_WINDOW
     assert "head_window=auto" in capsys.readouterr().out
-
-
-def test_bwd_dsbf16_records_from_before_short_pairs_keep_the_calls_choice():
-    """A bf16-dS record written before session 22 lacks short_pairs: a call that pairs its documents
-    keeps pairing where the record's build takes pairs, and drops them where it cannot (persistent)."""
-    pytest.importorskip("cutlass")
-    from flamia_cute.attention_bwd_dsbf16_sm90 import BwdDsBf16Config
-
-    paired = BwdDsBf16Config(head_dim=128, diagonal_copy=True, short_pairs=True)
-    old = {k: v for k, v in tuning.config_fields("bwd_dsbf16", paired).items() if k != "short_pairs"}
-    assert tuning.config_from_fields("bwd_dsbf16", paired, {**old, "vec_stages": 3}).short_pairs
-    persistent = tuning.config_from_fields("bwd_dsbf16", paired, {**old, "persistent": True,
-                                                                  "early_block_scales": False})
-    assert persistent.persistent and not persistent.short_pairs
-    plain = dataclasses.replace(paired, short_pairs=False)
-    assert not tuning.config_from_fields("bwd_dsbf16", plain, old).short_pairs

@@ -1,0 +1,173 @@
+"""Device helpers of the sm_90a backward kernel (attention_bwd_dsbf16_sm90): the per-query vectors,
+the key rows' scales and bf16 epilogue, the dQ accumulator's atomic adds and the deterministic
+mode's turn counters, with the PTX memory-ordering primitives they use.
+
+Plain functions over DSL values, traced into the kernel that calls them (the kernel lists this file in
+its compile-cache sources).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int64, Uint32
+
+from .sm90_device import cvt_bf16x2, ptx, quad_transpose4, st_global_v4
+
+LOG2E = math.log2(math.e)
+
+
+def _red_add_v2_f32(addr, x, y):
+    """Two adjacent fp32 atomic adds in one instruction (sm_90: red.global.add.v2.f32, 8-byte aligned)."""
+    ptx("red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f,~{memory}", [Int64(addr), Float32(x), Float32(y)],
+        result=None, side_effects=True)
+
+
+def ld_acquire_gpu_u32(addr):
+    """Load with acquire semantics at GPU scope (the semaphore read of deterministic dQ)."""
+    return ptx("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l,~{memory}", [Int64(addr)], side_effects=True)
+
+
+def red_release_gpu_add_u32(addr, x):
+    """Atomic add with release semantics at GPU scope (hands the next key block its turn)."""
+    ptx("red.release.gpu.global.add.u32 [$0], $1;", "l,r,~{memory}", [Int64(addr), Uint32(x)], result=None,
+        side_effects=True)
+
+
+def fence_acq_rel_gpu():
+    ptx("fence.acq_rel.gpu;", "~{memory}", [], result=None, side_effects=True)
+
+
+def nanosleep(ns: int):
+    ptx("nanosleep.u32 $0;", "r,~{memory}", [Uint32(ns)], result=None, side_effects=True)
+
+
+def atom_add_relaxed_gpu_u32(addr, x):
+    """Atomic add at GPU scope, relaxed; returns the old value (a dQ tile's claim: who arrives first, and
+    whether the first one's flag is up). Relaxed, so the warp does not wait for it where it is issued
+    (an acquire atomic makes ptxas wait for its result and invalidate L1 right there)."""
+    return ptx("atom.relaxed.gpu.global.add.u32 $0, [$1], $2;", "=r,l,r,~{memory}", [Int64(addr), Uint32(x)],
+               side_effects=True)
+
+
+def fence_proxy_async_global():
+    """Orders this thread's generic-proxy accesses of global memory with its async-proxy ones (TMA):
+    a TMA reduce-add after an acquire sees what the release published, and a TMA store's completed
+    writes are ordered before a later release."""
+    ptx("fence.proxy.async.global;", "~{memory}", [], result=None, side_effects=True)
+
+
+@cute.jit
+def store_query_vectors(sVec, col, st, q, doc_start, doc_len, hq, mSQ, mLSE, mDelta, mSdO, scale_log2):
+    """Column `col` of a query tile's vectors in stage st of sVec (query q of the document, head hq):
+    0 sq * softmax_scale * log2e, 1 lse * log2e (+inf past the document end: P = 0 there), 2 D =
+    rowsum(dO * O), 3 the dO scale (0 past the end), 4 sq. Returns the dO scale."""
+    a_ = Float32(0.0)
+    b_ = Float32.inf
+    d_ = Float32(0.0)
+    w_ = Float32(0.0)
+    s_ = Float32(0.0)
+    if q < doc_len:
+        s_ = mSQ[doc_start + q, hq]
+        a_ = s_ * scale_log2
+        b_ = mLSE[doc_start + q, hq] * Float32(LOG2E)
+        d_ = mDelta[doc_start + q, hq]
+        w_ = mSdO[doc_start + q, hq]
+    sVec[col, 0, st] = a_
+    sVec[col, 1, st] = b_
+    sVec[col, 2, st] = d_
+    sVec[col, 3, st] = w_
+    sVec[col, 4, st] = s_
+    return w_
+
+
+@cute.jit
+def load_row_scales(rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, key0):
+    """rsc = (sk(row 0), sk(row 1), sv(row 0), sv(row 1)) of this thread's key rows krow of the block
+    starting at key0 (0 past the document end)."""
+    for v1 in cutlass.range_constexpr(2):
+        key = key0 + krow[v1]
+        sk = Float32(0.0)
+        sv = Float32(0.0)
+        if key < doc_len:
+            sk = mSK[doc_start + key, kv_head]
+            sv = mSV[doc_start + key, kv_head]
+        rsc[v1] = sk
+        rsc[2 + v1] = sv
+
+
+@cute.jit
+def store_key_rows_bf16(mdX, pair, krow, key0, doc_start, doc_len, kv_head, D: cutlass.Constexpr,
+                        n_acc: cutlass.Constexpr):
+    """Epilogue of an m64nD key-row accumulator (dK or dV of one consumer warpgroup): bf16 rows with
+    16-byte stores. pair(i0) gives the fp32 values of accumulator indices i0, i0 + 1 (scaled as
+    the caller needs); krow[v1]: the thread's key rows in the block starting at key0; rows at or
+    past doc_len are not stored. The quad transpose makes each lane's 8 columns contiguous."""
+    lane = cute.arch.lane_idx()
+    quad = lane % 4
+    odd_lane = quad % 2 == 1
+    hi_lane = quad >= 2
+
+    def shfl_xor(x, k):
+        return Uint32(cute.arch.shuffle_sync_bfly(x, offset=k))
+
+    def sel(c, a, b):
+        return Uint32(cutlass.select_(c, a, b))
+
+    row_stride = mdX.stride[0]  # Hk * D elements
+    base = mdX.iterator.toint()
+    for v1 in cutlass.range_constexpr(2):
+        key = key0 + krow[v1]
+        row_addr = base + (Int64(doc_start + key) * Int64(row_stride) + Int64(kv_head * D + 8 * quad)) * 2
+        for G in cutlass.range_constexpr(n_acc // 16):
+            w = []
+            for jj in cutlass.range_constexpr(4):
+                x0, x1 = pair(2 * v1 + 4 * (4 * G + jj))
+                w.append(cvt_bf16x2(x0, x1))
+            ow = quad_transpose4(w, odd_lane, hi_lane, shfl_xor, sel)
+            if key < doc_len:
+                st_global_v4(row_addr + 64 * G, ow)
+
+
+@cute.jit
+def add_dq_tile(mdQ, acc, tScQ, q0, d0, doc_start, doc_len, hq, D: cutlass.Constexpr, row_scale):
+    """red.global.add.v2.f32 of an m64nN query-row accumulator into the fp32 dQ accumulator
+    (T, H, D): tScQ gives each value's (query row, column); the row's query is q0 + row, its
+    columns start at d0; row_scale(row) multiplies the row (the dS scale and softmax_scale)."""
+    base = mdQ.iterator.toint()
+    row_stride = mdQ.stride[0]  # H * D
+    n_acc = cute.size(acc)
+    for v1 in cutlass.range_constexpr(2):
+        qr = tScQ[2 * v1][0]
+        f = row_scale(qr)
+        q = q0 + qr
+        if q < doc_len:
+            row_addr = base + (Int64(doc_start + q) * Int64(row_stride) + Int64(hq * D + d0)) * 4
+            for j in cutlass.range_constexpr(n_acc // 4):
+                a = 2 * v1 + 4 * j
+                _red_add_v2_f32(row_addr + 4 * tScQ[a][1], acc[a] * f, acc[a + 1] * f)
+
+
+@cute.jit
+def dq_turn_wait(mSem, hq, doc, m, n_blk, tidx, tiles_per_block: cutlass.Constexpr):
+    """Deterministic dQ: wait until key blocks 0 .. n_blk-1 have added to query tile m of head hq
+    (one counter per (query head, document, query tile); tiles_per_block query tiles per key
+    block); returns the counter's address for dq_turn_pass."""
+    _, n_docs, n_blocks = cute.arch.grid_dim()
+    sem_addr = mSem.iterator.toint() + Int64((hq * n_docs + doc) * (n_blocks * tiles_per_block) + m) * 4
+    if tidx == 128:
+        while ld_acquire_gpu_u32(sem_addr) != Uint32(n_blk):
+            nanosleep(64)
+    cute.arch.barrier(barrier_id=3, number_of_threads=256)
+    return sem_addr
+
+
+@cute.jit
+def dq_turn_pass(sem_addr, tidx):
+    """Deterministic dQ: every thread's additions are visible GPU-wide, then the next key block's turn."""
+    fence_acq_rel_gpu()
+    cute.arch.barrier(barrier_id=3, number_of_threads=256)
+    if tidx == 128:
+        red_release_gpu_add_u32(sem_addr, 1)
