@@ -53,7 +53,7 @@ def blackwell_demo(on_gpu: bool) -> int:
     """The sm_100a MXFP8 forward's tile model against the emulator, its leakage (and the no-safeguard
     control's); on an sm_90 GPU the fused MX quantization against its torch specification."""
     try:
-        from .attention_fwd_sm100 import (
+        from .sm100.attention_fwd import (
             TILE_MODEL_LSE_ABS,
             TILE_MODEL_REL_L2,
             reference_attention_fn,
@@ -83,7 +83,7 @@ def blackwell_demo(on_gpu: bool) -> int:
         print(f"  {label:22s} {str(rep).splitlines()[0]}  ({'leak-free' if must_pass else 'control'}: "
               f"{'as expected' if rep.ok == must_pass else 'UNEXPECTED'})")
     if on_gpu and torch.cuda.get_device_capability() == (9, 0):
-        from .quantize_mx_sm100 import quantize_mx_forward
+        from .sm100.quantize_mx import quantize_mx_forward
 
         qg, kg, vg, cug = (t.cuda() for t in (q, k, v, cu))
         got, want = quantize_mx_forward(qg, kg, vg, cug), pack_mx_forward_operands(qg, kg, vg, cug)

@@ -90,14 +90,14 @@ def _qkv_launch(Hq: int, Hk: int, D: int, recipe: str):
     """The layouts of a kernel recipe's Q/K/V launch in a training call (quantize_sm90.qkv_config with
     cute_backend.launch_layouts; tuning changes no layout)."""
     from .cute_backend import bf16_ds_backward, launch_layouts, layout_block
-    from .quantize_sm90 import qkv_config
+    from .sm90.quantize import qkv_config
 
     return launch_layouts(qkv_config(D, Hq, Hk, layout_block(_kernel_block(recipe))), ds_bf16=bf16_ds_backward(recipe))
 
 
 def _qkv_plan(T: int, num_docs: int, Hq: int, Hk: int, D: int, recipe: str):
     """The byte plan of a kernel recipe's Q/K/V launch (_qkv_launch)."""
-    from .quantize_sm90 import _layout_outputs
+    from .sm90.quantize import _layout_outputs
 
     return _layout_outputs(_qkv_launch(Hq, Hk, D, recipe), T, transposed_tokens(T, num_docs))
 
@@ -168,7 +168,7 @@ def _unpack_kernel(saved, recipe: str, T: int, num_docs: int, Hq: int):
     """The QuantizedTHD views of the saved buffer: (qq, kq, vq, kt, vt); kt, vt None unless the recipe's
     K/V blocks are > 1 token; layouts its launch does not write are None."""
     from .quant import output_views
-    from .quantize_sm90 import quantized_outputs
+    from .sm90.quantize import quantized_outputs
 
     buf, k_shape = saved[1], saved[2]
     Hk, D = k_shape.shape[1], k_shape.shape[2]

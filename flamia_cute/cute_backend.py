@@ -77,7 +77,7 @@ def launch_layouts(cfg, forward_only: bool = False, ds_bf16: bool = False):
     """A Q/K/V launch config reduced to the layouts that will be read: the forward's only
     (forward_only), which are also all that the bf16-dS backward reads (ds_bf16), or all (the other
     recipes' emulated backward). Layouts only: the tuned launch settings stay."""
-    from .quantize_sm90 import forward_only as forward_only_config
+    from .sm90.quantize import forward_only as forward_only_config
 
     return forward_only_config(cfg) if forward_only or ds_bf16 else cfg
 
@@ -100,7 +100,7 @@ def quantize_launch_config(head_dim: int, heads_q: int, heads_kv: int, block: in
                            total_tokens: int, num_docs: int, forward_only: bool = False, ds_bf16: bool = False):
     """The Q/K/V launch's MultiQuantizeConfig: tuned for the workload (not PER_TENSOR, which torch
     quantizes), reduced to the layouts that will be read (launch_layouts); memoized."""
-    from .quantize_sm90 import qkv_config
+    from .sm90.quantize import qkv_config
     from .tuning import tuned_quantize_config
 
     def build():
@@ -119,7 +119,7 @@ def quantize_operands(q, k, v, cu, block: int, max_seqlen: int, forward_only: bo
     forward_only: only the orientations the forward reads (quantize_sm90.forward_only); ds_bf16: the
     same, all that the bf16-dS backward reads too (launch_layouts). What is not
     written is None in the result."""
-    from .quantize_sm90 import fused_quantize_multi_sm90
+    from .sm90.quantize import fused_quantize_multi_sm90
 
     cfg = quantize_launch_config(q.shape[2], q.shape[1], k.shape[1], block, max_seqlen, q.shape[0], cu.numel() - 1,
                                  forward_only, ds_bf16)
@@ -134,7 +134,7 @@ def _quantize_operands_per_tensor(q, k, v, cu, cfg):
     out as the fused launch `cfg` (per token) lays it out, so the kernels and the custom op's saved buffer
     treat it as theirs. torch ops, not a fused kernel: this recipe is the control, not the product."""
     from .quant import transposed_tokens
-    from .quantize_sm90 import _alloc_outputs, quantized_outputs
+    from .sm90.quantize import _alloc_outputs, quantized_outputs
 
     sets = _alloc_outputs(cfg, q.shape[0], transposed_tokens(q.shape[0], cu.numel() - 1), q.device)
     for x, part, ps in zip((q, k, v), cfg.parts, sets, strict=True):
@@ -149,7 +149,7 @@ def _quantize_operands_per_tensor(q, k, v, cu, cfg):
 def forward_config(head_dim: int, heads_q: int, heads_kv: int, max_seqlen: int, total_tokens: int, num_docs: int,
                    block: int):
     """The forward kernel's FwdConfig for a call (tuned for its workload class); memoized."""
-    from .attention_fwd_sm90 import FwdConfig, short_pairs_default
+    from .sm90.attention_fwd import FwdConfig, short_pairs_default
     from .tuning import tuned_fwd_config
 
     def build():
@@ -165,7 +165,7 @@ def forward_kernels(q, k, v, cu, max_seqlen, softmax_scale, block, forward_only:
     """Quantize + forward kernel. Returns (out bf16, lse (H, T) fp32, saved quantized operands);
     forward_only: a call that needs no backward (the saved operands lack the backward's layouts);
     ds_bf16: the backward to come is the bf16-dS kernel (no Q^T, K^T: launch_layouts)."""
-    from .attention_fwd_sm90 import flamia_fwd_sm90
+    from .sm90.attention_fwd import flamia_fwd_sm90
 
     cfg = forward_config(q.shape[2], q.shape[1], k.shape[1], max_seqlen, q.shape[0], cu.numel() - 1, block)
     qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, block, max_seqlen, forward_only, ds_bf16)
@@ -206,8 +206,8 @@ def backward_config(qq, kq, kt, cu, max_seqlen):
 
 
 def _backward_config(qq, kq, kt, cu, max_seqlen):
-    from .attention_bwd_dsbf16_sm90 import default_config, short_pairs_supported
     from .schedules.varlen_tiles import short_pairs_worth
+    from .sm90.attention_bwd import default_config, short_pairs_supported
     from .tuning import tuned_bwd_dsbf16_config
 
     if deterministic_backward():  # the ordered atomics path, untuned
@@ -223,8 +223,8 @@ def _backward_config(qq, kq, kt, cu, max_seqlen):
 def backward_kernels(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale, block: int = 1):
     """The sm_90a backward kernel (bf16 dS) from the forward's saved operands (see backward_config);
     block: the recipe's KERNEL_RECIPES entry (PER_TENSOR quantizes dO with one scale, and D by torch)."""
-    from .attention_bwd_dsbf16_sm90 import flamia_bwd_dsbf16_sm90_from_saved
-    from .quantize_sm90 import dout_config
+    from .sm90.attention_bwd import flamia_bwd_dsbf16_sm90_from_saved
+    from .sm90.quantize import dout_config
 
     cfg = backward_config(qq, kq, kt, cu, max_seqlen)
     kw = {}

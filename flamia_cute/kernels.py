@@ -78,25 +78,25 @@ ATTENTION_CONFIGS = {
 KERNELS = {
     k.name: k
     for k in (
-        KernelEntry("quantize", ("sm_90a",), "flamia_cute.quantize_sm90", "QuantizeConfig", {
+        KernelEntry("quantize", ("sm_90a",), "flamia_cute.sm90.quantize", "QuantizeConfig", {
             "token_d128": dict(head_dim=128, num_heads=16, block_tokens=1),
             "tokenblock_d128": dict(head_dim=128, num_heads=16, block_tokens=128, emit_token_copy=True),
             "tokenblock_d64": dict(head_dim=64, num_heads=32, block_tokens=128, emit_token_copy=True),
             "tokenblock_d256": dict(head_dim=256, num_heads=8, block_tokens=128, emit_token_copy=True),
             "dout_delta_d128": dict(head_dim=128, num_heads=16, block_tokens=1, dt_pv_order=True, emit_rowdot=True),
         }),
-        KernelEntry("fwd", ("sm_90a",), "flamia_cute.attention_fwd_sm90", "FwdConfig", ATTENTION_CONFIGS),
+        KernelEntry("fwd", ("sm_90a",), "flamia_cute.sm90.attention_fwd", "FwdConfig", ATTENTION_CONFIGS),
         # the backward (bf16 dS: recipe fp8_tokenblock_dsbf16 and its per-token variant)
-        KernelEntry("bwd_dsbf16", ("sm_90a",), "flamia_cute.attention_bwd_dsbf16_sm90", "BwdDsBf16Config",
+        KernelEntry("bwd_dsbf16", ("sm_90a",), "flamia_cute.sm90.attention_bwd", "BwdDsBf16Config",
                     ATTENTION_CONFIGS),
         # Q's e4m3 codes as bf16 for the backward's dK operand
-        KernelEntry("codes", ("sm_90a",), "flamia_cute.codes_sm90", "CodesConfig", {"default": {}}),
+        KernelEntry("codes", ("sm_90a",), "flamia_cute.sm90.codes", "CodesConfig", {"default": {}}),
         # Blackwell: the MXFP8 forward on block-scaled tcgen05 (compile-only here: no sm_100 GPU)
-        KernelEntry("fwd_mx", ("sm_100a",), "flamia_cute.attention_fwd_sm100", "FwdSm100Config", {
+        KernelEntry("fwd_mx", ("sm_100a",), "flamia_cute.sm100.attention_fwd", "FwdSm100Config", {
             "mxfp8_d128": {}, "mxfp8_d128_gqa4": dict(qhead_per_kvhead=4),
         }),
         # its fused quantization: no tensor cores, so it also builds (and is GPU-tested) for sm_90a
-        KernelEntry("quantize_mx", ("sm_100a", "sm_90a"), "flamia_cute.quantize_mx_sm100", "MxQuantizeConfig",
+        KernelEntry("quantize_mx", ("sm_100a", "sm_90a"), "flamia_cute.sm100.quantize_mx", "MxQuantizeConfig",
                     {"d128": {}}),
     )
 }

@@ -70,7 +70,7 @@ def fwd_space(head_dim: int, group: int, diagonal_copy: bool):
     of short documents). The schedule (ping-pong, intra-warpgroup overlap) follows from the shape;
     the one-CTA-per-tile build is only the fallback for more documents than the persistent tables
     hold (per_tile_fallback), slower wherever the persistent one runs."""
-    from .attention_fwd_sm90 import FwdConfig, smem_bytes
+    from .sm90.attention_fwd import FwdConfig, smem_bytes
 
     base = FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
     keep, pruned = [(base, "default")], []
@@ -85,7 +85,7 @@ def fwd_space(head_dim: int, group: int, diagonal_copy: bool):
 
 def quantize_space(head_dim: int, heads_q: int, heads_kv: int, block_tokens: int):
     """Every Q/K/V quantization launch (qkv_config), with the reason each pruned one was dropped."""
-    from .quantize_sm90 import qkv_config
+    from .sm90.quantize import qkv_config
 
     default = qkv_config(head_dim, heads_q, heads_kv, block_tokens)
     keep, pruned = [(default, "default")], []
@@ -112,7 +112,7 @@ def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool, num_kv_head
     takes pairs. The tuned fields that won a workload class (perf/RESULTS.md, "The tuner on today's
     kernels"): three vector stages (long documents) and the head windows (short ones); short pairs
     are the default for packs of short documents only. Nothing is pruned."""
-    from .attention_bwd_dsbf16_sm90 import HEAD_WINDOWS, BwdDsBf16Config, short_pairs_supported
+    from .sm90.attention_bwd import HEAD_WINDOWS, BwdDsBf16Config, short_pairs_supported
 
     default = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=diagonal_copy)
     keep = [(default, "default"), (dataclasses.replace(default, vec_stages=3), "three vector stages")]
@@ -146,7 +146,7 @@ def workload_space(kernel: str, keep: list, heads_kv: int, max_seqlen: int) -> l
     what runs without tuning; the plain order stays in the space as a variant."""
     if kernel != "bwd_dsbf16":
         return keep
-    from .attention_bwd_dsbf16_sm90 import auto_head_window
+    from .sm90.attention_bwd import auto_head_window
 
     window = auto_head_window(heads_kv, max_seqlen)
     default = dataclasses.replace(keep[0][0], head_window=window)
@@ -165,7 +165,7 @@ def record_fields(kernel: str, cfg, heads_kv: int, max_seqlen: int) -> dict:
     the one auto_head_window picks for the tuned workload."""
     fields = config_fields(kernel, cfg)
     if kernel == "bwd_dsbf16":
-        from .attention_bwd_dsbf16_sm90 import auto_head_window
+        from .sm90.attention_bwd import auto_head_window
 
         if fields["head_window"] == auto_head_window(heads_kv, max_seqlen):
             fields["head_window"] = AUTO_WINDOW
@@ -306,13 +306,13 @@ def _kernel_calls(case, block: int, kernels, ds_bf16: bool) -> dict:
     the one compiled here that a later training call reuses from the disk cache."""
     import torch
 
-    from .attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
     from .cute_backend import launch_layouts, quantize_operands
+    from .sm90.attention_fwd import FwdConfig, flamia_fwd_sm90
 
     calls = {}
     if "quant" in kernels:
         from .quant import transposed_tokens
-        from .quantize_sm90 import _alloc_outputs, launch_fused_quantize_multi_sm90, qkv_config
+        from .sm90.quantize import _alloc_outputs, launch_fused_quantize_multi_sm90, qkv_config
 
         # one output buffer serves every config: raster, launch bounds and heads_per_cta keep the layout
         base = launch_layouts(qkv_config(case.head_dim, case.heads_q, case.heads_kv, block), ds_bf16=ds_bf16)
@@ -335,8 +335,8 @@ def _kernel_calls(case, block: int, kernels, ds_bf16: bool) -> dict:
 
     calls["fwd"] = (fwd, len(ops))
     if "bwd_dsbf16" in kernels:
-        from .attention_bwd_dsbf16_sm90 import flamia_bwd_dsbf16_sm90_from_saved
-        from .bwd_common_sm90 import preprocess_bwd
+        from .sm90.attention_bwd import flamia_bwd_dsbf16_sm90_from_saved
+        from .sm90.bwd_preprocess import preprocess_bwd
 
         out, lse = fwd(FwdConfig(head_dim=case.head_dim, qhead_per_kvhead=case.heads_q // case.heads_kv,
                                  diagonal_copy=block > 1), 0)

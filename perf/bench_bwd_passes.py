@@ -26,12 +26,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fwd_breakdown import backward_inputs, graph_ms  # noqa: E402
 
-from flamia_cute.attention_bwd_dsbf16_sm90 import flamia_bwd_dsbf16_sm90_from_saved, side_stream  # noqa: E402
 from flamia_cute.attention_bwd_sm90 import preprocess_bwd  # noqa: E402
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case  # noqa: E402
-from flamia_cute.codes_sm90 import e4m3_codes_to_bf16  # noqa: E402
 from flamia_cute.cute_backend import quantize_operands  # noqa: E402
-from flamia_cute.quantize_sm90 import dout_delta_config, quantize_with_rowdot_sm90  # noqa: E402
+from flamia_cute.sm90.attention_bwd import flamia_bwd_dsbf16_sm90_from_saved, side_stream  # noqa: E402
+from flamia_cute.sm90.codes import e4m3_codes_to_bf16  # noqa: E402
+from flamia_cute.sm90.quantize import dout_delta_config, quantize_with_rowdot_sm90  # noqa: E402
 
 ROUNDS = int(os.environ.get("PASSES_ROUNDS", "3"))
 WORKLOADS = os.environ.get("PASSES_WORKLOADS", "16x1k,4x4k,mixed16k,1x16k").split(",")

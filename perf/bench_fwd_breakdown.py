@@ -18,17 +18,17 @@ from pathlib import Path
 import torch
 
 from flamia_cute import flamia_attn_varlen_func
-from flamia_cute.attention_bwd_dsbf16_sm90 import (
+from flamia_cute.attention_bwd_sm90 import preprocess_bwd
+from flamia_cute.bench import DEFAULT_WORKLOADS, Case
+from flamia_cute.cute_backend import quantize_operands
+from flamia_cute.schedules import causal_flops
+from flamia_cute.sm90.attention_bwd import (
     BwdDsBf16Config,
     auto_head_window,
     flamia_bwd_dsbf16_sm90_from_saved,
 )
-from flamia_cute.attention_bwd_sm90 import preprocess_bwd
-from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
-from flamia_cute.bench import DEFAULT_WORKLOADS, Case
-from flamia_cute.codes_sm90 import e4m3_codes_to_bf16
-from flamia_cute.cute_backend import quantize_operands
-from flamia_cute.schedules import causal_flops
+from flamia_cute.sm90.attention_fwd import FwdConfig, flamia_fwd_sm90
+from flamia_cute.sm90.codes import e4m3_codes_to_bf16
 
 
 def graph_ms(fn, reps=10, trials=7):

@@ -104,7 +104,7 @@ _COMPILE_PROBE = """
 import json, time
 t0 = time.perf_counter()
 from flamia_cute import compile_cache
-from flamia_cute.quantize_sm90 import QuantizeConfig, get_compiled
+from flamia_cute.sm90.quantize import QuantizeConfig, get_compiled
 t1 = time.perf_counter()
 get_compiled(QuantizeConfig(head_dim=128, num_heads=16, block_tokens=128, emit_token_copy=True))
 t2 = time.perf_counter()
@@ -143,7 +143,7 @@ def _alloc_sets(cfg, T, Tdt, dev):
 def bench_raster(workloads, dev, H, D) -> list:
     """Single tensor, kernel only: CTA order heads-fastest (default) vs chunks-fastest (the old order)."""
     from flamia_cute.quant import transposed_tokens
-    from flamia_cute.quantize_sm90 import MultiQuantizeConfig, QuantizeConfig, launch_fused_quantize_sm90
+    from flamia_cute.sm90.quantize import MultiQuantizeConfig, QuantizeConfig, launch_fused_quantize_sm90
 
     rows = []
     for wname in ("1x16k", "longtail32k"):
@@ -170,7 +170,7 @@ def bench_raster(workloads, dev, H, D) -> list:
 def bench_dout_delta(workloads, dev, H, D) -> list:
     """The backward's preprocess: dO quantized (per token, both orientations) and D = rowsum(dO * O),
     one fused launch against the previous path (D as torch ops, then the dO launch), same run."""
-    from flamia_cute.quantize_sm90 import dout_config, dout_delta_config, fused_quantize_sm90, quantize_with_rowdot_sm90
+    from flamia_cute.sm90.quantize import dout_config, dout_delta_config, fused_quantize_sm90, quantize_with_rowdot_sm90
 
     rows = []
     for wname in ("1x16k", "16x1k", "longtail32k"):
@@ -207,7 +207,7 @@ def bench_qkv(workloads, dev) -> list:
     """Q, K, V: one fused launch vs three single launches, kernel only and host us per call."""
     from flamia_cute.cute_backend import quantize_operands
     from flamia_cute.quant import quantize_thd, transposed_tokens
-    from flamia_cute.quantize_sm90 import (
+    from flamia_cute.sm90.quantize import (
         fused_quantize_multi_sm90,
         fused_quantize_sm90,
         launch_fused_quantize_multi_sm90,
@@ -261,7 +261,7 @@ def bench_qkv(workloads, dev) -> list:
 
 def main():
     from flamia_cute.quant import quantize_thd, transposed_tokens
-    from flamia_cute.quantize_sm90 import QuantizeConfig, fused_quantize_sm90, launch_fused_quantize_sm90
+    from flamia_cute.sm90.quantize import QuantizeConfig, fused_quantize_sm90, launch_fused_quantize_sm90
 
     assert torch.cuda.is_available(), "needs a GPU"
     dev = torch.device("cuda")

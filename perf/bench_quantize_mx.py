@@ -17,7 +17,7 @@ import statistics
 import torch
 
 from flamia_cute.quant.mx_layout import SF_CHUNK_BYTES, document_starts, pack_mx_forward_operands, sf_slots
-from flamia_cute.quantize_mx_sm100 import MAX_SCAN_DOCS, quantize_mx_forward
+from flamia_cute.sm100.quantize_mx import MAX_SCAN_DOCS, quantize_mx_forward
 from flamia_cute.testing import cu_seqlens_from_lengths
 
 PEAK_GBPS = 4300.0

@@ -14,11 +14,11 @@ import sys
 
 import torch
 
-from flamia_cute.attention_bwd_dsbf16_sm90 import default_config, flamia_bwd_dsbf16_sm90_from_saved
 from flamia_cute.attention_bwd_sm90 import preprocess_bwd
-from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case
 from flamia_cute.cute_backend import quantize_operands
+from flamia_cute.sm90.attention_bwd import default_config, flamia_bwd_dsbf16_sm90_from_saved
+from flamia_cute.sm90.attention_fwd import FwdConfig, flamia_fwd_sm90
 
 FWD_OVERRIDES = json.loads(os.environ.get("FWD_CONFIG", "{}"))
 BWD_DSBF16_OVERRIDES = json.loads(os.environ.get("BWD_DSBF16_CONFIG", "{}"))  # fields of BwdDsBf16Config

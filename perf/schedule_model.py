@@ -13,10 +13,10 @@ read twice).
 
 import json
 
-from flamia_cute.attention_bwd_dsbf16_sm90 import auto_head_window
 from flamia_cute.bench import DEFAULT_WORKLOADS
 from flamia_cute.schedules.ordering import simulate
 from flamia_cute.schedules.varlen_tiles import backward_persistent_order, persistent_order
+from flamia_cute.sm90.attention_bwd import auto_head_window
 
 CTAS = 132
 HEADS = 16

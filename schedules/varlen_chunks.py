@@ -54,7 +54,7 @@ def build_varlen_chunks(cu_seqlens: torch.Tensor, total_tokens: int, tile: int =
 
 
 # ----------------------------------------------------------------------------------------------
-# In-kernel chunk location (no table): the index math of flamia_cute.quantize_sm90, in Python
+# In-kernel chunk location (no table): the index math of flamia_cute.sm90.quantize, in Python
 # ----------------------------------------------------------------------------------------------
 
 

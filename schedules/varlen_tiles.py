@@ -69,7 +69,7 @@ def causal_flops(lengths, heads: int, head_dim: int, backward: bool = False) -> 
 
 
 # ----------------------------------------------------------------------------------------------
-# The persistent forward's tile order (flamia_cute.attention_fwd_sm90, FwdConfig.persistent), in Python
+# The persistent forward's tile order (flamia_cute.sm90.attention_fwd, FwdConfig.persistent), in Python
 # ----------------------------------------------------------------------------------------------
 
 

@@ -29,7 +29,7 @@ from flamia_cute.testing import check_leakage, make_inputs, rel_l2
 try:
     import cutlass  # noqa: F401
 
-    from flamia_cute.attention_bwd_dsbf16_sm90 import (
+    from flamia_cute.sm90.attention_bwd import (
         DS_LAYOUT,
         BwdDsBf16Config,
         ds_word_index,
@@ -184,7 +184,7 @@ def test_cta_order_is_blocks_unless_deterministic(monkeypatch):
 def test_backward_outputs_and_grid_checks():
     """The backward allocates and checks through these: a zeroed fp32 dQ accumulator, dK/dV
     poisoned on request; the grid's key blocks, and errors past 32-bit indexing or the grid limits."""
-    from flamia_cute.bwd_common_sm90 import backward_grid_blocks, backward_outputs
+    from flamia_cute.sm90.bwd_preprocess import backward_grid_blocks, backward_outputs
 
     dq, dk, dv = backward_outputs(10, 4, 2, 64, torch.device("cpu"), poison=True)
     assert dq.dtype == torch.float32 and dq.shape == (10, 4, 64) and bool((dq == 0).all())
@@ -203,8 +203,8 @@ def test_head_window_config_and_auto_choice():
     """head_window: the blocks order only (test_config_rejects), a power of two dividing the KV heads
     (the host checks that); auto_head_window keeps 16k-token documents in the plain order and windows
     short ones."""
-    from flamia_cute.attention_bwd_dsbf16_sm90 import auto_head_window
-    from flamia_cute.bwd_common_sm90 import backward_grid, backward_work_item
+    from flamia_cute.sm90.attention_bwd import auto_head_window
+    from flamia_cute.sm90.bwd_preprocess import backward_grid, backward_work_item
 
     assert [auto_head_window(16, n) for n in (16384, 65536, 8192, 4096, 1024, 512, None)] == [1, 1, 2, 4, 16, 16, 1]
     assert auto_head_window(8, 1024) == 8 and auto_head_window(6, 1024) == 2 and auto_head_window(1, 64) == 1
@@ -219,7 +219,7 @@ def test_head_window_config_and_auto_choice():
 @needs_dsl
 def test_config_smem_fits():
     """Every config fits the 227 KB of shared memory; the deterministic mode has no dQ tile."""
-    from flamia_cute.attention_bwd_dsbf16_sm90 import QUERY_TILE, SMEM_LIMIT
+    from flamia_cute.sm90.attention_bwd import QUERY_TILE, SMEM_LIMIT
 
     for d in (64, 128):
         for vec in (2, 3):
@@ -283,8 +283,8 @@ def test_conversion_walks_cover_each_word_once(head_dim):
     import cutlass
     import cutlass.cute as cute
 
-    from flamia_cute.attention_bwd_dsbf16_sm90 import FlamiaBwdDsBf16Sm90
-    from flamia_cute.sm90_device import smem_word_index
+    from flamia_cute.sm90.attention_bwd import FlamiaBwdDsBf16Sm90
+    from flamia_cute.sm90.primitives import smem_word_index
 
     kern = FlamiaBwdDsBf16Sm90(BwdDsBf16Config(head_dim=head_dim))
     wpr = head_dim // 4
@@ -326,9 +326,9 @@ def test_transpose_v_puts_every_key_row_in_place(head_dim):
     import cutlass
     import cutlass.cute as cute
 
-    from flamia_cute.attention_bwd_dsbf16_sm90 import FlamiaBwdDsBf16Sm90, transpose_v_threads, transpose_v_words
     from flamia_cute.quant import PV_ORDER16
-    from flamia_cute.sm90_device import smem_word_index
+    from flamia_cute.sm90.attention_bwd import FlamiaBwdDsBf16Sm90, transpose_v_threads, transpose_v_words
+    from flamia_cute.sm90.primitives import smem_word_index
 
     kern = FlamiaBwdDsBf16Sm90(BwdDsBf16Config(head_dim=head_dim))
     smem = {}
@@ -388,7 +388,7 @@ def test_transpose_v_is_nearly_free_of_bank_conflicts(head_dim):
     import cutlass
     import cutlass.cute as cute
 
-    from flamia_cute.attention_bwd_dsbf16_sm90 import FlamiaBwdDsBf16Sm90, transpose_v_threads, transpose_v_words
+    from flamia_cute.sm90.attention_bwd import FlamiaBwdDsBf16Sm90, transpose_v_threads, transpose_v_words
 
     kern = FlamiaBwdDsBf16Sm90(BwdDsBf16Config(head_dim=head_dim))
     found = []
@@ -423,8 +423,8 @@ def test_dq_store_plan_writes_the_swizzled_tile_once(head_dim):
     import cutlass.cute as cute
     import cutlass.utils.hopper_helpers as sm90_utils
 
-    from flamia_cute.attention_bwd_dsbf16_sm90 import FlamiaBwdDsBf16Sm90
-    from flamia_cute.sm90_device import smem_word_index
+    from flamia_cute.sm90.attention_bwd import FlamiaBwdDsBf16Sm90
+    from flamia_cute.sm90.primitives import smem_word_index
 
     kern = FlamiaBwdDsBf16Sm90(BwdDsBf16Config(head_dim=head_dim))
     threads, pairs = 256, head_dim // 8
@@ -475,7 +475,7 @@ def test_xor_walk_rejects_a_walk_that_is_not_an_xor_and_add():
     pytest.importorskip("cutlass")
     import cutlass.cute as cute
 
-    from flamia_cute.sm90_device import xor_walk
+    from flamia_cute.sm90.primitives import xor_walk
 
     err = {}
 
@@ -770,7 +770,8 @@ def test_gpu_short_pairs_leakage(doc, cut, monkeypatch):
     """Leakage through a shared CTA (forward and backward both paired, through the API): the first or
     the second document of a pair perturbed; nothing outside it, nor before the cut, moves."""
 
-    from flamia_cute import attention_fwd_sm90, cute_backend
+    from flamia_cute import cute_backend
+    from flamia_cute.sm90 import attention_fwd as attention_fwd_sm90
 
     chosen = cute_backend.backward_config
     monkeypatch.setattr(cute_backend, "backward_config",
@@ -821,7 +822,7 @@ def test_gpu_overlapped_passes_match_sequential(D, H, Hk):
     gradients. The side stream is held ~0.1 s by a sleep queued first, and the cached blocks that the
     call's Q copy and accumulator will reuse hold NaN, so a kernel that did not wait for the side
     stream would read them unwritten: NaN gradients, which fail."""
-    from flamia_cute.attention_bwd_dsbf16_sm90 import side_stream
+    from flamia_cute.sm90.attention_bwd import side_stream
 
     st = _setup(LENGTHS + [3000], H, Hk, D, RECIPES["fp8_tokenblock_dsbf16"], seed=21, device="cuda")
     ref = _run(st, overlap_passes=False)
@@ -844,7 +845,7 @@ def test_gpu_overlapped_passes_joined_when_an_argument_is_refused():
     preprocess): the error names it, and the current stream still waits for the side stream (a sleep
     queued there first keeps an event recorded after the call pending), so the Q copy and the dQ
     accumulator are not freed under the side stream's writes. Without the join the event completes at once."""
-    from flamia_cute.attention_bwd_dsbf16_sm90 import side_stream
+    from flamia_cute.sm90.attention_bwd import side_stream
 
     st = _setup(LENGTHS, 2, 2, 128, RECIPES["fp8_tokenblock_dsbf16"], seed=22, device="cuda")
     torch.cuda.synchronize()

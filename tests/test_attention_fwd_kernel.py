@@ -33,14 +33,14 @@ from flamia_cute.testing import check_leakage, cu_seqlens_from_lengths, fp8_mma_
 try:
     import cutlass  # noqa: F401
 
-    from flamia_cute.attention_fwd_sm90 import (
+    from flamia_cute.sm90.attention_fwd import (
         PERSISTENT_MAX_DOCS,
         FwdConfig,
         flamia_fwd_sm90,
         kernel_artifacts,
         per_tile_fallback,
     )
-    from flamia_cute.sm90_device import a_fragment_sources, quad_transpose4
+    from flamia_cute.sm90.primitives import a_fragment_sources, quad_transpose4
 
     HAVE_DSL = True
 except Exception:  # pragma: no cover - CI without the DSL
@@ -149,7 +149,7 @@ def test_per_tile_fallback_drops_the_persistent_options():
 def test_short_pairs_default_rule():
     """The pair build up to a mean document length of 1024 tokens (16x1k yes, 4x4k and mixed16k no),
     never past the tables."""
-    from flamia_cute.attention_fwd_sm90 import PERSISTENT_MAX_DOCS, short_pairs_default
+    from flamia_cute.sm90.attention_fwd import PERSISTENT_MAX_DOCS, short_pairs_default
 
     assert short_pairs_default(16384, 256) and short_pairs_default(96 * 3, 3) and short_pairs_default(64 * 500, 500)
     assert not short_pairs_default(16384, 128) and not short_pairs_default(16384, 16) and not short_pairs_default(97, 1)
@@ -573,7 +573,7 @@ def test_fmax_chains_is_the_max(n, chains):
     """The softmax's row max by interleaved chains is the max (each value once), for any length."""
     import random
 
-    from flamia_cute.sm90_device import fmax_chains
+    from flamia_cute.sm90.primitives import fmax_chains
 
     rng = random.Random(n * 10 + chains)
     for _ in range(50):
@@ -599,7 +599,7 @@ def test_pow2_reciprocal_bits_exact():
     import struct
 
     from flamia_cute.recipes import FOLD_REF_MIN
-    from flamia_cute.sm90_device import POW2_RECIPROCAL_BITS
+    from flamia_cute.sm90.primitives import POW2_RECIPROCAL_BITS
 
     def bits(x):
         return struct.unpack("<i", struct.pack("<f", x))[0]
@@ -831,7 +831,7 @@ def test_tvm_ffi_launcher_disk_cache(tmp_path, monkeypatch):
     """The TVM-FFI launch path: compiled, exported, loaded back from disk as a raw tvm_ffi.Function."""
     tvm_ffi = pytest.importorskip("tvm_ffi")
     from flamia_cute import compile_cache as cc
-    from flamia_cute.attention_fwd_sm90 import ARG_KINDS, get_launcher
+    from flamia_cute.sm90.attention_fwd import ARG_KINDS, get_launcher
 
     if cc.dsl_default_arch() not in (None, "sm_90a"):
         pytest.skip("export needs the DSL's import-time arch to be the compile arch")

@@ -32,7 +32,7 @@ from flamia_cute.testing import check_leakage, make_inputs, rel_l2, sqnr_db
 try:
     import cutlass  # noqa: F401
 
-    from flamia_cute.attention_fwd_sm100 import (
+    from flamia_cute.sm100.attention_fwd import (
         TILE_MODEL_LSE_ABS,
         TILE_MODEL_REL_L2,
         FwdSm100Config,

@@ -7,7 +7,7 @@ import torch
 from test_attention_bwd_dsbf16_kernel import _needs_sm90
 
 try:
-    from flamia_cute.codes_sm90 import CodesConfig, e4m3_codes_to_bf16, kernel_artifacts
+    from flamia_cute.sm90.codes import CodesConfig, e4m3_codes_to_bf16, kernel_artifacts
 
     HAVE_DSL = True
 except Exception:  # pragma: no cover

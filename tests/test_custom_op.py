@@ -89,7 +89,7 @@ def test_kernel_pack_unpack_round_trip(recipe, block):
     pytest.importorskip("cutlass")
     from flamia_cute.custom_ops import _pack_kernel, _unpack_kernel
     from flamia_cute.cute_backend import bf16_ds_backward, launch_layouts, layout_block
-    from flamia_cute.quantize_sm90 import _alloc_outputs, qkv_config
+    from flamia_cute.sm90.quantize import _alloc_outputs, qkv_config
 
     T, docs, Hq, Hk, D = 300, 3, 4, 2, 128
     tdt = transposed_tokens(T, docs)

@@ -35,7 +35,7 @@ def test_auto_falls_back_to_the_emulator_without_a_gpu():
 def test_launch_configs_are_built_once_per_shape_and_switch(monkeypatch):
     """cute_backend memoizes each call's configs (tuning.derived_memo): a repeat call builds nothing,
     a switch that changes them (FLAMIA_CUTE_NO_TUNING) builds anew, and the memo stays bounded."""
-    import flamia_cute.attention_fwd_sm90 as fwd
+    import flamia_cute.sm90.attention_fwd as fwd
     from flamia_cute import cute_backend as cb
     from flamia_cute import tuning
 
@@ -70,8 +70,8 @@ def test_per_tensor_operands_fill_one_fused_layout(forward_only):
     pytest.importorskip("cutlass")
     from flamia_cute.cute_backend import PER_TENSOR, quantize_operands
     from flamia_cute.quant import quantize_thd_per_tensor
-    from flamia_cute.quantize_sm90 import forward_only as forward_only_config
-    from flamia_cute.quantize_sm90 import qkv_config
+    from flamia_cute.sm90.quantize import forward_only as forward_only_config
+    from flamia_cute.sm90.quantize import qkv_config
 
     q, k, v, _, cu, _ = make_inputs([70, 1, 0, 200], 4, 2, 64, seed=3)
     qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, PER_TENSOR, 200, forward_only=forward_only)

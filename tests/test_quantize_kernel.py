@@ -33,7 +33,7 @@ try:
     import cutlass  # noqa: F401
 
     from flamia_cute import compile_cache
-    from flamia_cute.quantize_sm90 import (
+    from flamia_cute.sm90.quantize import (
         SOURCE_FILES,
         MultiQuantizeConfig,
         QuantizeConfig,
@@ -423,7 +423,7 @@ def test_multi_config_validation_and_qkv_config():
 @pytest.mark.parametrize("T, docs", [(16384, 1), (32768, 23), (1, 1), (300, 4)])
 def test_qkv_output_buffer_layout(T, docs, block):
     """All outputs are views of one allocation: disjoint, 512-byte aligned, inside the buffer."""
-    from flamia_cute.quantize_sm90 import _layout_outputs
+    from flamia_cute.sm90.quantize import _layout_outputs
 
     m = qkv_config(128, 32, 8, block)
     Tdt = transposed_tokens(T, docs)
@@ -480,7 +480,7 @@ def test_forward_only_launch_writes_only_what_is_read(D, hq, hkv, block):
     """forward_only(qkv_config) (an inference call, and the bf16-dS recipe's training call): Q and K
     token-major only, V transposed only (P-fragment order kept), the same scales; fewer 16-byte
     stores than the full launch, no spills, the launch settings kept."""
-    import flamia_cute.quantize_sm90 as qs
+    import flamia_cute.sm90.quantize as qs
 
     full = qkv_config(D, hq, hkv, block)
     lean = qs.forward_only(full)
@@ -562,7 +562,7 @@ def test_compile_cached_memory_and_disk(tmp_path, monkeypatch):
 _SUBPROCESS = """
 import json, time
 from flamia_cute import compile_cache
-from flamia_cute.quantize_sm90 import QuantizeConfig, get_compiled
+from flamia_cute.sm90.quantize import QuantizeConfig, get_compiled
 t = time.perf_counter()
 get_compiled(QuantizeConfig(head_dim=128, num_heads=4, block_tokens=128, emit_token_copy=True))
 s = compile_cache.STATS
@@ -957,7 +957,7 @@ def test_quantize_operands_uses_one_launch_and_matches():
 
     q, k, v, cu = _qkv_inputs([1000, 24, 0, 3000], 32, 8, 128, seed=10)
     launches = []
-    from flamia_cute import quantize_sm90
+    from flamia_cute.sm90 import quantize as quantize_sm90
 
     orig = quantize_sm90._launch
     quantize_sm90._launch = lambda *a: (launches.append(a[0]), orig(*a))[1]
@@ -1012,8 +1012,8 @@ def test_dout_delta_matches_reference(lengths, H, D):
 def test_dv_fold_references_from_the_dout_launch(lengths, H, group):
     """preprocess_bwd(dv_ref_group=g): dO and D bitwise the plain launch's, and the (H / g, docs) dV fold
     references bitwise dv_fold_reference's (torch), with empty documents and all-zero dO rows."""
-    from flamia_cute.attention_bwd_dsbf16_sm90 import dv_fold_reference
-    from flamia_cute.bwd_common_sm90 import preprocess_bwd
+    from flamia_cute.sm90.attention_bwd import dv_fold_reference
+    from flamia_cute.sm90.bwd_preprocess import preprocess_bwd
 
     do, cu = _input(lengths, H, 128, seed=len(lengths) + group)
     o, _ = _input(lengths, H, 128, seed=200 + group)

@@ -15,7 +15,7 @@ from flamia_cute.testing import make_inputs
 try:
     import cutlass  # noqa: F401
 
-    from flamia_cute.quantize_mx_sm100 import MxQuantizeConfig, kernel_artifacts, quantize_mx_forward
+    from flamia_cute.sm100.quantize_mx import MxQuantizeConfig, kernel_artifacts, quantize_mx_forward
 
     HAVE_DSL = True
 except Exception:  # pragma: no cover - CI without the DSL

@@ -63,7 +63,7 @@ def test_fwd_space_holds_the_default_and_each_winning_variant_once(head_dim, dia
     """The default first, then one change each: 3 and 4 K/V stages, LPT across documents, short pairs
     toggled; all persistent (the per-tile build is only the many-documents fallback), all within
     shared memory."""
-    from flamia_cute.attention_fwd_sm90 import FwdConfig, smem_bytes
+    from flamia_cute.sm90.attention_fwd import FwdConfig, smem_bytes
     from flamia_cute.tuning import SMEM_LIMIT_SM90, fwd_space
 
     keep, pruned = fwd_space(head_dim, 1, diagonal_copy)
@@ -97,7 +97,7 @@ def test_tune_rejects_unknown_kernels(capsys):
 
 
 def test_quantize_space_starts_with_the_default_and_prunes_with_reasons():
-    from flamia_cute.quantize_sm90 import qkv_config
+    from flamia_cute.sm90.quantize import qkv_config
 
     keep, pruned = tuning.quantize_space(128, 16, 16, 128)
     assert keep[0] == (qkv_config(128, 16, 16, 128), "default")
@@ -113,9 +113,9 @@ def test_quantize_space_starts_with_the_default_and_prunes_with_reasons():
 
 
 def _defaults():
-    from flamia_cute.attention_bwd_dsbf16_sm90 import BwdDsBf16Config
-    from flamia_cute.attention_fwd_sm90 import FwdConfig
-    from flamia_cute.quantize_sm90 import qkv_config
+    from flamia_cute.sm90.attention_bwd import BwdDsBf16Config
+    from flamia_cute.sm90.attention_fwd import FwdConfig
+    from flamia_cute.sm90.quantize import qkv_config
 
     return {"fwd": FwdConfig(head_dim=128, diagonal_copy=True),
             "bwd_dsbf16": BwdDsBf16Config(head_dim=128, diagonal_copy=True), "quant": qkv_config(128, 16, 16, 128)}
@@ -245,9 +245,9 @@ def test_tune_loop_keeps_the_best_skips_failures_and_reuses_the_cache(tmp_path, 
 _FRESH = """
 import json, torch
 from flamia_cute import compile_cache, flamia_attn_varlen_func
-from flamia_cute.attention_bwd_dsbf16_sm90 import BwdDsBf16Config
-from flamia_cute.attention_fwd_sm90 import FwdConfig
-from flamia_cute.quantize_sm90 import qkv_config
+from flamia_cute.sm90.attention_bwd import BwdDsBf16Config
+from flamia_cute.sm90.attention_fwd import FwdConfig
+from flamia_cute.sm90.quantize import qkv_config
 from flamia_cute.testing import make_inputs
 from flamia_cute.tuning import config_fields, tuned_bwd_dsbf16_config, tuned_fwd_config, tuned_quantize_config
 q, k, v, do, cu, scale = make_inputs([1024] * 4, 16, 16, 128, device="cuda")
@@ -307,7 +307,7 @@ def test_bwd_dsbf16_space(head_dim):
     pairs toggled where the build takes them (d128); each once, each round-trips through its cache
     fields."""
     pytest.importorskip("cutlass")
-    from flamia_cute.attention_bwd_dsbf16_sm90 import SMEM_LIMIT, BwdDsBf16Config, smem_bytes
+    from flamia_cute.sm90.attention_bwd import SMEM_LIMIT, BwdDsBf16Config, smem_bytes
 
     keep, pruned = tuning.bwd_dsbf16_space(head_dim, 2, True, num_kv_heads=8)
     default = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=2, diagonal_copy=True)
@@ -376,7 +376,7 @@ def test_bwd_dsbf16_auto_window_stays_per_call(tmp_path, monkeypatch):
     "auto", and each call of the class then gets its own length's window (16x1k: 16, 4x4k: 4; one
     class, mid-uniform: a stored 16 slowed 4x4k's backward); any other window is kept."""
     pytest.importorskip("cutlass")
-    from flamia_cute.attention_bwd_dsbf16_sm90 import BwdDsBf16Config
+    from flamia_cute.sm90.attention_bwd import BwdDsBf16Config
 
     keep, _ = tuning.search_space("bwd_dsbf16", 128, 16, 16, 128)
     space = tuning.workload_space("bwd_dsbf16", keep, 16, 1024)

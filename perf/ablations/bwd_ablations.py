@@ -36,14 +36,14 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Uint32
 
-import flamia_cute.attention_bwd_dsbf16_sm90 as bwd
+import flamia_cute.sm90.attention_bwd as bwd
 from flamia_cute.attention_bwd_sm90 import preprocess_bwd
-from flamia_cute.attention_fwd_sm90 import FwdConfig, flamia_fwd_sm90
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case
-from flamia_cute.codes_sm90 import e4m3_codes_to_bf16
 from flamia_cute.compile_cache import clear_memory_cache
 from flamia_cute.cute_backend import quantize_operands
 from flamia_cute.schedules import causal_flops
+from flamia_cute.sm90.attention_fwd import FwdConfig, flamia_fwd_sm90
+from flamia_cute.sm90.codes import e4m3_codes_to_bf16
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_fwd_breakdown import graph_ms  # noqa: E402

@@ -20,7 +20,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32
 
-import flamia_cute.attention_fwd_sm90 as fwd
+import flamia_cute.sm90.attention_fwd as fwd
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case
 from flamia_cute.compile_cache import clear_memory_cache
 from flamia_cute.cute_backend import quantize_operands

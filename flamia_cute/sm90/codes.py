@@ -18,9 +18,9 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Uint32
 
-from .compile_cache import compile_entry, launch_on_device
-from .sm90_device import ARG_BF16, ARG_F8, ARG_F32, SHARED_SOURCE_FILES, e4m3x2_to_bf16x2
-from .validation import check_kernel_tensors
+from ..compile_cache import compile_entry, launch_on_device
+from ..validation import check_kernel_tensors
+from .primitives import ARG_BF16, ARG_F8, ARG_F32, SHARED_SOURCE_FILES, e4m3x2_to_bf16x2
 
 SOURCE_FILES = (Path(__file__).resolve(), *SHARED_SOURCE_FILES)
 CHUNK = 16  # bytes of codes per thread (one 128-bit load, two 128-bit stores)
@@ -96,7 +96,7 @@ def compile_codes_sm90(config: CodesConfig, arch: str = "sm_90a", extra_options:
 
 
 def kernel_artifacts(config: CodesConfig, arch: str = "sm_90a"):
-    from .compile_cache import compile_artifacts
+    from ..compile_cache import compile_artifacts
 
     return compile_artifacts(compile_codes_sm90, config, arch)
 
@@ -109,7 +109,7 @@ def e4m3_codes_to_bf16(codes: torch.Tensor, scale: torch.Tensor | None = None,
     (T, H, D) with D a multiple of 16: each (token, head) row times its scale (exact when the scales
     are powers of two, as the recipes' are: quant.formats.pow2_scale_from_amax). out: a contiguous
     bf16 tensor of codes' shape on its device to write (allocated here when None)."""
-    from .compile_cache import compile_launcher, target_arch
+    from ..compile_cache import compile_launcher, target_arch
 
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.float8_e4m3fn:
         raise ValueError(f"codes must be a float8_e4m3fn tensor, got {getattr(codes, 'dtype', type(codes))}")

@@ -51,11 +51,11 @@ import torch
 from cutlass import BFloat16, Float8E4M3FN, Float8E8M0FNU, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
-from .compile_cache import compile_entry, launch_on_device
-from .quant import DT_DOC_ALIGN, transposed_tokens
-from .quant import mx_layout as _mx_layout
-from .quant.mx_layout import MX_BLOCK, MX_TILE, SF_CHUNK_BYTES, MxForwardOperands, sf_slots
-from .sm90_device import (
+from ..compile_cache import compile_entry, launch_on_device
+from ..quant import DT_DOC_ALIGN, transposed_tokens
+from ..quant import mx_layout as _mx_layout
+from ..quant.mx_layout import MX_BLOCK, MX_TILE, SF_CHUNK_BYTES, MxForwardOperands, sf_slots
+from ..sm90.primitives import (
     ARG_BF16,
     ARG_F8,
     ARG_F32,
@@ -69,7 +69,7 @@ from .sm90_device import (
     fmax_chains,
     st_global_v4,
 )
-from .validation import check_kernel_tensors, int32_cu_seqlens
+from ..validation import check_kernel_tensors, int32_cu_seqlens
 
 SOURCE_FILES = (Path(__file__).resolve(), Path(_mx_layout.__file__).resolve(), *SHARED_SOURCE_FILES)
 
@@ -760,13 +760,13 @@ def compile_fwd_sm100(config: FwdSm100Config, arch: str = "sm_100a", extra_optio
 
 def kernel_artifacts(config: FwdSm100Config, arch: str = "sm_100a", tvm_ffi: bool = False):
     """PTX, cubin, SASS (when nvdisasm exists) and register/stack usage, for tests and inspection."""
-    from .compile_cache import compile_artifacts
+    from ..compile_cache import compile_artifacts
 
     return compile_artifacts(lambda cfg, a, opts: compile_fwd_sm100(cfg, a, opts, tvm_ffi=tvm_ffi), config, arch)
 
 
 def get_launcher(config: FwdSm100Config, arch: str | None = None, use_tvm_ffi: bool | None = None):
-    from .compile_cache import compile_launcher, target_arch
+    from ..compile_cache import compile_launcher, target_arch
 
     return compile_launcher(SOURCE_FILES, config, arch or target_arch(),
                             lambda cfg, a, t: compile_fwd_sm100(cfg, a, tvm_ffi=t), ARG_KINDS, use_tvm_ffi)
@@ -822,8 +822,8 @@ def mxfp8_forward_sm100(q, k, v, cu_seqlens, max_seqlen: int, softmax_scale: flo
     """Recipe mxfp8's causal forward on a Blackwell GPU from bf16 (T, H, 128) q and (T, Hk, 128) k, v:
     the fused quantization (quantize_mx_sm100, GPU-tested on the H200) and this kernel (compiled and
     PTX-checked only: no sm_100 GPU has run it). Returns (out bf16, lse fp32 (H, T))."""
-    from .emulator import default_softmax_scale
-    from .quantize_mx_sm100 import quantize_mx_forward
+    from ..emulator import default_softmax_scale
+    from .quantize_mx import quantize_mx_forward
 
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 10:
@@ -854,9 +854,9 @@ def reference_fwd_sm100(ops: MxForwardOperands, cu_seqlens, softmax_scale: float
     chunks decoded as the block-scaled MMA does): (out bf16 (T, H, D), lse fp32 (H, T)). Must equal
     emulate_forward(recipe mxfp8) up to fp32 rounding (tests). bug: a deliberate defect for the
     tests' mutation checks (TILE_MODEL_BUGS)."""
-    from .quant.formats import E4M3, cast_to
-    from .quant.mx_layout import unpack_dim_rows_sf, unpack_token_rows_sf
-    from .quant.quantize import dt_cu_seqlens
+    from ..quant.formats import E4M3, cast_to
+    from ..quant.mx_layout import unpack_dim_rows_sf, unpack_token_rows_sf
+    from ..quant.quantize import dt_cu_seqlens
 
     if bug not in TILE_MODEL_BUGS:
         raise ValueError(f"bug must be one of {TILE_MODEL_BUGS}, got {bug!r}")
@@ -924,7 +924,7 @@ def reference_fwd_sm100(ops: MxForwardOperands, cu_seqlens, softmax_scale: float
 
 def reference_attention_fn(softmax_scale: float, bug: str | None = None):
     """The tile model from bf16 inputs as a flamia_cute.testing AttentionFn (for check_leakage)."""
-    from .quant.mx_layout import pack_mx_forward_operands
+    from ..quant.mx_layout import pack_mx_forward_operands
 
     def fn(q, k, v, cu, dout=None):
         out, lse = reference_fwd_sm100(pack_mx_forward_operands(q, k, v, cu), cu, softmax_scale, bug=bug)

@@ -14,7 +14,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int64, Uint32
 
-from .sm90_device import cvt_bf16x2, ptx, quad_transpose4, st_global_v4
+from .primitives import cvt_bf16x2, ptx, quad_transpose4, st_global_v4
 
 LOG2E = math.log2(math.e)
 

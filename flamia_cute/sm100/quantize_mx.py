@@ -33,10 +33,10 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint32
 
-from .compile_cache import compile_entry, launch_on_device
-from .quant import mx_layout as _mx_layout
-from .quant import transposed_tokens
-from .quant.mx_layout import (
+from ..compile_cache import compile_entry, launch_on_device
+from ..quant import mx_layout as _mx_layout
+from ..quant import transposed_tokens
+from ..quant.mx_layout import (
     MX_BLOCK,
     MX_TILE,
     SF_CHUNK_BYTES,
@@ -45,7 +45,7 @@ from .quant.mx_layout import (
     document_starts,
     sf_slots,
 )
-from .sm90_device import (
+from ..sm90.primitives import (
     ARG_BF16,
     ARG_F8,
     ARG_I32,
@@ -60,7 +60,7 @@ from .sm90_device import (
     ptx,
     st_global_v4,
 )
-from .validation import check_kernel_tensors, int32_cu_seqlens
+from ..validation import check_kernel_tensors, int32_cu_seqlens
 
 SOURCE_FILES = (Path(__file__).resolve(), Path(_mx_layout.__file__).resolve(), *SHARED_SOURCE_FILES)
 E4M3_EMAX = 8
@@ -306,7 +306,7 @@ def compile_quantize_mx(config: MxQuantizeConfig, arch: str = "sm_100a", extra_o
 
 
 def kernel_artifacts(config: MxQuantizeConfig, arch: str = "sm_100a"):
-    from .compile_cache import compile_artifacts
+    from ..compile_cache import compile_artifacts
 
     return compile_artifacts(compile_quantize_mx, config, arch)
 
@@ -316,7 +316,7 @@ def quantize_mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
     """The sm_100a forward's operands of bf16 (T, H, 128) q and (T, Hk, 128) k, v on the current stream
     (one launch; past MAX_SCAN_DOCS documents also the host's prefix sums, on the device: no host sync).
     Bit-exactly pack_mx_forward_operands(q, k, v, cu_seqlens). k_diag and v_diag are k and v."""
-    from .compile_cache import compile_launcher, target_arch
+    from ..compile_cache import compile_launcher, target_arch
 
     T, H, D = q.shape
     config = config or MxQuantizeConfig(head_dim=D)

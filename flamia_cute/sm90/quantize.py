@@ -64,9 +64,10 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint32, const_expr
 
-from .quant import DT_DOC_ALIGN, TOKEN_PAD, QuantizedTHD, output_buffer_plan, output_views, transposed_tokens
-from .schedules.varlen_chunks import chunk_grid_slots
-from .sm90_device import (
+from ..quant import DT_DOC_ALIGN, TOKEN_PAD, QuantizedTHD, output_buffer_plan, output_views, transposed_tokens
+from ..schedules.varlen_chunks import chunk_grid_slots
+from ..validation import int32_cu_seqlens
+from .primitives import (
     ARG_BF16,
     ARG_F8,
     ARG_F32,
@@ -81,7 +82,6 @@ from .sm90_device import (
     select,
     warp_scan_up,
 )
-from .validation import int32_cu_seqlens
 
 TILE_TOKENS = 128
 GROUP_TOKENS = 16  # tokens per warp and per data_dt segment (16 fp8 = 16 bytes)
@@ -696,20 +696,20 @@ def compile_fused_quantize_sm90(config, arch: str = "sm_90a", extra_options: str
     `config` is a QuantizeConfig (one tensor) or a MultiQuantizeConfig (up to three tensors).
     tvm_ffi: compile for TVM-FFI calls (raw int arguments, explicit stream handle).
     """
-    from .compile_cache import compile_entry
+    from ..compile_cache import compile_entry
 
     return compile_entry(FusedQuantizeSm90(config), ARG_KINDS, arch, extra_options, tvm_ffi)
 
 
 def kernel_artifacts(config, arch: str = "sm_90a"):
     """PTX, cubin, SASS and register usage of the kernel for `arch` (no GPU needed)."""
-    from .compile_cache import compile_artifacts
+    from ..compile_cache import compile_artifacts
 
     return compile_artifacts(compile_fused_quantize_sm90, config, arch)
 
 
 def get_compiled(config, arch: str | None = None):
-    from .compile_cache import compile_cached, target_arch
+    from ..compile_cache import compile_cached, target_arch
 
     arch = arch or target_arch()
     return compile_cached(SOURCE_FILES, as_multi(config), arch, lambda cfg, a: compile_fused_quantize_sm90(cfg, a))
@@ -718,7 +718,7 @@ def get_compiled(config, arch: str | None = None):
 def _launch(mcfg: MultiQuantizeConfig, ptr_values, int_values, stream_handle: int) -> None:
     """One launch with raw values: TVM-FFI when available (FA4's path), else the DSL's marshalling
     (compile_cache.compile_launcher, as the attention kernels)."""
-    from .compile_cache import compile_launcher, target_arch
+    from ..compile_cache import compile_launcher, target_arch
 
     launch = compile_launcher(SOURCE_FILES, mcfg, target_arch(),
                               lambda c, a, t: compile_fused_quantize_sm90(c, a, tvm_ffi=t), ARG_KINDS)

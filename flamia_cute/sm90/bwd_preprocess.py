@@ -17,7 +17,7 @@ def preprocess_bwd(dout: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tens
     rounding or two). With dv_ref_group g > 0 it also returns the bf16-dS backward's dV fold
     references (H / g, docs) fp32 from the same launch (bitwise dv_fold_reference's; one memset).
     """
-    from .quantize_sm90 import dout_delta_config, quantize_with_rowdot_sm90
+    from .quantize import dout_delta_config, quantize_with_rowdot_sm90
 
     dout = dout if dout.dtype == torch.bfloat16 else dout.to(torch.bfloat16)
     out = out if out.dtype == torch.bfloat16 else out.to(torch.bfloat16)
@@ -29,7 +29,7 @@ def preprocess_bwd(dout: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tens
                                            docmax=docmax)
     if not dv_ref_group:
         return delta, doq
-    from .recipes import FOLD_REF_MIN
+    from ..recipes import FOLD_REF_MIN
 
     # empty documents (never raised) and all-zero dO stay at the fold's floor, as dv_fold_reference
     return delta, doq, docmax.view(torch.float32).clamp_min(FOLD_REF_MIN)

@@ -55,14 +55,15 @@ import torch
 from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-from . import recipes as _recipes
-from .compile_cache import compile_entry, launch_on_device, sm_count
-from .quant import transposed_tokens
-from .recipes import FOLD_DROP, FOLD_REF_MIN
-from .schedules import varlen_tiles as _varlen_tiles
-from .schedules.varlen_chunks import max_chunks
-from .schedules.varlen_tiles import LPT_MAX_DOCS, TILE_ORDERS, short_pairs_worth
-from .sm90_device import (
+from .. import recipes as _recipes
+from ..compile_cache import compile_entry, launch_on_device, sm_count
+from ..quant import transposed_tokens
+from ..recipes import FOLD_DROP, FOLD_REF_MIN
+from ..schedules import varlen_tiles as _varlen_tiles
+from ..schedules.varlen_chunks import max_chunks
+from ..schedules.varlen_tiles import LPT_MAX_DOCS, TILE_ORDERS, short_pairs_worth
+from ..validation import check_kernel_tensors, int32_cu_seqlens
+from .primitives import (
     ARG_BF16,
     ARG_F8,
     ARG_F32,
@@ -89,7 +90,6 @@ from .sm90_device import (
     tma_pipeline,
     warp_pipeline,
 )
-from .validation import check_kernel_tensors, int32_cu_seqlens
 
 # recipes.py holds FOLD_DROP and FOLD_REF_MIN: a change there must recompile
 SOURCE_FILES = (Path(__file__).resolve(), Path(_recipes.__file__).resolve(), Path(_varlen_tiles.__file__).resolve(),
@@ -1292,7 +1292,7 @@ def compile_fwd_sm90(config: FwdConfig, arch: str = "sm_90a", extra_options: str
 
 def get_compiled(config: FwdConfig, arch: str | None = None):
     """The JitExecutor-callable kernel (DSL pointer objects; see flamia_fwd_sm90 for the fast path)."""
-    from .compile_cache import compile_cached, target_arch
+    from ..compile_cache import compile_cached, target_arch
 
     arch = arch or target_arch()
     return compile_cached(SOURCE_FILES, config, arch, lambda cfg, a: compile_fwd_sm90(cfg, a))
@@ -1300,7 +1300,7 @@ def get_compiled(config: FwdConfig, arch: str | None = None):
 
 def get_launcher(config: FwdConfig, arch: str | None = None, use_tvm_ffi: bool | None = None):
     """launch(*raw) in ARG_KINDS order: TVM-FFI when available (see compile_cache.compile_launcher)."""
-    from .compile_cache import compile_launcher, target_arch
+    from ..compile_cache import compile_launcher, target_arch
 
     return compile_launcher(
         SOURCE_FILES, config, arch or target_arch(), lambda cfg, a, t: compile_fwd_sm90(cfg, a, tvm_ffi=t), ARG_KINDS,
@@ -1310,7 +1310,7 @@ def get_launcher(config: FwdConfig, arch: str | None = None, use_tvm_ffi: bool |
 
 def kernel_artifacts(config: FwdConfig, arch: str = "sm_90a", tvm_ffi: bool = False):
     """PTX, cubin, SASS (when nvdisasm exists) and register/stack usage, for tests and inspection."""
-    from .compile_cache import compile_artifacts
+    from ..compile_cache import compile_artifacts
 
     return compile_artifacts(lambda cfg, a, opts: compile_fwd_sm90(cfg, a, opts, tvm_ffi=tvm_ffi), config, arch)
 

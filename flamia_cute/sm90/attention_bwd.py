@@ -70,9 +70,12 @@ import torch
 from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-from . import recipes as _recipes
-from .bwd_common_sm90 import backward_grid, backward_work_item
-from .bwd_device_sm90 import (
+from .. import recipes as _recipes
+from ..compile_cache import compile_entry, launch_on_device
+from ..quant import PV_ORDER16, transposed_tokens
+from ..recipes import FOLD_REF_MIN
+from ..validation import check_kernel_tensors, int32_cu_seqlens
+from .bwd_device import (
     add_dq_tile,
     dq_turn_pass,
     dq_turn_wait,
@@ -80,10 +83,8 @@ from .bwd_device_sm90 import (
     store_key_rows_bf16,
     store_query_vectors,
 )
-from .compile_cache import compile_entry, launch_on_device
-from .quant import PV_ORDER16, transposed_tokens
-from .recipes import FOLD_REF_MIN
-from .sm90_device import (
+from .bwd_preprocess import backward_grid, backward_work_item
+from .primitives import (
     ARG_BF16,
     ARG_F8,
     ARG_F32,
@@ -105,11 +106,10 @@ from .sm90_device import (
     word_walk,
     xor_walk,
 )
-from .validation import check_kernel_tensors, int32_cu_seqlens
 
 SOURCE_FILES = (
     Path(__file__).resolve(),
-    Path(__file__).resolve().with_name("bwd_device_sm90.py"),
+    Path(__file__).resolve().with_name("bwd_device.py"),
     Path(_recipes.__file__).resolve(),
     *SHARED_SOURCE_FILES,
 )
@@ -1294,7 +1294,7 @@ def compile_bwd_dsbf16_sm90(config: BwdDsBf16Config, arch: str = "sm_90a", extra
 
 
 def get_launcher(config: BwdDsBf16Config, arch: str | None = None, use_tvm_ffi: bool | None = None):
-    from .compile_cache import compile_launcher, target_arch
+    from ..compile_cache import compile_launcher, target_arch
 
     return compile_launcher(
         SOURCE_FILES, config, arch or target_arch(), lambda cfg, a, t: compile_bwd_dsbf16_sm90(cfg, a, tvm_ffi=t),
@@ -1303,7 +1303,7 @@ def get_launcher(config: BwdDsBf16Config, arch: str | None = None, use_tvm_ffi: 
 
 
 def kernel_artifacts(config: BwdDsBf16Config, arch: str = "sm_90a"):
-    from .compile_cache import compile_artifacts
+    from ..compile_cache import compile_artifacts
 
     return compile_artifacts(compile_bwd_dsbf16_sm90, config, arch)
 
@@ -1332,7 +1332,7 @@ def flamia_bwd_dsbf16_sm90(
     dO preprocess runs on the current one (all three are memory-bound and independent; the kernel
     waits for both streams). None: OVERLAP_PASSES.
     """
-    from .bwd_common_sm90 import backward_grid_blocks, backward_outputs, preprocess_bwd
+    from .bwd_preprocess import backward_grid_blocks, backward_outputs, preprocess_bwd
 
     T, H, D = q_td.shape
     Hk = k_td.shape[1]
@@ -1359,7 +1359,7 @@ def flamia_bwd_dsbf16_sm90(
     try:
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             if make_q_bf16:
-                from .codes_sm90 import e4m3_codes_to_bf16
+                from .codes import e4m3_codes_to_bf16
 
                 e4m3_codes_to_bf16(q_td, sq, out=q_bf16)
             if side is not None:

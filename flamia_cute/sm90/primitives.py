@@ -15,9 +15,9 @@ import cutlass.pipeline as pipeline
 from cutlass import Boolean, Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import arith, llvm
 
-from .quant import quantize as _quant_layout
-from .schedules import varlen_tiles as _tiles
-from .schedules.varlen_tiles import SHORT_PAIR_ROWS
+from ..quant import quantize as _quant_layout
+from ..schedules import varlen_tiles as _tiles
+from ..schedules.varlen_tiles import SHORT_PAIR_ROWS
 
 # What every kernel's compile-cache key hashes besides its own file: these helpers, the quant
 # layout module whose constants (DT_DOC_ALIGN, TOKEN_PAD) are baked into the kernels at trace time,

@@ -1,0 +1,1 @@
+"""The Hopper (sm_90a) kernels: quantization, forward, backward and their device helpers."""
