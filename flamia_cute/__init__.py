@@ -9,7 +9,6 @@ if os.environ.get("FLAMIA_ARCH") and not os.environ.get("CUTE_DSL_ARCH"):
 
 from .interface import flamia_attn_varlen_func
 from .recipes import DEFAULT_RECIPE, NAMED_RECIPES, OperandQuant, Recipe
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["flamia_attn_varlen_func", "Recipe", "OperandQuant", "NAMED_RECIPES", "DEFAULT_RECIPE", "__version__"]

@@ -1,12 +1,16 @@
-"""flamia_attn_varlen_func as torch.library custom ops, so torch.compile(fullgraph=True) can trace it.
+"""The autograd paths of flamia_attn_varlen_func: one forward and one backward over one saved list.
 
-Two ops, ``flamia_cute::varlen_fwd`` and ``flamia_cute::varlen_bwd``, take the recipe by NAME and the
-resolved backend ("emulate" or "cute"). The forward returns (out, lse, saved): ``saved`` is a flat list
-of the tensors the backward needs -- the quantized operands and their scales, never the bf16 inputs --
-whose structure follows from the static arguments (recipe, backend, dtype) and the input shapes, so the
-fake implementations can build it without running anything:
+run_forward and run_backward hold the call: the kernels from the call's Plan (backend "cute") or the
+emulator. Their saved list is the one saved-operand type of every path: the eager autograd function
+(`Attention`), and the torch.library custom ops ``flamia_cute::varlen_fwd`` / ``varlen_bwd`` that
+torch.compile(fullgraph=True) traces (the eager path skips their dispatch cost, ~50 µs of host time
+per call). Both take the recipe by key (a named recipe's name, or recipe_key() of a custom one) and
+the resolved backend ("emulate" or "cute"). ``saved`` is a flat list of the tensors the backward needs
+-- the quantized operands and their scales, never the bf16 inputs -- whose structure follows from the
+static arguments (recipe, backend, dtype) and the input shapes, so the fake implementations can build
+it without running anything:
 
-- backend "cute" (recipes fp8_token / fp8_tokenblock): ``[out_bf16, buffer, k_shape]``: the ONE uint8
+- backend "cute": ``[out_bf16, buffer, k_shape]``: the ONE uint8
   allocation the Q/K/V quantization launch wrote every QuantizedTHD field into (Q, K, V and the
   per-token copies of K, V; the views are rebuilt from `quant.output_buffer_plan`: outputs of a
   custom op must not alias each other, and the views would), and a 0-element (0, Hk, D) tensor
@@ -21,11 +25,12 @@ bf16 copy of out when out is already bf16) are 0-element placeholders: the layou
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import torch
 
 from .quant import transposed_tokens
-from .recipes import MX_BLOCK, OperandQuant, Recipe
+from .recipes import MX_BLOCK, NAMED_RECIPES, OperandQuant, Recipe
 
 LIB = "flamia_cute"
 EMU_FIELDS = ("along_d", "along_t", "scale", "diag_along_d", "diag_along_t", "diag_scale")
@@ -38,16 +43,34 @@ _VALS, _SCALE, _F8_TD, _F8_DT, _OUT, _NONE = "vals", "scale", "f8_td", "f8_dt", 
 _QKV_BUFFER, _K_SHAPE = "qkv_buffer", "k_shape"
 
 
-def _recipe(name: str) -> Recipe:
-    return Recipe.from_name(name)
+# custom recipes (not in NAMED_RECIPES), by recipe_key: the ops take a recipe as a string
+_CUSTOM_RECIPES: dict[str, Recipe] = {}
 
 
-def _kernel_block(name: str) -> int:
-    from .cute_backend import KERNEL_RECIPES
+def recipe_key(recipe: Recipe) -> str:
+    """The string the ops take for `recipe`: its name when it is that named recipe, else a key that
+    names its fields (a custom recipe may reuse a named recipe's name with other fields)."""
+    if NAMED_RECIPES.get(recipe.name) == recipe:
+        return recipe.name
+    key = f"{recipe.name}#{hashlib.sha256(repr(recipe).encode()).hexdigest()[:12]}"
+    _CUSTOM_RECIPES[key] = recipe
+    return key
 
-    if name not in KERNEL_RECIPES:
-        raise ValueError(f"backend 'cute': recipe {name!r} has no sm_90a kernel (kernels: {sorted(KERNEL_RECIPES)})")
-    return KERNEL_RECIPES[name]
+
+def _recipe(key: str) -> Recipe:
+    rec = NAMED_RECIPES.get(key) or _CUSTOM_RECIPES.get(key)
+    if rec is None:
+        raise ValueError(f"recipe: unknown name {key!r}; named recipes: {sorted(NAMED_RECIPES)}")
+    return rec
+
+
+def _kernel_scaling(key: str) -> str:
+    from .plan import KERNEL_SCALINGS, kernel_scaling
+
+    scaling = kernel_scaling(_recipe(key)) if key in NAMED_RECIPES else None
+    if scaling is None:
+        raise ValueError(f"backend 'cute': recipe {key!r} has no sm_90a kernel (kernels: {sorted(KERNEL_SCALINGS)})")
+    return scaling
 
 
 def _emu_operand_kinds(op: OperandQuant, key_side: bool, recipe: Recipe) -> tuple:
@@ -74,7 +97,7 @@ def saved_layout(recipe_name: str, backend: str, out_is_bf16: bool) -> tuple[tup
         raise ValueError(f"backend must be one of {OP_BACKENDS}, got {backend!r}")
     layout = [("out", _NONE if out_is_bf16 else _OUT)]
     if backend == "cute":
-        _kernel_block(recipe_name)  # checks that the recipe has kernels
+        _kernel_scaling(recipe_name)  # checks that the recipe has kernels
         return (*layout, ("qkv", _QKV_BUFFER), ("k", _K_SHAPE))
     rec = _recipe(recipe_name)
     for name, op, key_side in (("q", rec.q, False), ("k", rec.k, True), ("v", rec.v, True)):
@@ -87,12 +110,10 @@ def _placeholder(device) -> torch.Tensor:
 
 
 def _qkv_launch(Hq: int, Hk: int, D: int, recipe: str):
-    """The layouts of a kernel recipe's Q/K/V launch in a training call (quantize_sm90.qkv_config with
-    cute_backend.launch_layouts; tuning changes no layout)."""
-    from .cute_backend import bf16_ds_backward, launch_layouts, layout_block
-    from .sm90.quantize import qkv_config
+    """The layouts of a kernel recipe's Q/K/V launch (plan.Plan.qkv; tuning changes no layout)."""
+    from .sm90.quantize import forward_only, qkv_config
 
-    return launch_layouts(qkv_config(D, Hq, Hk, layout_block(_kernel_block(recipe))), ds_bf16=bf16_ds_backward(recipe))
+    return forward_only(qkv_config(D, Hq, Hk, 128 if _kernel_scaling(recipe) == "tokenblock" else 1))
 
 
 def _qkv_plan(T: int, num_docs: int, Hq: int, Hk: int, D: int, recipe: str):
@@ -180,7 +201,80 @@ def _unpack_kernel(saved, recipe: str, T: int, num_docs: int, Hq: int):
     return qq, kq, vq, kt, vt
 
 
-# ----------------------------------------------------------------------------- forward op
+# ----------------------------------------------------------------------------- the call
+
+
+def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+                causal: bool, recipe: str, backend: str):
+    """(out in q's dtype, lse (H, T) fp32, the saved list of saved_layout). Checks cu_seqlens' values:
+    the public API checks only what it can without reading them (torch.compile traces it)."""
+    from .validation import check_cu_seqlens_values
+
+    check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
+    check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
+    layout = saved_layout(recipe, backend, q.dtype == torch.bfloat16)
+    if backend == "cute":
+        from . import cute_backend
+        from .plan import make_plan
+
+        if not causal:
+            raise NotImplementedError("backend 'cute': causal=False has no sm_90a kernel")
+        plan = make_plan(recipe, q.shape[2], q.shape[1], k.shape[1], max_seqlen_q, q.shape[0], cu_seqlens_q.numel() - 1)
+        out_k, lse, ops = cute_backend.forward(plan, q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale)
+        out = out_k if out_k.dtype == q.dtype else out_k.to(q.dtype)  # a no-op .to() costs host time too
+        return out, lse, _pack_kernel(layout, out_k, ops)
+    from .emulator import emulate_forward
+
+    out_e, lse, ectx = emulate_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, _recipe(recipe))
+    # for bf16 q, out IS out_e, and the layout holds a placeholder instead (outputs must not alias)
+    return out_e.to(q.dtype), lse, _pack_emulated(layout, out_e, ectx)
+
+
+def run_backward(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                 softmax_scale: float, causal: bool, recipe: str, backend: str):
+    """dq, dk, dv in out's dtype from the forward's saved list."""
+    dt = out.dtype
+    layout = saved_layout(recipe, backend, dt == torch.bfloat16)
+    out_bf16 = saved[0] if layout[0][1] == _OUT else out
+    dout = dout.contiguous()
+    if backend == "cute":
+        from . import cute_backend
+        from .plan import make_plan
+
+        T, H = out.shape[0], out.shape[1]
+        qq, kq, vq, kt, vt = _unpack_kernel(saved, recipe, T, cu_seqlens_q.shape[0] - 1, H)
+        ops = (qq, (kq, kt), (vq, vt))
+        plan = make_plan(recipe, out.shape[2], H, kq.data_td.shape[1], max_seqlen_q, T, cu_seqlens_q.numel() - 1)
+        grads = cute_backend.backward(plan, dout, out_bf16, lse, ops, cu_seqlens_q, max_seqlen_q, softmax_scale)
+    else:
+        from .emulator import EmulatorContext, emulate_backward
+
+        rec = _recipe(recipe)
+        qo, ko, vo = _unpack_emulated(layout, saved, rec)
+        ectx = EmulatorContext(rec, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, qo, ko, vo, out_bf16, lse)
+        grads = emulate_backward(dout, ectx)
+    return tuple(g if g.dtype == dt else g.to(dt) for g in grads)
+
+
+class Attention(torch.autograd.Function):
+    """The eager path: run_forward / run_backward without the custom ops' dispatch."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend):
+        out, lse, saved = run_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend)
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(out, lse, cu_q, cu_k, *saved)
+        ctx.static = (max_q, max_k, scale, causal, recipe, backend)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        out, lse, cu_q, cu_k, *saved = ctx.saved_tensors
+        grads = run_backward(dout, out, lse, saved, cu_q, cu_k, *ctx.static)
+        return (*grads, None, None, None, None, None, None, None, None)
+
+
+# ----------------------------------------------------------------------------- the custom ops
 
 
 @torch.library.custom_op(f"{LIB}::varlen_fwd", mutates_args=())
@@ -198,27 +292,8 @@ def varlen_fwd(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """out (T, H, D) in q's dtype, lse (H, T) fp32, and the saved list of `saved_layout`."""
-    from .validation import check_cu_seqlens_values
-
-    # flamia_attn_varlen_func checks these before the call, except under torch.compile (a host read)
-    check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
-    check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
-    layout = saved_layout(recipe, backend, q.dtype == torch.bfloat16)
-    if backend == "cute":
-        from . import cute_backend
-
-        if not causal:
-            raise NotImplementedError("backend 'cute': causal=False has no sm_90a kernel")
-        out_k, lse, quantized = cute_backend.forward_kernels(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale,
-                                                             _kernel_block(recipe),
-                                                             ds_bf16=cute_backend.bf16_ds_backward(recipe))
-        out = out_k.to(q.dtype)
-        return out, lse, _pack_kernel(layout, out_k, quantized)
-    from .emulator import emulate_forward
-
-    out_e, lse, ectx = emulate_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, _recipe(recipe))
-    # for bf16 q, out IS out_e, and the layout holds a placeholder instead (outputs must not alias)
-    return out_e.to(q.dtype), lse, _pack_emulated(layout, out_e, ectx)
+    return run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                       recipe, backend)
 
 
 @varlen_fwd.register_fake
@@ -237,9 +312,6 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return out, lse, saved
 
 
-# ----------------------------------------------------------------------------- backward op
-
-
 @torch.library.custom_op(f"{LIB}::varlen_bwd", mutates_args=())
 def varlen_bwd(
     dout: torch.Tensor,
@@ -256,30 +328,8 @@ def varlen_bwd(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv in out's dtype from the forward's saved operands."""
-    dt = out.dtype
-    layout = saved_layout(recipe, backend, dt == torch.bfloat16)
-    out_bf16 = saved[0] if layout[0][1] == _OUT else out
-    rec = _recipe(recipe)
-    dout = dout.contiguous()
-    if backend == "cute":
-        from .cute_backend import backward_backend, backward_kernels, bf16_ds_backward
-
-        block = _kernel_block(recipe)
-        qq, kq, vq, kt, vt = _unpack_kernel(saved, recipe, out.shape[0], cu_seqlens_q.shape[0] - 1, out.shape[1])
-        if backward_backend() == "cute" and bf16_ds_backward(recipe):
-            dq, dk, dv = backward_kernels(dout, out_bf16, lse, qq, kq, vq, kt, vt, cu_seqlens_q, max_seqlen_q,
-                                          softmax_scale, block)
-            return dq.to(dt), dk.to(dt), dv.to(dt)
-        from .emulator import operand_from_quantized
-
-        qo, ko, vo = operand_from_quantized(qq), operand_from_quantized(kq, kt), operand_from_quantized(vq, vt, cu_seqlens_q)
-    else:
-        qo, ko, vo = _unpack_emulated(layout, saved, rec)
-    from .emulator import EmulatorContext, emulate_backward
-
-    ectx = EmulatorContext(rec, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, qo, ko, vo, out_bf16, lse)
-    dq, dk, dv = emulate_backward(dout, ectx)
-    return dq.to(dt), dk.to(dt), dv.to(dt)
+    return run_backward(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                        causal, recipe, backend)
 
 
 @varlen_bwd.register_fake
@@ -294,9 +344,6 @@ def _varlen_bwd_fake(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seql
     dk = torch.empty(Tk, Hk, D, dtype=out.dtype, device=out.device)
     dv = torch.empty(Tk, Hk, D, dtype=out.dtype, device=out.device)
     return dq, dk, dv
-
-
-# ----------------------------------------------------------------------------- autograd
 
 
 def _setup_context(ctx, inputs, output):
@@ -322,7 +369,7 @@ varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
               recipe: str, backend: str):
-    """(out, lse) through the custom ops; recipe by name, backend 'emulate' or 'cute'."""
+    """(out, lse) through the custom ops; recipe by key (recipe_key), backend 'emulate' or 'cute'."""
     out, lse, _saved = varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   float(softmax_scale), causal, recipe, backend)
     return out, lse

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .cute_backend import CuteAttention, cute_attention_available, kernel_block_tokens, unsupported_reason
-from .emulator import EmulatorContext, default_softmax_scale, emulate_backward, emulate_forward
-from .recipes import DEFAULT_RECIPE, NAMED_RECIPES, Recipe, resolve_recipe
+from .cute_backend import cute_attention_available
+from .emulator import default_softmax_scale
+from .plan import why_not_kernels
+from .recipes import DEFAULT_RECIPE, Recipe, resolve_recipe
 from .validation import check_attention_inputs
 
 BACKENDS = ("auto", "emulate", "cute")
@@ -31,23 +32,6 @@ def _kernels_available(device: torch.device) -> bool:
     return cute_attention_available(device)
 
 
-class _EmulatedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(fctx, q, k, v, cu_q, cu_k, softmax_scale, causal, recipe):
-        out, lse, ectx = emulate_forward(q, k, v, cu_q, cu_k, softmax_scale, causal, recipe)
-        fctx.emu = ectx  # FP8 operands, scales, O and LSE: never the bf16 inputs
-        fctx.in_dtype = q.dtype
-        fctx.mark_non_differentiable(lse)
-        return out.to(q.dtype), lse
-
-    @staticmethod
-    def backward(fctx, dout, _dlse):
-        ectx: EmulatorContext = fctx.emu
-        dq, dk, dv = emulate_backward(dout.contiguous(), ectx)
-        dt = fctx.in_dtype
-        return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None
-
-
 def flamia_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -69,11 +53,9 @@ def flamia_attn_varlen_func(
     lengths. Returns out (total_q, heads, head_dim) in q's dtype, and with
     return_lse also lse (heads, total_q) fp32 (natural log).
     """
-    # Under torch.compile the values of cu_seqlens are not read on the host (that would break the
-    # graph); the custom op checks them when it runs.
-    compiling = torch.compiler.is_compiling()
-    check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                           check_values=not compiling)
+    # cu_seqlens' values are checked where the call runs (custom_ops.run_forward), once: under
+    # torch.compile this function is traced, and reading them here would break the graph.
+    check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if not isinstance(return_lse, bool):
@@ -82,25 +64,15 @@ def flamia_attn_varlen_func(
     scale = float(softmax_scale) if softmax_scale is not None else default_softmax_scale(q.shape[-1])
     why_not = None
     if backend != "emulate" and _kernels_available(q.device):
-        why_not = unsupported_reason(rec, causal, q, k, cu_seqlens_q, cu_seqlens_k)
+        why_not = why_not_kernels(rec, causal, q, k, cu_seqlens_q, cu_seqlens_k)
     chosen = pick_backend(backend, q.device, why_not)
-    if NAMED_RECIPES.get(rec.name) == rec and (chosen == "emulate" or compiling):
-        # named recipes: the torch.library custom ops (traceable by torch.compile, fake implementations).
-        # Eager kernel calls keep CuteAttention, the path verified on the H200; the custom op's kernel
-        # path (used under torch.compile on a GPU) has not run on a GPU yet.
-        from .custom_ops import attention
+    from .custom_ops import Attention, attention, recipe_key, run_forward
 
-        out, lse = attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                             rec.name, chosen)
-    elif chosen == "cute" and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
-        # no backward will run: quantize only what the forward reads (about half the bytes written)
-        from .cute_backend import forward_kernels, forward_only_quantization
-
-        out, lse, _ = forward_kernels(q, k, v, cu_seqlens_q, max_seqlen_q, scale, kernel_block_tokens(rec),
-                                      forward_only=forward_only_quantization(), row_sum=rec.row_sum)
-        out = out if out.dtype == q.dtype else out.to(q.dtype)
-    elif chosen == "cute":
-        out, lse = CuteAttention.apply(q, k, v, cu_seqlens_q, max_seqlen_q, scale, rec, kernel_block_tokens(rec))
-    else:
-        out, lse = _EmulatedAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, rec)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, recipe_key(rec), chosen)
+    if torch.compiler.is_compiling():
+        out, lse = attention(*args)  # the custom ops: traceable, with fake implementations
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out, lse = Attention.apply(*args)
+    else:  # no backward will run: nothing to save
+        out, lse, _ = run_forward(*args)
     return (out, lse) if return_lse else out

@@ -1,63 +1,17 @@
-"""Per-GPU autotuning: search space, pruning, the tuning cache and run-time lookup.
-
-The cache is one JSON file per GPU under <cache dir>/tuning/, keyed by GPU
-name, SM count, CUDA driver, DSL and package versions. A file written under
-other versions is stale: ignored with a one-line warning, never used.
-Kernels look up their config by workload class (from max_seqlen and the mean
-document length, both known on the host without a sync).
-"""
+"""`flamia-cute tune`: the search spaces, their pruning and the timing that writes the per-GPU records
+(tuned.py reads them at run time)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import re
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
+
+from .tuned import TuningCache, TuningKey, config_fields, kernel_shape, record_fields, workload_class
 
 SMEM_LIMIT_SM90 = 227 * 1024  # per CTA
 TUNE_QUEUE_LEAD_CYCLES = 4_000_000  # ~2 ms of GPU sleep: longer than any call's host time
 SMEM_PER_SM_SM90 = 228 * 1024
-
-
-def workload_class(max_seqlen: int, total_tokens: int, num_docs: int) -> str:
-    """Coarse class of a packed batch: what changes the best config (tile counts, per-document overheads)."""
-    mean = total_tokens / max(num_docs, 1)
-    size = "long" if max_seqlen >= 8192 else "mid" if max_seqlen >= 1024 else "short"
-    spread = "uniform" if max_seqlen <= 2 * mean else "skewed"
-    return f"{size}-{spread}"
-
-
-@dataclass(frozen=True)
-class TuningKey:
-    gpu: str
-    sm_count: int
-    driver: str
-    dsl: str
-    package: str
-
-    @classmethod
-    def current(cls) -> TuningKey:
-        import torch
-
-        from . import __version__
-        from .compile_cache import dsl_version
-
-        props = torch.cuda.get_device_properties(0)
-        driver = ".".join(str(x) for x in torch.cuda.driver_version()) if hasattr(torch.cuda, "driver_version") \
-            else str(torch.version.cuda)
-        return cls(props.name, props.multi_processor_count, driver, dsl_version(), __version__)
-
-    def filename(self) -> str:
-        return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{self.gpu}_{self.sm_count}sm") + ".json"
-
-
-def cache_path(key: TuningKey) -> Path:
-    from .compile_cache import cache_dir
-
-    return cache_dir() / "tuning" / key.filename()
 
 
 # ----------------------------------------------------------------------------- search space
@@ -125,7 +79,7 @@ def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool, num_kv_head
 
 
 # `flamia-cute tune --kernels` names; "bwd" means the backward kernel ("bwd_dsbf16"), which recipes with
-# bf16 dS run (bf16_ds_backward; the others' backward is the emulator's: nothing to tune)
+# bf16 dS run (plan.has_backward_kernel; the others' backward is the emulator's: nothing to tune)
 TUNED_KERNELS = ("fwd", "bwd", "quant")
 
 
@@ -157,174 +111,42 @@ def workload_space(kernel: str, keep: list, heads_kv: int, max_seqlen: int) -> l
 # (auto_head_window) won: the lookup then picks it again by each call's length. A class holds
 # documents of 1k to 4k tokens (mid-uniform: 16x1k and 4x4k), whose automatic windows differ (16, 4);
 # a number tuned on 16x1k slowed 4x4k's backward (perf/RESULTS.md).
-AUTO_WINDOW = "auto"
-
-
-def record_fields(kernel: str, cfg, heads_kv: int, max_seqlen: int) -> dict:
-    """config_fields as a tuned record stores them: the bf16-dS head window as AUTO_WINDOW where it is
-    the one auto_head_window picks for the tuned workload."""
-    fields = config_fields(kernel, cfg)
-    if kernel == "bwd_dsbf16":
-        from .sm90.attention_bwd import auto_head_window
-
-        if fields["head_window"] == auto_head_window(heads_kv, max_seqlen):
-            fields["head_window"] = AUTO_WINDOW
-    return fields
-
-
-def config_fields(kernel: str, cfg) -> dict:
-    """The fields the search varies, as the plain JSON dict the cache stores."""
-    if kernel == "quant":
-        return {"raster": cfg.raster, "min_ctas_per_sm": cfg.min_ctas_per_sm,
-                "heads_per_cta": [p.heads_per_cta for p in cfg.parts]}
-    names = {"fwd": ("kv_stages", "tile_order", "short_pairs"),
-             "bwd_dsbf16": ("vec_stages", "head_window", "short_pairs")}
-    return {n: getattr(cfg, n) for n in names[kernel]}
-
-
-def config_from_fields(kernel: str, default, fields: dict):
-    """`default` with the stored fields applied (inverse of config_fields)."""
-    if kernel == "quant":
-        fields = dict(fields)
-        hgs = fields.pop("heads_per_cta")
-        parts = tuple(dataclasses.replace(p, heads_per_cta=h) for p, h in zip(default.parts, hgs, strict=True))
-        return dataclasses.replace(default, parts=parts, **fields)
-    if kernel == "bwd_dsbf16" and fields.get("head_window") == AUTO_WINDOW:  # the call's own (by length)
-        fields = {**fields, "head_window": default.head_window}
-    return dataclasses.replace(default, **fields)
-
-
 def config_label(kernel: str, cfg) -> str:
     fields = cfg if isinstance(cfg, dict) else config_fields(kernel, cfg)
     return " ".join(f"{k}={v}" for k, v in fields.items())
 
 
-def fwd_shape(cfg) -> str:
-    """Cache shape of a FwdConfig or BwdDsBf16Config (same field names)."""
-    return f"d{cfg.head_dim}_g{cfg.qhead_per_kvhead}_{'tokenblock' if cfg.diagonal_copy else 'token'}"
-
-
-def quant_shape(cfg) -> str:
-    q, kv = cfg.parts[0], cfg.parts[1]
-    return f"d{q.head_dim}_q{q.num_heads}_kv{kv.num_heads}_{'tokenblock' if kv.block_tokens > 1 else 'token'}"
-
-
-def kernel_shape(kernel: str, default) -> str:
-    return quant_shape(default) if kernel == "quant" else fwd_shape(default)
-
-
 # ----------------------------------------------------------------------------- cache
-
-
-class TuningCache:
-    def __init__(self, key: TuningKey, path: Path | None = None):
-        self.key = key
-        self.path = path or cache_path(key)
-        self.entries: dict = {}
-        if self.path.exists():
-            data = json.loads(self.path.read_text())
-            if data.get("key") != dataclasses.asdict(key):
-                warnings.warn(f"flamia_cute: ignoring stale tuning file {self.path} (written for {data.get('key')})",
-                              stacklevel=2)
-            else:
-                self.entries = data.get("entries", {})
-
-    def get(self, kernel: str, wclass: str, shape: str) -> dict | None:
-        return self.entries.get(kernel, {}).get(f"{shape}/{wclass}")
-
-    def put(self, kernel: str, wclass: str, shape: str, record: dict) -> None:
-        """Write through at once: an interrupted tune keeps everything measured so far."""
-        self.entries.setdefault(kernel, {})[f"{shape}/{wclass}"] = record
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": dataclasses.asdict(self.key), "entries": self.entries}, indent=1))
-        tmp.replace(self.path)
-
-
-_loaded: dict = {}
-
-
-def _tuned_config(kernel: str, default, max_seqlen: int, total_tokens: int, num_docs: int):
-    """The tuned config of `kernel` for this workload class, or `default` when nothing (valid) is tuned."""
-    if os.environ.get("FLAMIA_CUTE_NO_TUNING") == "1":
-        return default
-    if "cache" not in _loaded:
-        try:
-            _loaded["cache"] = TuningCache(TuningKey.current())
-        except Exception:
-            _loaded["cache"] = None
-    cache = _loaded["cache"]
-    if cache is None:
-        return default
-    wclass = workload_class(max_seqlen, total_tokens, num_docs)
-    # memoized: a lookup runs on every attention call; rebuilding the config each time costs host time
-    resolved = _loaded.setdefault("resolved", {})
-    key = (kernel, default, wclass)
-    if key not in resolved:
-        rec = cache.get(kernel, wclass, kernel_shape(kernel, default))
-        try:
-            resolved[key] = config_from_fields(kernel, default, rec["config"]) if rec else default
-        except (KeyError, TypeError, ValueError) as e:  # written by another version of the fields
-            warnings.warn(f"flamia_cute: ignoring tuned {kernel} config {rec.get('config')}: {e}", stacklevel=3)
-            resolved[key] = default
-    return resolved[key]
-
-
-DERIVED_MEMO_MAX = 256  # entries: a training run's distinct (shape, packing) signatures between clears
-
-
-def derived_memo() -> dict:
-    """A memo for what callers derive from the tuned records (cute_backend's launch plans): it lives and
-    is dropped with the records (tests swap _loaded), and is cleared when it grows past
-    DERIVED_MEMO_MAX (packings that change every batch must not grow it without bound)."""
-    memo = _loaded.setdefault("derived", {})
-    if len(memo) >= DERIVED_MEMO_MAX:
-        memo.clear()
-    return memo
-
-
-def tuned_fwd_config(default, max_seqlen: int, total_tokens: int, num_docs: int):
-    return _tuned_config("fwd", default, max_seqlen, total_tokens, num_docs)
-
-
-def tuned_bwd_dsbf16_config(default, max_seqlen: int, total_tokens: int, num_docs: int):
-    return _tuned_config("bwd_dsbf16", default, max_seqlen, total_tokens, num_docs)
-
-
-def tuned_quantize_config(default_multi, max_seqlen: int, total_tokens: int, num_docs: int):
-    return _tuned_config("quant", default_multi, max_seqlen, total_tokens, num_docs)
 
 
 # ----------------------------------------------------------------------------- the tune command
 
 
-def _kernel_calls(case, block: int, kernels, ds_bf16: bool) -> dict:
-    """kernel -> (call(cfg, i) launching only that kernel on input set i, number of input sets).
-
-    ds_bf16: the recipe's backward is the bf16-dS kernel, so its training calls launch the Q/K/V
-    quantization with fewer layouts (cute_backend.launch_layouts); that launch is the one timed, and
-    the one compiled here that a later training call reuses from the disk cache."""
+def _kernel_calls(case, block: int, kernels) -> dict:
+    """kernel -> (call(cfg, i) launching only that kernel on input set i, number of input sets). The
+    Q/K/V launch writes the layouts a call's plan writes (quantize.forward_only): the one timed, and
+    the one compiled here that a later call reuses from the disk cache."""
     import torch
 
-    from .cute_backend import launch_layouts, quantize_operands
+    from .cute_backend import quantize_operands
     from .sm90.attention_fwd import FwdConfig, flamia_fwd_sm90
 
     calls = {}
     if "quant" in kernels:
         from .quant import transposed_tokens
-        from .sm90.quantize import _alloc_outputs, launch_fused_quantize_multi_sm90, qkv_config
+        from .sm90.quantize import _alloc_outputs, forward_only, launch_fused_quantize_multi_sm90, qkv_config
 
         # one output buffer serves every config: raster, launch bounds and heads_per_cta keep the layout
-        base = launch_layouts(qkv_config(case.head_dim, case.heads_q, case.heads_kv, block), ds_bf16=ds_bf16)
+        base = forward_only(qkv_config(case.head_dim, case.heads_q, case.heads_kv, block))
         outs = _alloc_outputs(base, case.total, transposed_tokens(case.total, len(case.lengths)), case.cu.device)
 
         def quant(cfg, i):
-            launch_fused_quantize_multi_sm90(case.sets[i][:3], case.cu, launch_layouts(cfg, ds_bf16=ds_bf16), outs)
+            launch_fused_quantize_multi_sm90(case.sets[i][:3], case.cu, forward_only(cfg), outs)
 
         calls["quant"] = (quant, len(case.sets))
     if not {"fwd", "bwd_dsbf16"} & set(kernels):
         return calls
-    ops = [quantize_operands(q, k, v, case.cu, block, case.max_len, ds_bf16=ds_bf16) for q, k, v, _ in case.sets]
+    ops = [quantize_operands(q, k, v, case.cu, block, case.max_len) for q, k, v, _ in case.sets]
 
     def fwd(cfg, i):
         qq, (kq, kt), (vq, vt) = ops[i]
@@ -389,22 +211,23 @@ def run_tune(args) -> int:
     import torch
 
     from .bench import DEFAULT_WORKLOADS, _progress
-    from .cute_backend import KERNEL_RECIPES, bf16_ds_backward, layout_block
+    from .plan import KERNEL_SCALINGS, has_backward_kernel
+    from .recipes import NAMED_RECIPES
 
     data = json.loads(Path(args.workloads or DEFAULT_WORKLOADS).read_text())
     head = data["head_configs"].get(args.heads)
     if head is None:
         print(f"tune --heads: unknown {args.heads!r}; known {sorted(data['head_configs'])}", file=sys.stderr)
         return 2
-    if args.recipe not in KERNEL_RECIPES:
-        print(f"tune --recipe: kernels exist for {sorted(KERNEL_RECIPES)}, not {args.recipe!r}", file=sys.stderr)
+    if args.recipe not in KERNEL_SCALINGS:
+        print(f"tune --recipe: kernels exist for {sorted(KERNEL_SCALINGS)}, not {args.recipe!r}", file=sys.stderr)
         return 2
     kernels = list(dict.fromkeys(k for k in args.kernels.split(",") if k))
     unknown = [k for k in kernels if k not in TUNED_KERNELS]
     if unknown or not kernels:
         print(f"tune --kernels: unknown {unknown or args.kernels!r}; tunable: {','.join(TUNED_KERNELS)}", file=sys.stderr)
         return 2
-    if bf16_ds_backward(args.recipe):  # the backward kernel this recipe runs, and its run-time lookup
+    if has_backward_kernel(NAMED_RECIPES[args.recipe]):  # the backward kernel this recipe runs, and its lookup
         kernels = ["bwd_dsbf16" if k == "bwd" else k for k in kernels]
     elif "bwd" in kernels:
         print(f"tune: recipe {args.recipe!r} has no backward kernel (its backward is the emulator's): bwd skipped",
@@ -415,7 +238,7 @@ def run_tune(args) -> int:
     wl = data["workloads"]
     if args.only:
         wl = {w: wl[w] for w in args.only.split(",") if w in wl} or wl
-    block = layout_block(KERNEL_RECIPES[args.recipe])  # PER_TENSOR runs the per-token kernels
+    block = 128 if KERNEL_SCALINGS[args.recipe] == "tokenblock" else 1  # "tensor" runs the per-token kernels
     spaces = {k: search_space(k, head["head_dim"], head["heads_q"], head["heads_kv"], block) for k in kernels}
     shapes = {k: kernel_shape(k, keep[0][0]) for k, (keep, _) in spaces.items()}
     classes = {w: workload_class(max(ls), sum(ls), len(ls)) for w, ls in wl.items()}
@@ -454,7 +277,7 @@ def run_tune(args) -> int:
         if not todo:
             continue
         case = Case(w, lengths, head["heads_q"], head["heads_kv"], head["head_dim"], "cuda").build()
-        calls = _kernel_calls(case, block, todo, bf16_ds_backward(args.recipe))
+        calls = _kernel_calls(case, block, todo)
         for k in todo:
             rec = _tune_one(k, workload_space(k, spaces[k][0], head["heads_kv"], max(lengths)), *calls[k], args.reps,
                             head["heads_kv"], max(lengths))

@@ -30,11 +30,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _fresh_launch_plans():
-    """Each test derives its launch configs anew: cute_backend memoizes them per shape (tuning.derived_memo),
-    and tests that monkeypatch a config function (short_pairs_default, backward_config's inputs) must
-    neither miss their patch nor leave its configs to the next test."""
-    from flamia_cute import tuning
+    """Each test derives its plans anew: plan.make_plan memoizes them per signature (tuned.derived_memo),
+    and tests that monkeypatch a config function (short_pairs_default, short_pairs_worth) must neither
+    miss their patch nor leave its plans to the next test."""
+    from flamia_cute import tuned
 
-    tuning._loaded.pop("derived", None)
+    tuned._loaded.pop("derived", None)
     yield
-    tuning._loaded.pop("derived", None)
+    tuned._loaded.pop("derived", None)

@@ -11,7 +11,6 @@ vector stages, the overlapped passes, and leakage through the API.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections import Counter
 
@@ -141,19 +140,15 @@ def test_config_rejects(field, value):
 def test_dq_path_follows_determinism(monkeypatch):
     """dQ by TMA reduce-add unless deterministic (then ordered atomics); the S^T/dP^T prefetch at d64
     only; the API's config follows torch.use_deterministic_algorithms / FLAMIA_CUTE_DETERMINISTIC."""
-    from flamia_cute.cute_backend import backward_config
-    from flamia_cute.quant import QuantizedTHD
+    from flamia_cute.plan import make_plan
 
     assert BwdDsBf16Config(head_dim=128).dq_tma_reduce is True
     assert BwdDsBf16Config(head_dim=128, deterministic=True).dq_tma_reduce is False
     assert BwdDsBf16Config(head_dim=64).prefetch_sdp is True and BwdDsBf16Config(head_dim=128).prefetch_sdp is False
     T, H, Hk, D = 256, 4, 2, 128
-    qq = QuantizedTHD(torch.zeros(T, H, D, dtype=torch.float8_e4m3fn), None, torch.ones(H, T), 128, "e4m3")
-    kq = QuantizedTHD(torch.zeros(T, Hk, D, dtype=torch.float8_e4m3fn), None, torch.ones(Hk, T), 128, "e4m3")
-    cu = torch.tensor([0, T], dtype=torch.int32)
     for env, tma in (("0", True), ("1", False)):
         monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", env)
-        cfg = backward_config(qq, kq, kq, cu, T)
+        cfg = make_plan("fp8_tokenblock_dsbf16", D, H, Hk, T, T, 1).bwd
         assert (cfg.dq_tma_reduce, cfg.deterministic, cfg.qhead_per_kvhead) == (tma, not tma, 2), cfg
 
 
@@ -161,24 +156,20 @@ def test_dq_path_follows_determinism(monkeypatch):
 def test_cta_order_is_blocks_unless_deterministic(monkeypatch):
     """The key-block-fastest CTA order by default, the heads order in the deterministic mode (its
     ordered dQ additions were GPU-tested there); the API follows."""
-    from flamia_cute.cute_backend import backward_config
-    from flamia_cute.quant import QuantizedTHD
+    from flamia_cute.plan import make_plan
 
     assert BwdDsBf16Config(head_dim=128).raster == "blocks"
     assert BwdDsBf16Config(head_dim=128, deterministic=True).raster == "heads"
     T, H, Hk, D = 4096, 4, 2, 128
-    qq = QuantizedTHD(torch.zeros(T, H, D, dtype=torch.float8_e4m3fn), None, torch.ones(H, T), 1, "e4m3")
-    kq = QuantizedTHD(torch.zeros(T, Hk, D, dtype=torch.float8_e4m3fn), None, torch.ones(Hk, T), 128, "e4m3")
     monkeypatch.setenv("FLAMIA_CUTE_NO_TUNING", "1")
     # (raster, head window): the window by document length (2 KV heads here), none when deterministic
     for env, length, want in (("0", 1024, ("blocks", 2)), ("0", 4096, ("blocks", 2)), ("1", 1024, ("heads", 1))):
         monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", env)
-        cu = torch.tensor(list(range(0, T + 1, length)), dtype=torch.int32)
-        cfg = backward_config(qq, kq, kq, cu, length)
+        cfg = make_plan("fp8_tokenblock_dsbf16", D, H, Hk, length, T, T // length).bwd
         assert (cfg.raster, cfg.head_window) == want, (env, length)
     monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "0")
-    assert backward_config(qq, kq, kq, torch.tensor([0, T], dtype=torch.int32),
-                           16384).head_window == 1  # long documents keep the plain order
+    assert make_plan("fp8_tokenblock_dsbf16", D, H, Hk, 16384, T, 1).bwd.head_window == 1  # long documents
+    # keep the plain order
 
 
 def test_backward_outputs_and_grid_checks():
@@ -769,14 +760,13 @@ def test_gpu_short_pairs_match_unpaired(recipe, D, H, Hk):
 def test_gpu_short_pairs_leakage(doc, cut, monkeypatch):
     """Leakage through a shared CTA (forward and backward both paired, through the API): the first or
     the second document of a pair perturbed; nothing outside it, nor before the cut, moves."""
-
-    from flamia_cute import cute_backend
+    from flamia_cute.schedules import varlen_tiles
     from flamia_cute.sm90 import attention_fwd as attention_fwd_sm90
 
-    chosen = cute_backend.backward_config
-    monkeypatch.setattr(cute_backend, "backward_config",
-                        lambda *a, **kw: dataclasses.replace(chosen(*a, **kw), short_pairs=True))
+    # both kernels paired whatever the pack's mean length (the plan reads these at build time)
+    monkeypatch.setattr(varlen_tiles, "short_pairs_worth", lambda *a: True)
     monkeypatch.setattr(attention_fwd_sm90, "short_pairs_default", lambda *a: True)
+    monkeypatch.setenv("FLAMIA_CUTE_NO_TUNING", "1")
     q, k, v, do, cu, scale = make_inputs(SHORT_MIX, heads_q=4, heads_kv=2, head_dim=128, seed=17)
 
     rep = check_leakage(_api_attention_fn(scale), q, k, v, cu, dout=do, grad_tol=2e-2, doc=doc, cut=cut)

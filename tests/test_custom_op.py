@@ -6,8 +6,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from flamia_cute import NAMED_RECIPES, flamia_attn_varlen_func
-from flamia_cute.custom_ops import saved_layout, varlen_bwd, varlen_fwd
-from flamia_cute.interface import _EmulatedAttention
+from flamia_cute.custom_ops import recipe_key, saved_layout, varlen_bwd, varlen_fwd
 from flamia_cute.quant import QuantizedTHD, transposed_tokens
 from flamia_cute.testing import make_inputs
 
@@ -68,16 +67,13 @@ def test_kernel_layout_fake(recipe):
     buf, k_shape = saved[1], saved[2]
     assert buf.dtype == torch.uint8 and buf.dim() == 1 and k_shape.shape == (0, Hk, D)
     sets = 1 if recipe == "fp8_token" else 2
-    # Q: data_td + data_dt + scale; K and V: the same per set (the per-token copies when block > 1);
-    # the bf16-dS recipe's backward reads no Q^T, K^T or token-major V, so its launch writes none
+    # the forward's layouts, all that either backward reads: Q and K token-major, V transposed only (the
+    # per-token copies too when block > 1); no Q^T, K^T or token-major V
     per = lambda h: T * h * D + h * D * tdt + 4 * h * T  # noqa: E731
-    if recipe == "fp8_tokenblock_dsbf16":
-        td_only = lambda h: T * h * D + 4 * h * T  # noqa: E731
-        dt_only = lambda h: h * D * tdt + 4 * h * T  # noqa: E731
-        assert td_only(H) + sets * (td_only(Hk) + dt_only(Hk)) <= buf.shape[0]
-        assert buf.shape[0] < td_only(H) + sets * (td_only(Hk) + per(Hk))
-    else:
-        assert buf.shape[0] >= per(H) + 2 * sets * per(Hk)
+    td_only = lambda h: T * h * D + 4 * h * T  # noqa: E731
+    dt_only = lambda h: h * D * tdt + 4 * h * T  # noqa: E731
+    assert td_only(H) + sets * (td_only(Hk) + dt_only(Hk)) <= buf.shape[0]
+    assert buf.shape[0] < td_only(H) + sets * (td_only(Hk) + per(Hk))
     assert (dq.shape, dk.shape, dv.shape) == ((T, H, D), (Tk, Hk, D), (Tk, Hk, D))
 
 
@@ -88,13 +84,12 @@ def test_kernel_pack_unpack_round_trip(recipe, block):
     (shapes, strides, byte offsets, P-fragment flags) from it and K's shape carrier."""
     pytest.importorskip("cutlass")
     from flamia_cute.custom_ops import _pack_kernel, _unpack_kernel
-    from flamia_cute.cute_backend import bf16_ds_backward, launch_layouts, layout_block
-    from flamia_cute.sm90.quantize import _alloc_outputs, qkv_config
+    from flamia_cute.sm90.quantize import _alloc_outputs, forward_only, qkv_config
 
     T, docs, Hq, Hk, D = 300, 3, 4, 2, 128
     tdt = transposed_tokens(T, docs)
-    lb = layout_block(block)  # the per-tensor recipe uses the per-token layouts
-    cfg = launch_layouts(qkv_config(D, Hq, Hk, lb), ds_bf16=bf16_ds_backward(recipe))
+    lb = max(block, 1)  # the per-tensor recipe uses the per-token layouts
+    cfg = forward_only(qkv_config(D, Hq, Hk, lb))
     (qs,), ks, vs = _alloc_outputs(cfg, T, tdt, "cpu")
     storage = qs[0].untyped_storage()
     torch.manual_seed(0)
@@ -128,11 +123,8 @@ def test_kernel_pack_unpack_round_trip(recipe, block):
                 assert a is None, f
                 continue
             assert a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
-    if bf16_ds_backward(recipe):
-        assert all(t.data_dt is None for t in (got[0], got[1], got[3]) if t is not None)
-        assert all(v.data_td is None and v.data_dt is not None and v.dt_pv_order for v in (got[2], got[4]) if v is not None)
-    else:
-        assert got[0].dt_pv_order and got[2].dt_pv_order and not got[1].dt_pv_order
+    assert all(t.data_dt is None for t in (got[0], got[1], got[3]) if t is not None)
+    assert all(v.data_td is None and v.data_dt is not None and v.dt_pv_order for v in (got[2], got[4]) if v is not None)
     # a buffer too small for the layout is refused, not read out of bounds
     with pytest.raises(RuntimeError, match="layout needs"):
         _unpack_kernel([saved[0], saved[1][:100], saved[2]], recipe, T, docs, Hq)
@@ -141,12 +133,15 @@ def test_kernel_pack_unpack_round_trip(recipe, block):
 @pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "bf16", "mxfp8", "nvfp4_fp8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_custom_op_path_matches_the_autograd_function_bit_for_bit(recipe, dtype):
+    """The compiled route (the custom ops) and the eager one (Attention) run the same call."""
+    from flamia_cute.custom_ops import attention
+
     q, k, v, do, cu, scale = make_inputs([3, 130, 0, 17], 4, 2, 64, dtype=dtype, seed=3)
     a = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = flamia_attn_varlen_func(*a, cu, cu, 130, 130, recipe=recipe, backend="emulate", return_lse=True)
     out.backward(do)
     b = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = _EmulatedAttention.apply(*b, cu, cu, scale, True, NAMED_RECIPES[recipe])
+    ref_out, ref_lse = attention(*b, cu, cu, 130, 130, scale, True, recipe, "emulate")
     ref_out.backward(do)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     for x, y in zip(a, b, strict=True):
@@ -154,14 +149,20 @@ def test_custom_op_path_matches_the_autograd_function_bit_for_bit(recipe, dtype)
     assert not lse.requires_grad
 
 
-def test_custom_recipes_keep_the_autograd_function():
-    rec = NAMED_RECIPES["fp8_token"].with_(name="my_token")
+def test_custom_recipes_take_the_same_path_by_key():
+    """A custom recipe (here one that reuses a named recipe's name with other fields) runs the same
+    path as the named ones, under a key that names its fields: never the named recipe's numerics."""
+    rec = NAMED_RECIPES["fp8_token"].with_(ds_cast="bf16")
+    assert recipe_key(rec) != "fp8_token" and recipe_key(NAMED_RECIPES["fp8_token"]) == "fp8_token"
     q, k, v, do, cu, _ = make_inputs([7, 9], 2, 2, 64, seed=5)
-    q.requires_grad_()
-    out = flamia_attn_varlen_func(q, k, v, cu, cu, 9, 9, recipe=rec, backend="emulate")
-    assert type(out.grad_fn).__name__.startswith("_EmulatedAttention")
-    out = flamia_attn_varlen_func(q, k, v, cu, cu, 9, 9, recipe="fp8_token", backend="emulate")
-    assert "varlen_fwd" in type(out.grad_fn).__name__
+    grads = []
+    for r in (rec, "fp8_token"):
+        qq = q.clone().requires_grad_()
+        out = flamia_attn_varlen_func(qq, k, v, cu, cu, 9, 9, recipe=r, backend="emulate")
+        assert type(out.grad_fn).__name__.startswith("Attention")
+        out.backward(do)
+        grads.append(qq.grad)
+    assert not torch.equal(*grads)  # bf16 dS against e4m3 dS
 
 
 class _Tiny(torch.nn.Module):

@@ -4,25 +4,29 @@ import pytest
 import torch
 
 from flamia_cute import NAMED_RECIPES, flamia_attn_varlen_func
-from flamia_cute.cute_backend import PER_TENSOR, kernel_block_tokens, layout_block, unsupported_reason
 from flamia_cute.interface import pick_backend
+from flamia_cute.plan import has_backward_kernel, kernel_scaling, why_not_kernels
 from flamia_cute.testing import attention_fn_for, check_leakage, make_inputs, rel_l2
 
 
 def test_kernel_recipes_and_reasons():
-    assert kernel_block_tokens(NAMED_RECIPES["fp8_tokenblock"]) == 128
-    assert kernel_block_tokens(NAMED_RECIPES["fp8_token"]) == 1
-    assert kernel_block_tokens(NAMED_RECIPES["fp8_tokenblock_dsbf16"]) == 128
-    assert kernel_block_tokens(NAMED_RECIPES["fp8_tensor_current"]) == PER_TENSOR
-    assert layout_block(PER_TENSOR) == 1 and layout_block(128) == 128
-    assert kernel_block_tokens(NAMED_RECIPES["mxfp8"]) is None
+    assert kernel_scaling(NAMED_RECIPES["fp8_tokenblock"]) == "tokenblock"
+    assert kernel_scaling(NAMED_RECIPES["fp8_token"]) == "token"
+    assert kernel_scaling(NAMED_RECIPES["fp8_tokenblock_dsbf16"]) == "tokenblock"
+    assert kernel_scaling(NAMED_RECIPES["fp8_tensor_current"]) == "tensor"
+    assert kernel_scaling(NAMED_RECIPES["mxfp8"]) is None
+    # a custom recipe under a kernel recipe's name is not that recipe
+    assert kernel_scaling(NAMED_RECIPES["fp8_token"].with_(p_scale=128.0)) is None
+    assert has_backward_kernel(NAMED_RECIPES["fp8_tokenblock_dsbf16"]) and has_backward_kernel(
+        NAMED_RECIPES["fp8_tensor_current"])
+    assert not has_backward_kernel(NAMED_RECIPES["fp8_tokenblock"])
     q, k, v, _, cu, _ = make_inputs([5, 7], 2, 2, 128)
-    assert unsupported_reason(NAMED_RECIPES["fp8_tokenblock"], True, q, k, cu, cu) is None
-    assert unsupported_reason(NAMED_RECIPES["fp8_tensor_current"], True, q, k, cu, cu) is None
-    assert "mxfp8" in unsupported_reason(NAMED_RECIPES["mxfp8"], True, q, k, cu, cu)
-    assert "causal" in unsupported_reason(NAMED_RECIPES["fp8_token"], False, q, k, cu, cu)
+    assert why_not_kernels(NAMED_RECIPES["fp8_tokenblock"], True, q, k, cu, cu) is None
+    assert why_not_kernels(NAMED_RECIPES["fp8_tensor_current"], True, q, k, cu, cu) is None
+    assert "mxfp8" in why_not_kernels(NAMED_RECIPES["mxfp8"], True, q, k, cu, cu)
+    assert "causal" in why_not_kernels(NAMED_RECIPES["fp8_token"], False, q, k, cu, cu)
     other = torch.tensor([0, 6, 12], dtype=torch.int32)
-    assert "self-attention" in unsupported_reason(NAMED_RECIPES["fp8_token"], True, q, k, cu, other)
+    assert "self-attention" in why_not_kernels(NAMED_RECIPES["fp8_token"], True, q, k, cu, other)
 
 
 def test_auto_falls_back_to_the_emulator_without_a_gpu():
@@ -32,53 +36,56 @@ def test_auto_falls_back_to_the_emulator_without_a_gpu():
     assert pick_backend("auto", torch.device("cpu"), "some reason") == "emulate"
 
 
-def test_launch_configs_are_built_once_per_shape_and_switch(monkeypatch):
-    """cute_backend memoizes each call's configs (tuning.derived_memo): a repeat call builds nothing,
-    a switch that changes them (FLAMIA_CUTE_NO_TUNING) builds anew, and the memo stays bounded."""
+def test_plans_are_built_once_per_signature_and_switch(monkeypatch):
+    """A call's Plan is memoized (tuned.derived_memo): a repeat call builds nothing, a switch that
+    changes its configs (FLAMIA_CUTE_NO_TUNING, the deterministic mode) builds anew, and the memo
+    stays bounded."""
+    pytest.importorskip("cutlass")
     import flamia_cute.sm90.attention_fwd as fwd
-    from flamia_cute import cute_backend as cb
-    from flamia_cute import tuning
+    from flamia_cute import tuned
+    from flamia_cute.plan import make_plan
 
     builds = []
     real = fwd.short_pairs_default
     monkeypatch.setattr(fwd, "short_pairs_default", lambda *a: builds.append(a) or real(*a))
     monkeypatch.delenv("FLAMIA_CUTE_NO_TUNING", raising=False)
-    # (head_dim, heads_q, heads_kv, max_seqlen, tokens, docs, block)
-    args = (128, 4, 2, 1000, 5000, 7, 128)
-    plain = cb.forward_config(*args)
-    assert cb.forward_config(*args) is plain and len(builds) == 1
+    monkeypatch.delenv("FLAMIA_CUTE_DETERMINISTIC", raising=False)
+    # (recipe, head_dim, heads_q, heads_kv, max_seqlen, tokens, docs)
+    args = ("fp8_tokenblock_dsbf16", 128, 4, 2, 1000, 5000, 7)
+    plain = make_plan(*args)
+    assert make_plan(*args) is plain and len(builds) == 1
+    assert plain.block == 128 and plain.bwd is not None and not plain.bwd.deterministic
+    assert not plain.qkv.parts[0].emit_transposed and not plain.qkv.parts[2].emit_token_major
     monkeypatch.setenv("FLAMIA_CUTE_NO_TUNING", "1")
-    cb.forward_config(*args)
+    make_plan(*args)
     assert len(builds) == 2
-    qkv = cb.quantize_launch_config(128, 4, 2, 128, 1000, 5000, 7, ds_bf16=True)
-    assert cb.quantize_launch_config(128, 4, 2, 128, 1000, 5000, 7, ds_bf16=True) is qkv
-    assert cb.quantize_launch_config(128, 4, 2, 128, 1000, 5000, 7) is not qkv  # other layouts
-    monkeypatch.setattr(tuning, "DERIVED_MEMO_MAX", 3)
+    monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1")
+    assert make_plan(*args).bwd.deterministic and len(builds) == 3
+    assert make_plan("fp8_tokenblock", *args[1:]).bwd is None  # e4m3 dS: the emulator's backward
+    assert make_plan("fp8_tensor_current", *args[1:]).block == 1
+    monkeypatch.setattr(tuned, "DERIVED_MEMO_MAX", 3)
     for docs in range(1, 6):
-        cb.forward_config(128, 4, 2, 1000, 5000, docs, 128)
-        assert len(tuning.derived_memo()) <= 3
+        make_plan("fp8_tokenblock_dsbf16", 128, 4, 2, 1000, 5000, docs)
+        assert len(tuned.derived_memo()) <= 3
 
 
 LENGTHS = [1000, 1, 0, 517, 4096, 33, 129]
 
 
-@pytest.mark.parametrize("forward_only", [False, True])
-def test_per_tensor_operands_fill_one_fused_layout(forward_only):
+def test_per_tensor_operands_fill_one_fused_layout():
     """fp8_tensor_current on the kernels: quant.quantize_thd_per_tensor of Q, K, V written into ONE
-    allocation laid out as the per-token Q/K/V launch (the custom op saves it whole); the forward-only
-    variant leaves out the backward's layouts."""
+    allocation laid out as the per-token Q/K/V launch of its plan (the custom op saves it whole)."""
     pytest.importorskip("cutlass")
-    from flamia_cute.cute_backend import PER_TENSOR, quantize_operands
+    from flamia_cute.cute_backend import quantize_per_tensor
+    from flamia_cute.plan import make_plan
     from flamia_cute.quant import quantize_thd_per_tensor
-    from flamia_cute.sm90.quantize import forward_only as forward_only_config
-    from flamia_cute.sm90.quantize import qkv_config
 
     q, k, v, _, cu, _ = make_inputs([70, 1, 0, 200], 4, 2, 64, seed=3)
-    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, cu, PER_TENSOR, 200, forward_only=forward_only)
+    plan = make_plan("fp8_tensor_current", 64, 4, 2, 200, q.shape[0], 4)
+    qq, (kq, kt), (vq, vt) = quantize_per_tensor(q, k, v, cu, plan.qkv)
     assert kt is None and vt is None
     storage = qq.scale.untyped_storage().data_ptr()
-    cfg = qkv_config(64, 4, 2, 1)
-    parts = (forward_only_config(cfg) if forward_only else cfg).parts
+    parts = plan.qkv.parts
     for got, x, part in zip((qq, kq, vq), (q, k, v), parts, strict=True):
         want = quantize_thd_per_tensor(x, cu, transposed=part.emit_transposed, pv_order=part.dt_pv_order)
         assert got.block_tokens == 1 and got.dt_pv_order == want.dt_pv_order
@@ -91,7 +98,7 @@ def test_per_tensor_operands_fill_one_fused_layout(forward_only):
             w = getattr(want, f)
             assert torch.equal(t.view(torch.uint8), w.view(torch.uint8)), f
     layouts = [(t.data_td is None, t.data_dt is None) for t in (qq, kq, vq)]
-    assert layouts == ([(False, True), (False, True), (True, False)] if forward_only else [(False, False)] * 3)
+    assert layouts == [(False, True), (False, True), (True, False)]
 
 
 @pytest.mark.gpu
@@ -109,29 +116,7 @@ def test_kernel_path_matches_emulator(recipe, heads):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block", [128, 1])
-def test_bf16_ds_launch_writes_no_transposed_q_k(block):
-    """The bf16-dS recipe's training launch: Q and K (and K's copy) token-major only, V (and its copy)
-    transposed only; each layout it writes is bitwise the full training launch's."""
-    from flamia_cute.cute_backend import quantize_operands
-
-    q, k, v, _, cu, _ = make_inputs(LENGTHS, 4, 2, 128, device="cuda", seed=8)
-    full = quantize_operands(q, k, v, cu, block, max(LENGTHS))
-    lean = quantize_operands(q, k, v, cu, block, max(LENGTHS), ds_bf16=True)
-    (fq, (fk, fkt), (fv, fvt)), (lq, (lk, lkt), (lv, lvt)) = full, lean
-    assert lq.data_dt is None and lk.data_dt is None and (lkt is None or lkt.data_dt is None)
-    assert lv.data_td is None and lv.data_dt is not None and lv.dt_pv_order
-    assert lvt is None or (lvt.data_td is None and lvt.data_dt is not None)
-    pairs = [(lq, fq), (lk, fk), (lv, fv)] + ([(lkt, fkt), (lvt, fvt)] if block > 1 else [])
-    for got, want in pairs:
-        for f in ("data_td", "data_dt", "scale"):
-            g = getattr(got, f)
-            if g is not None:
-                assert torch.equal(g.view(torch.uint8), getattr(want, f).view(torch.uint8)), f
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16", "fp8_tokenblock"])
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16"])
 def test_training_call_replays_from_a_cuda_graph(recipe, monkeypatch):
     """The training call (forward + backward) never synchronizes, so a CUDA graph captures it (as
     `bench --graph` and graph-captured training steps do): a replay on new values copied into the
@@ -169,8 +154,8 @@ def test_auto_routes_to_the_kernels_on_sm90(monkeypatch):
     import flamia_cute.cute_backend as cb
 
     calls = []
-    real = cb.forward_kernels
-    monkeypatch.setattr(cb, "forward_kernels", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = cb.forward
+    monkeypatch.setattr(cb, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v, _, cu, scale = make_inputs([300, 44], 2, 2, 128, device="cuda")
     flamia_attn_varlen_func(q, k, v, cu, cu, 300, 300)
     assert calls, "backend='auto' did not use the sm_90a kernels"
@@ -210,34 +195,24 @@ def test_emulated_recipes_are_finite_on_the_gpu(recipe):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tensor_current"])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
-def test_forward_without_grad_quantizes_less_and_matches(monkeypatch, recipe, heads):
-    """No backward to come (no_grad or no input requiring grad): the forward-only quantization
-    launch. The forward kernel reads the same bytes, so out and lse are bitwise those of the
-    training call; FLAMIA_CUTE_FWD_ONLY_QUANT=0 gives the same too."""
-    import flamia_cute.cute_backend as cb
-
+def test_forward_without_grad_matches_the_training_call(recipe, heads):
+    """No backward to come (no_grad or no input requiring grad): the same plan and kernels, nothing
+    saved; out and lse bitwise those of the training call."""
     q, k, v, _, cu, scale = make_inputs(LENGTHS, *heads, 128, device="cuda", seed=7)
-    flags = []
-    real = cb.forward_kernels
-    monkeypatch.setattr(cb, "forward_kernels", lambda *a, **kw: flags.append(kw.get("forward_only")) or real(*a, **kw))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     train_out, train_lse = flamia_attn_varlen_func(*leaves, cu, cu, max(LENGTHS), max(LENGTHS), scale, recipe=recipe,
                                                    return_lse=True)
     with torch.no_grad():
         out, lse = flamia_attn_varlen_func(q, k, v, cu, cu, max(LENGTHS), max(LENGTHS), scale, recipe=recipe,
                                            return_lse=True)
-    monkeypatch.setenv("FLAMIA_CUTE_FWD_ONLY_QUANT", "0")
-    out0 = flamia_attn_varlen_func(q, k, v, cu, cu, max(LENGTHS), max(LENGTHS), scale, recipe=recipe)
-    torch.cuda.synchronize()
-    assert flags[-2:] == [True, False], flags
+    assert out.grad_fn is None
     assert torch.equal(out.view(torch.int16), train_out.detach().view(torch.int16))
     assert torch.equal(lse, train_lse.detach())
-    assert torch.equal(out0.view(torch.int16), out.view(torch.int16))
 
 
 def test_deterministic_backward_switch(monkeypatch):
     """torch.use_deterministic_algorithms(True) or FLAMIA_CUTE_DETERMINISTIC=1 selects the ordered dQ."""
-    from flamia_cute.cute_backend import deterministic_backward
+    from flamia_cute.plan import deterministic_backward
 
     monkeypatch.delenv("FLAMIA_CUTE_DETERMINISTIC", raising=False)
     was = torch.are_deterministic_algorithms_enabled()

@@ -7,9 +7,9 @@ import warnings
 import pytest
 import torch
 
-from flamia_cute import tuning
+from flamia_cute import tuned, tuning
 from flamia_cute.cli import main
-from flamia_cute.tuning import TuningCache, TuningKey, workload_class
+from flamia_cute.tuned import TuningCache, TuningKey, workload_class
 
 KEY = TuningKey("NVIDIA H200", 132, "13.0", "4.8.1", "0.1.0")
 
@@ -128,23 +128,23 @@ TUNED = {"fwd": {"kv_stages": 3, "tile_order": "longest_documents", "short_pairs
 
 @pytest.mark.parametrize("kernel", ["fwd", "bwd_dsbf16", "quant"])
 def test_lookup_returns_the_tuned_config_for_its_class_only(tmp_path, monkeypatch, kernel):
-    lookup = {"fwd": tuning.tuned_fwd_config, "bwd_dsbf16": tuning.tuned_bwd_dsbf16_config,
-              "quant": tuning.tuned_quantize_config}[kernel]
+    lookup = {"fwd": tuned.tuned_fwd_config, "bwd_dsbf16": tuned.tuned_bwd_dsbf16_config,
+              "quant": tuned.tuned_quantize_config}[kernel]
     default = _defaults()[kernel]
     cache = TuningCache(KEY, tmp_path / "t.json")
     shape = "d128_q16_kv16_tokenblock" if kernel == "quant" else "d128_g1_tokenblock"
-    assert tuning.kernel_shape(kernel, default) == shape
+    assert tuned.kernel_shape(kernel, default) == shape
     cache.put(kernel, "mid-uniform", shape, {"config": TUNED[kernel], "ms": 1.0, "default_ms": 1.2})
-    monkeypatch.setattr(tuning, "_loaded", {"cache": TuningCache(KEY, cache.path)})  # reloaded from disk
-    tuned = lookup(default, 1024, 4096, 4)
-    assert tuned != default and type(tuned) is type(default)
-    assert tuning.config_fields(kernel, tuned) == TUNED[kernel]
-    assert lookup(default, 1024, 4096, 4) is tuned  # memoized: no config built per call
+    monkeypatch.setattr(tuned, "_loaded", {"cache": TuningCache(KEY, cache.path)})  # reloaded from disk
+    got = lookup(default, 1024, 4096, 4)
+    assert got != default and type(got) is type(default)
+    assert tuned.config_fields(kernel, got) == TUNED[kernel]
+    assert lookup(default, 1024, 4096, 4) is got  # memoized: no config built per call
     assert lookup(default, 16384, 16384, 1) is default  # long-uniform: nothing tuned
     # entries of another kernel are not used (the forward and the backward share shape names)
     other = {"fwd": "bwd_dsbf16", "bwd_dsbf16": "fwd", "quant": "fwd"}[kernel]
     other_default = _defaults()[other]
-    assert tuning._tuned_config(other, other_default, 1024, 4096, 4) is other_default
+    assert tuned._tuned_config(other, other_default, 1024, 4096, 4) is other_default
     monkeypatch.setenv("FLAMIA_CUTE_NO_TUNING", "1")
     assert lookup(default, 1024, 4096, 4) is default
 
@@ -155,20 +155,20 @@ def test_fwd_record_with_a_removed_field_is_ignored(tmp_path, monkeypatch):
     cache = TuningCache(KEY, tmp_path / "t.json")
     cache.put("fwd", "mid-uniform", "d128_g1_tokenblock", {"config": {"kv_stages": 3, "pin_softmax": False},
                                                            "ms": 1.0, "default_ms": 1.0})
-    monkeypatch.setattr(tuning, "_loaded", {"cache": cache})
+    monkeypatch.setattr(tuned, "_loaded", {"cache": cache})
     default = _defaults()["fwd"]
     with pytest.warns(UserWarning, match="ignoring tuned fwd config"):
-        assert tuning.tuned_fwd_config(default, 1024, 4096, 4) is default
+        assert tuned.tuned_fwd_config(default, 1024, 4096, 4) is default
 
 
 def test_lookup_ignores_an_unusable_entry(tmp_path, monkeypatch):
     cache = TuningCache(KEY, tmp_path / "t.json")
     cache.put("bwd_dsbf16", "mid-uniform", "d128_g1_tokenblock", {"config": {"vec_stages": 4}, "ms": 1.0,
                                                                   "default_ms": 1.0})  # not a valid config
-    monkeypatch.setattr(tuning, "_loaded", {"cache": cache})
+    monkeypatch.setattr(tuned, "_loaded", {"cache": cache})
     default = _defaults()["bwd_dsbf16"]
     with pytest.warns(UserWarning, match="ignoring tuned bwd_dsbf16 config"):
-        assert tuning.tuned_bwd_dsbf16_config(default, 1024, 4096, 4) is default
+        assert tuned.tuned_bwd_dsbf16_config(default, 1024, 4096, 4) is default
 
 
 @pytest.mark.parametrize("kernel", ["fwd", "bwd_dsbf16", "quant"])
@@ -176,8 +176,8 @@ def test_every_kept_config_round_trips_through_the_cache_fields(kernel):
     keep, _ = tuning.search_space(kernel, 128, 16, 16, 128)
     default = keep[0][0]
     for cfg, _ in keep:
-        fields = json.loads(json.dumps(tuning.config_fields(kernel, cfg)))
-        assert tuning.config_from_fields(kernel, default, fields) == cfg
+        fields = json.loads(json.dumps(tuned.config_fields(kernel, cfg)))
+        assert tuned.config_from_fields(kernel, default, fields) == cfg
 
 
 def _statuses(out: str) -> list:
@@ -188,7 +188,6 @@ def _statuses(out: str) -> list:
 
 def test_tune_loop_keeps_the_best_skips_failures_and_reuses_the_cache(tmp_path, monkeypatch, capsys):
     """The tune command's bookkeeping on the CPU: timings faked, no kernel runs."""
-    import torch
 
     from flamia_cute import bench
 
@@ -198,10 +197,10 @@ def test_tune_loop_keeps_the_best_skips_failures_and_reuses_the_cache(tmp_path, 
     monkeypatch.setattr(bench.Case, "build", lambda self, seed=0: self)
     keeps = {k: [c for c, _ in tuning.search_space(k, 128, 16, 16, 128)[0]] for k in ("fwd", "quant")}
 
-    layouts = []  # the ds_bf16 flag of each _kernel_calls: the recipe's quantization layouts
+    blocks = []  # the K/V block of each _kernel_calls
 
-    def fake_calls(case, block, kernels, ds_bf16):
-        layouts.append(ds_bf16)
+    def fake_calls(case, block, kernels):
+        blocks.append(block)
 
         def make(kernel):
             def call(cfg, i):  # "time" = 1 + position; the last config is the fastest, the second fails
@@ -223,7 +222,7 @@ def test_tune_loop_keeps_the_best_skips_failures_and_reuses_the_cache(tmp_path, 
     assert sorted(entries) == ["fwd", "quant"]
     for k, shape in (("fwd", "d128_g1_tokenblock"), ("quant", "d128_q16_kv16_tokenblock")):
         rec = entries[k][f"{shape}/mid-uniform"]
-        assert rec["config"] == tuning.config_fields(k, keeps[k][-1]) and rec["ms"] == 0.5
+        assert rec["config"] == tuned.config_fields(k, keeps[k][-1]) and rec["ms"] == 0.5
         assert rec["default_ms"] == 1.0 and rec["workload"] == "16x1k"
         assert list(rec["failed"]) == [tuning.config_label(k, keeps[k][1])]
         assert len(rec["all"]) == len(keeps[k]) - 1
@@ -233,9 +232,9 @@ def test_tune_loop_keeps_the_best_skips_failures_and_reuses_the_cache(tmp_path, 
     assert _statuses(capsys.readouterr().out) == ["cached", "cached"]
     assert main(argv + ["--kernels", "fwd", "--force"]) == 0
     assert _statuses(capsys.readouterr().out) == ["tuned", "cached"]
-    assert layouts and not any(layouts)  # fp8_tokenblock's (emulated) backward: every layout
-    assert main(["tune", "--only", "16x1k", "--reps", "1", "--kernels", "quant", "--force"]) == 0
-    assert layouts[-1] is True  # the default recipe (bf16 dS) launches fewer: those are timed
+    assert blocks and set(blocks) == {128}
+    assert main(["tune", "--only", "16x1k", "--reps", "1", "--kernels", "quant", "--force", "--recipe", "fp8_token"]) == 0
+    assert blocks[-1] == 1  # the per-token recipe's launch
     assert main(["tune", "--print"]) == 0
     out = capsys.readouterr().out
     for line in ("fwd d128_g1_tokenblock/mid-uniform:", "quant d128_q16_kv16_tokenblock/mid-uniform: {'raster'"):
@@ -249,7 +248,7 @@ from flamia_cute.sm90.attention_bwd import BwdDsBf16Config
 from flamia_cute.sm90.attention_fwd import FwdConfig
 from flamia_cute.sm90.quantize import qkv_config
 from flamia_cute.testing import make_inputs
-from flamia_cute.tuning import config_fields, tuned_bwd_dsbf16_config, tuned_fwd_config, tuned_quantize_config
+from flamia_cute.tuned import config_fields, tuned_bwd_dsbf16_config, tuned_fwd_config, tuned_quantize_config
 q, k, v, do, cu, scale = make_inputs([1024] * 4, 16, 16, 128, device="cuda")
 cfgs = {"fwd": tuned_fwd_config(FwdConfig(head_dim=128, diagonal_copy=True), 1024, 4096, 4),
         "bwd_dsbf16": tuned_bwd_dsbf16_config(BwdDsBf16Config(head_dim=128, diagonal_copy=True), 1024, 4096, 4),
@@ -317,30 +316,27 @@ def test_bwd_dsbf16_space(head_dim):
     assert [c for c, _ in keep] == want and keep[0][1] == "default" and not pruned
     assert all(smem_bytes(c) <= SMEM_LIMIT for c, _ in keep)
     for c, _ in keep:
-        assert tuning.config_from_fields("bwd_dsbf16", default, tuning.config_fields("bwd_dsbf16", c)) == c
+        assert tuned.config_from_fields("bwd_dsbf16", default, tuned.config_fields("bwd_dsbf16", c)) == c
     assert [c.head_window for c, _ in tuning.bwd_dsbf16_space(head_dim, 2, True, num_kv_heads=6)[0]] == \
         [1, 1, 2] + ([1] if head_dim == 128 else [])
 
 
 def test_api_backward_config_follows_the_tuned_bwd_dsbf16_entry(tmp_path, monkeypatch):
     """The default recipe's backward reads its tuned entry; the deterministic mode ignores it."""
-    from flamia_cute.cute_backend import backward_config
-    from flamia_cute.quant import QuantizedTHD
+    pytest.importorskip("cutlass")
+    from flamia_cute.plan import make_plan
 
     cache = TuningCache(KEY, tmp_path / "t.json")
     cache.put("bwd_dsbf16", "mid-uniform", "d128_g1_tokenblock", {"config": TUNED["bwd_dsbf16"], "ms": 1.0,
                                                                   "default_ms": 1.2})
-    monkeypatch.setattr(tuning, "_loaded", {"cache": cache})
+    monkeypatch.setattr(tuned, "_loaded", {"cache": cache})
     monkeypatch.delenv("FLAMIA_CUTE_NO_TUNING", raising=False)
-    T, H, D = 4096, 16, 128
-    qq = QuantizedTHD(torch.zeros(T, H, D, dtype=torch.float8_e4m3fn), None, torch.ones(H, T), 1, "e4m3")
-    kq = QuantizedTHD(torch.zeros(T, H, D, dtype=torch.float8_e4m3fn), None, torch.ones(H, T), 128, "e4m3")
-    cu = torch.tensor([0, 1024, 2048, 3072, 4096], dtype=torch.int32)
+    args = ("fp8_tokenblock_dsbf16", 128, 16, 16, 1024, 4096, 4)  # four 1k documents
     monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "0")
-    cfg = backward_config(qq, kq, kq, cu, 1024)
-    assert tuning.config_fields("bwd_dsbf16", cfg) == TUNED["bwd_dsbf16"]
+    cfg = make_plan(*args).bwd
+    assert tuned.config_fields("bwd_dsbf16", cfg) == TUNED["bwd_dsbf16"]
     monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1")
-    cfg = backward_config(qq, kq, kq, cu, 1024)
+    cfg = make_plan(*args).bwd
     assert cfg.deterministic and not cfg.dq_tma_reduce and cfg.vec_stages == 2 and not cfg.short_pairs
 
 
@@ -353,11 +349,11 @@ def test_bwd_dsbf16_records_of_removed_fields_are_ignored(tmp_path, monkeypatch)
            "phase_prefetch": True, "persistent": False, "early_block_scales": True, "short_pairs": False}
     cache = TuningCache(KEY, tmp_path / "t.json")
     cache.put("bwd_dsbf16", "mid-uniform", "d128_g1_tokenblock", {"config": old, "ms": 1.0, "default_ms": 1.0})
-    monkeypatch.setattr(tuning, "_loaded", {"cache": cache})
+    monkeypatch.setattr(tuned, "_loaded", {"cache": cache})
     monkeypatch.delenv("FLAMIA_CUTE_NO_TUNING", raising=False)
     default = _defaults()["bwd_dsbf16"]
     with pytest.warns(UserWarning, match="ignoring tuned bwd_dsbf16 config"):
-        assert tuning.tuned_bwd_dsbf16_config(default, 1024, 4096, 4) is default
+        assert tuned.tuned_bwd_dsbf16_config(default, 1024, 4096, 4) is default
 
 
 def test_workload_space_starts_from_the_untuned_default():
@@ -382,29 +378,28 @@ def test_bwd_dsbf16_auto_window_stays_per_call(tmp_path, monkeypatch):
     space = tuning.workload_space("bwd_dsbf16", keep, 16, 1024)
     auto_cfg = space[0][0]
     assert auto_cfg.head_window == 16
-    rec = tuning.record_fields("bwd_dsbf16", auto_cfg, 16, 1024)
-    assert rec["head_window"] == tuning.AUTO_WINDOW
+    rec = tuned.record_fields("bwd_dsbf16", auto_cfg, 16, 1024)
+    assert rec["head_window"] == tuned.AUTO_WINDOW
     plain = next(c for c, _ in space if c.head_window == 1)
-    assert tuning.record_fields("bwd_dsbf16", plain, 16, 1024)["head_window"] == 1
-    assert tuning.record_fields("fwd", _defaults()["fwd"], 16, 1024) == tuning.config_fields("fwd", _defaults()["fwd"])
+    assert tuned.record_fields("bwd_dsbf16", plain, 16, 1024)["head_window"] == 1
+    assert tuned.record_fields("fwd", _defaults()["fwd"], 16, 1024) == tuned.config_fields("fwd", _defaults()["fwd"])
     rec = dict(rec, vec_stages=3)  # a tuned field besides the window: the record is applied, not ignored
     cache = TuningCache(KEY, tmp_path / "t.json")
     cache.put("bwd_dsbf16", "mid-uniform", "d128_g1_tokenblock", {"config": rec, "ms": 1.0, "default_ms": 1.0})
-    monkeypatch.setattr(tuning, "_loaded", {"cache": TuningCache(KEY, cache.path)})
+    monkeypatch.setattr(tuned, "_loaded", {"cache": TuningCache(KEY, cache.path)})
     monkeypatch.delenv("FLAMIA_CUTE_NO_TUNING", raising=False)
     for max_seqlen, docs, window in ((1024, 16, 16), (4096, 4, 4)):
         default = BwdDsBf16Config(head_dim=128, diagonal_copy=True, head_window=window)
-        assert tuning.workload_class(max_seqlen, 16384, docs) == "mid-uniform"
-        tuned = tuning.tuned_bwd_dsbf16_config(default, max_seqlen, 16384, docs)
-        assert (tuned.head_window, tuned.vec_stages) == (window, 3)
+        assert tuned.workload_class(max_seqlen, 16384, docs) == "mid-uniform"
+        got = tuned.tuned_bwd_dsbf16_config(default, max_seqlen, 16384, docs)
+        assert (got.head_window, got.vec_stages) == (window, 3)
     fixed = dict(rec, head_window=2)
-    assert tuning.config_from_fields("bwd_dsbf16", auto_cfg, fixed).head_window == 2
+    assert tuned.config_from_fields("bwd_dsbf16", auto_cfg, fixed).head_window == 2
 
 
 def test_tune_loop_records_the_automatic_window(tmp_path, monkeypatch, capsys):
     """The tune command (timings faked) stores the bf16-dS backward's winning automatic window as "auto"."""
     pytest.importorskip("cutlass")
-    import torch
 
     from flamia_cute import bench
 
@@ -413,10 +408,10 @@ def test_tune_loop_records_the_automatic_window(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLAMIA_CUTE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(bench.Case, "build", lambda self, seed=0: self)
     # the untuned default (the automatic window) is the fastest
-    monkeypatch.setattr(tuning, "_kernel_calls", lambda case, block, kernels, ds_bf16: {
+    monkeypatch.setattr(tuning, "_kernel_calls", lambda case, block, kernels: {
         k: ((lambda cfg, i: 1.0 if cfg.head_window == 16 else 2.0), 1) for k in kernels})
     monkeypatch.setattr(bench, "_time_calls", lambda fn, n_sets, device, reps, **kw: fn(0))
     assert main(["tune", "--only", "16x1k", "--reps", "1", "--kernels", "bwd"]) == 0
     entries = json.loads(next((tmp_path / "tuning").glob("*.json")).read_text())["entries"]
-    assert entries["bwd_dsbf16"]["d128_g1_tokenblock/mid-uniform"]["config"]["head_window"] == tuning.AUTO_WINDOW
+    assert entries["bwd_dsbf16"]["d128_g1_tokenblock/mid-uniform"]["config"]["head_window"] == tuned.AUTO_WINDOW
     assert "head_window=auto" in capsys.readouterr().out

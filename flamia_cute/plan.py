@@ -1,0 +1,127 @@
+"""One dispatch path: a named recipe and a call's shapes give one frozen Plan, built once per call signature.
+
+Every route to the sm_90a kernels (the eager autograd function, the torch.library ops that
+torch.compile traces, the no-grad forward, the tuner) runs a call from its Plan: how K and V are
+scaled, the forward's config, the Q/K/V quantization launch (whose layouts are what the call saves
+for its backward) and the backward's config, or None where the recipe's backward is the emulator's.
+Configs come tuned for the call's workload class (tuned.py) and are memoized with the tuned records.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .recipes import NAMED_RECIPES, Recipe
+
+# The named recipes whose forward the sm_90a kernels run, and how those kernels take K and V:
+# "tokenblock" (128-token document-local blocks plus per-token copies on the diagonal tile),
+# "token" (per token), "tensor" (one scale per tensor, quantized by torch into the per-token layouts:
+# the leaky control, run on the kernels so that the kernel path's leakage tests have a control).
+KERNEL_SCALINGS = {"fp8_tokenblock_dsbf16": "tokenblock", "fp8_tokenblock": "tokenblock", "fp8_token": "token",
+                   "fp8_tensor_current": "tensor"}
+KERNEL_HEAD_DIMS = (64, 128)
+
+
+def kernel_scaling(recipe: Recipe) -> str | None:
+    """How the kernels scale K and V for `recipe`, or None where no kernel runs its forward (other
+    recipes, and recipes that only share a name with a named one)."""
+    scaling = KERNEL_SCALINGS.get(recipe.name)
+    return scaling if scaling is not None and NAMED_RECIPES[recipe.name] == recipe else None
+
+
+def has_backward_kernel(recipe: Recipe) -> bool:
+    """The sm_90a backward kernel implements dS in bf16 with dV's fold per document; the e4m3-dS
+    recipes run the emulator's backward from the forward's saved operands (the same quantized
+    values, so forward and backward stay consistent)."""
+    return recipe.ds_cast == "bf16" and recipe.dv_fold == "document"
+
+
+def why_not_kernels(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | None:
+    """Why the sm_90a kernels cannot run this call (None: they can)."""
+    if kernel_scaling(recipe) is None:
+        return f"recipe {recipe.name!r} has no sm_90a kernel (kernels: {sorted(KERNEL_SCALINGS)})"
+    if not causal:
+        return "causal=False has no sm_90a kernel"
+    if q.shape[0] != k.shape[0] or not (cu_q is cu_k or torch.equal(cu_q, cu_k)):
+        return "the sm_90a kernels are self-attention only (cu_seqlens_q == cu_seqlens_k)"
+    if q.shape[-1] not in KERNEL_HEAD_DIMS:
+        return f"head_dim {q.shape[-1]} has no sm_90a kernel ({', '.join(map(str, KERNEL_HEAD_DIMS))})"
+    return None
+
+
+def deterministic_backward() -> bool:
+    """Bit-reproducible dQ: torch.use_deterministic_algorithms(True), or FLAMIA_CUTE_DETERMINISTIC=1."""
+    flag = os.environ.get("FLAMIA_CUTE_DETERMINISTIC", "")
+    if flag not in ("", "0", "1"):
+        raise ValueError(f"FLAMIA_CUTE_DETERMINISTIC must be 0 or 1, got {flag!r}")
+    return flag == "1" or torch.are_deterministic_algorithms_enabled()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the kernels run for one call signature."""
+
+    recipe: str
+    scaling: str  # KERNEL_SCALINGS' values
+    fwd: object  # sm90.attention_fwd.FwdConfig
+    qkv: object  # sm90.quantize.MultiQuantizeConfig: the layouts the forward and either backward read
+    bwd: object | None  # sm90.attention_bwd.BwdDsBf16Config; None: the emulator's backward
+
+    @property
+    def block(self) -> int:
+        """K/V token-block size of the quantized layouts."""
+        return 128 if self.scaling == "tokenblock" else 1
+
+
+def make_plan(recipe: str, head_dim: int, heads_q: int, heads_kv: int, max_seqlen: int, total_tokens: int,
+              num_docs: int) -> Plan:
+    """The Plan of a call (recipe: a name in KERNEL_SCALINGS), memoized per signature while the tuned
+    records stay loaded (tuned.derived_memo): building and tuning configs costs host time that every
+    layer of every step would pay again."""
+    from .tuned import derived_memo
+
+    key = ("plan", recipe, head_dim, heads_q, heads_kv, int(max_seqlen), total_tokens, num_docs,
+           deterministic_backward(), os.environ.get("FLAMIA_CUTE_NO_TUNING"))
+    memo = derived_memo()
+    plan = memo.get(key)
+    if plan is None:
+        plan = memo[key] = _build_plan(recipe, head_dim, heads_q, heads_kv, int(max_seqlen), total_tokens, num_docs)
+    return plan
+
+
+def _build_plan(recipe, head_dim, heads_q, heads_kv, max_seqlen, total_tokens, num_docs) -> Plan:
+    from dataclasses import replace
+
+    from .schedules.varlen_tiles import short_pairs_worth
+    from .sm90.attention_bwd import BwdDsBf16Config, auto_head_window, short_pairs_supported
+    from .sm90.attention_fwd import FwdConfig, short_pairs_default
+    from .sm90.quantize import forward_only, qkv_config
+    from .tuned import tuned_bwd_dsbf16_config, tuned_fwd_config, tuned_quantize_config
+
+    scaling = KERNEL_SCALINGS[recipe]
+    block_copy = scaling == "tokenblock"
+    group = heads_q // heads_kv
+    fwd = tuned_fwd_config(FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=block_copy,
+                                     short_pairs=short_pairs_default(total_tokens, num_docs)),
+                           max_seqlen, total_tokens, num_docs)
+    qkv = qkv_config(head_dim, heads_q, heads_kv, 128 if block_copy else 1)
+    if scaling != "tensor":  # the control is quantized by torch: no launch to tune
+        qkv = tuned_quantize_config(qkv, max_seqlen, total_tokens, num_docs)
+    # the forward's layouts are all that either backward reads: the kernel converts Q and K to bf16 and
+    # transposes V in shared memory, and the emulator dequantizes V from its transposed copy
+    qkv = forward_only(qkv)
+    bwd = None
+    if has_backward_kernel(NAMED_RECIPES[recipe]):
+        if deterministic_backward():  # the ordered atomics path, untuned
+            bwd = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=block_copy,
+                                  deterministic=True)
+        else:
+            bwd = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=block_copy,
+                                  head_window=auto_head_window(heads_kv, max_seqlen))
+            if short_pairs_worth(total_tokens, num_docs) and short_pairs_supported(bwd):
+                bwd = replace(bwd, short_pairs=True)
+            bwd = tuned_bwd_dsbf16_config(bwd, max_seqlen, total_tokens, num_docs)
+    return Plan(recipe, scaling, fwd, qkv, bwd)
