@@ -2,7 +2,10 @@
 PYTHON ?= python3
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-gpu bench ptx lint accuracy
+# GPU tests run in parallel processes: the kernels' compiles are CPU-bound, one core each
+GPU_WORKERS ?= 8
+
+.PHONY: install demo test test-gpu test-gpu-full bench ptx lint accuracy
 
 # torch: CPU machines get the CPU build; a GPU machine keeps the torch it has.
 install:
@@ -17,9 +20,15 @@ test:
 	$(PYTHON) -m pytest -q -m "not gpu" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: no tests collected" >&2; exit 1; fi; exit $$rc
 
+# every shipping kernel path, the leakage checks and the API (marker gpu, not gpu_full)
 test-gpu:
-	$(PYTHON) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	$(PYTHON) -m pytest -q -n $(GPU_WORKERS) -m "gpu and not gpu_full" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-gpu: no tests collected" >&2; exit 1; fi; exit $$rc
+
+# every GPU test
+test-gpu-full:
+	$(PYTHON) -m pytest -q -n $(GPU_WORKERS) -m gpu $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-gpu-full: no tests collected" >&2; exit 1; fi; exit $$rc
 
 accuracy:
 	$(PYTHON) -m flamia_cute.cli accuracy
