@@ -969,13 +969,17 @@ def test_quantize_operands_uses_one_launch_and_matches():
     torch.cuda.synchronize()
     assert len(launches) == 2
     cuc = cu.cpu()
-    _assert_same(qq, quantize_thd(q.cpu(), cuc, 1, pv_order=True))
-    _assert_same(kq, quantize_thd(k.cpu(), cuc, 128))
-    _assert_same(kt, quantize_thd(k.cpu(), cuc, 1))
-    _assert_same(vq, quantize_thd(v.cpu(), cuc, 128, pv_order=True))
-    _assert_same(vt, quantize_thd(v.cpu(), cuc, 1, pv_order=True))
+    # the forward's layouts (all that either backward reads): Q, K token-major, V transposed only
+    _assert_same(qq, quantize_thd(q.cpu(), cuc, 1, transposed=False))
+    _assert_same(kq, quantize_thd(k.cpu(), cuc, 128, transposed=False))
+    _assert_same(kt, quantize_thd(k.cpu(), cuc, 1, transposed=False))
+    for got, block in ((vq, 128), (vt, 1)):
+        want = quantize_thd(v.cpu(), cuc, block, pv_order=True)
+        assert got.data_td is None and got.dt_pv_order
+        assert torch.equal(got.data_dt.view(torch.uint8).cpu(), want.data_dt.view(torch.uint8))
+        assert torch.equal(got.scale.view(torch.int32).cpu(), want.scale.view(torch.int32))
     assert kt2 is None and vt2 is None
-    _assert_same(k2, quantize_thd(k.cpu(), cuc, 1))
+    _assert_same(k2, quantize_thd(k.cpu(), cuc, 1, transposed=False))
     assert qq.block_tokens == 1 and kq.block_tokens == 128 and kt.block_tokens == 1
 
 

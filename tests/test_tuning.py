@@ -244,20 +244,18 @@ def test_tune_loop_keeps_the_best_skips_failures_and_reuses_the_cache(tmp_path, 
 _FRESH = """
 import json, torch
 from flamia_cute import compile_cache, flamia_attn_varlen_func
-from flamia_cute.sm90.attention_bwd import BwdDsBf16Config
-from flamia_cute.sm90.attention_fwd import FwdConfig
+from flamia_cute.plan import make_plan
 from flamia_cute.sm90.quantize import qkv_config
 from flamia_cute.testing import make_inputs
-from flamia_cute.tuned import config_fields, tuned_bwd_dsbf16_config, tuned_fwd_config, tuned_quantize_config
+from flamia_cute.tuned import record_fields, tuned_quantize_config
 q, k, v, do, cu, scale = make_inputs([1024] * 4, 16, 16, 128, device="cuda")
-cfgs = {"fwd": tuned_fwd_config(FwdConfig(head_dim=128, diagonal_copy=True), 1024, 4096, 4),
-        "bwd_dsbf16": tuned_bwd_dsbf16_config(BwdDsBf16Config(head_dim=128, diagonal_copy=True), 1024, 4096, 4),
-        "quant": tuned_quantize_config(qkv_config(128, 16, 16, 128), 1024, 4096, 4)}
+plan = make_plan("fp8_tokenblock_dsbf16", 128, 16, 16, 1024, 4096, 4)  # the plan the call below runs
+cfgs = {"fwd": record_fields("fwd", plan.fwd, 16, 1024), "bwd_dsbf16": record_fields("bwd_dsbf16", plan.bwd, 16, 1024),
+        "quant": record_fields("quant", tuned_quantize_config(qkv_config(128, 16, 16, 128), 1024, 4096, 4), 16, 1024)}
 q.requires_grad_()
 flamia_attn_varlen_func(q, k, v, cu, cu, 1024, 1024).backward(do)
 torch.cuda.synchronize()
-print(json.dumps({"configs": {name: config_fields(name, c) for name, c in cfgs.items()},
-                  "compiles": compile_cache.STATS.compiles, "disk_hits": compile_cache.STATS.disk_hits}))
+print(json.dumps({"configs": cfgs, "compiles": compile_cache.STATS.compiles, "disk_hits": compile_cache.STATS.disk_hits}))
 """
 
 
