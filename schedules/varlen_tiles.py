@@ -97,7 +97,7 @@ def short_pair_partner(lengths, a: int, dt_align: int = 32) -> int:
     """The length of document a + 1 when it shares document a's forward query tile, else 0:
     a is even (pairs (0, 1), (2, 3), ...: no scan over runs of short documents, so the kernel tests
     a document in O(1)), a's data_dt columns are exactly SHORT_PAIR_ROWS, a + 1 exists and holds at
-    most SHORT_PAIR_ROWS tokens (sm90_device.short_pair_len)."""
+    most SHORT_PAIR_ROWS tokens (flamia_cute.tile_scheduler.short_pair_len)."""
     if a % 2 or a + 1 >= len(lengths):
         return 0
     cols = -(-lengths[a] // dt_align) * dt_align
@@ -106,7 +106,7 @@ def short_pair_partner(lengths, a: int, dt_align: int = 32) -> int:
 
 
 def chunk_table(lengths, tile: int = 128, short_pairs: bool = False) -> list[int]:
-    """cum[d] = chunks of documents before d (len num_docs + 1): sm90_device.doc_chunk_cumsum's table;
+    """cum[d] = chunks of documents before d (len num_docs + 1): tile_scheduler.doc_chunk_cumsum's table;
     short_pairs: a document that shares its predecessor's tile counts 0 chunks."""
     cum = [0]
     for d, n in enumerate(lengths):
@@ -161,7 +161,7 @@ def _last_doc_at_or_before(t: int, cum_at, num_docs: int, heads: int) -> int:
 
 
 def locate_tile_model(t: int, cum: list[int], heads: int) -> tuple[int, int, int]:
-    """Tile t -> (document, head, block) by the binary search of sm90_device.locate_tile."""
+    """Tile t -> (document, head, block) by the binary search of tile_scheduler.locate_tile."""
     d = _last_doc_at_or_before(t, lambda i: cum[i], len(cum) - 1, heads)
     nblk = cum[d + 1] - cum[d]
     local = t - heads * cum[d]

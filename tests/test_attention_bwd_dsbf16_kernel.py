@@ -195,7 +195,7 @@ def test_head_window_config_and_auto_choice():
     (the host checks that); auto_head_window keeps 16k-token documents in the plain order and windows
     short ones."""
     from flamia_cute.sm90.attention_bwd import auto_head_window
-    from flamia_cute.sm90.bwd_preprocess import backward_grid, backward_work_item
+    from flamia_cute.tile_scheduler import backward_grid, backward_work_item
 
     assert [auto_head_window(16, n) for n in (16384, 65536, 8192, 4096, 1024, 512, None)] == [1, 1, 2, 4, 16, 16, 1]
     assert auto_head_window(8, 1024) == 8 and auto_head_window(6, 1024) == 2 and auto_head_window(1, 64) == 1

@@ -573,7 +573,7 @@ def test_fmax_chains_is_the_max(n, chains):
     """The softmax's row max by interleaved chains is the max (each value once), for any length."""
     import random
 
-    from flamia_cute.sm90.primitives import fmax_chains
+    from flamia_cute.softmax import fmax_chains
 
     rng = random.Random(n * 10 + chains)
     for _ in range(50):

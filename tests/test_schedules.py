@@ -115,7 +115,7 @@ def test_backward_grid_runs_every_key_block_once_windows_longest_first(lengths, 
     CTAs in launch order are documents in order, in each the KV heads in windows of `window`, a
     window's key blocks from the first (the most query tiles) with its heads fastest: every (document,
     KV head, key block) with keys exactly once."""
-    from flamia_cute.sm90.bwd_preprocess import backward_grid, backward_work_item
+    from flamia_cute.tile_scheduler import backward_grid, backward_work_item
 
     if kv_heads % window:
         window = 1

@@ -37,7 +37,6 @@ specification), the backward. The diagonal tile's bf16 products cover the whole 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +50,11 @@ import torch
 from cutlass import BFloat16, Float8E4M3FN, Float8E8M0FNU, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
+from .. import mask as _mask
+from .. import softmax as _softmax
+from .. import varlen as _varlen
 from ..compile_cache import compile_entry, launch_on_device
+from ..mask import hide_future
 from ..quant import DT_DOC_ALIGN, transposed_tokens
 from ..quant import mx_layout as _mx_layout
 from ..quant.mx_layout import MX_BLOCK, MX_TILE, SF_CHUNK_BYTES, MxForwardOperands, sf_slots
@@ -64,17 +67,16 @@ from ..sm90.primitives import (
     as_f32,
     cvt_bf16x2,
     cvt_e4m3x4,
-    document_aligned_starts,
     f32_bits,
-    fmax_chains,
     st_global_v4,
 )
+from ..softmax import LN2, LOG2E, fmax_chains, online_max, row_lse
 from ..validation import check_kernel_tensors, int32_cu_seqlens
+from ..varlen import document_aligned_starts
 
-SOURCE_FILES = (Path(__file__).resolve(), Path(_mx_layout.__file__).resolve(), *SHARED_SOURCE_FILES)
+SOURCE_FILES = (Path(__file__).resolve(), Path(_mx_layout.__file__).resolve(),
+                *(Path(m.__file__).resolve() for m in (_mask, _softmax, _varlen)), *SHARED_SOURCE_FILES)
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 E4M3_EMAX = 8  # an E8M0 block scale is 2^(floor(log2 amax) - 8): amax / scale in [256, 512), cast saturates at 448
 TMEM_COLS = 512
 SOFTMAX_THREADS = 128
@@ -619,10 +621,8 @@ class FlamiaFwdSm100:
                 for j in cutlass.range_constexpr(32):
                     key = 32 * c + j
                     v = cutlass.select_(own == c, frag[j] * scale_log2, x[key])
-                    x[key] = cutlass.select_(key > row, -Float32.inf, v)
-        m_new = cute.arch.fmax(m_run, fmax_chains([x[j] for j in range(tn)]))  # exact in any order
-        m_safe = cutlass.select_(m_new == -Float32.inf, Float32(0.0), m_new)
-        alpha = cute.math.exp2(m_run - m_safe, fastmath=True)
+                    x[key] = hide_future(key, row, v, -Float32.inf)  # the causal mask (mask.py)
+        m_new, m_safe, alpha = online_max(m_run, fmax_chains([x[j] for j in range(tn)]))  # exact in any order
         for j in cutlass.range_constexpr(tn):
             x[j] = cute.math.exp2(x[j] - m_safe, fastmath=True)
         # four interleaved partial sums (the emulator sums in torch's order: fp32 rounding only)
@@ -723,7 +723,7 @@ class FlamiaFwdSm100:
         lse = -Float32.inf
         if l_run > Float32(0.0):
             f = Float32(1.0) / l_run
-            lse = (m_run + cute.math.log2(l_run, fastmath=False)) * Float32(LN2)
+            lse = row_lse(m_run, l_run)
         ld, view = self.row_copies(tO, chunk, False)
         thr_ld = ld.get_slice(tidx)
         frag = cute.make_rmem_tensor(thr_ld.partition_D(cute.make_identity_tensor((self.tile, chunk))).shape, Float32)

@@ -33,6 +33,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint32
 
+from .. import softmax as _softmax
+from .. import tile_scheduler as _tile_scheduler
 from ..compile_cache import compile_entry, launch_on_device
 from ..quant import mx_layout as _mx_layout
 from ..quant import transposed_tokens
@@ -52,17 +54,17 @@ from ..sm90.primitives import (
     SHARED_SOURCE_FILES,
     as_f32,
     cvt_e4m3x4,
-    doc_chunk_cumsum,
     e4m3x2_to_bf16x2,
     f32_bits,
-    fmax_chains,
-    last_doc_at_or_before,
     ptx,
     st_global_v4,
 )
+from ..softmax import fmax_chains
+from ..tile_scheduler import doc_chunk_cumsum, last_doc_at_or_before
 from ..validation import check_kernel_tensors, int32_cu_seqlens
 
-SOURCE_FILES = (Path(__file__).resolve(), Path(_mx_layout.__file__).resolve(), *SHARED_SOURCE_FILES)
+SOURCE_FILES = (Path(__file__).resolve(), Path(_mx_layout.__file__).resolve(),
+                *(Path(m.__file__).resolve() for m in (_softmax, _tile_scheduler)), *SHARED_SOURCE_FILES)
 E4M3_EMAX = 8
 ABS_MASK = 0x7FFF7FFF  # both bf16 halves of a word without their sign bits
 UNUSED_WORD = SF_UNUSED * 0x01010101  # four E8M0 bytes of 1.0

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,11 +69,19 @@ import torch
 from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
+from .. import mask as _mask
 from .. import recipes as _recipes
+from .. import softmax as _softmax
+from .. import tile_scheduler as _tile_scheduler
+from .. import varlen as _varlen
 from ..compile_cache import compile_entry, launch_on_device
+from ..mask import diagonal_key_end, diagonal_source, hide_invisible, pair_key_end
 from ..quant import PV_ORDER16, transposed_tokens
 from ..recipes import FOLD_REF_MIN
+from ..softmax import LOG2E, P_SCALE, dv_fold_factor, recompute_p
+from ..tile_scheduler import backward_grid, backward_work_item, short_pair_follower, short_pair_len
 from ..validation import check_kernel_tensors, int32_cu_seqlens
+from ..varlen import document_bounds, document_dt_start, document_tiles, short_pair_bounds
 from .bwd_device import (
     add_dq_tile,
     dq_turn_pass,
@@ -83,7 +90,6 @@ from .bwd_device import (
     store_key_rows_bf16,
     store_query_vectors,
 )
-from .bwd_preprocess import backward_grid, backward_work_item
 from .primitives import (
     ARG_BF16,
     ARG_F8,
@@ -92,13 +98,9 @@ from .primitives import (
     SHARED_SOURCE_FILES,
     byte_transpose4x4,
     cvt_bf16x2,
-    document_dt_start,
     e4m3x2_to_bf16x2,
     pack_a_fragment_e4m3,
     select,
-    short_pair_bounds,
-    short_pair_follower,
-    short_pair_len,
     smem_word_index,
     st_shared_v4,
     tma_pipeline,
@@ -111,12 +113,11 @@ SOURCE_FILES = (
     Path(__file__).resolve(),
     Path(__file__).resolve().with_name("bwd_device.py"),
     Path(_recipes.__file__).resolve(),
+    *(Path(m.__file__).resolve() for m in (_mask, _softmax, _tile_scheduler, _varlen)),
     *SHARED_SOURCE_FILES,
 )
 
-LOG2E = math.log2(math.e)
 SMEM_LIMIT = 232448  # sm_90 dynamic shared memory per CTA (227 KB)
-P_SCALE = 256.0  # the recipe's fixed power-of-two P scale (Recipe.p_scale)
 N_VEC = 5  # per-query vectors per tile in shared memory (see load_vectors)
 KEY_BLOCK = 128
 QUERY_TILE = 64
@@ -558,8 +559,7 @@ class FlamiaBwdDsBf16Sm90:
         layouts = (sK_layout, sQ_layout, sdOt_layout, sQb_layout, sKb_layout, sdS_layout, sVt_layout)
         tidx, _, _ = cute.arch.thread_idx()
         kv_head, doc, n_blk = backward_work_item(self.cfg.raster, cute.arch.block_idx(), self.cfg.head_window)
-        doc_start = mCu[doc]
-        doc_len = mCu[doc + 1] - doc_start
+        doc_start, doc_len = document_bounds(mCu, doc)
         # V^T's (and dO^T's) first column, by every warp (only the TMA warp uses it): its loads go out
         # with cu_seqlens[doc]'s, not after the CTA's setup, and 4 rounds of 32 documents at a time,
         # since the first K/V load waits for it
@@ -660,29 +660,17 @@ class FlamiaBwdDsBf16Sm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def _part(self, atom, t, head, s, tile: cutlass.Constexpr, offset, token_mode: cutlass.Constexpr):
-        """TMA partition of head `head`'s tiles along the token mode (0 for [t, d], 1 for [d, t]),
-        starting at the document's first token (row) or column `offset`."""
-        if cutlass.const_expr(token_mode == 0):
-            g = cute.local_tile(cute.domain_offset((offset, 0), t[None, None, head]), tile, (None, 0))
-        else:
-            g = cute.local_tile(cute.domain_offset((0, offset), t[None, None, head]), tile, (0, None))
-        return cute.nvgpu.cpasync.tma_partition(
-            atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
-        )
-
-    @cute.jit
     def _load_kv(self, atoms, bufs, pipe_kv, kv_state, kv_head, doc_start, dt_start, n_blk, hi_start=None):
         """K [key, d] and V^T [d, key] (the 64-key slabs of block n_blk) into sK and sV; hi_start
         (short_pairs): the second slab's K rows from there (a pair's second document, 64 back; its V^T
         columns follow the first's, so V^T needs no second start)."""
         atom_k, t_k, atom_v, t_v = atoms
         D = self.D
-        tKs, tKg = self._part(atom_k, t_k, kv_head, bufs[0], (self.wm, D), doc_start, 0)
+        tKs, tKg = document_tiles(atom_k, t_k, kv_head, bufs[0], (self.wm, D), doc_start, 0)
         tKg1 = tKg
         if cutlass.const_expr(hi_start is not None):
-            _, tKg1 = self._part(atom_k, t_k, kv_head, bufs[0], (self.wm, D), hi_start, 0)
-        tVs, tVg = self._part(atom_v, t_v, kv_head, bufs[14], (D, self.wm), dt_start, 1)
+            _, tKg1 = document_tiles(atom_k, t_k, kv_head, bufs[0], (self.wm, D), hi_start, 0)
+        tVs, tVg = document_tiles(atom_v, t_v, kv_head, bufs[14], (D, self.wm), dt_start, 1)
         pipe_kv.producer_acquire(kv_state)
         bar = pipe_kv.producer_get_barrier(kv_state)
         for w in cutlass.range_constexpr(2):
@@ -699,9 +687,9 @@ class FlamiaBwdDsBf16Sm90:
         D, tq = self.D, self.tq
         if cutlass.const_expr(hi_start is not None):
             doc_start = select(m >= 1, hi_start, doc_start)
-        tQs, tQg = self._part(tma_q, tQ, hq, bufs[3], (tq, D), doc_start, 0)
-        tdOs, tdOg = self._part(tma_do, tdO, hq, bufs[4], (tq, D), doc_start, 0)
-        tdOts, tdOtg = self._part(tma_dot, tdOt, hq, bufs[5], (D, tq), dt_start, 1)
+        tQs, tQg = document_tiles(tma_q, tQ, hq, bufs[3], (tq, D), doc_start, 0)
+        tdOs, tdOg = document_tiles(tma_do, tdO, hq, bufs[4], (tq, D), doc_start, 0)
+        tdOts, tdOtg = document_tiles(tma_dot, tdOt, hq, bufs[5], (D, tq), dt_start, 1)
         pipe_a.producer_acquire(a_state)
         bar = pipe_a.producer_get_barrier(a_state)
         cute.copy(tma_q, tQg[None, m], tQs[None, a_state.index], tma_bar_ptr=bar)
@@ -711,7 +699,7 @@ class FlamiaBwdDsBf16Sm90:
         bar = pipe_b.producer_get_barrier(b_state)
         cute.copy(tma_dot, tdOtg[None, m], tdOts[None, b_state.index], tma_bar_ptr=bar)
         tma_qb, tQb = tmas[17:19]
-        tQbs, tQbg = self._part(tma_qb, tQb, hq, bufs[6], (D, tq), doc_start, 1)
+        tQbs, tQbg = document_tiles(tma_qb, tQb, hq, bufs[6], (D, tq), doc_start, 1)
         cute.copy(tma_qb, tQbg[None, m], tQbs[None, b_state.index], tma_bar_ptr=bar)
         b_state.advance()
         return a_state, b_state
@@ -723,11 +711,9 @@ class FlamiaBwdDsBf16Sm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         a_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         b_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        # phase 0: the diagonal tiles of every head (per-token K/V when diag_copy)
-        if cutlass.const_expr(self.diag_copy):
-            kv_state = self._load_kv(tmas[4:8], bufs, pipe_kv, kv_state, kv_head, doc_start, dt_start, n_blk, hi_start)
-        else:
-            kv_state = self._load_kv(tmas[0:4], bufs, pipe_kv, kv_state, kv_head, doc_start, dt_start, n_blk, hi_start)
+        # phase 0: the diagonal tiles of every head (per-token K/V when diag_copy: mask.py)
+        kv_state = self._load_kv(diagonal_source(self.diag_copy, tmas[0:4], tmas[4:8]), bufs, pipe_kv, kv_state,
+                                 kv_head, doc_start, dt_start, n_blk, hi_start)
         for i in cutlass.range(self.group * n_diag, unroll=1):
             a_state, b_state = self._load_q(tmas, bufs, pipe_a, pipe_b, a_state, b_state,
                                             kv_head * self.group + i // n_diag, 2 * n_blk + i % n_diag,
@@ -789,7 +775,7 @@ class FlamiaBwdDsBf16Sm90:
             start = doc_start
             if cutlass.const_expr(hi_start is not None):
                 start = select(m >= 1, hi_start, doc_start)
-            tSs, tSg = self._part(atom, t_dq, kv_head * self.group + hi, sdQ, (self.tq, self.D), start, 0)
+            tSs, tSg = document_tiles(atom, t_dq, kv_head * self.group + hi, sdQ, (self.tq, self.D), start, 0)
             cute.copy(atom, tSs[None, 0], tSg[None, m])
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -889,13 +875,12 @@ class FlamiaBwdDsBf16Sm90:
         acc_dv.fill(0.0)
         acc_dk.fill(0.0)
         # the dV fold: P^T * sdo * (256 / r), one r per (KV head, document) (a power of two)
-        r = cute.arch.fmax(dv_ref, Float32(FOLD_REF_MIN))
-        cf = Float32(P_SCALE) / r
+        r, cf = dv_fold_factor(dv_ref)
 
-        lim = doc_len - n_blk * kb  # keys >= lim lie past the document end
-        # phase 0's row scales: the per-token copies' with diagonal copies, else the only ones
+        lim = diagonal_key_end(doc_len, n_blk * kb)  # keys >= lim lie past the document end
+        # phase 0's row scales: the per-token copies' with diagonal copies, else the only ones (mask.py)
         rsc = cute.make_rmem_tensor(cute.make_layout(4), Float32)  # sk(row 0), sk(row 1), sv(row 0), sv(row 1)
-        load_row_scales(rsc, krow, mSKtok if self.diag_copy else mSK, mSVtok if self.diag_copy else mSV, kv_head,
+        load_row_scales(rsc, krow, *diagonal_source(self.diag_copy, (mSK, mSV), (mSKtok, mSVtok)), kv_head,
                         doc_start, doc_len, n_blk * kb)
         early = self.early_phase
         rsc_blk = None
@@ -914,11 +899,7 @@ class FlamiaBwdDsBf16Sm90:
         for i in cutlass.range(self.group * n_diag, unroll=1):
             # the per-token copies' stage goes back inside the last diagonal tile (early_phase)
             last_diag = i + 1 == self.group * n_diag
-            lim_i = lim
-            if cutlass.const_expr(pair_first is not None):
-                if pair_first:
-                    if i % n_diag == 1:
-                        lim_i = Int32(0)  # every key of this warpgroup is the other document's
+            lim_i = pair_key_end(lim, pair_first, i, n_diag)
             a_state, b_state, v_state = self.tile_step(
                 True, i, i + 1 < self.group * n_diag, kv_head * self.group + i // n_diag,
                 2 * n_blk + i % n_diag, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state,
@@ -1134,12 +1115,9 @@ class FlamiaBwdDsBf16Sm90:
             ca = sVec[col, 0, vs]
             cb = sVec[col, 1, vs]
             for a, v1 in rows:
-                p = cute.math.exp2(acc_s[a] * rsc[v1] * ca - cb, fastmath=True)
-                if cutlass.const_expr(diag):
-                    if qoff + col < krow[v1]:
-                        p = Float32(0.0)
-                    if krow[v1] >= lim:
-                        p = Float32(0.0)
+                p = recompute_p(acc_s[a], rsc[v1], ca, cb)
+                if cutlass.const_expr(diag):  # the leakage-safe mask (mask.py)
+                    (p,) = hide_invisible((p,), (Float32(0.0),), krow[v1], qoff + col, lim)
                 acc_s[a] = p
         # ---- once dP^T is done the Q/dO stage can go
         if cutlass.const_expr(self.sdp_groups == 2):

@@ -42,7 +42,6 @@ Self-attention only (cu_seqlens_q == cu_seqlens_k): the runtime entry takes one 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -55,37 +54,40 @@ import torch
 from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
+from .. import mask as _mask
 from .. import recipes as _recipes
+from .. import softmax as _softmax
+from .. import tile_scheduler as _tile_scheduler
+from .. import varlen as _varlen
 from ..compile_cache import compile_entry, launch_on_device, sm_count
+from ..mask import diagonal_key_end, hide_invisible, step_key_scales
 from ..quant import transposed_tokens
-from ..recipes import FOLD_DROP, FOLD_REF_MIN
 from ..schedules import varlen_tiles as _varlen_tiles
 from ..schedules.varlen_chunks import max_chunks
 from ..schedules.varlen_tiles import LPT_MAX_DOCS, TILE_ORDERS, short_pairs_worth
+from ..softmax import LOG2E, P_SCALE, P_SCALE_LOG2, fold_reference, online_max, quad_sum, row_lse, two_row_max
+from ..tile_scheduler import (
+    SCHED_STAGES,
+    claim_next_tile,
+    doc_chunk_cumsum,
+    for_each_published_tile,
+    publish_tile,
+    rank_documents_longest_first,
+    tile_at,
+)
 from ..validation import check_kernel_tensors, int32_cu_seqlens
+from ..varlen import document_bounds, document_dt_start, document_tiles, short_pair_bounds
 from .primitives import (
     ARG_BF16,
     ARG_F8,
     ARG_F32,
     ARG_I32,
     SHARED_SOURCE_FILES,
-    claim_next_tile,
     cvt_bf16x2,
-    doc_chunk_cumsum,
-    document_dt_start,
     f32_bits,
-    fmax_chains,
-    locate_tile,
     pack_a_fragment_e4m3,
-    pow2_reciprocal,
-    publish_tile,
-    quad_max2,
-    quad_sum,
     quad_transpose4,
-    rank_documents_longest_first,
-    read_tile,
     select,
-    short_pair_bounds,
     st_global_v4,
     tma_pipeline,
     warp_pipeline,
@@ -93,24 +95,17 @@ from .primitives import (
 
 # recipes.py holds FOLD_DROP and FOLD_REF_MIN: a change there must recompile
 SOURCE_FILES = (Path(__file__).resolve(), Path(_recipes.__file__).resolve(), Path(_varlen_tiles.__file__).resolve(),
+                *(Path(m.__file__).resolve() for m in (_mask, _softmax, _tile_scheduler, _varlen)),
                 *SHARED_SOURCE_FILES)
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-P_SCALE = 256.0  # the recipe's fixed power-of-two P scale: P * 256 <= 256 < 448
-P_SCALE_LOG2 = math.log2(P_SCALE)  # exact: P_SCALE is a power of two
 # Query rows and keys per tile. The recipe's key block (128) defines the P scale fold, and equal query
 # and key tiles make the diagonal tile exactly one key tile.
 TILE = 128
 WG_ROWS = 64  # query rows per consumer warpgroup: one m64 wgmma
 CONSUMER_WARPGROUPS = TILE // WG_ROWS
-# The softmax's row max as this many interleaved FMNMX chains (sm90_device.fmax_chains): one serial
-# chain, with the row statistics after it, held a third of the off-diagonal tile's stall samples.
-MAX_CHAINS = 4
-# Persistent schedule: tile hand-off ring depth, the most documents whose chunk table fits in shared
-# memory (4 KB; more documents fall back to the one-CTA-per-tile launch), the table scan's barrier
-# (1 and 2 are the ping-pong's)
-SCHED_STAGES = 2
+# Persistent schedule: the most documents whose chunk table fits in shared memory (4 KB; more
+# documents fall back to the one-CTA-per-tile launch), the table scan's barrier (1 and 2 are the
+# ping-pong's)
 PERSISTENT_MAX_DOCS = 1024
 SCAN_BARRIER = 3
 if LPT_MAX_DOCS != 128:  # rank_documents_longest_first: one document per producer-warpgroup thread
@@ -411,8 +406,7 @@ class FlamiaFwdSm90:
         else:
             nblk_x, _, _ = cute.arch.grid_dim()
             m_block = nblk_x - 1 - bidx
-            doc_start = mCu[doc]
-            doc_len = mCu[doc + 1] - doc_start
+            doc_start, doc_len = document_bounds(mCu, doc)
             # Whole CTA leaves before any barrier when the block lies past the document end
             if m_block * TILE < doc_len:
                 self.run_cta(roles, head, doc, doc_start, doc_len, m_block)
@@ -484,7 +478,7 @@ class FlamiaFwdSm90:
                         return self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, head // self.group,
                                                 doc_start, doc_len, m_block, mSQ, head, *pair)
 
-                    self.for_each_published_tile(pipe_t, sSched, s_state, scales_step)
+                    for_each_published_tile(pipe_t, sSched, s_state, scales_step, self.short_pairs)
                 else:
                     self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len, m_block,
                                      mSQ, head)
@@ -517,9 +511,9 @@ class FlamiaFwdSm90:
         states = self.tma_states()
         t = Int32(bidx)  # the CTA's first tile
         while t < total:
-            doc, head, m_block = self.tile_at(t, sCum, num_docs, heads, lpt_tables)
-            doc_start = mCu[doc]
-            bounds = (doc_start, mCu[doc + 1] - doc_start)
+            doc, head, m_block = tile_at(t, sCum, num_docs, heads, lpt_tables)
+            doc_start, doc_len = document_bounds(mCu, doc)
+            bounds = (doc_start, doc_len)
             pair_len = None
             if cutlass.const_expr(self.short_pairs):
                 pair_len = sPair[doc]  # (> 0 only for a document of one block)
@@ -532,16 +526,6 @@ class FlamiaFwdSm90:
         if cutlass.const_expr(self.short_pairs):
             end_bounds = (*end_bounds, Int32(0))
         publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0), end_bounds)
-
-    @cute.jit
-    def tile_at(self, t, sCum, num_docs, heads, lpt_tables):
-        """Tile t of the order (locate_tile; lpt_tables: over the ranked positions): (doc, head, block)."""
-        if cutlass.const_expr(lpt_tables is None):
-            doc, head, m_block = locate_tile(t, sCum, num_docs, heads)
-        else:
-            position, head, m_block = locate_tile(t, lpt_tables[1], num_docs, heads)
-            doc = lpt_tables[0][position]
-        return doc, head, m_block
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -557,23 +541,19 @@ class FlamiaFwdSm90:
         D, tn, wm = self.D, TILE, WG_ROWS
         q_state, k_state, v_state = states
         n_tiles = m_block + 1
-        one = cute.make_layout(1)
         # document-local tiles: shift the token coordinate by the document start. Q and K are
         # token-major (the token is the outer, strided TMA coordinate: any start is fine); V^T's
         # token axis is the contiguous one, so its tiles start at the document's 16-aligned
         # column dt_start. The diagonal V tile may run past the document into zero pad, the next
         # document's columns, or past T_dt (TMA zero fill): always finite, and P = 0 there
         # (masked score and zero V scale), so it adds exactly 0.
-        gQ = cute.local_tile(cute.domain_offset((doc_start, 0), tQ[None, None, head]), (wm, D), (None, 0))
-        tQs, tQg = cute.nvgpu.cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tQs, tQg = document_tiles(tma_q, tQ, head, sQ, (wm, D), doc_start, 0)
 
         def k_part(atom, t):
-            g = cute.local_tile(cute.domain_offset((doc_start, 0), t[None, None, kv_head]), (tn, D), (None, 0))
-            return cute.nvgpu.cpasync.tma_partition(atom, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(g, 0, 2))
+            return document_tiles(atom, t, kv_head, sK, (tn, D), doc_start, 0)
 
         def v_part(atom, t, dt_start):
-            g = cute.local_tile(cute.domain_offset((0, dt_start), t[None, None, kv_head]), (D, tn), (0, None))
-            return cute.nvgpu.cpasync.tma_partition(atom, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(g, 0, 2))
+            return document_tiles(atom, t, kv_head, sV, (D, tn), dt_start, 1)
 
         paired = None
         pair_start = None  # the second document's start, 64 rows back (its rows are the block's 64..127)
@@ -586,9 +566,7 @@ class FlamiaFwdSm90:
             if cutlass.const_expr(self.persistent):
                 slot = w + 2 * q_state.index
             if cutlass.const_expr(pair_len is not None and w == 1):
-                gQp = cute.local_tile(cute.domain_offset((pair_start, 0), tQ[None, None, head]), (wm, D), (None, 0))
-                _, tQgp = cute.nvgpu.cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2),
-                                                           cute.group_modes(gQp, 0, 2))
+                _, tQgp = document_tiles(tma_q, tQ, head, sQ, (wm, D), pair_start, 0)
                 if paired:  # the second document's first 64 rows
                     cute.copy(tma_q, tQgp[None, 1], tQs[None, slot], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
                 else:
@@ -598,7 +576,7 @@ class FlamiaFwdSm90:
                 cute.copy(tma_q, tQg[None, 2 * m_block + w], tQs[None, slot],
                           tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         q_state.advance()
-        # diagonal K tile first: from the per-token copy when the recipe has block scales
+        # diagonal K tile first: from the per-token copy when the recipe has block scales (mask.py)
         tKs, tKg = k_part(tma_k, tK)
         tma_kd, tKds, tKdg = tma_k, tKs, tKg
         if cutlass.const_expr(self.diag_copy):
@@ -643,15 +621,11 @@ class FlamiaFwdSm90:
         (pair_start: its start 64 rows back), into K stage k_state as two 64-row boxes."""
         tma_kh, tKh = k_half
         wm, D = WG_ROWS, self.D
-        one = cute.make_layout(1)
         # the stage's two 64-row halves: (64, D, half, stage)
         sKh = cute.flat_divide(sK, (wm, D))
         for w in cutlass.range_constexpr(2):
             start = doc_start if w == 0 else pair_start
-            g = cute.local_tile(cute.domain_offset((start, 0), tKh[None, None, kv_head]), (wm, D), (None, 0))
-            s_half = sKh[None, None, w, 0, None]
-            tKs, tKg = cute.nvgpu.cpasync.tma_partition(tma_kh, 0, one, cute.group_modes(s_half, 0, 2),
-                                                        cute.group_modes(g, 0, 2))
+            tKs, tKg = document_tiles(tma_kh, tKh, kv_head, sKh[None, None, w, 0, None], (wm, D), start, 0)
             cute.copy(tma_kh, tKg[None, w], tKs[None, k_state.index], tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
 
     # ------------------------------------------------------------------------------------------
@@ -690,7 +664,8 @@ class FlamiaFwdSm90:
         for g in cutlass.range_constexpr(tn // 32 // per_group):
             loaded = []
             for c in cutlass.range_constexpr(g * per_group, (g + 1) * per_group):
-                sk, sv = self.key_scales(mSK, mSV, mSKt, mSVt, i, n * tn + lane + 32 * c, kv_head, doc_start, doc_len)
+                sk, sv = step_key_scales(mSK, mSV, mSKt, mSVt, self.diag_copy, i, n * tn + lane + 32 * c, kv_head,
+                                         doc_start, doc_len)
                 loaded.append((c, sk, sv))
             for c, sk, sv in loaded:
                 sScale[lane + 32 * c, s_state.index] = sk
@@ -721,7 +696,7 @@ class FlamiaFwdSm90:
             sq = Float32(1.0)  # rows past the end: any finite positive scale (never stored)
             if row < length:
                 sq = mSQ[start + row, head]
-            sk, sv = self.key_scales(mSK, mSV, mSKt, mSVt, 0, m_block * tn + key, kv_head, start, length)
+            sk, sv = step_key_scales(mSK, mSV, mSKt, mSVt, self.diag_copy, 0, m_block * tn + key, kv_head, start, length)
             loaded.append((key, sq, sk, sv))
         return loaded
 
@@ -732,25 +707,6 @@ class FlamiaFwdSm90:
             sScale[2 * tn + key, s_state.index] = sq
             sScale[key, s_state.index] = sk
             sScale[tn + key, s_state.index] = sv
-
-    @cute.jit
-    def key_scales(self, mSK, mSV, mSKt, mSVt, i, key, kv_head, doc_start, doc_len):
-        """(K scale, V scale) of one key of step i (0: the diagonal tile, whose block-scaled recipes
-        read the per-token copies' scales); 0 past the document end."""
-        sk = Float32(0.0)
-        sv = Float32(0.0)
-        if key < doc_len:
-            if cutlass.const_expr(self.diag_copy):
-                if i == 0:
-                    sk = mSKt[doc_start + key, kv_head]
-                    sv = mSVt[doc_start + key, kv_head]
-                else:
-                    sk = mSK[doc_start + key, kv_head]
-                    sv = mSV[doc_start + key, kv_head]
-            else:
-                sk = mSK[doc_start + key, kv_head]
-                sv = mSV[doc_start + key, kv_head]
-        return sk, sv
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -812,7 +768,7 @@ class FlamiaFwdSm90:
                 )
                 return states
 
-            self.for_each_published_tile(pipe_t, sSched, states, consume_step)
+            for_each_published_tile(pipe_t, sSched, states, consume_step, self.short_pairs)
             if cutlass.const_expr(self.pingpong):
                 self.pingpong_end(wg)
 
@@ -890,24 +846,6 @@ class FlamiaFwdSm90:
         return (q_state, k_state, v_state, s_state), qk_mma, pv_mma
 
     @cute.jit
-    def for_each_published_tile(self, pipe_t, sSched, state, step):
-        """A persistent role's loop over the tiles the TMA warp publishes, until its end mark: state =
-        step(state, head, doc_start, doc_len, m_block) per tile, with short_pairs also the pair length
-        (step runs while tracing: inlined). Returns the last state."""
-        t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-        if cutlass.const_expr(self.short_pairs):
-            m_block, head, doc, start, length, pair_len, t_state = read_tile(pipe_t, sSched, t_state, 3)
-            while m_block >= 0:
-                state = step(state, head, start, length, m_block, pair_len)
-                m_block, head, doc, start, length, pair_len, t_state = read_tile(pipe_t, sSched, t_state, 3)
-        else:
-            m_block, head, doc, start, length, t_state = read_tile(pipe_t, sSched, t_state, True)
-            while m_block >= 0:
-                state = step(state, head, start, length, m_block)
-                m_block, head, doc, start, length, t_state = read_tile(pipe_t, sSched, t_state, True)
-        return state
-
-    @cute.jit
     def init_rows(self, frags, rowst, row_in_blk, scale_log2, m_block, wg):
         """The row statistics of query block m_block before its first key tile."""
         tScS = frags[8]
@@ -928,7 +866,7 @@ class FlamiaFwdSm90:
         lse = -Float32.inf
         if l_tot > Float32(0.0):
             f = (abs(r_run[v1]) / Float32(P_SCALE)) / l_tot
-            lse = (m_run[v1] + cute.math.log2(l_tot, fastmath=False)) * Float32(LN2)
+            lse = row_lse(m_run[v1], l_tot)
         row = row_in_blk[v1]
         if row < doc_len:
             if cute.arch.lane_idx() % 4 == 0:
@@ -1000,7 +938,7 @@ class FlamiaFwdSm90:
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
         rs, m_run, l_run, r_run, c_pend = rowst
         n_acc_s = cute.size(acc_s)
-        lim = doc_len - n * tn  # diagonal tile: visible keys are col < lim and col <= row
+        lim = diagonal_key_end(doc_len, n * tn)  # diagonal tile: visible keys are col < lim and col <= row
         # Block-scaled off-diagonal tile: it is exactly one 128-key scale block, so the K and V
         # scales are constant over it: sK folds into the row factor and w / r == 1.
         uniform = cutlass.const_expr((not diag) and self.diag_copy)
@@ -1028,26 +966,16 @@ class FlamiaFwdSm90:
                         a = v0 + 2 * v1 + 4 * v2
                         s = acc_s[a] * sk
                         w = sw
-                        if cutlass.const_expr(diag):
-                            if col > tScS[a][0] + wg * wm:
-                                s = -Float32.inf
-                                w = Float32(0.0)
-                            if col >= lim:
-                                s = -Float32.inf
-                                w = Float32(0.0)
-                            if cutlass.const_expr(key_lo is not None):
-                                if col < key_lo:
-                                    s = -Float32.inf
-                                    w = Float32(0.0)
+                        if cutlass.const_expr(diag):  # the leakage-safe mask (mask.py): score -inf, V scale 0
+                            s, w = hide_invisible((s, w), (-Float32.inf, Float32(0.0)), col, tScS[a][0] + wg * wm,
+                                                  lim, key_lo)
                         acc_s[a] = s
                         row_s[v1].append(s)
                         row_w[v1].append(w)
-        tmax = [fmax_chains(row_s[v1], MAX_CHAINS) for v1 in range(2)]
-        tmax = list(quad_max2(tmax[0], tmax[1]))
+        tmax = two_row_max(row_s)
         if cutlass.const_expr(not uniform):
             # w >= 0, so the max over the row's w equals fmax(0, ...) of the serial form
-            wmax = [fmax_chains(row_w[v1], MAX_CHAINS) for v1 in range(2)]
-            wmax = list(quad_max2(wmax[0], wmax[1]))  # 0: no visible key (dropped below)
+            wmax = two_row_max(row_w)  # 0: no visible key (dropped below)
         rsv = [rs[0], rs[1]]
         m_safe = [Float32(0.0), Float32(0.0)]
         inv = [Float32(0.0), Float32(0.0)]
@@ -1060,23 +988,10 @@ class FlamiaFwdSm90:
             else:
                 r = wmax[v1]
             # rsv > 0, so max(s) * rsv == max(s * rsv) exactly
-            m_new = cute.arch.fmax(m_run[v1], tm * rsv[v1])
-            ms = m_new
-            if m_new == -Float32.inf:
-                ms = Float32(0.0)
-            alpha = cute.math.exp2(m_run[v1] - ms, fastmath=True)
+            m_new, ms, alpha = online_max(m_run[v1], tm * rsv[v1])
             m_safe[v1] = ms
             # running output: softmax correction times the fold change r_prev / r (exact)
-            c = alpha
-            rr = abs(r_run[v1])
-            inv_r = Float32(0.0)  # stays 0 for a dropped row: P V += 0 (uniform tiles: convert_p)
-            r_new = -rr  # the sign marks a dropped row and costs no register (|r| is a free modifier)
-            if r >= cute.arch.fmax(rr * Float32(FOLD_DROP), Float32(FOLD_REF_MIN)):
-                # r is a power of two in [FOLD_REF_MIN, 2^120]: 1/r exact and normal, no division
-                inv_1 = pow2_reciprocal(r)
-                inv_r = Float32(P_SCALE) * inv_1
-                c = alpha * (rr * inv_1)
-                r_new = r
+            c, inv_r, r_new = fold_reference(r_run[v1], r, alpha)
             inv[v1] = inv_r
             r_run[v1] = r_new
             c_pend[v1] = c

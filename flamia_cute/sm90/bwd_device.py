@@ -8,15 +8,12 @@ its compile-cache sources).
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int64, Uint32
 
+from ..softmax import LOG2E
 from .primitives import cvt_bf16x2, ptx, quad_transpose4, st_global_v4
-
-LOG2E = math.log2(math.e)
 
 
 def _red_add_v2_f32(addr, x, y):

@@ -1,7 +1,6 @@
 """Host side of the sm_90a backward shared by its kernel, the tuner and the tests: dO's quantization
-with D = rowsum(dO * O) (preprocess_bwd), the output buffers, the grid's size checks and the CTA
-order (backward_grid, backward_work_item: trace-time and in-kernel index math over plain or DSL
-integers).
+with D = rowsum(dO * O) (preprocess_bwd), the output buffers, the grid's size checks (the CTA
+order itself, backward_grid and backward_work_item, is in flamia_cute.tile_scheduler).
 """
 
 from __future__ import annotations
@@ -59,29 +58,3 @@ def backward_grid_blocks(T: int, H: int, D: int, T_dt: int, num_docs: int, max_s
             raise ValueError(f"grid too large: max_seqlen {max_seqlen} (at most 65535 blocks of {key_block}) or "
                              f"{num_docs} documents (at most 65535)")
     return max_n_blocks
-
-
-def backward_grid(raster: str, num_kv_heads, num_docs, max_n_blocks, head_window: int = 1) -> list:
-    """Launch grid (x fastest) of a backward kernel's CTA order: "heads" runs the KV head fastest and
-    the key block slowest (key block 0, the most query tiles, of every head and document first);
-    "blocks" runs the key block fastest (the CTAs of one (document, KV head) together, sharing its Q,
-    dO and dQ accumulator in L2). head_window W > 1 ("blocks" only): documents in order, and in each
-    the KV heads in windows of W, a window's key blocks in order with its W heads fastest, so each
-    window's CTAs start longest first (its block 0 of every head, then block 1, ...) and a long CTA
-    cannot be the last one issued (W = 1 is the plain "blocks" order). Trace time: `raster` and
-    `head_window` are config values; num_kv_heads % head_window == 0 (the host checks it)."""
-    if raster == "blocks":
-        if head_window == 1:  # apart from the general form, so the plain order's code stays as it was
-            return [max_n_blocks, num_kv_heads, num_docs]
-        return [max_n_blocks * head_window, num_kv_heads // head_window, num_docs]
-    return [num_kv_heads, num_docs, max_n_blocks]
-
-
-def backward_work_item(raster: str, block_idx, head_window: int = 1) -> tuple:
-    """(KV head, document, key block) of this CTA under backward_grid(raster, ..., head_window)."""
-    x, y, z = block_idx
-    if raster == "blocks":
-        if head_window == 1:  # the plain order without the window's index math (its SASS unchanged)
-            return y, z, x
-        return y * head_window + x % head_window, z, x // head_window
-    return x, y, z

@@ -12,16 +12,15 @@ from pathlib import Path
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Boolean, Float32, Int32, Int64, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import arith, llvm
 
 from ..quant import quantize as _quant_layout
 from ..schedules import varlen_tiles as _tiles
-from ..schedules.varlen_tiles import SHORT_PAIR_ROWS
 
 # What every kernel's compile-cache key hashes besides its own file: these helpers, the quant
 # layout module whose constants (DT_DOC_ALIGN, TOKEN_PAD) are baked into the kernels at trace time,
-# and the tile rules (SHORT_PAIR_ROWS).
+# and the tile rules (SHORT_PAIR_ROWS, read by flamia_cute.varlen and tile_scheduler).
 SHARED_SOURCE_FILES = (Path(__file__).resolve(), Path(_quant_layout.__file__).resolve(), Path(_tiles.__file__).resolve())
 
 
@@ -205,46 +204,6 @@ def quad_transpose4(w, b0, b1, shfl_xor, sel):
     return out
 
 
-def quad_max(x):
-    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
-    return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
-
-
-def quad_max2(x, y):
-    """quad_max of two rows at once: the four shuffles issue back to back, so their latencies overlap
-    (the two rows' reductions done one after the other wait twice)."""
-    xs, ys = cute.arch.shuffle_sync_bfly(x, offset=1), cute.arch.shuffle_sync_bfly(y, offset=1)
-    x, y = cute.arch.fmax(x, xs), cute.arch.fmax(y, ys)
-    xs, ys = cute.arch.shuffle_sync_bfly(x, offset=2), cute.arch.shuffle_sync_bfly(y, offset=2)
-    return cute.arch.fmax(x, xs), cute.arch.fmax(y, ys)
-
-
-def fmax_chains(values, chains: int = 4, combine=None):
-    """max of a list as `chains` interleaved chains (value i goes to chain i % chains), then a tree
-    over the chains. One chain of n dependent FMNMX (~5 cycles each) stalled the forward's softmax
-    (ncu s9a: with the row statistics, a third of its loop's stall samples; the time gained was
-    0.4-2%, run s9b); 4 chains per row and two rows keep the pipe full with 8
-    live partial maxima (a full tree would need 16 per row next to the accumulators in flight).
-    Max is exact: the order changes nothing. combine(a, b) replaces cute.arch.fmax (tests run it on
-    plain Python numbers)."""
-    combine = combine or cute.arch.fmax
-    vals = list(values)
-    part = vals[:chains]
-    for i, v in enumerate(vals[chains:]):
-        part[i % chains] = combine(part[i % chains], v)
-    while len(part) > 1:
-        nxt = [combine(part[i], part[i + 1]) for i in range(0, len(part) - 1, 2)]
-        if len(part) % 2:
-            nxt.append(part[-1])
-        part = nxt
-    return part[0]
-
-
-def quad_sum(x):
-    x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
-    return x + cute.arch.shuffle_sync_bfly(x, offset=2)
-
-
 def as_f32(bits):
     return Float32(arith.bitcast(Float32.mlir_type, Int32(bits).ir_value()))
 
@@ -330,129 +289,6 @@ def warp_pipeline(stages: int, barrier_ptr, consumers: int = 256, producers: int
     )
 
 
-@cute.jit
-def document_dt_start(mCu: cute.Tensor, doc, unroll: cutlass.Constexpr = 1):
-    """Document `doc`'s first data_dt column (= quant.dt_cu_seqlens(cu)[doc], so the host builds no
-    table), computed by one warp (document_aligned_starts with DT_DOC_ALIGN)."""
-    return document_aligned_starts(mCu, doc, (_quant_layout.DT_DOC_ALIGN,), unroll)[0]
-
-
-@cute.jit
-def document_aligned_starts(mCu: cute.Tensor, doc, aligns: cutlass.Constexpr, unroll: cutlass.Constexpr = 1):
-    """For each power of two a in `aligns`: the sum of the earlier documents' lengths rounded up to a
-    (DT_DOC_ALIGN: document `doc`'s first data_dt column; 128: 128 x its first MX scale chunk slot,
-    quant.mx_layout.sf_tile_starts), all from one pass over cu_seqlens by one warp: lane l adds
-    documents l, l + 32, ... (L2-resident loads), a butterfly sum gives every lane the totals.
-    unroll: 32-document rounds whose loads go out together (one round trip per round at 1)."""
-    lane = cute.arch.lane_idx()
-    sums = tuple(Int32(0) for _ in aligns)
-    for it in cutlass.range((doc + 31) // 32, unroll=unroll):
-        b = lane + 32 * it
-        if b < doc:
-            n = mCu[b + 1] - mCu[b]
-            sums = tuple(acc + ((n + (a - 1)) & -a) for acc, a in zip(sums, aligns, strict=True))
-    for sh in cutlass.range_constexpr(5):
-        sums = tuple(acc + cute.arch.shuffle_sync_bfly(acc, offset=16 >> sh) for acc in sums)
-    return sums
-
-
-@cute.jit
-def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Tensor, sWarp: cute.Tensor, tid,
-                     threads: cutlass.Constexpr, barrier_id: cutlass.Constexpr, tile: cutlass.Constexpr, sPair=None):
-    """Per-document tables in shared memory, for d in 0..num_docs: sCum[d] = sum over documents
-    b < d of ceil(len_b / tile) (chunks), sDt[d] = document d's first data_dt column (the same sum
-    of lengths rounded up to DT_DOC_ALIGN: quant.dt_cu_seqlens).
-
-    Run by `threads` threads (tid in 0..threads-1, whole warps) that meet at named barrier
-    `barrier_id`; the caller syncs before anyone reads the tables. Thread t owns documents
-    [t*k, t*k + k): a serial sum, a warp scan (shfl.up), the warp totals through sWarp (a row of
-    2 per warp).
-    sPair (the forward's short pairs): sPair[d] = short_pair_len(d) (the length of document d + 1 when
-    it shares d's query tile, else 0), and such a document d + 1 counts 0 chunks.
-    """
-    short_pairs = sPair is not None
-    k = (num_docs + threads - 1) // threads
-    d0 = tid * k
-    my_c = Int32(0)
-    my_p = Int32(0)
-    for i in cutlass.range(k, unroll=1):
-        b = d0 + i
-        if b < num_docs:
-            c, p = _doc_chunks_and_columns(mCu, b, tile, num_docs, short_pairs)
-            my_c = my_c + c
-            my_p = my_p + p
-    run_c, run_p = group_scan_up(tid, sWarp, threads, barrier_id, True, my_c, my_p)
-    if tid == 0:
-        sCum[0] = Int32(0)
-        sDt[0] = Int32(0)
-    for i in cutlass.range(k, unroll=1):
-        b = d0 + i
-        if b < num_docs:
-            c, p = _doc_chunks_and_columns(mCu, b, tile, num_docs, short_pairs)
-            run_c = run_c + c
-            run_p = run_p + p
-            sCum[b + 1] = run_c
-            sDt[b + 1] = run_p
-            if cutlass.const_expr(short_pairs):
-                sPair[b] = short_pair_len(mCu, b, num_docs)
-
-
-@cute.jit
-def _doc_chunks_and_columns(mCu: cute.Tensor, b, tile: cutlass.Constexpr, num_docs=None,
-                            short_pairs: cutlass.Constexpr = False):
-    """Document b's chunks of `tile` tokens and its data_dt columns (length rounded up to DT_DOC_ALIGN);
-    short_pairs: 0 chunks when b shares its predecessor's tile."""
-    align = _quant_layout.DT_DOC_ALIGN
-    n = mCu[b + 1] - mCu[b]
-    c = (n + (tile - 1)) // tile
-    if cutlass.const_expr(short_pairs):
-        if short_pair_follower(mCu, b, num_docs):
-            c = Int32(0)
-    return c, (n + (align - 1)) & -align
-
-
-@cute.jit
-def short_pair_bounds(doc_start, doc_len, pair_len):
-    """(start, length) of a 128-row block's second 64 rows or keys: with pair_len > 0 (a short pair,
-    short_pair_len) the second document, which starts where the first ends, shifted SHORT_PAIR_ROWS
-    back so that row or key 64 + j is its token j; else the block's own document's."""
-    start = doc_start
-    length = doc_len
-    if pair_len > 0:
-        start = doc_start + doc_len - SHORT_PAIR_ROWS
-        length = SHORT_PAIR_ROWS + pair_len
-    return start, length
-
-
-@cute.jit
-def short_pair_len(mCu: cute.Tensor, a, num_docs):
-    """The length of document a + 1 when it shares document a's query tile (schedules.varlen_tiles.
-    short_pair_partner: a even, a's data_dt columns exactly SHORT_PAIR_ROWS, a + 1 holding 1 to
-    SHORT_PAIR_ROWS tokens), else 0."""
-    align = _quant_layout.DT_DOC_ALIGN
-    rows = SHORT_PAIR_ROWS
-    got = Int32(0)
-    if a % 2 == 0:
-        if a + 1 < num_docs:
-            n_a = mCu[a + 1] - mCu[a]
-            n_b = mCu[a + 2] - mCu[a + 1]
-            if ((n_a + (align - 1)) & -align) == rows:
-                if n_b <= rows:
-                    got = n_b
-    return got
-
-
-@cute.jit
-def short_pair_follower(mCu: cute.Tensor, b, num_docs):
-    """Whether document b is a short pair's second (short_pair_len of b - 1 > 0): its predecessor's
-    query tile (forward) or CTA (backward) runs it, so b's own has nothing to do."""
-    follows = Boolean(False)
-    if b % 2 == 1:
-        if short_pair_len(mCu, b - 1, num_docs) > 0:
-            follows = Boolean(True)
-    return follows
-
-
 def warp_scan_up(lane, *values):
     """Inclusive prefix sums over a warp's lanes of Int32 values at once (shfl.up, 5 steps)."""
     values = list(values)
@@ -479,128 +315,3 @@ def group_scan_up(tid, sWarp: cute.Tensor, threads: cutlass.Constexpr, barrier_i
     for w in cutlass.range_constexpr(threads // 32):
         runs = [r + select(warp > w, sWarp[w, i], Int32(0)) for i, r in enumerate(runs)]
     return tuple(runs)
-
-
-@cute.jit
-def rank_documents_longest_first(sCum: cute.Tensor, num_docs, sOrder: cute.Tensor, sLpt: cute.Tensor,
-                                 sWarp: cute.Tensor, tid, threads: cutlass.Constexpr, barrier_id: cutlass.Constexpr):
-    """LPT across documents from doc_chunk_cumsum's sCum (the caller syncs the threads between):
-    sOrder[p] = the document at position p of the order by chunk count, most first, ties by index
-    (schedules' lpt_document_order), sLpt[p] = the chunks of positions < p, for p in 0..num_docs.
-    With more than `threads` documents, the given order (sOrder[p] = p, sLpt = sCum).
-
-    Thread t ranks document t: the documents with more chunks, or as many and a smaller index, a
-    pass over sCum (broadcast reads); then a scan over positions as doc_chunk_cumsum's (sWarp: a
-    row per warp, column 0)."""
-    if num_docs > threads:
-        for i in cutlass.range((num_docs + threads) // threads, unroll=1):
-            p = tid + i * threads
-            if p <= num_docs:
-                sLpt[p] = sCum[p]
-                if p < num_docs:
-                    sOrder[p] = p
-    else:
-        if tid < num_docs:
-            c = sCum[tid + 1] - sCum[tid]
-            rank = Int32(0)
-            for j in cutlass.range(num_docs, unroll=1):
-                cj = sCum[j + 1] - sCum[j]
-                ahead = select(cj > c, Int32(1), select(cj == c, select(j < tid, Int32(1), Int32(0)), Int32(0)))
-                rank = rank + ahead
-            sOrder[rank] = tid
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
-        c = Int32(0)
-        if tid < num_docs:
-            d = sOrder[tid]
-            c = sCum[d + 1] - sCum[d]
-        (run,) = group_scan_up(tid, sWarp, threads, barrier_id, False, c)
-        if tid == 0:
-            sLpt[0] = Int32(0)
-        if tid < num_docs:
-            sLpt[tid + 1] = run
-
-
-@cute.jit
-def last_doc_at_or_before(t, cum_at, num_docs, heads):
-    """The last document d with heads * cum_at(d) <= t (binary search; empty documents, whose ranges
-    are empty, are passed over)."""
-    lo = Int32(0)
-    hi = Int32(num_docs)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if heads * cum_at(mid) <= t:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-@cute.jit
-def locate_tile(t, sCum: cute.Tensor, num_docs, heads):
-    """Tile t of the persistent order -> (document, head, block): documents in order, the heads of a
-    document next (a GQA group's query heads together, so its K/V stay in L2), then the document's
-    query blocks from the last (longest causal row) to the first. sCum: doc_chunk_cumsum's table."""
-    doc = last_doc_at_or_before(t, lambda i: sCum[i], num_docs, heads)
-    nblk = sCum[doc + 1] - sCum[doc]
-    local = t - heads * sCum[doc]
-    head = local // nblk
-    block = nblk - 1 - (local - head * nblk)
-    return doc, head, block
-
-
-@cute.jit
-def publish_tile(pipe_t, sSched, t_state, m_block, head, doc, bounds=None):
-    """Persistent kernels' TMA warp: hand the next tile (m_block -1: no more) to the other roles,
-    with bounds = (document start, length) when given (rows 3 and 4: the readers then load nothing
-    from cu_seqlens). Every lane stores the same words and arrives (its own stores are then released)."""
-    pipe_t.producer_acquire(t_state)
-    sSched[0, t_state.index] = m_block
-    sSched[1, t_state.index] = head
-    sSched[2, t_state.index] = doc
-    if cutlass.const_expr(bounds is not None):
-        for i, word in enumerate(bounds):  # start, length (and a short pair's second length)
-            sSched[3 + i, t_state.index] = word
-    pipe_t.producer_commit(t_state)
-    t_state.advance()
-    return t_state
-
-
-@cute.jit
-def read_tile(pipe_t, sSched, t_state, bounds: cutlass.Constexpr = False):
-    """The other roles' side of publish_tile: (block, head, doc, next state), or with bounds
-    (block, head, doc, document start, length, next state); bounds=3: also the third bounds word
-    (block, head, doc, start, length, pair length, next state)."""
-    pipe_t.consumer_wait(t_state)
-    m_block = sSched[0, t_state.index]
-    head = sSched[1, t_state.index]
-    doc = sSched[2, t_state.index]
-    n_bounds = 0 if not bounds else (2 if bounds is True else bounds)
-    extra = tuple(sSched[3 + i, t_state.index] for i in range(n_bounds))
-    pipe_t.consumer_release(t_state)
-    t_state.advance()
-    return (m_block, head, doc, *extra, t_state)
-
-
-@cute.jit
-def claim_next_tile(mCounter: cute.Tensor):
-    """Persistent kernels' TMA warp (all 32 lanes): the next tile index, grid size + the counter's
-    old value (lane 0 adds 1 to mCounter[0], which the host zeroes per launch; the first tile of a
-    CTA is its block index)."""
-    return finish_tile_claim(issue_tile_claim(mCounter))
-
-
-@cute.jit
-def issue_tile_claim(mCounter: cute.Tensor):
-    """claim_next_tile's first half: lane 0's atomic, its old value not yet read (the round trip
-    runs under whatever the warp does before finish_tile_claim)."""
-    got = Int32(0)
-    if cute.arch.lane_idx() == 0:
-        got = cute.arch.atomic_add(mCounter.iterator, Int32(1))
-    return got
-
-
-@cute.jit
-def finish_tile_claim(got):
-    """claim_next_tile's second half: the claimed tile index in every lane."""
-    grid, _, _ = cute.arch.grid_dim()
-    return grid + cute.arch.shuffle_sync(got, 0)

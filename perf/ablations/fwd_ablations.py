@@ -21,6 +21,7 @@ import torch
 from cutlass import Float32
 
 import flamia_cute.sm90.attention_fwd as fwd
+import flamia_cute.softmax as softmax
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case
 from flamia_cute.compile_cache import clear_memory_cache
 from flamia_cute.cute_backend import quantize_operands
@@ -30,13 +31,13 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]
 from bench_fwd_breakdown import graph_ms  # noqa: E402
 
 REAL_EXP2 = cute.math.exp2
-REAL_FMAX_CHAINS = fwd.fmax_chains
+REAL_FMAX_CHAINS = softmax.fmax_chains
 REAL_ACC = fwd.FlamiaFwdSm90.accumulate_o
 
 
 def patch(no_exp=False, no_max=False, no_o=False):
     cute.math.exp2 = (lambda x, fastmath=True: x * Float32(0.5)) if no_exp else REAL_EXP2
-    fwd.fmax_chains = (lambda vals, chains=4, combine=None: vals[0]) if no_max else REAL_FMAX_CHAINS
+    softmax.fmax_chains = (lambda vals, chains=4, combine=None: vals[0]) if no_max else REAL_FMAX_CHAINS
     fwd.FlamiaFwdSm90.accumulate_o = (lambda self, frags, c: None) if no_o else REAL_ACC
     clear_memory_cache()
 

@@ -1,0 +1,134 @@
+"""Online softmax of the attention kernels: the row statistics and the P scale fold.
+
+Log2 domain: scores are scaled by softmax_scale * log2(e) (times the per-token Q and K scales), so
+P = exp2(x - m) and LSE = ln(2) (m + log2 l). Per key tile a row's max m grows (online_max: the
+running output and sum are rescaled by alpha = exp2(m_old - m_new)); the max runs as interleaved
+chains (fmax_chains) and across a quad's four lanes (quad_max2).
+
+The P scale fold (recipes FOLD_DROP, FOLD_REF_MIN): P goes to e4m3 times a fixed P_SCALE = 256 and
+the V (forward) or dO (backward, dV) scales divided by a power-of-two reference r, so that the
+e4m3 MMA accumulates with the scales folded in and the result is multiplied by r / 256 once. The
+forward takes r per row and tile (the max visible V scale, fold_reference: the running output is
+rescaled by r_prev / r, and a tile whose r is below max(r_prev * FOLD_DROP, FOLD_REF_MIN) is dropped
+from P V); the backward one r per (KV head, document) (dv_fold_factor).
+
+Used by the sm_90a forward (FlamiaFwdSm90.softmax, row_final), the sm_90a backward's P
+recomputation and dV fold (FlamiaBwdDsBf16Sm90.consume, tile_step) and the sm_100a forward
+(FlamiaFwdSm100.softmax_tile, store_o).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass.cute as cute
+from cutlass import Float32
+
+from .recipes import FOLD_DROP, FOLD_REF_MIN
+from .sm90.primitives import pow2_reciprocal
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+P_SCALE = 256.0  # the recipe's fixed power-of-two P scale: P * 256 <= 256 < 448
+P_SCALE_LOG2 = math.log2(P_SCALE)  # exact: P_SCALE is a power of two
+# A row's max as this many interleaved FMNMX chains (fmax_chains): one serial chain, with the row
+# statistics after it, held a third of the forward's off-diagonal tile's stall samples.
+MAX_CHAINS = 4
+
+
+def quad_max(x):
+    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+    return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+
+
+def quad_max2(x, y):
+    """quad_max of two rows at once: the four shuffles issue back to back, so their latencies overlap
+    (the two rows' reductions done one after the other wait twice)."""
+    xs, ys = cute.arch.shuffle_sync_bfly(x, offset=1), cute.arch.shuffle_sync_bfly(y, offset=1)
+    x, y = cute.arch.fmax(x, xs), cute.arch.fmax(y, ys)
+    xs, ys = cute.arch.shuffle_sync_bfly(x, offset=2), cute.arch.shuffle_sync_bfly(y, offset=2)
+    return cute.arch.fmax(x, xs), cute.arch.fmax(y, ys)
+
+
+def fmax_chains(values, chains: int = 4, combine=None):
+    """max of a list as `chains` interleaved chains (value i goes to chain i % chains), then a tree
+    over the chains. One chain of n dependent FMNMX (~5 cycles each) stalls the softmax; 4 chains per
+    row and two rows keep the pipe full with 8 live partial maxima (a full tree would need 16 per row
+    next to the accumulators in flight).
+    Max is exact: the order changes nothing. combine(a, b) replaces cute.arch.fmax (tests run it on
+    plain Python numbers)."""
+    combine = combine or cute.arch.fmax
+    vals = list(values)
+    part = vals[:chains]
+    for i, v in enumerate(vals[chains:]):
+        part[i % chains] = combine(part[i % chains], v)
+    while len(part) > 1:
+        nxt = [combine(part[i], part[i + 1]) for i in range(0, len(part) - 1, 2)]
+        if len(part) % 2:
+            nxt.append(part[-1])
+        part = nxt
+    return part[0]
+
+
+def quad_sum(x):
+    x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
+    return x + cute.arch.shuffle_sync_bfly(x, offset=2)
+
+
+def two_row_max(rows):
+    """The max of each of a thread's two rows' values over the row's quad (fmax_chains per row, then
+    one quad_max2 for both)."""
+    tmax = [fmax_chains(rows[v1], MAX_CHAINS) for v1 in range(2)]
+    return list(quad_max2(tmax[0], tmax[1]))
+
+
+@cute.jit
+def online_max(m_run, m_tile):
+    """A row's new running max with a tile's max m_tile: (m_new, m_safe, alpha). m_safe is the
+    exponent's offset (0 while the row has seen no visible key: exp2(-inf - 0) = 0, no NaN), alpha =
+    exp2(m_run - m_safe) the factor of what the row summed so far."""
+    m_new = cute.arch.fmax(m_run, m_tile)
+    ms = m_new
+    if m_new == -Float32.inf:
+        ms = Float32(0.0)
+    alpha = cute.math.exp2(m_run - ms, fastmath=True)
+    return m_new, ms, alpha
+
+
+@cute.jit
+def fold_reference(r_run, r, alpha):
+    """The forward's V-scale fold for one row and tile: r (a power of two) is the max V scale of the
+    row's visible keys, r_run the last kept tile's reference (negative: the previous tile was
+    dropped). Returns (c, inv_r, r_new): the running output's factor alpha * r_prev / r, P's factor
+    P_SCALE / r, and the new reference. A tile with r < max(r_prev * FOLD_DROP, FOLD_REF_MIN) is
+    dropped (inv_r = 0, so P V += 0; the reference stays, negated): an all-zero V tile (scale 2^-126)
+    would make 256 / r and r_prev / r overflow."""
+    c = alpha
+    rr = abs(r_run)
+    inv_r = Float32(0.0)  # stays 0 for a dropped row: P V += 0 (uniform tiles: convert_p)
+    r_new = -rr  # the sign marks a dropped row and costs no register (|r| is a free modifier)
+    if r >= cute.arch.fmax(rr * Float32(FOLD_DROP), Float32(FOLD_REF_MIN)):
+        # r is a power of two in [FOLD_REF_MIN, 2^120]: 1/r exact and normal, no division
+        inv_1 = pow2_reciprocal(r)
+        inv_r = Float32(P_SCALE) * inv_1
+        c = alpha * (rr * inv_1)
+        r_new = r
+    return c, inv_r, r_new
+
+
+def row_lse(m, l_sum):
+    """LSE = ln2 * (m + log2 l) of a row with a positive sum (log2 domain statistics)."""
+    return (m + cute.math.log2(l_sum, fastmath=False)) * Float32(LN2)
+
+
+def recompute_p(s, key_scale, query_scale_log2, lse_log2):
+    """The backward's P (or P^T) from the forward's statistics: exp2(s * sk * sq scale log2e - lse
+    log2e), s the raw e4m3 product."""
+    return cute.math.exp2(s * key_scale * query_scale_log2 - lse_log2, fastmath=True)
+
+
+def dv_fold_factor(dv_ref):
+    """The backward's dV fold: P^T * sdo * (256 / r) with one power-of-two r per (KV head, document)
+    (the max dO scale there, at least FOLD_REF_MIN). Returns (r, P_SCALE / r)."""
+    r = cute.arch.fmax(dv_ref, Float32(FOLD_REF_MIN))
+    return r, Float32(P_SCALE) / r
