@@ -705,9 +705,13 @@ def test_gpu_many_documents(recipe, variant):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("recipe, head_dim, variant", [("fp8_tokenblock", 64, "default"), ("fp8_tokenblock", 128, "default"),
-                                                       ("fp8_token", 128, "default"), ("fp8_tokenblock", 64, "longest_documents"),
-                                                       ("fp8_tokenblock", 128, "stages3")])
+@pytest.mark.parametrize("recipe, head_dim, variant", [
+    ("fp8_token", 128, "default"),
+    # the same schedule on other builds: the full tier (each takes 1-2 minutes of emulator reference)
+    *(pytest.param(*p, marks=pytest.mark.gpu_full) for p in (("fp8_tokenblock", 64, "default"),
+                                                             ("fp8_tokenblock", 128, "default"),
+                                                             ("fp8_tokenblock", 64, "longest_documents"),
+                                                             ("fp8_tokenblock", 128, "stages3")))])
 def test_gpu_persistent_many_tiles_per_cta(recipe, head_dim, variant):
     """Hundreds of tiles per persistent CTA, with and without the ping-pong turns (on in the d64 and the
     per-token builds): the turns run on across tile boundaries; restarted per tile they raced and could

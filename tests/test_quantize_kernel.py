@@ -882,13 +882,22 @@ def _check_qkv(q, k, v, cu, block, what="", **kw):
 
 
 QKV_HEADS = [(16, 16, 128), (32, 8, 128), (32, 32, 64)]  # workloads.json head_configs
+QKV_WORKLOADS = ["1x16k", "mixed16k", "longtail32k", "16x1k", "4x4k"]
+
+
+def _qkv_cases():
+    """Every workload with the default heads and token blocks; the other heads and per-token blocks on
+    two workloads, and everything in the full tier."""
+    for name in QKV_WORKLOADS:
+        for hq, hkv, D in QKV_HEADS:
+            for block in (1, 128):
+                quick = (hq, hkv, D, block) == (16, 16, 128, 128) or name in ("mixed16k", "16x1k")
+                yield pytest.param(name, hq, hkv, D, block, marks=() if quick else pytest.mark.gpu_full)
 
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("block", [1, 128])
-@pytest.mark.parametrize("hq, hkv, D", QKV_HEADS)
-@pytest.mark.parametrize("name", ["1x16k", "mixed16k", "longtail32k", "16x1k", "4x4k"])
+@pytest.mark.parametrize("name, hq, hkv, D, block", _qkv_cases())
 def test_qkv_launch_matches_three_quantize_thd(name, hq, hkv, D, block):
     lengths = _workloads()[name]
     q, k, v, cu = _qkv_inputs(lengths, hq, hkv, D, seed=21)
@@ -929,7 +938,8 @@ def test_qkv_empty_input():
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("kw", [dict(raster="chunks"), dict(min_ctas_per_sm=4), dict(min_ctas_per_sm=0, smem_carveout=-1)])
+@pytest.mark.parametrize("kw", [dict(raster="chunks"), pytest.param(dict(min_ctas_per_sm=4), marks=pytest.mark.gpu_full),
+                                pytest.param(dict(min_ctas_per_sm=0, smem_carveout=-1), marks=pytest.mark.gpu_full)])
 def test_qkv_launch_variants_agree(kw):
     q, k, v, cu = _qkv_inputs(_workloads()["mixed16k"], 16, 16, 128, seed=8)
     _check_qkv(q, k, v, cu, 128, str(kw), **kw)

@@ -260,6 +260,7 @@ print(json.dumps({"configs": cfgs, "compiles": compile_cache.STATS.compiles, "di
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_full  # a real tune: two minutes
 def test_short_real_tune_then_fresh_process_uses_it(tmp_path):
     import os
     import subprocess
