@@ -15,9 +15,12 @@ install:
 demo:
 	$(PYTHON) -m flamia_cute
 
-# pytest exits 5 when nothing is collected: that is a failure of the suite, said plainly.
+# pytest exits 5 when nothing is collected: that is a failure of the suite, said plainly. Two
+# processes: the kernels' CPU compiles are single-threaded.
+CPU_WORKERS ?= 2
+
 test:
-	$(PYTHON) -m pytest -q -m "not gpu" $(PYTEST_ARGS); rc=$$?; \
+	$(PYTHON) -m pytest -q -n $(CPU_WORKERS) -m "not gpu" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: no tests collected" >&2; exit 1; fi; exit $$rc
 
 # every shipping kernel path, the leakage checks and the API (marker gpu, not gpu_full)
