@@ -1,4 +1,4 @@
-"""Accuracy table of recipes against fp64 (the emulator's baseline in perf/RESULTS.md)."""
+"""Accuracy table of recipes against fp64 (the emulator's baseline; docs/numerics.md)."""
 
 from __future__ import annotations
 

@@ -214,7 +214,7 @@ def _time_calls(fn, n_sets, device, warmup=3, reps=15, queue_lead_cycles=0):
 def _time_sustained(fn, n_sets, device, seconds: float, reps=15, window_ms: float = 20.0):
     """Median ms per call of back-to-back calls, after `seconds` of them: the GPU at the clock it holds
     under sustained load, as a training loop runs it (the H200 at its 700 W cap: ~1.75 GHz for our
-    training call, ~1.62 GHz for FA4's, session 24), where single calls after idle run at higher
+    training call, ~1.62 GHz for FA4's; docs/power.md), where single calls after idle run at higher
     clocks. Timed in `reps` windows of about window_ms of calls each (CUDA events around a window;
     no sync inside one, so host time is hidden as far as the GPU work per call covers it)."""
     t0 = time.perf_counter()
@@ -248,7 +248,7 @@ def _graphed(fn, n_sets, device):
     """replay(i): fn(i) for each input set captured once into a CUDA graph. A replay costs a few µs of
     host time whatever the call launches, so back-to-back replays time the GPU work alone, at the
     clock sustained load holds, also for calls whose host time exceeds their GPU time (ours and
-    FA4's training calls on 16x1k, session 25). The calls must not synchronize (the capture fails)."""
+    FA4's training calls on 16x1k). The calls must not synchronize (the capture fails)."""
     main = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
     side.wait_stream(main)
@@ -428,7 +428,7 @@ def run_bench(workloads: dict, head_cfg: dict, impls, modes=MODES, reps=15, devi
     sustain_s > 0: back-to-back calls after that many seconds of them (_time_sustained; overrides);
     graph: CUDA graph replays of the calls, with sustain_s (_graphed: GPU time at the sustained clock).
     The implementations' order rotates by workload, so none is always timed first (on the GPU that
-    just idled through the workload's setup: a build timed first ran up to 9% faster, run s11e)."""
+    just idled through the workload's setup: a build timed first can run up to 9% faster)."""
     lead = GPU_TIME_LEAD_CYCLES if gpu_time and device.startswith("cuda") else 0
     rows = []
     items = bench_order(list(workloads), list(impls))

@@ -86,7 +86,7 @@ def target_arch() -> str:
 
 @functools.cache
 def _device_arch(index: int) -> str:
-    # every launch asks: the device's properties cost ~15 µs of host time per query (session 25)
+    # every launch asks: the device's properties cost ~15 µs of host time per query
     import torch
 
     cc = torch.cuda.get_device_capability(index)

@@ -119,7 +119,7 @@ def lane_divergent_collectives(ptx: str) -> list[str]:
     (through any arithmetic) from %laneid guards `@%p bra L`, and a collective lies on the fall-through
     path before `L:`.
     Some lanes then execute it without the others: `elect.sync` with a full mask from lane 0 alone
-    deadlocked the bf16-dS backward's dQ warp (session 6). Returns the offending lines."""
+    deadlocks the warp. Returns the offending lines."""
     lines = ptx.splitlines()
     lane_vals: set[str] = set()
     found = []

@@ -160,7 +160,7 @@ NAMED_RECIPES: dict[str, Recipe] = {
         Recipe("fp8_token_ds_e5m2", _TOKEN, _TOKEN, _TOKEN, _TOKEN, ds_cast="e5m2_rowtile"),
         Recipe("fp8_token_ds_bf16", _TOKEN, _TOKEN, _TOKEN, _TOKEN, ds_cast="bf16"),
         # The default: S, P V, dP and dV in FP8 with dV's dO scale folded per document, dS in bf16
-        # for dK and dQ (the sm_90a backward kernel, attention_bwd_dsbf16_sm90)
+        # for dK and dQ (the sm_90a backward kernel, sm90/attention_bwd.py)
         Recipe("fp8_tokenblock_dsbf16", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, ds_cast="bf16", dv_fold="document"),
         # One dS scale per 64-query x 128-key tile for both products (e4m3_tile). Leaks through dQ:
         # the control that shows the leakage tests see scales shared across queries in dS

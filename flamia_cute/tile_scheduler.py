@@ -278,7 +278,7 @@ def backward_grid(raster: str, num_kv_heads, num_docs, max_n_blocks, head_window
     cannot be the last one issued (W = 1 is the plain "blocks" order). Trace time: `raster` and
     `head_window` are config values; num_kv_heads % head_window == 0 (the host checks it)."""
     if raster == "blocks":
-        if head_window == 1:  # apart from the general form, so the plain order's code stays as it was
+        if head_window == 1:  # apart from the general form: the plain order keeps its simpler index math
             return [max_n_blocks, num_kv_heads, num_docs]
         return [max_n_blocks * head_window, num_kv_heads // head_window, num_docs]
     return [num_kv_heads, num_docs, max_n_blocks]

@@ -63,8 +63,8 @@ def quantize_space(head_dim: int, heads_q: int, heads_kv: int, block_tokens: int
 def bwd_dsbf16_space(head_dim: int, group: int, diagonal_copy: bool, num_kv_heads: int = 1):
     """The backward's candidates (BwdDsBf16Config): the default, with three vector stages, in each head
     window of the blocks order that divides num_kv_heads, and with short_pairs toggled where its build
-    takes pairs. The tuned fields that won a workload class (perf/RESULTS.md, "The tuner on today's
-    kernels"): three vector stages (long documents) and the head windows (short ones); short pairs
+    takes pairs. The tuned fields that win a workload class (docs/scheduling.md, "The tuner"):
+    three vector stages (long documents) and the head windows (short ones); short pairs
     are the default for packs of short documents only. Nothing is pruned."""
     from .sm90.attention_bwd import HEAD_WINDOWS, BwdDsBf16Config, short_pairs_supported
 
@@ -110,7 +110,7 @@ def workload_space(kernel: str, keep: list, heads_kv: int, max_seqlen: int) -> l
 # A bf16-dS record's head_window when the window that the tuned workload's length picks
 # (auto_head_window) won: the lookup then picks it again by each call's length. A class holds
 # documents of 1k to 4k tokens (mid-uniform: 16x1k and 4x4k), whose automatic windows differ (16, 4);
-# a number tuned on 16x1k slowed 4x4k's backward (perf/RESULTS.md).
+# a number tuned on 16x1k slows 4x4k's backward (docs/scheduling.md).
 def config_label(kernel: str, cfg) -> str:
     fields = cfg if isinstance(cfg, dict) else config_fields(kernel, cfg)
     return " ".join(f"{k}={v}" for k, v in fields.items())

@@ -38,8 +38,8 @@ TOKEN_PAD = 128
 # Each document's first column in data_dt is a multiple of this. 16 is the minimum (a TMA
 # box on the contiguous axis must start 16-byte aligned: unaligned starts fault on the
 # H200); 32 keeps every document's rows on whole 32-byte sectors, so no sector is written
-# in two halves by two CTAs: measured on the H200, longtail32k token-block quantization
-# 62.8% -> 81.1% of 4.3 TB/s (perf/RESULTS.md, session 3), 128-aligned workloads unchanged.
+# in two halves by two CTAs (on the H200 longtail32k's token-block quantization reaches 81% of
+# 4.3 TB/s, 63% with 16; 128-aligned workloads are the same).
 DT_DOC_ALIGN = 32
 # Column j of each 16-column group holds token PV_ORDER16[j] of the group (pv_order=True).
 PV_ORDER16 = tuple(k for t in range(4) for k in (2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t))
@@ -137,7 +137,7 @@ def quantize_thd(
 
 
 def quantize_attention_operands(q, k, v, cu_seqlens, block_tokens: int):
-    """The spec of an attention call's fused Q/K/V quantization (quantize_sm90.qkv_config).
+    """The spec of an attention call's fused Q/K/V quantization (flamia_cute.sm90.quantize.qkv_config).
 
     Q per token; K and V per block_tokens, plus per-token copies (for the diagonal tiles) when
     block_tokens > 1. The data_dt of Q and V are in P-fragment order: V^T is the B operand of

@@ -461,7 +461,7 @@ def test_dq_store_plan_writes_the_swizzled_tile_once(head_dim):
 
 
 def test_xor_walk_rejects_a_walk_that_is_not_an_xor_and_add():
-    """The check in sm90_device.xor_walk can fail: a walk whose step carries into the swizzle's
+    """The check in primitives.xor_walk can fail: a walk whose step carries into the swizzle's
     target bits differently per thread is refused."""
     pytest.importorskip("cutlass")
     import cutlass.cute as cute

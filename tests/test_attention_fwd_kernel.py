@@ -537,7 +537,7 @@ def test_tile_model_with_zero_v_tiles(recipe):
     assert rel_l2(o.float(), eo.float()) < 1e-4
     assert torch.equal(o[600:800], torch.zeros_like(o[600:800]))  # V = 0: O = 0
     ref = reference_attention(q, k, v, cu, cu, scale)["out"]
-    # FP8 error of this data is ~4.7e-2 (perf/RESULTS.md); rows 800-927 see only the small V, kept
+    # FP8 error of this data is ~4.7e-2; rows 800-927 see only the small V, kept
     # (its own tile is the first, so nothing is dropped) and exact to the same relative error
     for s_, e_ in ((0, 600), (800, 1100), (800, 928)):
         assert rel_l2(eo[s_:e_].float(), ref[s_:e_].float()) < 0.08, (s_, e_)

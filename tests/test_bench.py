@@ -117,8 +117,8 @@ def test_speedups_are_geomeans_over_the_workloads_both_timed():
 
 
 def test_bench_order_rotates_which_implementation_runs_first():
-    """No implementation is always timed first on a workload (the first-timed build ran up to 9%
-    faster on a GPU that had idled, run s11e); every pair is timed once."""
+    """No implementation is always timed first on a workload (the first-timed build can run up to 9%
+    faster on a GPU that had idled); every pair is timed once."""
     from flamia_cute.bench import bench_order
 
     order = bench_order(["a", "b", "c", "d"], ["ours", "fa4", "cudnn"])

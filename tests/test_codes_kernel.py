@@ -1,4 +1,4 @@
-"""The e4m3 -> bf16 code conversion (codes_sm90): compile-only checks (CI) and exactness on the GPU."""
+"""The e4m3 -> bf16 code conversion (sm90/codes.py): compile-only checks (CI) and exactness on the GPU."""
 
 import re
 

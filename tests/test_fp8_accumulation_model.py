@@ -1,9 +1,9 @@
 """The error model behind the kernels' GPU tolerances against the H200's e4m3 wgmma (GPU, marker `gpu`).
 
 `testing.fp8_mma_truncated` (14 significant bits, the running accumulator truncated with each k32
-instruction's products) sets the bounds of test_attention_*_kernel.py, and session 14 ruled out O
-accumulated in the tensor core on it. perf/fp8_accumulation_gpu.py measures the hardware
-through Triton's e4m3 dot (run s21b: every figure within a few percent of the model); these tests
+instruction's products) sets the bounds of test_attention_*_kernel.py and rules out O accumulated in the
+tensor core (docs/numerics.md). perf/fp8_accumulation_gpu.py measures the hardware through
+Triton's e4m3 dot (every figure within a few percent of the model); these tests
 keep that check: a chain that stopped truncating its accumulator, or a model that drifted from the
 hardware, fails them.
 """
@@ -45,7 +45,7 @@ def test_a_chain_keeps_14_bits_of_its_accumulator(experiment):
 @pytest.mark.parametrize("v_mean", [0.0, 4.0])
 def test_the_model_predicts_the_hardware_error(experiment, v_mean):
     """P V over 4k keys: each build's relative L2 error against fp64 of the same e4m3 operands is the
-    model's within 20% (s21b at 16k keys: within 2%); with V's mean at 4 (O > 0) both are biased low
+    model's within 20% (at 16k keys within 2%); with V's mean at 4 (O > 0) both are biased low
     (truncation toward zero)."""
     hw = experiment.attention_like(torch.device("cuda"), tokens=4096, v_mean=v_mean)
     model = experiment.attention_like(torch.device("cpu"), tokens=4096, v_mean=v_mean, dot=experiment.model_dot)

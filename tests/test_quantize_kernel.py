@@ -112,7 +112,7 @@ def _cu_list(lengths):
 def _model_dt_writes(lengths, threads):
     """Columns of data_dt that the kernel writes, per CTA of one head group: {column: token or None (zero)}.
 
-    Mirrors quantize_sm90: a chunk CTA writes segment g (columns dcol + 16g ..) when 16g <
+    Mirrors sm90/quantize.py: a chunk CTA writes segment g (columns dcol + 16g ..) when 16g <
     round_up(n, DT_DOC_ALIGN), token dcol-relative tau for tau < n and 0 beyond; a spare CTA s of S
     zeroes 128-column tail blocks s, s + S, ... from dt_total, whole segments below T_dt.
     """
@@ -367,7 +367,7 @@ def test_compiles_for_transposed_off():
 
 
 def _model_cta_decode(head_groups, slots, raster):
-    """quantize_sm90's flat CTA -> (part, chunk slot, head group), in Python."""
+    """sm90/quantize.py's flat CTA -> (part, chunk slot, head group), in Python."""
     out = []
     for lin in range(slots * sum(head_groups)):
         pid, local, base = 0, lin, 0

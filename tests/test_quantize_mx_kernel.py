@@ -1,4 +1,4 @@
-"""The fused MXFP8 quantization for the Blackwell forward (quantize_mx_sm100): compiled for sm_100a and
+"""The fused MXFP8 quantization for the Blackwell forward (sm100/quantize_mx.py): compiled for sm_100a and
 sm_90a on the CPU; on the H200 (it uses no Blackwell-only instruction) bit-exact against its torch
 specification, quant.mx_layout.pack_mx_forward_operands."""
 

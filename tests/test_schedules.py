@@ -111,7 +111,7 @@ def test_simulate_policies():
     window=st.sampled_from([1, 2, 4, 8]),
 )
 def test_backward_grid_runs_every_key_block_once_windows_longest_first(lengths, kv_heads, window):
-    """The backward's "blocks" grid (bwd_common_sm90.backward_grid, backward_work_item): its non-empty
+    """The backward's "blocks" grid (tile_scheduler.backward_grid, backward_work_item): its non-empty
     CTAs in launch order are documents in order, in each the KV heads in windows of `window`, a
     window's key blocks from the first (the most query tiles) with its heads fastest: every (document,
     KV head, key block) with keys exactly once."""

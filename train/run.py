@@ -1,6 +1,6 @@
 """Train the small Llama-style model on packed source files with a chosen attention; compare runs.
 
-    python -m train.run --attention flamia --recipe fp8_tokenblock --steps 1000 --out runs/
+    python -m train.run --attention flamia --recipe fp8_tokenblock_dsbf16 --steps 1000 --out runs/
     python -m train.run --compare runs/
 
 Each run writes DIR/<run>.csv (one row per step), DIR/<run>.summary.json and redraws

@@ -2,7 +2,7 @@
 
 Recipe `mxfp8` (flamia_cute.emulator is the spec; `reference_fwd_sm100` below is this kernel's
 algorithm on the CPU, tile by tile, and must equal the emulator). Compiled and checked here
-without a Blackwell GPU (CI: PTX and SASS); no B200 was available to run it.
+without a Blackwell GPU (CI: PTX and SASS); it has not run on a GPU.
 
 Operands (quant.mx_layout.pack_mx_forward_operands): e4m3 codes of Q, K and V^T, and E8M0 scale
 chunks of 512 bytes, one per 128-token tile and head, in the block-scaled MMA's scale layout, so
@@ -28,11 +28,10 @@ Organization (one CTA per (128-query block, head, document), blocks longest firs
 Tensor memory (512 columns): S stages at 0 and 128 (P over them), O at 256, scale chunks after
 (400 used). Head dim 128 only: one scale chunk covers 4 blocks of 32 along D.
 
-Not built yet (none can be measured without a Blackwell GPU): a persistent tile scheduler, a
-correction warpgroup that takes the O rescale off the softmax warps' path, two query tiles per CTA
-(FA4's ping-pong), a fused sm_100a quantization kernel (pack_mx_forward_operands is its torch
-specification), the backward. The diagonal tile's bf16 products cover the whole 128 x 128 tile
-(one tile per query block; 4x the pairs they keep).
+Not built (none can be measured without a Blackwell GPU; docs/blackwell.md): a persistent tile
+scheduler, a correction warpgroup that takes the O rescale off the softmax warps' path, two query
+tiles per CTA (FA4's ping-pong), the backward. The diagonal tile's bf16 products cover the whole
+128 x 128 tile (one tile per query block; 4x the pairs they keep).
 """
 
 from __future__ import annotations
@@ -820,7 +819,7 @@ def flamia_fwd_sm100(ops: MxForwardOperands, cu_seqlens, max_seqlen: int, softma
 def mxfp8_forward_sm100(q, k, v, cu_seqlens, max_seqlen: int, softmax_scale: float | None = None,
                         config: FwdSm100Config | None = None):
     """Recipe mxfp8's causal forward on a Blackwell GPU from bf16 (T, H, 128) q and (T, Hk, 128) k, v:
-    the fused quantization (quantize_mx_sm100, GPU-tested on the H200) and this kernel (compiled and
+    the fused quantization (quantize_mx.py, GPU-tested on the H200) and this kernel (compiled and
     PTX-checked only: no sm_100 GPU has run it). Returns (out bf16, lse fp32 (H, T))."""
     from ..emulator import default_softmax_scale
     from .quantize_mx import quantize_mx_forward

@@ -1,6 +1,6 @@
 """Fused MXFP8 quantization of Q, K and V for the Blackwell forward, in the CuTe DSL.
 
-One launch writes everything `attention_fwd_sm100` reads, bit-exactly as the torch specification
+One launch writes everything the forward (sm100/attention_fwd.py) reads, bit-exactly as the torch specification
 `quant.mx_layout.pack_mx_forward_operands`: the e4m3 codes of Q, K and V^T, their E8M0 scale chunks
 (Q per token, K and V per 32x32 document-local tile; V's chunk in the P V orientation) and Q's MX
 values in bf16 (the diagonal safeguard's operand). It uses no tensor core and no Blackwell-only

@@ -4,15 +4,14 @@ fp8_token_dsbf16, in the CuTe DSL.
 Numerics: `flamia_cute.emulator.emulate_backward` with `Recipe.ds_cast = "bf16"` and
 `Recipe.dv_fold = "document"`: S^T, dP^T and dV on e4m3 tensor cores, dK and dQ on bf16 ones.
 
-Nothing is scaled per tile, so every product accumulates in the MMA's own registers (perf/NOTES.md,
-"the register budget of three backward designs"):
+Nothing is scaled per tile, so every product accumulates in the MMA's own registers (docs/backward.md):
 - dV: dO's per-token scale is folded into P^T relative to ONE reference r per (KV head, document)
   (the max dO scale there, `dv_fold_reference`), so the e4m3 MMA accumulates dV across all query
   tiles and heads of the group; dV = acc * r / 256 once, in the epilogue;
 - dK += bf16(dS^T) . (sq Q-codes) and dQ = bf16(dS) . (sk K-codes) on bf16 wgmma: the scaled codes
   are exact in bf16 (powers of two), so this is bf16(dS s) . codes as the recipe says (bf16(dS s) =
   bf16(dS) s), with one bf16 conversion of dS for both products. Q in bf16 is a copy made before
-  the launch (`codes_sm90`) and loaded by TMA; the consumers convert the key block once per phase;
+  the launch (sm90/codes.py) and loaded by TMA; the consumers convert the key block once per phase;
   all [t, d] (MN-major B operands, so no transposed copies);
 - 64-query tiles: S^T and dP^T take 32 registers each, so dV (64) and dK (64) both stay in
   registers next to them: 224 fp32 accumulators per thread at d128.
@@ -145,8 +144,8 @@ class BwdDsBf16Config:
     deterministic: bool = False  # dQ additions in key-block order: bit-reproducible dQ
     vec_stages: int = 2  # stages of the per-query vectors (3: a tuner candidate, won on long documents)
     # the "blocks" order in windows of this many KV heads (backward_grid): a window's CTAs start
-    # longest first, so the last document's long key blocks are not issued last (perf/NOTES.md, the
-    # host model of the CTA queue). 1: the plain order; default_config picks it by document length
+    # longest first, so the last document's long key blocks are not issued last (docs/scheduling.md).
+    # 1: the plain order; default_config picks it by document length
     head_window: int = 1
     # Two short documents per CTA, one per consumer warpgroup's 64 keys, by the forward's rule
     # (schedules.varlen_tiles.short_pair_partner, so the second starts 64 V^T and dO^T columns after
@@ -180,7 +179,7 @@ class BwdDsBf16Config:
     def prefetch_sdp(self) -> bool:
         """d64: the next tile's S^T and dP^T are issued right after this tile's dQ product (or its dQ
         tile's store), so they run on the tensor cores under this tile's dQ traffic. At d128, in
-        flight beside dV, dK and the dQ tile, they measured slower (and spill on the atomics path)."""
+        flight beside dV, dK and the dQ tile, they are slower (and spill on the atomics path)."""
         return self.head_dim == 64
 
     @property
@@ -948,7 +947,7 @@ class FlamiaBwdDsBf16Sm90:
 
     # ------------------------------------------------------------------------------------------
     def _conversion_plans(self, sK_layout, sKb_layout):
-        """Trace time: word offsets of the key block's e4m3 -> bf16 conversion walk (sm90_device.word_walk).
+        """Trace time: word offsets of the key block's e4m3 -> bf16 conversion walk (primitives.word_walk).
         Thread t converts the 4 codes (key, d .. d + 3) with d = 4 (t % wpr), keys t // wpr + j rpw
         (wpr: words per row, rpw = 256 / wpr rows per step; two 64-key slabs in sK)."""
         wpr, rpw = self.walk_wpr, self.walk_rpw
@@ -965,7 +964,7 @@ class FlamiaBwdDsBf16Sm90:
 
     def _dq_store_plan(self, sdQ_layout):
         """Trace time: (layout, xors, adds, swap) of the dQ tile's column pairs in the swizzled shared
-        tile (sm90_device.xor_walk over the dQ MMA's thread-value layout: pair j holds values 2j,
+        tile (primitives.xor_walk over the dQ MMA's thread-value layout: pair j holds values 2j,
         2j+1); swap: the odd rows' word XOR (_dq_swap_xor)."""
         tv = self._make_mmas()[3].tv_layout_C_tiled
 
@@ -1305,7 +1304,7 @@ def flamia_bwd_dsbf16_sm90(
     order) and delta (H, T) may be passed precomputed; else the preprocess computes them; so may
     dv_ref, the dv_fold_reference (to time the kernel alone); when dO is quantized here, the same
     launch computes dv_ref (no torch launches). q_bf16 (T, H, D): q_td's codes times sq in bf16,
-    dK's B operand (made here by codes_sm90 when not given; exact: the scales are powers of two).
+    dK's B operand (made here by sm90/codes.py when not given; exact: the scales are powers of two).
     overlap_passes: Q's bf16 copy and the dQ accumulator's zero fill run on a side stream while the
     dO preprocess runs on the current one (all three are memory-bound and independent; the kernel
     waits for both streams). None: OVERLAP_PASSES.
@@ -1386,7 +1385,7 @@ def flamia_bwd_dsbf16_sm90(
 
 
 # flamia_bwd_dsbf16_sm90's overlap_passes default: the three memory-bound passes overlapped are
-# faster on every workload (perf/RESULTS.md); gradients unchanged
+# faster on every workload (docs/backward.md); gradients unchanged
 OVERLAP_PASSES = True
 
 

@@ -184,7 +184,7 @@ class FwdConfig:
     @property
     def pingpong(self) -> bool:
         """The warpgroups' ping-pong: off for the block-scaled D=128 build, where with the overlapped
-        schedule the barrier only delays the second warpgroup's issue (measured faster without on
+        schedule the barrier only delays the second warpgroup's issue (faster without it on
         every workload); on elsewhere."""
         return not (self.head_dim == 128 and self.diagonal_copy)
 
@@ -393,8 +393,8 @@ class FlamiaFwdSm90:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         # Query block fastest in the launch order, heaviest (longest causal row) first: the CTAs
-        # running together share one head's K/V in L2 (heads fastest was slower: 16 heads' K/V in
-        # flight at once no longer fit in L2).
+        # running together share one head's K/V in L2 (heads fastest is slower: 16 heads' K/V in
+        # flight at once do not fit in L2).
         bidx, head, doc = cute.arch.block_idx()
         roles = (
             qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, tma_kh, tKh,

@@ -1,4 +1,4 @@
-"""Device helpers of the sm_90a backward kernel (attention_bwd_dsbf16_sm90): the per-query vectors,
+"""Device helpers of the sm_90a backward kernel (sm90/attention_bwd.py): the per-query vectors,
 the key rows' scales and bf16 epilogue, the dQ accumulator's atomic adds and the deterministic
 mode's turn counters, with the PTX memory-ordering primitives they use.
 

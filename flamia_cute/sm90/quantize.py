@@ -923,7 +923,7 @@ def qkv_config(head_dim: int, q_heads: int, kv_heads: int, block_tokens: int, he
 @functools.cache
 def forward_only(qkv: MultiQuantizeConfig) -> MultiQuantizeConfig:
     """A Q/K/V launch (qkv_config, tuned or not) reduced to what the forward and the bf16-dS backward
-    (attention_bwd_dsbf16_sm90) read: Q and K (and K's per-token copy) token-major only, V (and its
+    (sm90/attention_bwd.py) read: Q and K (and K's per-token copy) token-major only, V (and its
     copy) transposed in P-fragment order only. That backward converts Q's and K's [t, d] codes to
     bf16 in shared memory and transposes V^T there (dP^T's A operand), so a training call writes
     what an inference call writes: token-block K and V 2 of their 4 bytes per element, Q 1 of 2.
@@ -948,7 +948,7 @@ def dout_config(head_dim: int, num_heads: int) -> QuantizeConfig:
 def dout_delta_config(head_dim: int, num_heads: int, doc_scale_max_group: int = 0) -> MultiQuantizeConfig:
     """The backward's preprocess in one launch: dO quantized as dout_config, and D = rowsum(dO * O);
     with doc_scale_max_group g, also the max dO scale per (document, group of g heads): the bf16-dS
-    backward's dV fold references (attention_bwd_dsbf16_sm90.dv_fold_reference), no torch launches."""
+    backward's dV fold references (attention_bwd.dv_fold_reference), no torch launches."""
     return MultiQuantizeConfig((dataclasses.replace(dout_config(head_dim, num_heads), emit_rowdot=True,
                                                     doc_scale_max_group=doc_scale_max_group),))
 
