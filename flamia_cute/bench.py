@@ -518,6 +518,9 @@ def _plot(table, png_path):
     fig.savefig(png_path, dpi=120)
 
 
+EMULATOR_MAX_TOKENS = 4096  # the largest pack bench runs on the emulator (no GPU)
+
+
 def main_bench(args) -> int:
     data = json.loads(pathlib.Path(args.workloads).read_text())
     wl = data["workloads"]
@@ -533,6 +536,19 @@ def main_bench(args) -> int:
               file=sys.stderr)
         return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not device.startswith("cuda"):
+        # the emulator builds each document's (heads, L, L) score matrices: a 16k-token document takes tens of
+        # GB, and a pack of 16k tokens minutes per call
+        big = sorted(w for w, ls in wl.items() if sum(ls) > EMULATOR_MAX_TOKENS)
+        if big:
+            print(f"bench: no CUDA device, so the emulator runs; skipping {big} (packs over {EMULATOR_MAX_TOKENS} "
+                  "tokens would exhaust memory or time). Emulator times say nothing of the kernels' speed.",
+                  file=sys.stderr)
+            wl = {w: ls for w, ls in wl.items() if w not in big}
+        if not wl:
+            print("bench: nothing left to run on the CPU; pass small packs with --workloads (see "
+                  "perf/workloads_short.json's format)", file=sys.stderr)
+            return 2
     impls = default_impls(args.recipe, device)
     if args.impls:
         impls = [i for i in impls if any(i.name.startswith(p) for p in args.impls.split(","))]

@@ -126,3 +126,21 @@ def test_bench_order_rotates_which_implementation_runs_first():
     firsts = [order[3 * k][1] for k in range(4)]
     assert firsts == ["ours", "fa4", "cudnn", "ours"]
     assert [w for w, _ in order] == [w for w in "abcd" for _ in range(3)]
+
+
+def test_bench_on_the_cpu_skips_what_the_emulator_cannot_hold(tmp_path, capsys):
+    """Without a GPU, bench runs the emulator, whose score matrices grow with the square of a document:
+    the default workloads (16k-token packs) are refused with the reason, never run out of memory."""
+    from flamia_cute.bench import EMULATOR_MAX_TOKENS
+
+    assert main(["bench", "--device", "cpu", "--reps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and "1x16k" in err and "nothing left to run" in err
+    wl = {"head_configs": {"tiny": {"heads_q": 2, "heads_kv": 1, "head_dim": 64}},
+          "workloads": {"small": [64, 30], "big": [EMULATOR_MAX_TOKENS, 1]}}
+    path = tmp_path / "wl.json"
+    path.write_text(json.dumps(wl))
+    assert main(["bench", "--workloads", str(path), "--heads", "tiny", "--reps", "1", "--device", "cpu",
+                 "--impls", "flamia", "--modes", "fwd", "--out", str(tmp_path)]) == 0
+    assert "skipping ['big']" in capsys.readouterr().err
+    assert set(pd.read_csv(tmp_path / "bench_tiny.csv")["workload"]) == {"small"}
