@@ -26,10 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fwd_breakdown import backward_inputs, graph_ms  # noqa: E402
 
-from flamia_cute.attention_bwd_sm90 import preprocess_bwd  # noqa: E402
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case  # noqa: E402
 from flamia_cute.cute_backend import quantize_operands  # noqa: E402
 from flamia_cute.sm90.attention_bwd import flamia_bwd_dsbf16_sm90_from_saved, side_stream  # noqa: E402
+from flamia_cute.sm90.bwd_preprocess import preprocess_bwd  # noqa: E402
 from flamia_cute.sm90.codes import e4m3_codes_to_bf16  # noqa: E402
 from flamia_cute.sm90.quantize import dout_delta_config, quantize_with_rowdot_sm90  # noqa: E402
 
@@ -65,7 +65,7 @@ def dout_variants(H: int, D: int) -> dict:
 def measure(name: str, lengths) -> dict:
     case = Case(name, lengths, 16, 16, 128, "cuda").build()
     q, k, v, _ = case.sets[0]
-    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, case.cu, 128, case.max_len, ds_bf16=True)
+    qq, (kq, kt), (vq, vt) = quantize_operands(q, k, v, case.cu, 128, case.max_len)
     dout, out, lse, _, _, _ = backward_inputs(case, qq, kq, kt, vq, vt)
     T, H, D = q.shape
     row = {"workload": name}

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from flamia_cute import flamia_attn_varlen_func
-from flamia_cute.attention_bwd_sm90 import preprocess_bwd
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case
 from flamia_cute.cute_backend import quantize_operands
 from flamia_cute.schedules import causal_flops
@@ -28,6 +27,7 @@ from flamia_cute.sm90.attention_bwd import (
     flamia_bwd_dsbf16_sm90_from_saved,
 )
 from flamia_cute.sm90.attention_fwd import FwdConfig, flamia_fwd_sm90
+from flamia_cute.sm90.bwd_preprocess import preprocess_bwd
 from flamia_cute.sm90.codes import e4m3_codes_to_bf16
 
 
@@ -139,12 +139,11 @@ def backward_inputs(case, qq, kq, kt, vq, vt):
     return dout, out, lse, delta, doq, dv_ref
 
 
+# the forward's build choices the tuner and the plan make (FwdConfig's fields)
 FWD_VARIANTS = {
     "default": FwdConfig(128, diagonal_copy=True),
-    "pingpong": FwdConfig(128, diagonal_copy=True, pingpong=True),
     "3 kv stages": FwdConfig(128, diagonal_copy=True, kv_stages=3),
     "per-tile launch": FwdConfig(128, diagonal_copy=True, persistent=False),  # the >1,024-document fallback
-    "heavy first": FwdConfig(128, diagonal_copy=True, tile_order="heavy_first"),
     "longest documents": FwdConfig(128, diagonal_copy=True, tile_order="longest_documents"),
     "short pairs": FwdConfig(128, diagonal_copy=True, short_pairs=True),
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs a maintainer repeats, by stage: bash perf/gpu_session.sh STAGE...   (perf/README.md)
-# Stages: setup tests tests-full bench breakdown api-profile tune ablations train accuracy.
+# Stages: setup tests tests-full bench breakdown api-profile tune ablations go36 train accuracy.
 # Each stage writes $RESULTS/<date>-<stage>/: its log, its outputs and a MANIFEST.md (commit, command,
 # GPU, clock regime, SM clock samples where taken). RESULTS defaults to $OUT (the device tool returns
 # what is under $OUT), else perf/results. WORKLOADS, ABLATIONS, TRAIN_WHAT, TRAIN_SEED: see the stages.
@@ -35,8 +35,12 @@ for stage in "$@"; do
     setup)  # the GPU bundle (make_bundle.sh; part a at /root/gpu-bundle/a or .gpu-bundle/a), then this package
       [ -f .gpu-bundle/b/install.sh ] && bash .gpu-bundle/b/install.sh
       . /root/gpu-bundle/env.sh && python3 -m pip install -q --no-deps --no-build-isolation -e . && echo "setup ok" ;;
-    tests) begin tests "not timed (correctness)"; run test_gpu 560 make test-gpu ;;
-    tests-full) begin tests-full "not timed (correctness)"; run test_gpu_full 590 make test-gpu-full ;;
+    tests|tests-full)  # make test-gpu / test-gpu-full run pytest-xdist workers; without xdist, the same tests in one process
+      begin "$stage" "not timed (correctness)"
+      if [ "$stage" = tests ]; then target=test-gpu; marks="gpu and not gpu_full"; limit=560; else target=test-gpu-full; marks=gpu; limit=590; fi
+      if python3 -c 'import xdist' 2>/dev/null; then run "${target//-/_}" "$limit" make "$target" PYTHON=python3
+      else echo "- pytest-xdist not installed: pytest in one process, the make target's markers" >> "$DIR/MANIFEST.md"
+        run "${target//-/_}" "$limit" python3 -m pytest -q -m "$marks"; fi ;;
     bench)  # ours against FA4 and cuDNN on all six workloads: burst GPU time, then sustained CUDA-graph replays
       begin bench "burst (--gpu-time: each call behind a queued GPU sleep), then sustained (3 s of calls, then CUDA-graph replays back to back; clocks sampled)"
       clocks_on
@@ -54,12 +58,18 @@ for stage in "$@"; do
       run tune 560 python3 -m flamia_cute.cli tune --only "$WL" --reps 10
       run tune_print 60 python3 -m flamia_cute.cli tune --print; cp "$FLAMIA_CUTE_CACHE_DIR"/tuning/*.json "$DIR"/ 2>/dev/null ;;
     ablations)  # kernel builds with parts removed (outputs wrong, timing only). ABLATIONS: any of fwd bwd power;
-      # BWD_ABLATIONS and BWD_POWER_BUILDS (comma lists of the scripts' labels) pass through
-      begin ablations "burst (CUDA graphs); power: sustained 3 s per build, clocks sampled by bwd_power.py"
+      # BWD_ABLATIONS and BWD_POWER_BUILDS (comma lists of the scripts' labels) pass through. The scripts keep
+      # patched builds out of the disk cache themselves
+      begin ablations "burst (CUDA graphs, SM clock sampled); power: sustained 3 s per build, clocks sampled by bwd_power.py"
       for a in ${ABLATIONS:-fwd bwd}; do case $a in
-        fwd|bwd) run "${a}_ablations" 280 env FLAMIA_CUTE_DISK_CACHE=0 python3 "perf/ablations/${a}_ablations.py" 1x16k 4x4k 16x1k ;;
-        power) run bwd_power 300 env FLAMIA_CUTE_DISK_CACHE=0 BWD_POWER_SECONDS=3 python3 perf/ablations/bwd_power.py 1x16k ;;
+        fwd|bwd) run "${a}_ablations" 560 python3 "perf/ablations/${a}_ablations.py" 1x16k 4x4k 16x1k ;;
+        power) run bwd_power 300 env BWD_POWER_SECONDS=3 python3 perf/ablations/bwd_power.py 1x16k ;;
       esac; done ;;
+    go36)  # issue 36's go/no-go for a split backward, 1x16k and 1x64k: the dK/dV-only kernel against the full
+      # backward kernel (go if <= 0.60), the forward with a third FP8 GEMM against the full backward (go if <= 0.40)
+      begin go36 "burst (CUDA graphs, SM clock sampled by nvidia-smi during the replays)"
+      run bwd_dkdv_only 280 python3 perf/ablations/bwd_ablations.py --go
+      run fwd_third_product 280 python3 perf/ablations/fwd_ablations.py --go ;;
     train)  # one 1,000-step run of train/ (~5 min): TRAIN_WHAT = fp8 (the default recipe) | fa4 | leaky; TRAIN_SEED
       what=${TRAIN_WHAT:-fp8}; case $what in fa4) attn="--attention fa4";; leaky) attn="--attention flamia --recipe fp8_tensor_current";;
         fp8) attn="--attention flamia --recipe fp8_tokenblock_dsbf16";; *) echo "TRAIN_WHAT: fp8, fa4 or leaky"; continue;; esac

@@ -8,7 +8,8 @@ and the synchronizing CUDA calls one call makes (torch.cuda.set_sync_debug_mode)
 the call's GPU time is what back-to-back timing (`bench --sustain`) and an eager training loop see.
 `profile`: a cProfile of our training call on the first workload; `stages`: every function in STAGES
 wrapped by a perf_counter_ns timer (host µs per call, inclusive), to attribute the host time;
-`nomemo`: cute_backend's config memo bypassed (every call builds its configs again: the memo's A/B).
+`nomemo`: the plan memo bypassed (tuned.derived_memo returns a fresh dict: every call builds its Plan,
+make_plan, again: the memo's A/B).
 """
 
 import cProfile
@@ -24,21 +25,26 @@ import torch
 
 from flamia_cute.bench import DEFAULT_WORKLOADS, FA4, Case, Ours, input_leaves, timed_calls
 
-STAGES = {  # module -> functions whose host time is reported (inclusive)
-    "flamia_cute.interface": ["flamia_attn_varlen_func", "check_attention_inputs", "pick_backend"],
-    "flamia_cute.validation": ["check_cu_seqlens_values", "check_kernel_tensors"],
-    "flamia_cute.cute_backend": ["forward_kernels", "forward_config", "quantize_operands", "quantize_launch_config",
-                                 "backward_kernels", "backward_config"],
-    "flamia_cute.attention_bwd_sm90": ["preprocess_bwd", "backward_outputs"],
-    "flamia_cute.sm90.codes": ["e4m3_codes_to_bf16"],
+# module -> functions whose host time is reported (inclusive). Each is replaced on its module, so it is
+# timed where callers look it up there at call time (module globals, or imports inside a function);
+# a name imported at module level elsewhere is listed under the module that calls it.
+STAGES = {
+    "flamia_cute.interface": ["check_attention_inputs", "pick_backend"],
+    "flamia_cute.custom_ops": ["run_forward", "run_backward", "_pack_kernel", "_unpack_kernel"],
+    "flamia_cute.validation": ["check_cu_seqlens_values"],
+    "flamia_cute.plan": ["make_plan"],
+    "flamia_cute.cute_backend": ["forward", "backward", "quantize_operands"],
     "flamia_cute.sm90.quantize": ["fused_quantize_multi_sm90", "_alloc_outputs", "launch_fused_quantize_multi_sm90",
                                   "_launch", "quantize_with_rowdot_sm90", "quantized_outputs"],
-    "flamia_cute.sm90.attention_fwd": ["flamia_fwd_sm90", "get_launcher"],
+    "flamia_cute.sm90.attention_fwd": ["flamia_fwd_sm90", "get_launcher", "check_kernel_tensors", "launch_on_device",
+                                       "sm_count"],
+    "flamia_cute.sm90.bwd_preprocess": ["preprocess_bwd", "backward_outputs", "backward_grid_blocks"],
+    "flamia_cute.sm90.codes": ["e4m3_codes_to_bf16"],
     "flamia_cute.sm90.attention_bwd": ["flamia_bwd_dsbf16_sm90_from_saved", "flamia_bwd_dsbf16_sm90",
-                                              "get_launcher", "side_stream", "check_kernel_tensors",
-                                              "launch_on_device", "dv_fold_reference"],
-    "flamia_cute.tuning": ["_tuned_config"],
-    "flamia_cute.compile_cache": ["compile_launcher", "launch_on_device", "sm_count"],
+                                       "get_launcher", "side_stream", "check_kernel_tensors",
+                                       "launch_on_device", "dv_fold_reference"],
+    "flamia_cute.tuned": ["_tuned_config", "derived_memo"],
+    "flamia_cute.compile_cache": ["compile_launcher"],
 }
 BUSY_CYCLES = 400_000_000  # ~0.2 s of GPU sleep: longer than any timed batch of host calls
 
@@ -116,9 +122,9 @@ def main():
     names = (sys.argv[1] if len(sys.argv) > 1 else "16x1k").split(",")
     extra = sys.argv[2:]
     if "nomemo" in extra:
-        import flamia_cute.cute_backend as cb
+        import flamia_cute.tuned as tuned
 
-        cb._memoized = lambda key, build: build()
+        tuned.derived_memo = lambda: {}
     workloads = json.loads(DEFAULT_WORKLOADS.read_text())["workloads"]
     impls = [Ours("fp8_tokenblock_dsbf16", "cute"), FA4()]
     print(f"{'workload':12s} {'impl':30s} {'mode':7s} {'host ms':>8s}  syncs")

@@ -14,11 +14,11 @@ import sys
 
 import torch
 
-from flamia_cute.attention_bwd_sm90 import preprocess_bwd
 from flamia_cute.bench import DEFAULT_WORKLOADS, Case
 from flamia_cute.cute_backend import quantize_operands
 from flamia_cute.sm90.attention_bwd import default_config, flamia_bwd_dsbf16_sm90_from_saved
 from flamia_cute.sm90.attention_fwd import FwdConfig, flamia_fwd_sm90
+from flamia_cute.sm90.bwd_preprocess import preprocess_bwd
 
 FWD_OVERRIDES = json.loads(os.environ.get("FWD_CONFIG", "{}"))
 BWD_DSBF16_OVERRIDES = json.loads(os.environ.get("BWD_DSBF16_CONFIG", "{}"))  # fields of BwdDsBf16Config
@@ -45,8 +45,8 @@ def main():
             out, lse = flamia_fwd_sm90(qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale, kt.data_td,
                                        kt.scale, vt.data_dt, vt.scale, case.cu, case.max_len, case.scale, fwd_cfg)
         delta, doq, dv_ref = preprocess_bwd(dout, out, case.cu, dv_ref_group=1)
-        ds_cfg = dataclasses.replace(default_config(qq, kq, kt), **BWD_DSBF16_OVERRIDES)
-        for _ in range(3 if what.startswith("bwd") else 0):  # "bwd" (and the older name "bwd_dsbf16")
+        ds_cfg = dataclasses.replace(default_config(qq, kq, kt, max_seqlen=case.max_len), **BWD_DSBF16_OVERRIDES)
+        for _ in range(3 if what.startswith("bwd") else 0):  # "bwd" (or "bwd_dsbf16", the kernel's registry name)
             flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, case.cu, case.max_len,
                                               case.scale, ds_cfg, do_quantized=doq, delta=delta, dv_ref=dv_ref)
     torch.cuda.synchronize()

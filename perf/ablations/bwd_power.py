@@ -5,14 +5,11 @@ less here than in burst timing (docs/power.md). Each build runs for a few second
 replayed back to back) while nvidia-smi samples the SM clock, board power and the clock-event
 reasons, in alternating order (A B A B: thermal drift shows).
 
-    FLAMIA_CUTE_DISK_CACHE=0 BWD_POWER_BUILDS="full,zero K" python perf/ablations/bwd_power.py 1x16k
+    BWD_POWER_BUILDS="full,zero K" python perf/ablations/bwd_power.py 1x16k
 """
 
 import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bwd_ablations as ablations  # noqa: E402
+import common  # noqa: E402
 
-FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 SECONDS = float(os.environ.get("BWD_POWER_SECONDS", "4"))
 
 
@@ -59,55 +56,28 @@ def run_for(fn, seconds, sync_every=8):
     return a.elapsed_time(b) / n, t0 + 0.5, time.time()
 
 
-def start_sampler():
-    """nvidia-smi sampling FIELDS every 50 ms into a temporary csv: (the process, the file), one second
-    after its start (samples_in reads the file)."""
-    log = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "50"],
-                           stdout=log, stderr=subprocess.STDOUT)
-    time.sleep(1.0)
-    return smi, log
-
-
 def main():
     names = sys.argv[1:] or ["1x16k"]
     builds = [b for b in os.environ.get("BWD_POWER_BUILDS", "full,zero K").split(",") if b]
+    bad = [b for b in builds if b not in ablations.ABLATIONS]
+    if bad:
+        raise SystemExit(f"BWD_POWER_BUILDS: unknown {bad}; known: {list(ablations.ABLATIONS)}")
     runs = ablations.build_runs(names)
-    smi, log = start_sampler()
+    sampler = common.ClockSampler()
     results = []
-    for rnd in range(2):
-        for label in builds:
-            ablations.patch(**ablations.ABLATIONS[label])  # compiles again (~15 s, before the window)
-            for name, (run, _) in runs.items():
-                ms, t0, t1 = sustained(run, SECONDS)
-                results.append((rnd, label, name, ms, t0, t1))
-    ablations.patch()
-    smi.terminate()
-    smi.wait()
+    try:
+        for rnd in range(2):
+            for label in builds:
+                ablations.patch(**ablations.ABLATIONS[label])  # compiles again (before the window)
+                for name, (run, _, _) in runs.items():
+                    ms, t0, t1 = sustained(run, SECONDS)
+                    results.append((rnd, label, name, ms, t0, t1))
+    finally:
+        ablations.patch()
+        sampler.stop()
     for rnd, label, name, ms, t0, t1 in results:
-        print({"round": rnd, "build": label, "workload": name, "ms": round(ms, 4), **samples_in(log, t0, t1)},
+        print({"round": rnd, "build": label, "workload": name, "ms": round(ms, 4), **sampler.window(t0, t1)},
               flush=True)
-
-
-def samples_in(log, t0, t1) -> dict:
-    """The nvidia-smi rows (FIELDS, csv in `log`) sampled between t0 and t1 (time.time()): their count,
-    median and min SM clock, median power, max temperature and the clock-event reasons seen."""
-    log.seek(0)
-    rows = []
-    for line in log.read().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        try:
-            ts = time.mktime(time.strptime(parts[0].split(".")[0], "%Y/%m/%d %H:%M:%S"))
-            ts += float("0." + parts[0].split(".")[1]) if "." in parts[0] else 0.0
-            rows.append((ts, float(parts[1]), float(parts[2]), float(parts[3]), parts[4]))
-        except (ValueError, IndexError):
-            pass
-    win = [r for r in rows if t0 <= r[0] <= t1]
-    if not win:
-        return {"samples": 0}
-    return {"samples": len(win), "sm_mhz_median": statistics.median(r[1] for r in win),
-            "sm_mhz_min": min(r[1] for r in win), "power_w_median": round(statistics.median(r[2] for r in win), 1),
-            "temp_c_max": max(r[3] for r in win), "clock_event_reasons": sorted({r[4] for r in win})}
 
 
 if __name__ == "__main__":
