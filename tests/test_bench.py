@@ -144,3 +144,18 @@ def test_bench_on_the_cpu_skips_what_the_emulator_cannot_hold(tmp_path, capsys):
                  "--impls", "flamia", "--modes", "fwd", "--out", str(tmp_path)]) == 0
     assert "skipping ['big']" in capsys.readouterr().err
     assert set(pd.read_csv(tmp_path / "bench_tiny.csv")["workload"]) == {"small"}
+
+
+def test_error_check_runs_on_the_longest_document_and_never_divides_by_zero():
+    """A pack that starts with a one-token document: its reference dQ is exactly 0 (the token sees only
+    itself), so the error check takes the longest document's prefix; an all-zero reference gives the
+    absolute error instead of a relative one over nothing."""
+    from flamia_cute.bench import Case, _error, _prefix_reference
+
+    case = Case("t", [1, 300, 40], 2, 1, 64, "cpu").build()
+    q, k, v, do = case.sets[0]
+    ref_o, ref_dq, (sl, hs) = _prefix_reference(case, q, k, v, do, min(max(case.lengths), 2048))
+    assert (sl.start, sl.stop) == (1, 301) and ref_dq.abs().max() > 0
+    zero = torch.zeros(4, 4)
+    assert _error(zero + 1e-3, zero) == pytest.approx(1e-3) and _error(zero, zero) == 0.0
+    assert _error(ref_o * 1.01, ref_o) == pytest.approx(0.01, rel=1e-3)
