@@ -1,4 +1,4 @@
-"""MXFP8 causal attention forward for Blackwell (sm_100a) over packed documents, in the CuTe DSL.
+"""MXFP8 causal attention forward for Blackwell (sm_100a, sm_103a) over packed documents, in the CuTe DSL.
 
 Recipe `mxfp8` (flamia_cute.emulator is the spec; `reference_fwd_sm100` below is this kernel's
 algorithm on the CPU, tile by tile, and must equal the emulator). Compiled and checked here
@@ -74,7 +74,7 @@ from ..softmax import LN2, LOG2E, fmax_chains, online_max, row_lse
 from ..validation import check_kernel_tensors, int32_cu_seqlens
 from ..varlen import document_aligned_starts
 from . import plan as _plan
-from .plan import O_STAGES, P_STAGES, S_STAGES, SF_CHUNKS, TMEM_COLS, fwd_tmem_plan
+from .plan import O_STAGES, P_STAGES, S_STAGES, SF_CHUNKS, TMEM_COLS, fwd_tmem_cols_used, fwd_tmem_plan
 
 SOURCE_FILES = (Path(__file__).resolve(), Path(_mx_layout.__file__).resolve(), Path(_plan.__file__).resolve(),
                 *(Path(m.__file__).resolve() for m in (_mask, _softmax, _varlen)), *SHARED_SOURCE_FILES)
@@ -112,6 +112,11 @@ def smem_bytes(cfg: FwdSm100Config) -> int:
     bf16 = 3 * 2 * t * d
     sf = SF_CHUNK_BYTES * (1 + 2 * cfg.kv_stages + 2)
     return fp8 + bf16 + sf + 1024
+
+
+def tmem_columns(cfg: FwdSm100Config) -> int:
+    """Tensor-memory columns the kernel uses (plan.py; it allocates TMEM_COLS)."""
+    return fwd_tmem_cols_used(cfg.head_dim)
 
 
 class FlamiaFwdSm100:
@@ -540,7 +545,7 @@ class FlamiaFwdSm100:
         # P V of the diagonal before the next S: the diagonal holds both S stages (its P codes in
         # stage 0, its bf16 P in stage 1), and tile 1's S goes to stage 0 once the softmax releases
         # it; tcgen05 ops run in issue order, so issued first, that S would overwrite the P this P V
-        # reads. Nothing is lost: that S could not start before the diagonal's softmax ends anyway.
+        # reads (any order that puts that S in stage 0 must wait for this P V).
         # Later, S of tile i + 1 goes out before P V of tile i (the softmax of i + 1 runs under that
         # P V): its stage held tile i - 1's P, read by the P V issued before it (hazards.py checks it).
         pv_args = ((cpP, cpPs, cpPt, cpV, cpVs, cpVt), tS[0], tP, tO, tOd, tPd, rV, rVd, tSFP, tSFV)
@@ -787,7 +792,7 @@ def get_launcher(config: FwdSm100Config, arch: str | None = None, use_tvm_ffi: b
 
 def flamia_fwd_sm100(ops: MxForwardOperands, cu_seqlens, max_seqlen: int, softmax_scale: float,
                      config: FwdSm100Config | None = None, poison_outputs: bool = False):
-    """Causal MXFP8 attention forward on a Blackwell GPU (sm_100a); returns (out bf16 (T,H,D), lse (H,T)).
+    """Causal MXFP8 attention forward on a Blackwell GPU (sm_100a, sm_103a); returns (out bf16 (T,H,D), lse (H,T)).
 
     ops: quant.mx_layout.pack_mx_forward_operands(q, k, v, cu_seqlens) on the device. Self-attention
     only (one cu_seqlens, int32, cu_seqlens[-1] == T, not checked: it would synchronize).
