@@ -41,7 +41,7 @@ def cmd_ptx(args) -> int:
         for k in KERNELS.values():
             print(f"{k.name:10s} arches {', '.join(k.arches):10s} configs: {', '.join(k.configs)}")
         return 0
-    # --all: every kernel built for the arch (the Blackwell ones for sm_100a, the Hopper ones for sm_90a)
+    # --all: every kernel built for the arch (the Blackwell ones for sm_100a / sm_103a, the Hopper ones for sm_90a)
     names = [n for n, k in KERNELS.items() if args.arch in k.arches] if args.all else [args.kernel]
     if names == [None]:
         print("ptx: name a KERNEL, or use --all / --list", file=sys.stderr)
@@ -70,7 +70,7 @@ def cmd_ptx(args) -> int:
                 return 2
             art = entry.artifacts(cfg, args.arch)
             print(f"== {n} [{cname}] {args.arch}: {cfg}")
-            for key, val in summarize(art, entry.smem_bytes(cfg)).items():
+            for key, val in summarize(art, entry.smem_bytes(cfg), entry.tmem_columns(cfg)).items():
                 print(f"   {key:28s} {val}")
             if out_dir:
                 out_dir.mkdir(parents=True, exist_ok=True)

@@ -61,6 +61,13 @@ class KernelEntry:
 
         return int(importlib.import_module(self.module).smem_bytes(config))
 
+    def tmem_columns(self, config) -> int | None:
+        """Tensor-memory columns the config uses, for kernels that allocate tensor memory (else None)."""
+        import importlib
+
+        fn = getattr(importlib.import_module(self.module), "tmem_columns", None)
+        return None if fn is None else int(fn(config))
+
     def artifacts(self, config, arch: str):
         import importlib
 
@@ -74,6 +81,9 @@ ATTENTION_CONFIGS = {
     "tokenblock_d64": dict(head_dim=64, diagonal_copy=True),
     "tokenblock_d128_gqa4": dict(head_dim=128, diagonal_copy=True, qhead_per_kvhead=4),
 }
+
+# B200 and B300: the Blackwell kernels build for both (the same tcgen05 code; per-CTA limits equal)
+BLACKWELL_ARCHES = ("sm_100a", "sm_103a")
 
 KERNELS = {
     k.name: k
@@ -92,11 +102,11 @@ KERNELS = {
         # Q's e4m3 codes as bf16 for the backward's dK operand
         KernelEntry("codes", ("sm_90a",), "flamia_cute.sm90.codes", "CodesConfig", {"default": {}}),
         # Blackwell: the MXFP8 forward on block-scaled tcgen05 (compile-only here: no sm_100 GPU)
-        KernelEntry("fwd_mx", ("sm_100a",), "flamia_cute.sm100.attention_fwd", "FwdSm100Config", {
+        KernelEntry("fwd_mx", BLACKWELL_ARCHES, "flamia_cute.sm100.attention_fwd", "FwdSm100Config", {
             "mxfp8_d128": {}, "mxfp8_d128_gqa4": dict(qhead_per_kvhead=4),
         }),
         # its fused quantization: no tensor cores, so it also builds (and is GPU-tested) for sm_90a
-        KernelEntry("quantize_mx", ("sm_100a", "sm_90a"), "flamia_cute.sm100.quantize_mx", "MxQuantizeConfig",
+        KernelEntry("quantize_mx", (*BLACKWELL_ARCHES, "sm_90a"), "flamia_cute.sm100.quantize_mx", "MxQuantizeConfig",
                     {"d128": {}}),
     )
 }
@@ -146,9 +156,11 @@ def lane_divergent_collectives(ptx: str) -> list[str]:
     return found
 
 
-def summarize(art: Any, smem_bytes: int) -> dict:
+def summarize(art: Any, smem_bytes: int, tmem_columns: int | None = None) -> dict:
     out = {"arch": art.arch, "registers": art.registers, "stack_frame_bytes": art.frame_bytes,
            "shared_memory_bytes": smem_bytes}
+    if tmem_columns is not None:
+        out["tensor_memory_columns"] = tmem_columns
     for label, pat in PTX_COUNTERS.items():
         out[f"ptx {label}"] = len(re.findall(pat, art.ptx))
     out["ptx collectives under a lane branch"] = len(lane_divergent_collectives(art.ptx))

@@ -1,5 +1,5 @@
-"""`flamia-cute ptx` for every kernel and config on sm_90a, and the Blackwell ones on sm_100a, without a
-GPU (what CI runs)."""
+"""`flamia-cute ptx` for every kernel and config on sm_90a, and the Blackwell ones on sm_100a and sm_103a,
+without a GPU (what CI runs)."""
 
 import re
 import subprocess
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from flamia_cute.kernels import KERNELS, lane_divergent_collectives
+from flamia_cute.kernels import BLACKWELL_ARCHES, KERNELS, lane_divergent_collectives
 
 
 def _ptx_all(out, arch):
@@ -39,22 +39,51 @@ def test_every_kernel_and_config_compiled(ptx_all):
         assert (out / f"{name}_{cfg}_sm_90a.ptx").stat().st_size > 0
 
 
-def test_blackwell_kernels_on_block_scaled_tcgen05(tmp_path):
-    """`ptx --all --arch sm_100a`: the kernels built for Blackwell only, no local memory; the forward's
-    S and P V on block-scaled tcgen05.mma (20 per build: S at three sites and P V at two, 4 k-steps each)."""
-    blocks, out = _ptx_all(tmp_path, "sm_100a")
-    expected = {(k.name, c) for k in KERNELS.values() for c in k.configs if "sm_100a" in k.arches}
-    assert set(blocks) == expected and expected
+# Blackwell per-CTA budgets, the same on sm_100 (B200) and sm_103 (B300): the DSL's SMEM_CAPACITY_MAP and
+# TMEM_MAX_ALLOC_COLUMNS_MAP (test_blackwell_limits_are_the_dsls).
+MAX_REGISTERS = 255
+BLACKWELL_SMEM_BYTES = 232_448  # 227 KiB: the most one CTA may opt in to (228 KiB per SM, 1 KiB reserved)
+BLACKWELL_TMEM_COLUMNS = 512
+
+
+def _cubin_sm(path) -> int:
+    """The SM a cubin is built for: bits 8-15 of the ELF header's e_flags (offset 48 in a 64-bit ELF)."""
+    return (int.from_bytes(path.read_bytes()[48:52], "little") >> 8) & 0xFF
+
+
+def test_blackwell_limits_are_the_dsls():
+    pytest.importorskip("cutlass")
+    from cutlass.cute.arch.tmem import get_max_tmem_alloc_cols
+    from cutlass.cutlass_dsl.cutlass import SMEM_CAPACITY_MAP
+
+    for sm in ("sm_100", "sm_103"):
+        assert SMEM_CAPACITY_MAP[sm] == BLACKWELL_SMEM_BYTES == 227 * 1024
+        assert get_max_tmem_alloc_cols(sm) == BLACKWELL_TMEM_COLUMNS
+
+
+@pytest.mark.parametrize("arch", BLACKWELL_ARCHES)
+def test_blackwell_kernels_within_budgets(tmp_path, arch):
+    """`ptx --all --arch sm_100a / sm_103a`: every Blackwell kernel built for the arch (PTX target, cubin
+    SM) within the per-CTA budgets: registers, no spills (no local memory, no stack), shared memory,
+    tensor-memory columns; the forward's S and P V on block-scaled tcgen05.mma (20 per build: S at three
+    sites and P V at two, 4 k-steps each), UTCQMMA in the SASS."""
+    blocks, out = _ptx_all(tmp_path, arch)
+    expected = {(k.name, c) for k in KERNELS.values() for c in k.configs if arch in k.arches}
+    assert set(blocks) == expected and {n for n, _ in expected} == {"fwd_mx", "quantize_mx"}
     for (name, cfg), v in blocks.items():
-        assert (out / f"{name}_{cfg}_sm_100a.ptx").stat().st_size > 0
-        assert int(v["ptx .local"]) == 0 and int(v["stack_frame_bytes"]) == 0, cfg
+        stem = out / f"{name}_{cfg}_{arch}"
+        assert f".target {arch}" in stem.with_suffix(".ptx").read_text(), cfg
+        assert _cubin_sm(stem.with_suffix(".cubin")) == int(arch[3:6]), cfg
+        assert int(v["registers"]) <= MAX_REGISTERS, (name, cfg)
+        assert int(v["ptx .local"]) == 0 and int(v["stack_frame_bytes"]) == 0, (name, cfg)
+        assert int(v["shared_memory_bytes"]) <= BLACKWELL_SMEM_BYTES, (name, cfg)
+        assert "sass STL/LDL (local memory)" in v, "no SASS: nvdisasm not found (the DSL ships one)"
+        assert int(v["sass STL/LDL (local memory)"]) == 0, (name, cfg)
         if name != "fwd_mx":
             continue
+        assert int(v["tensor_memory_columns"]) == 400 <= BLACKWELL_TMEM_COLUMNS, cfg
         assert int(v["ptx tcgen05.mma block_scale"]) == 20 and int(v["ptx wgmma e4m3"]) == 0, cfg
-        assert int(v["ptx .local"]) == 0 and int(v["stack_frame_bytes"]) == 0, cfg
-        assert int(v["shared_memory_bytes"]) <= 227 * 1024, cfg
-        if "sass UTCQMMA (fp8 tcgen05)" in v:
-            assert int(v["sass UTCQMMA (fp8 tcgen05)"]) == 20 and int(v["sass STL/LDL (local memory)"]) == 0, cfg
+        assert int(v["sass UTCQMMA (fp8 tcgen05)"]) == 20 and int(v["sass UTCHMMA (16-bit tcgen05)"]) == 16, cfg
 
 
 def test_summary_reports_shared_memory_within_the_sm90_limit(ptx_all):

@@ -1,4 +1,4 @@
-"""MXFP8 causal attention forward for Blackwell (sm_100a) over packed documents, in the CuTe DSL.
+"""MXFP8 causal attention forward for Blackwell (sm_100a, sm_103a) over packed documents, in the CuTe DSL.
 
 Recipe `mxfp8` (flamia_cute.emulator is the spec; `reference_fwd_sm100` below is this kernel's
 algorithm on the CPU, tile by tile, and must equal the emulator). Compiled and checked here
@@ -17,8 +17,9 @@ bf16 K; O from bf16 P times bf16 V. Only the diagonal tile has such pairs.
 Organization (one CTA per (128-query block, head, document), blocks longest first; 192 threads):
 - warp 5 (load): TMA of Q's codes and scales and the diagonal tile's bf16 Q, K and V once, then
   K and V^T tiles with their scale chunks through `kv_stages`-deep rings, diagonal first;
-- warp 4 (MMA): one thread issues every tcgen05 op. S of tile i + 1 is issued before P V of
-  tile i, so the softmax of one tile runs under the other's matrix products. Scale chunks move
+- warp 4 (MMA): one thread issues every tcgen05 op. The diagonal's S (both stages), its P V,
+  then S of tile 1; after that S of tile i + 1 is issued before P V of tile i, so the softmax of
+  one tile runs under the other's matrix products (the order hazards.py checks). Scale chunks move
   shared -> tensor memory by tcgen05.cp just before the MMAs that read them (same-thread tcgen05
   ops execute in order: a chunk is never overwritten under an MMA still reading it);
 - warps 0-3 (softmax): thread r owns query row r (tensor-memory lane r). Per tile: S from tensor
@@ -72,12 +73,13 @@ from ..sm90.primitives import (
 from ..softmax import LN2, LOG2E, fmax_chains, online_max, row_lse
 from ..validation import check_kernel_tensors, int32_cu_seqlens
 from ..varlen import document_aligned_starts
+from . import plan as _plan
+from .plan import O_STAGES, P_STAGES, S_STAGES, SF_CHUNKS, TMEM_COLS, fwd_tmem_cols_used, fwd_tmem_plan
 
-SOURCE_FILES = (Path(__file__).resolve(), Path(_mx_layout.__file__).resolve(),
+SOURCE_FILES = (Path(__file__).resolve(), Path(_mx_layout.__file__).resolve(), Path(_plan.__file__).resolve(),
                 *(Path(m.__file__).resolve() for m in (_mask, _softmax, _varlen)), *SHARED_SOURCE_FILES)
 
 E4M3_EMAX = 8  # an E8M0 block scale is 2^(floor(log2 amax) - 8): amax / scale in [256, 512), cast saturates at 448
-TMEM_COLS = 512
 SOFTMAX_THREADS = 128
 MMA_WARP = 4
 LOAD_WARP = 5
@@ -110,6 +112,11 @@ def smem_bytes(cfg: FwdSm100Config) -> int:
     bf16 = 3 * 2 * t * d
     sf = SF_CHUNK_BYTES * (1 + 2 * cfg.kv_stages + 2)
     return fp8 + bf16 + sf + 1024
+
+
+def tmem_columns(cfg: FwdSm100Config) -> int:
+    """Tensor-memory columns the kernel uses (plan.py; it allocates TMEM_COLS)."""
+    return fwd_tmem_cols_used(cfg.head_dim)
 
 
 class FlamiaFwdSm100:
@@ -223,9 +230,9 @@ class FlamiaFwdSm100:
             d_mbar: cute.struct.MemRange[Int64, 2]
             k_mbar: cute.struct.MemRange[Int64, 2 * st]
             v_mbar: cute.struct.MemRange[Int64, 2 * st]
-            s_mbar: cute.struct.MemRange[Int64, 4]
-            p_mbar: cute.struct.MemRange[Int64, 4]
-            o_mbar: cute.struct.MemRange[Int64, 2]
+            s_mbar: cute.struct.MemRange[Int64, 2 * S_STAGES]
+            p_mbar: cute.struct.MemRange[Int64, 2 * P_STAGES]
+            o_mbar: cute.struct.MemRange[Int64, 2 * O_STAGES]
             tmem_holding: Int32
             sQ: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sQ_l)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sK_l)], 1024]
@@ -351,9 +358,9 @@ class FlamiaFwdSm100:
         d = tma(1, 2 * self.bf16_tile_bytes, storage.d_mbar)  # the diagonal's bf16 K and V
         k = tma(self.stages, self.tile_bytes, storage.k_mbar)
         v = tma(self.stages, self.tile_bytes, storage.v_mbar)
-        s = umma_to_softmax(2, storage.s_mbar)
-        o = umma_to_softmax(1, storage.o_mbar)
-        p = pipeline.PipelineAsyncUmma.create(num_stages=2, producer_group=softmax, consumer_group=one,
+        s = umma_to_softmax(S_STAGES, storage.s_mbar)
+        o = umma_to_softmax(O_STAGES, storage.o_mbar)
+        p = pipeline.PipelineAsyncUmma.create(num_stages=P_STAGES, producer_group=softmax, consumer_group=one,
                                               barrier_storage=storage.p_mbar.data_ptr(),
                                               defer_sync=True).make_participants()
         return dict(q=q, d=d, k=k, v=v, s=s, o=o, p=p)
@@ -494,20 +501,27 @@ class FlamiaFwdSm100:
 
     @cute.jit
     def mma(self, mmas, smem, pipes, tmem_ptr, n_tiles):
-        """Warp 4: S = Q K^T (block-scaled; on the diagonal also the bf16 S), then per tile
-        S of the next tile, and O += P V (block-scaled; on the diagonal + bf16 P V)."""
+        """Warp 4: the diagonal's S = Q K^T (block-scaled and bf16) and its P V, then per tile S of
+        the next tile and O += P V (block-scaled)."""
         qk_mma, pv_mma, qk_bf, pv_bf = mmas
         sQ, sK, sV, sQd, sKd, sVd, sfQ, sfK, sfP, sfV, tP_l, tPd_l = smem
         tn, D = self.tile, self.D
         q_cons, d_cons, k_cons, v_cons = pipes["q"][1], pipes["d"][1], pipes["k"][1], pipes["v"][1]
         s_prod, o_prod, p_cons = pipes["s"][0], pipes["o"][0], pipes["p"][1]
         tS, tO, tP, tPd, col = self.tmem_tensors(mmas, tP_l, tPd_l, tmem_ptr)
+        sf_cols = [col]  # each chunk's first column, then the end
         tSFQ, col = self.sf_tmem(qk_mma, (tn, tn, D), sfQ.layout, tmem_ptr, col, True)
+        sf_cols.append(col)
         tSFK, col = self.sf_tmem(qk_mma, (tn, tn, D), sfK.layout, tmem_ptr, col, False)
+        sf_cols.append(col)
         tSFP, col = self.sf_tmem(pv_mma, (tn, D, tn), sfP.layout, tmem_ptr, col, True)
+        sf_cols.append(col)
         tSFV, col = self.sf_tmem(pv_mma, (tn, D, tn), sfV.layout, tmem_ptr, col, False)
-        if cutlass.const_expr(col > TMEM_COLS):  # the columns are static
-            raise ValueError(f"tensor memory: S, O and the scale chunks need {col} columns > {TMEM_COLS}")
+        sf_cols.append(col)
+        # the columns are static: the layouts must be plan.py's (the hazard model and budgets use it)
+        plan = fwd_tmem_plan(D)
+        if cutlass.const_expr(sf_cols != [plan[n][0] for n in SF_CHUNKS] + [plan["SFV"][1]] or col > TMEM_COLS):
+            raise ValueError(f"tensor memory: scale chunks at columns {sf_cols}, not plan.py's {plan}")
         cpQ, cpQs, cpQt = self.s2t(sfQ, tSFQ)
         cpK, cpKs, cpKt = self.s2t(sfK, tSFK)
         cpP, cpPs, cpPt = self.s2t(sfP, tSFP)
@@ -528,11 +542,16 @@ class FlamiaFwdSm100:
         sh = s_prod.acquire_and_advance()
         self.plain_gemm(qk_bf, self.stage(tSd, sh.index), rQd[None, None, None, 0], rKd[None, None, None, 0], False)
         sh.commit()
-        # S of tile i + 1 goes out before P V of tile i (its softmax runs under that P V)
+        # P V of the diagonal before the next S: the diagonal holds both S stages (its P codes in
+        # stage 0, its bf16 P in stage 1), and tile 1's S goes to stage 0 once the softmax releases
+        # it; tcgen05 ops run in issue order, so issued first, that S would overwrite the P this P V
+        # reads (any order that puts that S in stage 0 must wait for this P V).
+        # Later, S of tile i + 1 goes out before P V of tile i (the softmax of i + 1 runs under that
+        # P V): its stage held tile i - 1's P, read by the P V issued before it (hazards.py checks it).
         pv_args = ((cpP, cpPs, cpPt, cpV, cpVs, cpVt), tS[0], tP, tO, tOd, tPd, rV, rVd, tSFP, tSFV)
+        v_cons, o_prod, p_cons, pv_mma, pv_bf = self.issue_pv(True, pv_mma, pv_bf, v_cons, o_prod, p_cons, pv_args)
         if n_tiles > 1:
             k_cons, s_prod, qk_mma = self.issue_s(qk_mma, (cpK, cpKs, cpKt), k_cons, s_prod, tS, rQ, rK, tSFQ, tSFK)
-        v_cons, o_prod, p_cons, pv_mma, pv_bf = self.issue_pv(True, pv_mma, pv_bf, v_cons, o_prod, p_cons, pv_args)
         for i in cutlass.range(1, n_tiles, unroll=1):
             if i + 1 < n_tiles:
                 k_cons, s_prod, qk_mma = self.issue_s(qk_mma, (cpK, cpKs, cpKt), k_cons, s_prod, tS, rQ, rK, tSFQ, tSFK)
@@ -692,7 +711,7 @@ class FlamiaFwdSm100:
     def tmem_views(self, acc_layouts, tmem_ptr):
         """The S stages (fp32, 128 columns each) and O in tensor memory."""
         s_layout, o_layout = acc_layouts
-        tS = [cute.make_tensor(tmem_ptr + self.tile * i, s_layout) for i in range(2)]
+        tS = [cute.make_tensor(tmem_ptr + self.tile * i, s_layout) for i in range(S_STAGES)]
         return tS, cute.make_tensor(tmem_ptr + 2 * self.tile, o_layout)
 
     @cute.jit
@@ -773,7 +792,7 @@ def get_launcher(config: FwdSm100Config, arch: str | None = None, use_tvm_ffi: b
 
 def flamia_fwd_sm100(ops: MxForwardOperands, cu_seqlens, max_seqlen: int, softmax_scale: float,
                      config: FwdSm100Config | None = None, poison_outputs: bool = False):
-    """Causal MXFP8 attention forward on a Blackwell GPU (sm_100a); returns (out bf16 (T,H,D), lse (H,T)).
+    """Causal MXFP8 attention forward on a Blackwell GPU (sm_100a, sm_103a); returns (out bf16 (T,H,D), lse (H,T)).
 
     ops: quant.mx_layout.pack_mx_forward_operands(q, k, v, cu_seqlens) on the device. Self-attention
     only (one cu_seqlens, int32, cu_seqlens[-1] == T, not checked: it would synchronize).

@@ -4,7 +4,7 @@ One launch writes everything the forward (sm100/attention_fwd.py) reads, bit-exa
 `quant.mx_layout.pack_mx_forward_operands`: the e4m3 codes of Q, K and V^T, their E8M0 scale chunks
 (Q per token, K and V per 32x32 document-local tile; V's chunk in the P V orientation) and Q's MX
 values in bf16 (the diagonal safeguard's operand). It uses no tensor core and no Blackwell-only
-instruction, so it compiles for sm_100a (its product target) and for sm_90a, where its GPU tests run
+instruction, so it compiles for sm_100a and sm_103a (its targets) and for sm_90a, where its GPU tests run
 on the H200 against the specification.
 
 Grid (slots, H + 2 Hk): CTA (s, y) quantizes the 128-token tile in chunk slot s (quant.mx_layout:
@@ -303,7 +303,7 @@ ARG_KINDS = (
 
 def compile_quantize_mx(config: MxQuantizeConfig, arch: str = "sm_100a", extra_options: str = "",
                         tvm_ffi: bool = False):
-    """cute.compile the quantization for `arch` (sm_100a, or sm_90a) from plain values only."""
+    """cute.compile the quantization for `arch` (sm_100a, sm_103a, or sm_90a) from plain values only."""
     return compile_entry(MxQuantizeSm100(config), ARG_KINDS, arch, extra_options, tvm_ffi)
 
 
