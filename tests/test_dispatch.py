@@ -248,3 +248,19 @@ def test_blackwell_opt_in_compiles_fullgraph(monkeypatch):
     calls = stub_sm100(monkeypatch, reference_fwd_sm100)
     (yc, gc), (y, g) = _compiled_and_eager(256, 2, "mxfp8")
     assert len(calls) == 2 and torch.equal(y, yc) and torch.equal(g, gc)
+
+
+def test_bench_column_says_when_the_gpu_has_no_kernel_for_its_recipe(monkeypatch):
+    from types import SimpleNamespace
+
+    from flamia_cute.bench import Ours
+
+    case = SimpleNamespace(device="cuda")
+    fake_gpu(monkeypatch, 90)
+    assert Ours("fp8_tokenblock", "cute").available(case) is None
+    assert "no kernel" in Ours("mxfp8", "cute").available(case)
+    fake_gpu(monkeypatch, 100)
+    assert interface.SM100_ENV in Ours("mxfp8", "cute").available(case)
+    monkeypatch.setenv(interface.SM100_ENV, "1")
+    assert Ours("mxfp8", "cute").available(case) is None
+    assert "no kernel" in Ours("fp8_tokenblock", "cute").available(case)
