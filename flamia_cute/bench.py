@@ -83,11 +83,16 @@ class Ours(Impl):
 
     def available(self, case):
         from .interface import pick_backend
+        from .plan import SM100_RECIPES, kernel_scaling
+        from .recipes import resolve_recipe
 
         try:
-            pick_backend(self.backend, torch.device(case.device))
+            chosen = pick_backend(self.backend, torch.device(case.device))
         except NotImplementedError as e:
             return str(e)
+        if (chosen == "cute" and kernel_scaling(resolve_recipe(self.recipe)) is None
+                or chosen == "sm100" and self.recipe not in SM100_RECIPES):
+            return f"recipe {self.recipe!r} has no kernel on this GPU"
         return None
 
     def forward(self, case, q, k, v):

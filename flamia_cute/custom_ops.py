@@ -5,7 +5,7 @@ emulator. Their saved list is the one saved-operand type of every path: the eage
 (`Attention`), and the torch.library custom ops ``flamia_cute::varlen_fwd`` / ``varlen_bwd`` that
 torch.compile(fullgraph=True) traces (the eager path skips their dispatch cost, ~50 µs of host time
 per call). Both take the recipe by key (a named recipe's name, or recipe_key() of a custom one) and
-the resolved backend ("emulate" or "cute"). ``saved`` is a flat list of the tensors the backward needs
+the resolved backend ("emulate", "cute" or "sm100"). ``saved`` is a flat list of the tensors the backward needs
 -- the quantized operands and their scales, never the bf16 inputs -- whose structure follows from the
 static arguments (recipe, backend, dtype) and the input shapes, so the fake implementations can build
 it without running anything:
@@ -16,7 +16,9 @@ it without running anything:
   custom op must not alias each other, and the views would), and a 0-element (0, Hk, D) tensor
   that carries K's head count and head dim;
 - backend "emulate": ``[out_bf16]`` then the EmuOperand fields (along_d, along_t, scale, diag_along_d,
-  diag_along_t, diag_scale) of Q, K, V, as derived from the recipe.
+  diag_along_t, diag_scale) of Q, K, V, as derived from the recipe;
+- backend "sm100" (the Blackwell MXFP8 forward, whose backward is the emulator's): the "emulate"
+  layout, holding the operands the kernel read (sm100/backend.py).
 
 Absent entries (a field the recipe does not have, one that is the same tensor as another field, the
 bf16 copy of out when out is already bf16) are 0-element placeholders: the layout says which.
@@ -35,7 +37,7 @@ from .recipes import MX_BLOCK, NAMED_RECIPES, OperandQuant, Recipe
 LIB = "flamia_cute"
 EMU_FIELDS = ("along_d", "along_t", "scale", "diag_along_d", "diag_along_t", "diag_scale")
 QUANT_FIELDS = ("data_td", "data_dt", "scale")
-OP_BACKENDS = ("emulate", "cute")
+OP_BACKENDS = ("emulate", "cute", "sm100")
 
 # Kinds of saved entries: a (T, H, D) fp32 value tensor, an (H, T) fp32 scale, FP8 data in the two
 # layouts, the bf16 out, or a 0-element placeholder.
@@ -99,6 +101,12 @@ def saved_layout(recipe_name: str, backend: str, out_is_bf16: bool) -> tuple[tup
     if backend == "cute":
         _kernel_scaling(recipe_name)  # checks that the recipe has kernels
         return (*layout, ("qkv", _QKV_BUFFER), ("k", _K_SHAPE))
+    if backend == "sm100":
+        from .plan import SM100_RECIPES
+
+        if recipe_name not in SM100_RECIPES:
+            raise ValueError(f"backend 'sm100': recipe {recipe_name!r} has no sm_100a kernel (kernels: "
+                             f"{list(SM100_RECIPES)})")
     rec = _recipe(recipe_name)
     for name, op, key_side in (("q", rec.q, False), ("k", rec.k, True), ("v", rec.v, True)):
         layout += [(name, k) for k in _emu_operand_kinds(op, key_side, rec)]
@@ -205,9 +213,10 @@ def _unpack_kernel(saved, recipe: str, T: int, num_docs: int, Hq: int):
 
 
 def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-                causal: bool, recipe: str, backend: str):
+                causal: bool, recipe: str, backend: str, save: bool = True):
     """(out in q's dtype, lse (H, T) fp32, the saved list of saved_layout). Checks cu_seqlens' values:
-    the public API checks only what it can without reading them (torch.compile traces it)."""
+    the public API checks only what it can without reading them (torch.compile traces it).
+    save=False (no backward will run): backend "sm100" skips decoding its operands and saves []."""
     from .validation import check_cu_seqlens_values
 
     check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
@@ -223,6 +232,18 @@ def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
         out_k, lse, ops = cute_backend.forward(plan, q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale)
         out = out_k if out_k.dtype == q.dtype else out_k.to(q.dtype)  # a no-op .to() costs host time too
         return out, lse, _pack_kernel(layout, out_k, ops)
+    if backend == "sm100":
+        from .emulator import EmulatorContext
+        from .sm100 import backend as sm100
+
+        if not causal:
+            raise NotImplementedError("backend 'sm100': causal=False has no sm_100a kernel")
+        out_k, lse, ops = sm100.forward(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, save)
+        out = out_k if out_k.dtype == q.dtype else out_k.to(q.dtype)
+        if not save:
+            return out, lse, []
+        ectx = EmulatorContext(_recipe(recipe), softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, *ops, out_k, lse)
+        return out, lse, _pack_emulated(layout, out_k, ectx)
     from .emulator import emulate_forward
 
     out_e, lse, ectx = emulate_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, _recipe(recipe))
@@ -246,7 +267,7 @@ def run_backward(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         ops = (qq, (kq, kt), (vq, vt))
         plan = make_plan(recipe, out.shape[2], H, kq.data_td.shape[1], max_seqlen_q, T, cu_seqlens_q.numel() - 1)
         grads = cute_backend.backward(plan, dout, out_bf16, lse, ops, cu_seqlens_q, max_seqlen_q, softmax_scale)
-    else:
+    else:  # "emulate", and "sm100": the emulator's backward on the operands its kernel forward read
         from .emulator import EmulatorContext, emulate_backward
 
         rec = _recipe(recipe)
@@ -369,7 +390,7 @@ varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
               recipe: str, backend: str):
-    """(out, lse) through the custom ops; recipe by key (recipe_key), backend 'emulate' or 'cute'."""
+    """(out, lse) through the custom ops; recipe by key (recipe_key), backend in OP_BACKENDS."""
     out, lse, _saved = varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   float(softmax_scale), causal, recipe, backend)
     return out, lse

@@ -2,34 +2,98 @@
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 
-from .cute_backend import cute_attention_available
+from .cute_backend import _dsl_importable, cute_attention_available
 from .emulator import default_softmax_scale
-from .plan import why_not_kernels
+from .plan import SM100_RECIPES, why_not_kernels, why_not_sm100
 from .recipes import DEFAULT_RECIPE, Recipe, resolve_recipe
 from .validation import check_attention_inputs
 
 BACKENDS = ("auto", "emulate", "cute")
+SM100_ENV = "FLAMIA_CUTE_SM100"  # 1: run the Blackwell kernels, which have never run on hardware
+
+
+def device_kernels(device: torch.device) -> tuple[str, str | None]:
+    """The kernel backend for `device` ("cute": sm_90a; "sm100": the Blackwell MXFP8 forward, whose
+    backward is the emulator's) and why it cannot run there (None: it can, call permitting)."""
+    if _kernels_available(device):
+        return "cute", None
+    if _capability(device) // 10 == 10:
+        if not _sm100_opted_in():
+            return "sm100", (f"the Blackwell (sm_100a) kernels have never run on hardware; {SM100_ENV}=1 opts in "
+                             f"to the unverified MXFP8 forward (recipe {SM100_RECIPES[0]!r}, head_dim 128, causal "
+                             "self-attention; gradients from the emulator's backward)")
+        if not _sm100_dsl():
+            return "sm100", "the sm_100a kernels need the CuTe DSL (nvidia-cutlass-dsl)"
+        return "sm100", None
+    return "cute", f"the sm_90a kernels need an sm_90 GPU and the CuTe DSL (device {device})"
+
+
+def choose_backend(backend: str, device: torch.device, why_not_call: str | None = None) -> tuple[str, str | None]:
+    """(the backend that runs, why the kernels do not): 'auto' takes the device's kernels where they
+    exist for this call (why_not_call: why_not_kernels / why_not_sm100 of the call), else the emulator;
+    'cute' insists on the kernels and says why it cannot."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "emulate":
+        return "emulate", None
+    kernels, why = device_kernels(device)
+    why = why or why_not_call
+    if backend == "cute" and why:
+        raise NotImplementedError(f"backend='cute': {why}; use backend='emulate' or 'auto'")
+    return ("emulate", why) if why else (kernels, None)
 
 
 def pick_backend(backend: str, device: torch.device, why_not_cute: str | None = None) -> str:
-    """'auto' takes the kernels where they exist for this call; 'cute' insists and says why it cannot."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not _kernels_available(device):
-        why_not_cute = f"the sm_90a kernels need an sm_90 GPU and the CuTe DSL (device {device})"
-    if backend == "auto":
-        return "emulate" if why_not_cute else "cute"
-    if backend == "cute" and why_not_cute:
-        raise NotImplementedError(f"backend='cute': {why_not_cute}; use backend='emulate' or 'auto'")
-    return backend
+    """choose_backend's backend."""
+    return choose_backend(backend, device, why_not_cute)[0]
 
 
 @torch.compiler.assume_constant_result
 def _kernels_available(device: torch.device) -> bool:
     # a host-side fact: torch.compile evaluates it once while tracing instead of tracing into it
     return cute_attention_available(device)
+
+
+@torch.compiler.assume_constant_result
+def _capability(device: torch.device) -> int:
+    """10 * major + minor of a CUDA device's compute capability; 0 for any other device."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 0
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+@torch.compiler.assume_constant_result
+def _sm100_opted_in() -> bool:
+    flag = os.environ.get(SM100_ENV, "")
+    if flag not in ("", "0", "1"):
+        raise ValueError(f"{SM100_ENV} must be 0 or 1, got {flag!r}")
+    return flag == "1"
+
+
+@torch.compiler.assume_constant_result
+def _sm100_dsl() -> bool:
+    return _dsl_importable()
+
+
+_WARNED: set[str] = set()
+
+
+@torch.compiler.assume_constant_result
+def _warn_fallback(reason: str) -> bool:
+    """Warn once per reason that a GPU call runs on the emulator. A constant for torch.compile, so it
+    runs (and warns) while tracing, never inside the graph."""
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"flamia_attn_varlen_func runs on the torch emulator, which builds each document's full "
+                      f"score matrices and is slow, because {reason}. backend='cute' raises instead; "
+                      "backend='emulate' asks for the emulator without this warning.", stacklevel=3)
+    return True
 
 
 def flamia_attn_varlen_func(
@@ -63,9 +127,14 @@ def flamia_attn_varlen_func(
     rec = resolve_recipe(recipe)
     scale = float(softmax_scale) if softmax_scale is not None else default_softmax_scale(q.shape[-1])
     why_not = None
-    if backend != "emulate" and _kernels_available(q.device):
-        why_not = why_not_kernels(rec, causal, q, k, cu_seqlens_q, cu_seqlens_k)
-    chosen = pick_backend(backend, q.device, why_not)
+    if backend != "emulate":
+        kernels, why_not_device = device_kernels(q.device)
+        if why_not_device is None:
+            why_call = why_not_sm100 if kernels == "sm100" else why_not_kernels
+            why_not = why_call(rec, causal, q, k, cu_seqlens_q, cu_seqlens_k)
+    chosen, why_not = choose_backend(backend, q.device, why_not)
+    if why_not and backend == "auto" and _capability(q.device):  # a GPU call on the emulator; CPU: no warning
+        _warn_fallback(why_not)
     from .custom_ops import Attention, attention, recipe_key, run_forward
 
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, recipe_key(rec), chosen)
@@ -74,5 +143,5 @@ def flamia_attn_varlen_func(
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = Attention.apply(*args)
     else:  # no backward will run: nothing to save
-        out, lse, _ = run_forward(*args)
+        out, lse, _ = run_forward(*args, save=False)
     return (out, lse) if return_lse else out

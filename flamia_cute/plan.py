@@ -52,6 +52,27 @@ def why_not_kernels(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | Non
     return None
 
 
+# The named recipes whose forward the sm_100a kernels run (never yet on hardware; opt-in only, see
+# interface.SM100_ENV), and the head dims they compile for: one 512-byte scale chunk per 128 x 128 tile.
+SM100_RECIPES = ("mxfp8",)
+SM100_HEAD_DIMS = (128,)
+
+
+def why_not_sm100(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | None:
+    """Why the sm_100a MXFP8 forward cannot run this call (None: it can)."""
+    if recipe.name not in SM100_RECIPES or NAMED_RECIPES[recipe.name] != recipe:
+        return f"recipe {recipe.name!r} has no sm_100a kernel (kernels: {list(SM100_RECIPES)})"
+    if not causal:
+        return "causal=False has no sm_100a kernel"
+    if q.shape[0] != k.shape[0] or not (cu_q is cu_k or torch.equal(cu_q, cu_k)):
+        return "the sm_100a kernels are self-attention only (cu_seqlens_q == cu_seqlens_k)"
+    if q.shape[-1] not in SM100_HEAD_DIMS:
+        return f"head_dim {q.shape[-1]} has no sm_100a kernel ({', '.join(map(str, SM100_HEAD_DIMS))})"
+    if q.dtype != torch.bfloat16:
+        return f"the sm_100a kernels take bfloat16 inputs, got {q.dtype}"
+    return None
+
+
 def deterministic_backward() -> bool:
     """Bit-reproducible dQ: torch.use_deterministic_algorithms(True), or FLAMIA_CUTE_DETERMINISTIC=1."""
     flag = os.environ.get("FLAMIA_CUTE_DETERMINISTIC", "")

@@ -19,10 +19,15 @@ def sm100_gpu_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """gpu tests run on an sm_90 GPU; those also marked sm100 run on a Blackwell GPU instead."""
+    """gpu tests run on an sm_90 GPU; those also marked sm100 run on a Blackwell GPU instead, those marked
+    sm90_sm100 on either."""
     have = {False: sm90_gpu_available(), True: sm100_gpu_available()}
     for item in items:
         if item.get_closest_marker("gpu"):
+            if item.get_closest_marker("sm90_sm100"):
+                if not (have[False] or have[True]):
+                    item.add_marker(pytest.mark.skip(reason="needs an sm_90 or an sm_100 GPU"))
+                continue
             blackwell = item.get_closest_marker("sm100") is not None
             if not have[blackwell]:
                 item.add_marker(pytest.mark.skip(reason=f"needs an {'sm_100' if blackwell else 'sm_90'} GPU"))

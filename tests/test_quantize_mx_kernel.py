@@ -1,6 +1,6 @@
 """The fused MXFP8 quantization for the Blackwell forward (sm100/quantize_mx.py): compiled for sm_100a and
-sm_90a on the CPU; on the H200 (it uses no Blackwell-only instruction) bit-exact against its torch
-specification, quant.mx_layout.pack_mx_forward_operands."""
+sm_90a on the CPU; on the H200 (it uses no Blackwell-only instruction) and on a Blackwell GPU bit-exact
+against its torch specification, quant.mx_layout.pack_mx_forward_operands."""
 
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ MIXES = {
 
 @needs_dsl
 @pytest.mark.gpu
+@pytest.mark.sm90_sm100
 @pytest.mark.parametrize("scan", [True, False])
 @pytest.mark.parametrize("kind", ["normal", "outliers"])
 @pytest.mark.parametrize("mix", list(MIXES))
@@ -88,6 +89,7 @@ def test_kernel_is_bit_exact_with_the_specification(mix, kind, scan):
 
 @needs_dsl
 @pytest.mark.gpu
+@pytest.mark.sm90_sm100
 def test_no_tokens_gives_the_specifications_zeros():
     """No launch when there is no token: V^T (its pad columns only) is still zero, as specified."""
     q, k, v, _, cu, _ = make_inputs([0, 0], 2, 2, 128, device="cuda")

@@ -1,0 +1,57 @@
+"""Backend "sm100" of flamia_attn_varlen_func: the sm_100a MXFP8 forward, opt-in (interface.SM100_ENV).
+
+No Blackwell kernel here has run on hardware, and the MXFP8 backward has no kernel. A call with
+gradients runs the kernel forward and the emulator's backward on the forward's saved operands:
+Q, K and V decoded from the very bytes the kernel read (e4m3 codes times their E8M0 chunk scales,
+exact in fp32) and the diagonal's bf16 K and V. Decoding, rather than quantizing again with the
+emulator, makes the backward differentiate the forward that ran by construction; the two agree
+bit-exactly anyway (tests/test_quantize_mx_kernel.py). Only Q blocked along tokens, which dK = dS^T Q
+reduces over and no forward reads, comes from the emulator's quantizer, as on the emulator path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def forward(q, k, v, cu, max_seqlen: int, softmax_scale: float, save: bool = True):
+    """(out bf16 (T, H, D), lse fp32 (H, T), the emulator's (q, k, v) EmuOperands, or None without save)."""
+    from . import attention_fwd, quantize_mx
+
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    ops = quantize_mx.quantize_mx_forward(q, k, v, cu)
+    out, lse = attention_fwd.flamia_fwd_sm100(ops, cu, max_seqlen, softmax_scale)
+    return out, lse, (saved_operands(ops, q, cu) if save else None)
+
+
+def saved_operands(ops, q, cu):
+    """The emulator's (q, k, v) EmuOperands (recipe mxfp8) of quant.mx_layout.MxForwardOperands `ops`;
+    q: the bf16 input (for Q's blocks along tokens only)."""
+    from ..emulator import EmuOperand, quantize_operand
+    from ..quant.mx_layout import MX_BLOCK, unpack_dim_rows_sf, unpack_token_rows_sf
+    from ..quant.quantize import dt_cu_seqlens
+    from ..recipes import NAMED_RECIPES
+
+    rec = NAMED_RECIPES["mxfp8"]
+    T, H, D = ops.q.shape
+    Hk = ops.k.shape[1]
+    dev = ops.q.device
+    cu64 = cu.to(device=dev, dtype=torch.int64)
+
+    def token_rows(codes, sf, heads):  # per token, one scale per 32 head dims
+        scale = unpack_token_rows_sf(sf, cu64, T)[..., None]
+        return (codes.float().reshape(T, heads, D // MX_BLOCK, MX_BLOCK) * scale).reshape(T, heads, D)
+
+    tok = torch.arange(T, device=dev)
+    doc = torch.searchsorted(cu64, tok, right=True) - 1
+    col = dt_cu_seqlens(cu64).to(torch.int64)[doc] + tok - cu64[doc]  # V^T's column of each token
+    v_vals = ops.v_dt.float()[:, :, col].permute(2, 0, 1) * unpack_dim_rows_sf(ops.v_sf, cu64, T, D)
+    k_vals = token_rows(ops.k, ops.k_sf, Hk)
+    qo = quantize_operand(q, cu64, rec.q, False, rec)
+    qo.along_d = token_rows(ops.q, ops.q_sf, H)
+    # K's and V's 32 x 32 tile scales serve both orientations; distinct tensors, as the emulator's (the
+    # custom op's saved outputs must not alias)
+    kd, vd = ops.k_diag.float(), ops.v_diag.float()
+    ko = EmuOperand(k_vals, k_vals.clone(), None, kd, kd, block_tokens=MX_BLOCK)
+    vo = EmuOperand(v_vals.contiguous(), v_vals.clone(), None, vd, vd, block_tokens=MX_BLOCK)
+    return qo, ko, vo
