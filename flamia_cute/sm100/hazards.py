@@ -11,7 +11,8 @@ code. The only orderings assumed are the hardware's:
 - waiting for generation g of a barrier comes after its g-th arrive (0-based; one arriving role each).
 `check(roles)` returns the hazards: a read that another write may reach between its intended write and
 the read (a stale generation, or a stage overwritten before its reader finished), two unordered writes
-to one place, a wait nothing arrives for. The backward's roles are to be added as another builder.
+to one place, a wait nothing arrives for. `backward_roles` builds the planned backward's roles the same
+way, before any kernel.
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ..quant.mx_layout import MX_TILE
-from .plan import O_STAGES, P_STAGES, S_STAGES, TMEM_COLS, fwd_tmem_plan
+from .plan import BWD_QUERY_TILE, O_STAGES, P_STAGES, S_STAGES, TMEM_COLS, bwd_tmem_plan, fwd_tmem_plan
 
 FWD_ORDERS = ("pv_first", "s_first")  # s_first: S of tile 1 before the diagonal's P V (the clobber)
+# the backward's planned order, then mutants check() must fail: s_lookahead issues the next tile's S^T
+# right after dP^T (FA4's 1-CTA order, which needs dQ in its own columns); dq_early_release has the
+# reduction free dQ before its tcgen05.ld; no_dq_wait issues S^T without waiting for that release
+BWD_ORDERS = ("planned", "s_lookahead", "dq_early_release", "no_dq_wait")
 
 
 @dataclass(frozen=True)
@@ -266,3 +271,140 @@ def forward_roles(n_tiles: int, kv_stages: int = 2, order: str = "pv_first", hea
     o.release(softmax, oi)
     softmax.arrive("tmem_free")
     return [load, mma, softmax]
+
+
+def backward_roles(n_tiles: int, q_stages: int = 2, do_stages: int = 1, order: str = "planned",
+                   head_dim: int = 128):
+    """The planned sm_100a MXFP8 backward's roles for one CTA (one KV head, one 128-key block) over
+    `n_tiles` query tiles of BWD_QUERY_TILE, in FA4's flash_bwd_sm100 layout and the columns of
+    bwd_tmem_plan. Per tile j the MMA role issues S^T = K Q^T, dP^T = V dO^T, dV += P^T dO,
+    dK += dS^T Q, dQ = dS K; the compute role turns S^T into P^T and dP^T into dS^T (e4m3 codes to
+    tensor memory over S^T / dP^T, scales to shared memory; dS scaled along the keys to shared memory
+    for dQ); the reduction role reads dQ and adds it to global memory; the epilogue writes dK, dV.
+    MX operands are scaled along their contraction axis, so Q, K and dO come in two orientations."""
+    if order not in BWD_ORDERS or n_tiles < 1:
+        raise ValueError(f"order must be one of {BWD_ORDERS} and n_tiles >= 1, got {order!r}, {n_tiles}")
+    plan = bwd_tmem_plan(head_dim)
+    codes = BWD_QUERY_TILE // 4  # e4m3 codes of a query_tile-wide row, in 32-bit columns
+
+    def tm(name, cols=None):
+        lo, hi = plan[name]
+        return Region("tmem", lo, hi if cols is None else lo + cols)
+
+    sm = Region
+    load, mma, compute = Role("load"), Role("mma"), Role("compute")
+    reduce, epilogue = Role("dq_reduce"), Role("epilogue")
+    kv = Pipe("kv", 1, tc_consumer=True)
+    q, do = Pipe("q", q_stages, tc_consumer=True), Pipe("do", do_stages, tc_consumer=True)
+    lse, dsum = Pipe("lse", q_stages), Pipe("dsum", do_stages)
+    s, dp = Pipe("s", 1, tc_producer=True), Pipe("dp", 1, tc_producer=True)
+    p, ds = Pipe("p", 1, tc_consumer=True), Pipe("ds", 1, tc_consumer=True)
+    dq, dkv = Pipe("dq", 1, tc_producer=True), Pipe("dkv", 1, tc_producer=True)
+
+    # load warp (TMA): K, V and K scaled along the keys once; per query tile a Q ring and a dO ring
+    i = kv.acquire(load)
+    load.do("load_kv", writes=[sm(b) for b in ("sK", "sfK", "sV", "sfV", "sKt", "sfKt")])
+    kv.commit(load, i)
+    for j in range(n_tiles):
+        for pipe, label, bufs in ((q, "Q", ("sQ", "sfQ", "sQt", "sfQt")), (lse, "lse", ("sLSE",)),
+                                  (do, "dO", ("sdO", "sfdO", "sdOt", "sfdOt")), (dsum, "dsum", ("sD",))):
+            i = pipe.acquire(load)
+            load.do(f"load_{label}{j}", writes=[sm(f"{b}[{i}]") for b in bufs])
+            pipe.commit(load, i)
+
+    # MMA warp: one thread issues every tcgen05 op
+    kv.wait(mma)
+    for chunk in ("K", "V", "Kt"):
+        mma.do(f"cp_sf{chunk}", [(sm(f"sf{chunk}"), "load_kv")], [tm(f"SF{chunk}")], tc=True)
+    pending = {}  # (tile, "q" | "dq") -> the stage taken when its S^T was issued
+
+    def issue_s(j):
+        qi = q.wait(mma)
+        if j and order not in ("s_lookahead", "no_dq_wait"):  # dQ of tile j-1 lies over S^T and dP^T
+            pending[j, "dq"] = dq.acquire(mma)
+        si = s.acquire(mma)
+        mma.do(f"cp_sfQ{j}", [(sm(f"sfQ[{qi}]"), f"load_Q{j}")], [tm("SFQ")], tc=True)
+        mma.do(f"S{j}", [(sm("sK"), "load_kv"), (sm(f"sQ[{qi}]"), f"load_Q{j}"), (tm("SFK"), "cp_sfK"),
+                         (tm("SFQ"), f"cp_sfQ{j}")], [tm("S")], tc=True)
+        s.commit(mma, si)
+        pending[j, "q"] = qi
+
+    def issue_rest(j):
+        qi = pending[j, "q"]
+        doi, dpi = do.wait(mma), dp.acquire(mma)
+        mma.do(f"cp_sfdO{j}", [(sm(f"sfdO[{doi}]"), f"load_dO{j}")], [tm("SFdO")], tc=True)
+        mma.do(f"dP{j}", [(sm("sV"), "load_kv"), (sm(f"sdO[{doi}]"), f"load_dO{j}"),
+                          (tm("SFV"), "cp_sfV"), (tm("SFdO"), f"cp_sfdO{j}")], [tm("dP")], tc=True)
+        dp.commit(mma, dpi)
+        if order == "s_lookahead" and j + 1 < n_tiles:
+            issue_s(j + 1)
+        pi = p.wait(mma)
+        mma.do(f"cp_sfP{j}", [(sm("sfP"), f"P{j}")], [tm("SFP")], tc=True)
+        mma.do(f"cp_sfdOt{j}", [(sm(f"sfdOt[{doi}]"), f"load_dO{j}")], [tm("SFdOt")], tc=True)
+        acc = [(tm("dV"), f"dV{j - 1}")] if j else []
+        mma.do(f"dV{j}", [(tm("S", codes), f"P{j}"), (sm(f"sdOt[{doi}]"), f"load_dO{j}"),
+                          (tm("SFP"), f"cp_sfP{j}"), (tm("SFdOt"), f"cp_sfdOt{j}"), *acc], [tm("dV")], tc=True)
+        p.release(mma, pi)
+        di = ds.wait(mma)
+        mma.do(f"cp_sfdSt{j}", [(sm("sfdSt"), f"dS{j}")], [tm("SFdSt")], tc=True)
+        mma.do(f"cp_sfQt{j}", [(sm(f"sfQt[{qi}]"), f"load_Q{j}")], [tm("SFQt")], tc=True)
+        acc = [(tm("dK"), f"dK{j - 1}")] if j else []
+        mma.do(f"dK{j}", [(tm("dP", codes), f"dS{j}"), (sm(f"sQt[{qi}]"), f"load_Q{j}"),
+                          (tm("SFdSt"), f"cp_sfdSt{j}"), (tm("SFQt"), f"cp_sfQt{j}"), *acc], [tm("dK")], tc=True)
+        q.release(mma, qi)
+        dqi = pending.pop((j, "dq"), None)
+        if dqi is None:  # tile 0, or a mutant that did not wait before S^T
+            dqi = dq.acquire(mma)
+        mma.do(f"cp_sfdS{j}", [(sm("sfdS"), f"dS{j}")], [tm("SFdS")], tc=True)
+        mma.do(f"dQ{j}", [(sm("sdS"), f"dS{j}"), (sm("sKt"), "load_kv"), (tm("SFdS"), f"cp_sfdS{j}"),
+                          (tm("SFKt"), "cp_sfKt")], [tm("dQ")], tc=True)
+        dq.commit(mma, dqi)
+        ds.release(mma, di)
+        do.release(mma, doi)
+
+    issue_s(0)
+    for j in range(n_tiles):
+        issue_rest(j)
+        if j + 1 < n_tiles and order != "s_lookahead":
+            issue_s(j + 1)
+    i = dkv.acquire(mma)
+    dkv.commit(mma, i)  # dV and dK final once every MMA above has finished
+    mma.wait("dq.empty[0]", n_tiles - 1)  # the last dQ read before the columns are freed
+    mma.wait("tmem_free", 0)
+    mma.do("dealloc", writes=[Region("tmem", 0, TMEM_COLS)])
+
+    # compute warps: P^T = exp(S^T - LSE), dS^T = P^T (dP^T - D), each quantized to MX
+    for j in range(n_tiles):
+        li, si = lse.wait(compute), s.wait(compute)
+        compute.do(f"ld_S{j}", [(tm("S"), f"S{j}"), (sm(f"sLSE[{li}]"), f"load_lse{j}")])
+        s.release(compute, si)
+        lse.release(compute, li)
+        pi = p.acquire(compute)  # P^T's codes and scales free once dV of the tile before has run
+        compute.do(f"P{j}", writes=[tm("S", codes), sm("sfP")])
+        p.commit(compute, pi)
+        di, dpi = dsum.wait(compute), dp.wait(compute)
+        compute.do(f"ld_dP{j}", [(tm("dP"), f"dP{j}"), (sm(f"sD[{di}]"), f"load_dsum{j}")])
+        dp.release(compute, dpi)
+        dsum.release(compute, di)
+        dsi = ds.acquire(compute)  # dS^T in tensor memory; dS and both scale sets in shared memory
+        compute.do(f"dS{j}", writes=[tm("dP", codes), sm("sfdSt"), sm("sdS"), sm("sfdS")])
+        ds.commit(compute, dsi)
+
+    # dQ reduction warps: tcgen05.ld dQ, stage it in shared memory, TMA-reduce-add it to global dQ
+    for j in range(n_tiles):
+        i = dq.wait(reduce)
+        if order == "dq_early_release":
+            dq.release(reduce, i)
+        reduce.do(f"ld_dQ{j}", [(tm("dQ"), f"dQ{j}")])
+        if order != "dq_early_release":
+            dq.release(reduce, i)
+        reduce.do(f"st_dQ{j}", writes=[sm("sdQ")])  # waited for the previous bulk reduce's smem read
+        reduce.do(f"red_dQ{j}", [(sm("sdQ"), f"st_dQ{j}")], [sm(f"gdQ[{j}]")])
+
+    # epilogue (FA4: the compute warps): dV and dK out of tensor memory once the last MMA finished
+    i = dkv.wait(epilogue)
+    epilogue.do("store_dV", [(tm("dV"), f"dV{n_tiles - 1}")])
+    epilogue.do("store_dK", [(tm("dK"), f"dK{n_tiles - 1}")])
+    dkv.release(epilogue, i)
+    epilogue.arrive("tmem_free")
+    return [load, mma, compute, reduce, epilogue]
