@@ -19,7 +19,7 @@ def floors(lengths, hq=16, hkv=16, d=128):
     # for fp8_tokenblock, both orientations)
     quant_token = (q_el + 2 * kv_el) * (2 + 2)
     quant_tokenblock = quant_token + 2 * kv_el * 2
-    # what the default recipe's training launch moves (quantize_sm90.forward_only):
+    # what the default recipe's training launch moves (sm90/quantize.forward_only):
     # reads Q, K, V in bf16, writes Q and K token-major (K with its per-token copy) and V^T with its copy
     quant_default = (q_el + 2 * kv_el) * 2 + q_el + 2 * kv_el * 2
     # the passes around the bf16-dS backward: dO quantized both ways with D (reads dO, O; writes 2

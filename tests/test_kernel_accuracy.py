@@ -1,7 +1,7 @@
 """The sm_90a kernels against fp64, on fresh random data (GPU, marker `gpu`).
 
-Every recipe the kernels implement runs forward and backward through the public API
-(`backend="cute"`: fused quantization, forward kernel, backward kernel) on inputs drawn from a new
+The default recipe runs forward and backward through the public API (`backend="cute"`: fused
+quantization, forward kernel, backward kernel) on inputs drawn from a new
 seed each run (printed in every failure message, so a failing draw can be replayed with
 FLAMIA_CUTE_TEST_SEED). Floors: the emulator's (tests/test_accuracy.py NORMAL_FLOORS, SQNR in dB
 against the fp64 reference) and relative L2 bounds; the kernels match their emulator to

@@ -1,5 +1,6 @@
-"""FP8 causal attention backward for Hopper (sm_90a), recipes fp8_tokenblock_dsbf16 and
-fp8_token_dsbf16, in the CuTe DSL.
+"""FP8 causal attention backward for Hopper (sm_90a), in the CuTe DSL: the default recipe
+fp8_tokenblock_dsbf16 (the token-block build) and the leaky control fp8_tensor_current (the per-token
+build).
 
 Numerics: `flamia_cute.emulator.emulate_backward` with `Recipe.ds_cast = "bf16"` and
 `Recipe.dv_fold = "document"`: S^T, dP^T and dV on e4m3 tensor cores, dK and dQ on bf16 ones.

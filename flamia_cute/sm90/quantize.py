@@ -924,8 +924,10 @@ def qkv_config(head_dim: int, q_heads: int, kv_heads: int, block_tokens: int, he
 def forward_only(qkv: MultiQuantizeConfig) -> MultiQuantizeConfig:
     """A Q/K/V launch (qkv_config, tuned or not) reduced to what the forward and the bf16-dS backward
     (sm90/attention_bwd.py) read: Q and K (and K's per-token copy) token-major only, V (and its
-    copy) transposed in P-fragment order only. That backward converts Q's and K's [t, d] codes to
-    bf16 in shared memory and transposes V^T there (dP^T's A operand), so a training call writes
+    copy) transposed in P-fragment order only. That backward takes Q's codes as bf16 from a copy
+    (sm90/codes.py, loaded by TMA), converts K's [t, d] codes to bf16 in shared memory and transposes
+    V^T there (dP^T's A operand), and the emulator's backward dequantizes the same layouts, so a
+    training call writes
     what an inference call writes: token-block K and V 2 of their 4 bytes per element, Q 1 of 2.
     The launch settings stay but the bound: at 5 CTAs per SM (48 registers) such a body spills 32
     bytes (per-token K, V), at 4 it does not."""
