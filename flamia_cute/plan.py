@@ -39,17 +39,23 @@ def has_backward_kernel(recipe: Recipe) -> bool:
     return recipe.ds_cast == "bf16" and recipe.dv_fold == "document"
 
 
+def _why_not_call(arch: str, kernels, has_kernel: bool, head_dims, recipe: Recipe, causal: bool, q, k, cu_q, cu_k):
+    """The reasons both architectures' kernels share: recipe, causal, self-attention, head dim."""
+    if not has_kernel:
+        return f"recipe {recipe.name!r} has no {arch} kernel (kernels: {kernels})"
+    if not causal:
+        return f"causal=False has no {arch} kernel"
+    if q.shape[0] != k.shape[0] or not (cu_q is cu_k or torch.equal(cu_q, cu_k)):
+        return f"the {arch} kernels are self-attention only (cu_seqlens_q == cu_seqlens_k)"
+    if q.shape[-1] not in head_dims:
+        return f"head_dim {q.shape[-1]} has no {arch} kernel ({', '.join(map(str, head_dims))})"
+    return None
+
+
 def why_not_kernels(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | None:
     """Why the sm_90a kernels cannot run this call (None: they can)."""
-    if kernel_scaling(recipe) is None:
-        return f"recipe {recipe.name!r} has no sm_90a kernel (kernels: {sorted(KERNEL_SCALINGS)})"
-    if not causal:
-        return "causal=False has no sm_90a kernel"
-    if q.shape[0] != k.shape[0] or not (cu_q is cu_k or torch.equal(cu_q, cu_k)):
-        return "the sm_90a kernels are self-attention only (cu_seqlens_q == cu_seqlens_k)"
-    if q.shape[-1] not in KERNEL_HEAD_DIMS:
-        return f"head_dim {q.shape[-1]} has no sm_90a kernel ({', '.join(map(str, KERNEL_HEAD_DIMS))})"
-    return None
+    return _why_not_call("sm_90a", sorted(KERNEL_SCALINGS), kernel_scaling(recipe) is not None, KERNEL_HEAD_DIMS,
+                         recipe, causal, q, k, cu_q, cu_k)
 
 
 # The named recipes whose forward the sm_100a kernels run (never yet on hardware; opt-in only, see
@@ -60,14 +66,10 @@ SM100_HEAD_DIMS = (128,)
 
 def why_not_sm100(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | None:
     """Why the sm_100a MXFP8 forward cannot run this call (None: it can)."""
-    if recipe.name not in SM100_RECIPES or NAMED_RECIPES[recipe.name] != recipe:
-        return f"recipe {recipe.name!r} has no sm_100a kernel (kernels: {list(SM100_RECIPES)})"
-    if not causal:
-        return "causal=False has no sm_100a kernel"
-    if q.shape[0] != k.shape[0] or not (cu_q is cu_k or torch.equal(cu_q, cu_k)):
-        return "the sm_100a kernels are self-attention only (cu_seqlens_q == cu_seqlens_k)"
-    if q.shape[-1] not in SM100_HEAD_DIMS:
-        return f"head_dim {q.shape[-1]} has no sm_100a kernel ({', '.join(map(str, SM100_HEAD_DIMS))})"
+    has = recipe.name in SM100_RECIPES and NAMED_RECIPES[recipe.name] == recipe
+    why = _why_not_call("sm_100a", list(SM100_RECIPES), has, SM100_HEAD_DIMS, recipe, causal, q, k, cu_q, cu_k)
+    if why is not None:
+        return why
     if q.dtype != torch.bfloat16:
         return f"the sm_100a kernels take bfloat16 inputs, got {q.dtype}"
     return None

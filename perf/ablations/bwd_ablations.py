@@ -43,7 +43,6 @@ import sys
 if "--compile-only" in sys.argv:  # the DSL fixes its arch at import: before anything imports cutlass
     os.environ["FLAMIA_ARCH"] = os.environ["CUTE_DSL_ARCH"] = "sm_90a"
 
-import argparse  # noqa: E402
 from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -261,29 +260,13 @@ COLUMNS = [("workload", "workload"), ("build", "build"), ("ms", "ms"), ("ratio",
 
 
 def compile_only(ablations: dict, config=None) -> dict:
-    """Each build for sm_90a on the CPU (no GPU): its registers, stack and SASS counts, and what the
-    patches dropped while it was traced."""
-    cfg = config or bwd.BwdDsBf16Config(common.HEAD_DIM, diagonal_copy=True)
-    print(f"backward builds of {cfg}, sm_90a")
-    out = {}
-    try:
-        for label, flags in ablations.items():
-            patch(**flags)
-            counts = common.sass_counts(bwd.kernel_artifacts(cfg, "sm_90a"))
-            out[label] = counts
-            print(f"  {label:22s} {counts}  dropped while traced: {dict(SKIPPED) or '-'}", flush=True)
-    finally:
-        patch()
-    return out
+    return common.compile_builds(bwd, config or bwd.BwdDsBf16Config(common.HEAD_DIM, diagonal_copy=True), ablations,
+                                 patch, SKIPPED)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("workloads", nargs="*", help="names in flamia_cute/workloads.json (default 1x16k 4x4k 16x1k; "
-                                                 "--go: 1x16k 1x64k)")
+    ap = common.parser(__doc__, "issue 36's go/no-go: full and 'dk dv only', a table and the verdict")
     ap.add_argument("--ablations", default=None, help="comma list of ablation labels (default: BWD_ABLATIONS, else all)")
-    ap.add_argument("--go", action="store_true", help="issue 36's go/no-go: full and 'dk dv only', a table and the verdict")
-    ap.add_argument("--compile-only", action="store_true", help="build each ablation for sm_90a (no GPU): SASS counts")
     args = ap.parse_args()
     ablations = {k: ABLATIONS[k] for k in GO} if args.go else chosen(args.ablations)
     if args.compile_only:

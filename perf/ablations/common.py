@@ -258,3 +258,31 @@ def sass_counts(art) -> dict:
     for label, pat in SASS_COUNTS.items():
         out[label] = len(re.findall(pat, art.sass))
     return out
+
+
+def compile_builds(kernel_module, cfg, ablations: dict, patch, changed) -> dict:
+    """Each ablation's build of `cfg` for sm_90a on the CPU (no GPU): its registers, stack and SASS counts,
+    and what the patches changed while it was traced (`changed`, a Counter the patches fill)."""
+    print(f"builds of {cfg}, sm_90a")
+    out = {}
+    try:
+        for label, flags in ablations.items():
+            patch(**flags)
+            counts = sass_counts(kernel_module.kernel_artifacts(cfg, "sm_90a"))
+            out[label] = counts
+            print(f"  {label:22s} {counts}  changed while traced: {dict(changed) or '-'}", flush=True)
+    finally:
+        patch()
+    return out
+
+
+def parser(doc: str, go_help: str):
+    """The two scripts' shared arguments."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workloads", nargs="*", help="names in flamia_cute/workloads.json (default 1x16k 4x4k 16x1k; "
+                                                 "--go: 1x16k 1x64k)")
+    ap.add_argument("--go", action="store_true", help=go_help)
+    ap.add_argument("--compile-only", action="store_true", help="build each ablation for sm_90a (no GPU): SASS counts")
+    return ap
