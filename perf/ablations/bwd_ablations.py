@@ -268,11 +268,9 @@ def main():
     ap = common.parser(__doc__, "issue 36's go/no-go: full and 'dk dv only', a table and the verdict")
     ap.add_argument("--ablations", default=None, help="comma list of ablation labels (default: BWD_ABLATIONS, else all)")
     args = ap.parse_args()
-    ablations = {k: ABLATIONS[k] for k in GO} if args.go else chosen(args.ablations)
-    if args.compile_only:
-        compile_only(ablations)
+    ablations, names = common.selection(args, ABLATIONS, GO, chosen, compile_only)
+    if ablations is None:
         return
-    names = args.workloads or (list(common.GO_WORKLOADS) if args.go else ["1x16k", "4x4k", "16x1k"])
     rows = measure(names, ablations)
     common.print_table(rows, COLUMNS)
     if args.go:

@@ -286,3 +286,12 @@ def parser(doc: str, go_help: str):
     ap.add_argument("--go", action="store_true", help=go_help)
     ap.add_argument("--compile-only", action="store_true", help="build each ablation for sm_90a (no GPU): SASS counts")
     return ap
+
+
+def selection(args, all_ablations: dict, go: tuple, chosen, compile_only):
+    """(ablations, workload names) for a timing run; (None, None) after a --compile-only run."""
+    ablations = {k: all_ablations[k] for k in go} if args.go else chosen(args.ablations)
+    if args.compile_only:
+        compile_only(ablations)
+        return None, None
+    return ablations, args.workloads or (list(GO_WORKLOADS) if args.go else ["1x16k", "4x4k", "16x1k"])

@@ -153,11 +153,9 @@ def main():
     ap.add_argument("--ablations", default=None, help="comma list of ablation labels (default: all)")
     ap.add_argument("--with-backward", action="store_true", help="also time the full backward kernel (--go implies it)")
     args = ap.parse_args()
-    ablations = {k: ABLATIONS[k] for k in GO} if args.go else chosen(args.ablations)
-    if args.compile_only:
-        compile_only(ablations)
+    ablations, names = common.selection(args, ABLATIONS, GO, chosen, compile_only)
+    if ablations is None:
         return
-    names = args.workloads or (list(common.GO_WORKLOADS) if args.go else ["1x16k", "4x4k", "16x1k"])
     rows = measure(names, ablations, with_backward=args.go or args.with_backward)
     common.print_table(rows, COLUMNS)
     if args.go:
