@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -867,27 +868,36 @@ def _e8m0_p_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.exp2((torch.clamp_min(field - E4M3_EMAX, 1) - 127).float())
 
 
+def decode_operands(ops: MxForwardOperands, cu_seqlens) -> SimpleNamespace:
+    """What the block-scaled MMAs read, in fp32 (exact): Q and K as codes times their token-row E8M0
+    scales, the diagonal's bf16 Q, K, V; with the shapes, the int64 cu_seqlens and the transposed copies'
+    document starts (dt) the tile models walk."""
+    from ..quant.mx_layout import unpack_token_rows_sf
+    from ..quant.quantize import dt_cu_seqlens
+
+    T, H, D = ops.q.shape
+    Hk = ops.k.shape[1]
+    cu = cu_seqlens.to(torch.int64).cpu()
+    q = (ops.q.float().reshape(T, H, D // MX_BLOCK, MX_BLOCK)
+         * unpack_token_rows_sf(ops.q_sf, cu, T)[..., None]).reshape(T, H, D)
+    k = (ops.k.float().reshape(T, Hk, D // MX_BLOCK, MX_BLOCK)
+         * unpack_token_rows_sf(ops.k_sf, cu, T)[..., None]).reshape(T, Hk, D)
+    return SimpleNamespace(T=T, H=H, D=D, Hk=Hk, group=H // Hk, cu=cu, q=q, k=k, dt=dt_cu_seqlens(cu).to(torch.int64),
+                           qd=ops.q_diag.float(), kd=ops.k_diag.float(), vd=ops.v_diag.float())
+
+
 def reference_fwd_sm100(ops: MxForwardOperands, cu_seqlens, softmax_scale: float, bug: str | None = None):
     """What FlamiaFwdSm100 computes, tile by tile in fp32, from the operands it reads (codes and scale
     chunks decoded as the block-scaled MMA does): (out bf16 (T, H, D), lse fp32 (H, T)). Must equal
     emulate_forward(recipe mxfp8) up to fp32 rounding (tests). bug: a deliberate defect for the
     tests' mutation checks (TILE_MODEL_BUGS)."""
     from ..quant.formats import E4M3, cast_to
-    from ..quant.mx_layout import unpack_dim_rows_sf, unpack_token_rows_sf
-    from ..quant.quantize import dt_cu_seqlens
+    from ..quant.mx_layout import unpack_dim_rows_sf
 
     if bug not in TILE_MODEL_BUGS:
         raise ValueError(f"bug must be one of {TILE_MODEL_BUGS}, got {bug!r}")
-    T, H, D = ops.q.shape
-    Hk = ops.k.shape[1]
-    group = H // Hk
-    cu = cu_seqlens.to(torch.int64).cpu()
-    q = (ops.q.float().reshape(T, H, D // MX_BLOCK, MX_BLOCK)
-         * unpack_token_rows_sf(ops.q_sf, cu, T)[..., None]).reshape(T, H, D)
-    k = (ops.k.float().reshape(T, Hk, D // MX_BLOCK, MX_BLOCK)
-         * unpack_token_rows_sf(ops.k_sf, cu, T)[..., None]).reshape(T, Hk, D)
-    dt = dt_cu_seqlens(cu).to(torch.int64)
-    qd, kd, vd = ops.q_diag.float(), ops.k_diag.float(), ops.v_diag.float()
+    m = decode_operands(ops, cu_seqlens)
+    T, H, D, group, cu, q, k, dt, qd, kd, vd = m.T, m.H, m.D, m.group, m.cu, m.q, m.k, m.dt, m.qd, m.kd, m.vd
     out = torch.zeros(T, H, D)
     lse = torch.full((H, T), float("-inf"))
     scale_log2 = softmax_scale * LOG2E

@@ -18,8 +18,7 @@ import torch
 
 from ..quant.formats import E4M3, cast_to
 from ..quant.microscaling import E4M3_EMAX, mx_quantize
-from ..quant.mx_layout import MX_BLOCK, MxForwardOperands, unpack_dim_rows_sf, unpack_token_rows_sf
-from ..quant.quantize import dt_cu_seqlens
+from ..quant.mx_layout import MX_BLOCK, MxForwardOperands, unpack_dim_rows_sf
 from .plan import BWD_KEY_TILE, BWD_QUERY_TILE
 
 LOG2E = math.log2(math.e)
@@ -56,16 +55,11 @@ def reference_bwd_sm100(ops: MxForwardOperands, q, dout, out, lse, cu_seqlens, s
     q and dout, per document, as the emulator does. bug: BWD_MODEL_BUGS."""
     if bug not in BWD_MODEL_BUGS:
         raise ValueError(f"bug must be one of {BWD_MODEL_BUGS}, got {bug!r}")
-    T, H, D = ops.q.shape
-    Hk = ops.k.shape[1]
-    group = H // Hk
-    cu = cu_seqlens.to(torch.int64).cpu()
-    qm = (ops.q.float().reshape(T, H, D // MX_BLOCK, MX_BLOCK)
-          * unpack_token_rows_sf(ops.q_sf, cu, T)[..., None]).reshape(T, H, D)
-    km = (ops.k.float().reshape(T, Hk, D // MX_BLOCK, MX_BLOCK)
-          * unpack_token_rows_sf(ops.k_sf, cu, T)[..., None]).reshape(T, Hk, D)
-    dt = dt_cu_seqlens(cu).to(torch.int64)
-    qd, kd, vd = ops.q_diag.float(), ops.k_diag.float(), ops.v_diag.float()
+    from .attention_fwd import decode_operands
+
+    m = decode_operands(ops, cu_seqlens)
+    T, H, D, Hk, group, cu, qm, km, dt, qd, kd, vd = (m.T, m.H, m.D, m.Hk, m.group, m.cu, m.q, m.k, m.dt, m.qd,
+                                                      m.kd, m.vd)
     d_row = (dout.float() * out.float()).sum(-1)  # (T, H): D = rowsum(dO * O)
     lse2 = lse.float() * LOG2E
     scale_log2 = softmax_scale * LOG2E
