@@ -197,11 +197,12 @@ def _unpack_kernel(saved, recipe: str, T: int, num_docs: int, Hq: int):
     """The QuantizedTHD views of the saved buffer: (qq, kq, vq, kt, vt); kt, vt None unless the recipe's
     K/V blocks are > 1 token; layouts its launch does not write are None."""
     from .quant import output_views
-    from .sm90.quantize import quantized_outputs
+    from .sm90.quantize import _runtime_layout, quantized_outputs
 
     buf, k_shape = saved[1], saved[2]
     Hk, D = k_shape.shape[1], k_shape.shape[2]
-    plan, nbytes = _qkv_plan(T, num_docs, Hq, Hk, D, recipe)
+    # memoized (a training step unpacks the same layout on every layer); _qkv_plan serves the fakes
+    plan, nbytes = _runtime_layout(_qkv_launch(Hq, Hk, D, recipe), T, transposed_tokens(T, num_docs))
     if buf.numel() < nbytes:
         raise RuntimeError(f"saved Q/K/V buffer has {buf.numel()} bytes, its layout needs {nbytes}")
     # the Q/K/V launch that wrote them says which data_dt are in P-fragment order
@@ -216,7 +217,8 @@ def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
                 causal: bool, recipe: str, backend: str, save: bool = True):
     """(out in q's dtype, lse (H, T) fp32, the saved list of saved_layout). Checks cu_seqlens' values:
     the public API checks only what it can without reading them (torch.compile traces it).
-    save=False (no backward will run): backend "sm100" skips decoding its operands and saves []."""
+    save=False (no backward will run): nothing is packed and the saved list is [] (backend "sm100" also
+    skips decoding its operands)."""
     from .validation import check_cu_seqlens_values
 
     check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
@@ -231,7 +233,7 @@ def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
         plan = make_plan(recipe, q.shape[2], q.shape[1], k.shape[1], max_seqlen_q, q.shape[0], cu_seqlens_q.numel() - 1)
         out_k, lse, ops = cute_backend.forward(plan, q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale)
         out = out_k if out_k.dtype == q.dtype else out_k.to(q.dtype)  # a no-op .to() costs host time too
-        return out, lse, _pack_kernel(layout, out_k, ops)
+        return out, lse, _pack_kernel(layout, out_k, ops) if save else []
     if backend == "sm100":
         from .emulator import EmulatorContext
         from .sm100 import backend as sm100
@@ -248,7 +250,7 @@ def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
 
     out_e, lse, ectx = emulate_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, _recipe(recipe))
     # for bf16 q, out IS out_e, and the layout holds a placeholder instead (outputs must not alias)
-    return out_e.to(q.dtype), lse, _pack_emulated(layout, out_e, ectx)
+    return out_e.to(q.dtype), lse, _pack_emulated(layout, out_e, ectx) if save else []
 
 
 def run_backward(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,

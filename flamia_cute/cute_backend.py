@@ -31,14 +31,13 @@ def cute_attention_available(device: torch.device) -> bool:
 
 def quantize_operands(q, k, v, cu, block: int, max_seqlen: int, config=None):
     """Q, K, V in ONE fused launch: Q per token; K, V per `block` tokens (1 or 128) plus, for blocks,
-    the per-token diagonal copies; the forward's layouts (quantize.forward_only). config: the launch
-    (a Plan's qkv), else the tuned one for this workload."""
-    from .sm90.quantize import forward_only, fused_quantize_multi_sm90, qkv_config
-    from .tuned import tuned_quantize_config
+    the per-token diagonal copies; the forward's layouts. config: the launch (a Plan's qkv), else
+    plan.qkv_launch's for this workload."""
+    from .plan import qkv_launch
+    from .sm90.quantize import fused_quantize_multi_sm90
 
     if config is None:
-        config = forward_only(tuned_quantize_config(qkv_config(q.shape[2], q.shape[1], k.shape[1], block),
-                                                    max_seqlen, q.shape[0], cu.numel() - 1))
+        config = qkv_launch(q.shape[2], q.shape[1], k.shape[1], block, max_seqlen, q.shape[0], cu.numel() - 1)
     (qq, _), (kq, kt), (vq, vt) = fused_quantize_multi_sm90((q, k, v), cu, config)
     return qq, (kq, kt), (vq, vt)
 

@@ -33,24 +33,26 @@ def device_kernels(device: torch.device) -> tuple[str, str | None]:
     return "cute", f"the sm_90a kernels need an sm_90 GPU and the CuTe DSL (device {device})"
 
 
-def choose_backend(backend: str, device: torch.device, why_not_call: str | None = None) -> tuple[str, str | None]:
+def choose_backend(backend: str, device: torch.device, why_not_call=None) -> tuple[str, str | None]:
     """(the backend that runs, why the kernels do not): 'auto' takes the device's kernels where they
-    exist for this call (why_not_call: why_not_kernels / why_not_sm100 of the call), else the emulator;
-    'cute' insists on the kernels and says why it cannot."""
+    exist for this call, else the emulator; 'cute' insists on the kernels and says why it cannot.
+    why_not_call(kernels): why that kernel backend cannot run this call (why_not_kernels /
+    why_not_sm100), asked only where the device has kernels."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "emulate":
         return "emulate", None
     kernels, why = device_kernels(device)
-    why = why or why_not_call
+    if why is None and why_not_call is not None:
+        why = why_not_call(kernels)
     if backend == "cute" and why:
         raise NotImplementedError(f"backend='cute': {why}; use backend='emulate' or 'auto'")
     return ("emulate", why) if why else (kernels, None)
 
 
 def pick_backend(backend: str, device: torch.device, why_not_cute: str | None = None) -> str:
-    """choose_backend's backend."""
-    return choose_backend(backend, device, why_not_cute)[0]
+    """choose_backend's backend, for a call that the kernels cannot run for `why_not_cute` (None: any)."""
+    return choose_backend(backend, device, lambda _kernels: why_not_cute)[0]
 
 
 @torch.compiler.assume_constant_result
@@ -126,13 +128,11 @@ def flamia_attn_varlen_func(
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     rec = resolve_recipe(recipe)
     scale = float(softmax_scale) if softmax_scale is not None else default_softmax_scale(q.shape[-1])
-    why_not = None
-    if backend != "emulate":
-        kernels, why_not_device = device_kernels(q.device)
-        if why_not_device is None:
-            why_call = why_not_sm100 if kernels == "sm100" else why_not_kernels
-            why_not = why_call(rec, causal, q, k, cu_seqlens_q, cu_seqlens_k)
-    chosen, why_not = choose_backend(backend, q.device, why_not)
+
+    def why_not_call(kernels):
+        return (why_not_sm100 if kernels == "sm100" else why_not_kernels)(rec, causal, q, k, cu_seqlens_q, cu_seqlens_k)
+
+    chosen, why_not = choose_backend(backend, q.device, why_not_call)
     if why_not and backend == "auto" and _capability(q.device):  # a GPU call on the emulator; CPU: no warning
         _warn_fallback(why_not)
     from .custom_ops import Attention, attention, recipe_key, run_forward

@@ -115,14 +115,27 @@ def make_plan(recipe: str, head_dim: int, heads_q: int, heads_kv: int, max_seqle
     return plan
 
 
+def qkv_launch(head_dim: int, heads_q: int, heads_kv: int, block: int, max_seqlen: int, total_tokens: int,
+               num_docs: int, tuned: bool = True):
+    """A call's Q/K/V launch (block: K/V tokens per scale, 1 or 128), tuned for its workload class, reduced
+    to the forward's layouts: all that either backward reads (the kernel takes Q's bf16 copy, converts K
+    and transposes V in shared memory; the emulator dequantizes V from its transposed copy)."""
+    from .sm90.quantize import forward_only, qkv_config
+    from .tuned import tuned_quantize_config
+
+    qkv = qkv_config(head_dim, heads_q, heads_kv, block)
+    if tuned:
+        qkv = tuned_quantize_config(qkv, max_seqlen, total_tokens, num_docs)
+    return forward_only(qkv)
+
+
 def _build_plan(recipe, head_dim, heads_q, heads_kv, max_seqlen, total_tokens, num_docs) -> Plan:
     from dataclasses import replace
 
     from .schedules.varlen_tiles import short_pairs_worth
     from .sm90.attention_bwd import BwdDsBf16Config, auto_head_window, short_pairs_supported
     from .sm90.attention_fwd import FwdConfig, short_pairs_default
-    from .sm90.quantize import forward_only, qkv_config
-    from .tuned import tuned_bwd_dsbf16_config, tuned_fwd_config, tuned_quantize_config
+    from .tuned import tuned_bwd_dsbf16_config, tuned_fwd_config
 
     scaling = KERNEL_SCALINGS[recipe]
     block_copy = scaling == "tokenblock"
@@ -130,12 +143,9 @@ def _build_plan(recipe, head_dim, heads_q, heads_kv, max_seqlen, total_tokens, n
     fwd = tuned_fwd_config(FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=block_copy,
                                      short_pairs=short_pairs_default(total_tokens, num_docs)),
                            max_seqlen, total_tokens, num_docs)
-    qkv = qkv_config(head_dim, heads_q, heads_kv, 128 if block_copy else 1)
-    if scaling != "tensor":  # the control is quantized by torch: no launch to tune
-        qkv = tuned_quantize_config(qkv, max_seqlen, total_tokens, num_docs)
-    # the forward's layouts are all that either backward reads: the kernel converts Q and K to bf16 and
-    # transposes V in shared memory, and the emulator dequantizes V from its transposed copy
-    qkv = forward_only(qkv)
+    # the control is quantized by torch: no launch to tune
+    qkv = qkv_launch(head_dim, heads_q, heads_kv, 128 if block_copy else 1, max_seqlen, total_tokens, num_docs,
+                     tuned=scaling != "tensor")
     bwd = None
     if has_backward_kernel(NAMED_RECIPES[recipe]):
         if deterministic_backward():  # the ordered atomics path, untuned

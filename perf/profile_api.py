@@ -29,7 +29,7 @@ from flamia_cute.bench import DEFAULT_WORKLOADS, FA4, Case, Ours, input_leaves, 
 # timed where callers look it up there at call time (module globals, or imports inside a function);
 # a name imported at module level elsewhere is listed under the module that calls it.
 STAGES = {
-    "flamia_cute.interface": ["check_attention_inputs", "pick_backend"],
+    "flamia_cute.interface": ["check_attention_inputs", "choose_backend"],
     "flamia_cute.custom_ops": ["run_forward", "run_backward", "_pack_kernel", "_unpack_kernel"],
     "flamia_cute.validation": ["check_cu_seqlens_values"],
     "flamia_cute.plan": ["make_plan"],

@@ -169,6 +169,14 @@ def unpack_token_rows_sf(sf: torch.Tensor, cu_seqlens: torch.Tensor, T: int) -> 
     return torch.exp2(b.to(torch.float32) - 127).permute(1, 0, 2)
 
 
+def decode_token_rows(codes: torch.Tensor, sf: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """(T, heads, D) fp32 values of token-row MX codes (Q's, K's) as the block-scaled MMA reads them:
+    each 32 head dims times its E8M0 scale (exact)."""
+    T, heads, D = codes.shape
+    scale = unpack_token_rows_sf(sf, cu_seqlens, T)[..., None]
+    return (codes.float().reshape(T, heads, D // MX_BLOCK, MX_BLOCK) * scale).reshape(T, heads, D)
+
+
 def unpack_dim_rows_sf(sf: torch.Tensor, cu_seqlens: torch.Tensor, T: int, head_dim: int = 128) -> torch.Tensor:
     """(T, heads, D) fp32: the scale each (key, head dim) element of V is multiplied by in P V: for tests."""
     cu = cu_seqlens.to(device=sf.device, dtype=torch.int64)

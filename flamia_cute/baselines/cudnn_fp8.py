@@ -36,14 +36,16 @@ def _quantize(x: torch.Tensor):
     """Per-tensor current scaling, fused by torch.compile into one pass where it compiles (as cuDNN's
     users would fuse it), else eager."""
     fn = _fused.get("fn")
-    if fn is None:
-        try:
-            fn = torch.compile(_quantize_eager, dynamic=False, fullgraph=True)
-            fn(x)
-        except Exception:  # no working inductor here: the eager passes
-            fn = _quantize_eager
-        _fused["fn"] = fn
-    return fn(x)
+    if fn is not None:
+        return fn(x)
+    try:
+        fn = torch.compile(_quantize_eager, dynamic=False, fullgraph=True)
+        out = fn(x)
+    except Exception:  # no working inductor here: the eager passes
+        fn = _quantize_eager
+        out = fn(x)
+    _fused["fn"] = fn
+    return out
 
 
 class CudnnFp8Attention:

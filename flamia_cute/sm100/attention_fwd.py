@@ -872,16 +872,13 @@ def decode_operands(ops: MxForwardOperands, cu_seqlens) -> SimpleNamespace:
     """What the block-scaled MMAs read, in fp32 (exact): Q and K as codes times their token-row E8M0
     scales, the diagonal's bf16 Q, K, V; with the shapes, the int64 cu_seqlens and the transposed copies'
     document starts (dt) the tile models walk."""
-    from ..quant.mx_layout import unpack_token_rows_sf
+    from ..quant.mx_layout import decode_token_rows
     from ..quant.quantize import dt_cu_seqlens
 
     T, H, D = ops.q.shape
     Hk = ops.k.shape[1]
     cu = cu_seqlens.to(torch.int64).cpu()
-    q = (ops.q.float().reshape(T, H, D // MX_BLOCK, MX_BLOCK)
-         * unpack_token_rows_sf(ops.q_sf, cu, T)[..., None]).reshape(T, H, D)
-    k = (ops.k.float().reshape(T, Hk, D // MX_BLOCK, MX_BLOCK)
-         * unpack_token_rows_sf(ops.k_sf, cu, T)[..., None]).reshape(T, Hk, D)
+    q, k = decode_token_rows(ops.q, ops.q_sf, cu), decode_token_rows(ops.k, ops.k_sf, cu)
     return SimpleNamespace(T=T, H=H, D=D, Hk=Hk, group=H // Hk, cu=cu, q=q, k=k, dt=dt_cu_seqlens(cu).to(torch.int64),
                            qd=ops.q_diag.float(), kd=ops.k_diag.float(), vd=ops.v_diag.float())
 

@@ -28,27 +28,22 @@ def saved_operands(ops, q, cu):
     """The emulator's (q, k, v) EmuOperands (recipe mxfp8) of quant.mx_layout.MxForwardOperands `ops`;
     q: the bf16 input (for Q's blocks along tokens only)."""
     from ..emulator import EmuOperand, quantize_operand
-    from ..quant.mx_layout import MX_BLOCK, unpack_dim_rows_sf, unpack_token_rows_sf
+    from ..quant.mx_layout import MX_BLOCK, decode_token_rows, unpack_dim_rows_sf
     from ..quant.quantize import dt_cu_seqlens
     from ..recipes import NAMED_RECIPES
 
     rec = NAMED_RECIPES["mxfp8"]
-    T, H, D = ops.q.shape
-    Hk = ops.k.shape[1]
+    T, _, D = ops.q.shape
     dev = ops.q.device
     cu64 = cu.to(device=dev, dtype=torch.int64)
-
-    def token_rows(codes, sf, heads):  # per token, one scale per 32 head dims
-        scale = unpack_token_rows_sf(sf, cu64, T)[..., None]
-        return (codes.float().reshape(T, heads, D // MX_BLOCK, MX_BLOCK) * scale).reshape(T, heads, D)
 
     tok = torch.arange(T, device=dev)
     doc = torch.searchsorted(cu64, tok, right=True) - 1
     col = dt_cu_seqlens(cu64).to(torch.int64)[doc] + tok - cu64[doc]  # V^T's column of each token
     v_vals = ops.v_dt.float()[:, :, col].permute(2, 0, 1) * unpack_dim_rows_sf(ops.v_sf, cu64, T, D)
-    k_vals = token_rows(ops.k, ops.k_sf, Hk)
+    k_vals = decode_token_rows(ops.k, ops.k_sf, cu64)
     qo = quantize_operand(q, cu64, rec.q, False, rec)
-    qo.along_d = token_rows(ops.q, ops.q_sf, H)
+    qo.along_d = decode_token_rows(ops.q, ops.q_sf, cu64)
     # K's and V's 32 x 32 tile scales serve both orientations; distinct tensors, as the emulator's (the
     # custom op's saved outputs must not alias)
     kd, vd = ops.k_diag.float(), ops.v_diag.float()
