@@ -230,6 +230,9 @@ def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
 
         if not causal:
             raise NotImplementedError("backend 'cute': causal=False has no sm_90a kernel")
+        if k.shape[0] != q.shape[0]:  # equal totals with other cu_seqlens_k: plan.why_not_kernels refused the call
+            raise NotImplementedError("backend 'cute': the sm_90a kernels are self-attention only "
+                                      "(cu_seqlens_q == cu_seqlens_k)")
         plan = make_plan(recipe, q.shape[2], q.shape[1], k.shape[1], max_seqlen_q, q.shape[0], cu_seqlens_q.numel() - 1)
         out_k, lse, ops = cute_backend.forward(plan, q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale)
         out = out_k if out_k.dtype == q.dtype else out_k.to(q.dtype)  # a no-op .to() costs host time too

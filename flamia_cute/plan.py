@@ -40,13 +40,16 @@ def has_backward_kernel(recipe: Recipe) -> bool:
 
 
 def _why_not_call(arch: str, kernels, has_kernel: bool, head_dims, recipe: Recipe, causal: bool, q, k, cu_q, cu_k):
-    """The reasons both architectures' kernels share: recipe, causal, self-attention, head dim."""
+    """The reasons both architectures' kernels share: recipe, causal, self-attention, head dim. The emulator runs
+    every call: non-causal attention and queries that are a sub-range of their document's keys (cross-length,
+    causal aligned to the end of each query range) are its alone for now (docs/integration.md)."""
     if not has_kernel:
         return f"recipe {recipe.name!r} has no {arch} kernel (kernels: {kernels})"
     if not causal:
         return f"causal=False has no {arch} kernel"
     if q.shape[0] != k.shape[0] or not (cu_q is cu_k or torch.equal(cu_q, cu_k)):
-        return f"the {arch} kernels are self-attention only (cu_seqlens_q == cu_seqlens_k)"
+        return (f"queries that are a sub-range of their document's keys (cu_seqlens_q != cu_seqlens_k) have no "
+                f"{arch} kernel: the {arch} kernels are self-attention only")
     if q.shape[-1] not in head_dims:
         return f"head_dim {q.shape[-1]} has no {arch} kernel ({', '.join(map(str, head_dims))})"
     return None

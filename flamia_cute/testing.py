@@ -127,26 +127,43 @@ def _perturb(x: torch.Tensor, rows: slice, gen: torch.Generator) -> torch.Tensor
 
 def check_leakage(fn: AttentionFn, q, k, v, cu_seqlens, dout=None, doc: int | None = None, cut: int | None = None,
                   grad_tol: float = 0.0, seed: int = 1234) -> LeakageReport:
-    """Run both leakage tests on fn; bit-identity for O and LSE, dQ/dK/dV within grad_tol (0: bit-identical).
+    """Run both leakage tests on fn (self-attention: fn(q, k, v, cu_seqlens, dout)); bit-identity for O and
+    LSE, dQ/dK/dV within grad_tol (0: bit-identical).
 
     doc: the document perturbed (default: the longest); cut: position inside
     it (default: a third of the way in, off any 16-token boundary so that
     token blocks straddle it).
     """
-    cu = cu_seqlens.tolist()
-    lengths = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    return check_leakage_varlen(lambda q_, k_, v_, cq, _ck, do: fn(q_, k_, v_, cq, do), q, k, v, cu_seqlens,
+                                cu_seqlens, dout, doc, cut, grad_tol, seed)
+
+
+def check_leakage_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, dout=None, doc: int | None = None,
+                         cut: int | None = None, grad_tol: float = 0.0, seed: int = 1234,
+                         causal: bool = True) -> LeakageReport:
+    """check_leakage for queries that are a sub-range of their document's keys: fn(q, k, v, cu_q, cu_k, dout).
+
+    Document i's queries are the last Lq_i positions of its Lk_i keys (causal aligned to the end of the
+    query range). cut is a key position inside the document (default: a third of the way in, odd): the
+    future test perturbs the keys from the cut on and the queries at those positions, and compares the
+    queries before it. causal=False: every key of a document is visible to all its queries, so only
+    the isolation test applies.
+    """
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    len_k = [b - a for a, b in zip(ck[:-1], ck[1:], strict=True)]
+    len_q = [b - a for a, b in zip(cq[:-1], cq[1:], strict=True)]
     if doc is None:
-        doc = max(range(len(lengths)), key=lambda i: lengths[i])
-    s, e = cu[doc], cu[doc + 1]
-    if e - s < 2:
-        raise ValueError(f"check_leakage: document {doc} needs >= 2 tokens, has {e - s}")
+        doc = max(range(len(len_k)), key=lambda i: len_k[i])
+    ks, ke, qs, qe = ck[doc], ck[doc + 1], cq[doc], cq[doc + 1]
+    if ke - ks < 2:
+        raise ValueError(f"check_leakage: document {doc} needs >= 2 keys, has {ke - ks}")
     if cut is None:
-        cut = max(1, (e - s) // 3) | 1  # odd: straddles token blocks
-    c = s + cut
-    if not (s < c < e):
-        raise ValueError(f"check_leakage: cut {cut} must lie strictly inside document {doc} (length {e - s})")
+        cut = max(1, (ke - ks) // 3) | 1  # odd: straddles token blocks
+    if not (0 < cut < ke - ks):
+        raise ValueError(f"check_leakage: cut {cut} must lie strictly inside document {doc} (length {ke - ks})")
+    offset = len_k[doc] - len_q[doc]  # key position of the document's first query
     gen = torch.Generator().manual_seed(seed)
-    base = fn(q, k, v, cu_seqlens, dout)
+    base = fn(q, k, v, cu_seqlens_q, cu_seqlens_k, dout)
     rep = LeakageReport()
 
     def compare(name, a, b, rows, tol, flag):
@@ -162,33 +179,47 @@ def check_leakage(fn: AttentionFn, q, k, v, cu_seqlens, dout=None, doc: int | No
         rep.details.append(f"{flag}: {name} changed (max abs diff {diff:.3e})")
         return False
 
-    # 1. future perturbation within doc
-    pert = [_perturb(t, slice(c, e), gen) if t is not None else None for t in (q, k, v, dout)]
-    res = fn(*pert[:3], cu_seqlens, pert[3])
-    before = slice(s, c)
-    for name in ("out", "lse"):
-        rep.future_ok &= compare(name, res[name], base[name], before, 0.0, f"future (doc {doc}, cut {cut})")
-    rep.future_ok &= compare("dq", res.get("dq"), base.get("dq"), before, grad_tol, f"future (doc {doc}, cut {cut})")
+    def perturbed(q_rows, k_rows):
+        return [_perturb(t, rows, gen) if t is not None else None
+                for t, rows in ((q, q_rows), (k, k_rows), (v, k_rows), (dout, q_rows))]
+
+    # 1. future perturbation within doc (keys from the cut on, and the queries there)
+    if causal:
+        q_cut = qs + min(max(cut - offset, 0), qe - qs)  # first query at a key position >= cut
+        pert = perturbed(slice(q_cut, qe), slice(ks + cut, ke))
+        res = fn(*pert[:3], cu_seqlens_q, cu_seqlens_k, pert[3])
+        before, flag = slice(qs, q_cut), f"future (doc {doc}, cut {cut})"
+        for name in ("out", "lse"):
+            rep.future_ok &= compare(name, res[name], base[name], before, 0.0, flag)
+        rep.future_ok &= compare("dq", res.get("dq"), base.get("dq"), before, grad_tol, flag)
     # 2. isolation: replace the whole document
-    pert = [_perturb(t, slice(s, e), gen) if t is not None else None for t in (q, k, v, dout)]
-    res = fn(*pert[:3], cu_seqlens, pert[3])
-    others = torch.ones(cu[-1], dtype=torch.bool)
-    others[s:e] = False
-    idx = others.nonzero().squeeze(1)
-    for name in ("out", "lse", "dq", "dk", "dv"):
+    pert = perturbed(slice(qs, qe), slice(ks, ke))
+    res = fn(*pert[:3], cu_seqlens_q, cu_seqlens_k, pert[3])
+
+    def others(cu, s, e):
+        keep = torch.ones(cu[-1], dtype=torch.bool)
+        keep[s:e] = False
+        return keep.nonzero().squeeze(1)
+
+    q_idx, k_idx = others(cq, qs, qe), others(ck, ks, ke)
+    for name, idx in (("out", q_idx), ("lse", q_idx), ("dq", q_idx), ("dk", k_idx), ("dv", k_idx)):
         tol = 0.0 if name in ("out", "lse") else grad_tol
         rep.isolation_ok &= compare(name, res.get(name), base.get(name), idx, tol, f"isolation (doc {doc})")
     return rep
 
 
 def attention_fn_for(recipe, softmax_scale=None, causal=True, backend="emulate") -> AttentionFn:
-    """Adapter: flamia_attn_varlen_func as an AttentionFn (forward, and backward when dout is given)."""
+    """Adapter: flamia_attn_varlen_func as an AttentionFn (forward, and backward when dout is given).
+    fn(q, k, v, cu, dout) is self-attention; fn.varlen(q, k, v, cu_q, cu_k, dout) takes both cu_seqlens
+    (check_leakage_varlen's form)."""
     from .interface import flamia_attn_varlen_func
 
-    def fn(q, k, v, cu, dout=None):
-        lens = (cu[1:] - cu[:-1]).max().item() if cu.numel() > 1 else 0
+    def varlen(q, k, v, cu_q, cu_k, dout=None):
+        def longest(cu):
+            return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+
         qq, kk, vv = (t.detach().clone().requires_grad_(dout is not None) for t in (q, k, v))
-        out, lse = flamia_attn_varlen_func(qq, kk, vv, cu, cu, int(lens), int(lens), softmax_scale, causal,
+        out, lse = flamia_attn_varlen_func(qq, kk, vv, cu_q, cu_k, longest(cu_q), longest(cu_k), softmax_scale, causal,
                                            recipe=recipe, backend=backend, return_lse=True)
         res = {"out": out.detach(), "lse": lse.detach()}
         if dout is not None:
@@ -196,4 +227,8 @@ def attention_fn_for(recipe, softmax_scale=None, causal=True, backend="emulate")
             res.update(dq=dq, dk=dk, dv=dv)
         return res
 
+    def fn(q, k, v, cu, dout=None):
+        return varlen(q, k, v, cu, cu, dout)
+
+    fn.varlen = varlen
     return fn
