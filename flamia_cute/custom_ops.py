@@ -256,6 +256,31 @@ def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     return out_e.to(q.dtype), lse, _pack_emulated(layout, out_e, ectx) if save else []
 
 
+def saved_from_inputs(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, recipe: str,
+                      backend: str) -> list[torch.Tensor]:
+    """The saved list run_forward(q, k, v, ...) would have returned, from the same inputs and its output: the
+    operands are quantized again, which gives the forward's bytes (the quantizers are deterministic functions
+    of their inputs). For backward paths that keep the bf16 inputs instead of our saved list (the torch
+    backend's aten ops). out: run_forward's output; for fp16 inputs its bf16 copy is out.to(bf16), equal to
+    the forward's bf16 O wherever |O| >= 2^-17 or O = 0 (fp16's subnormals hold bf16's 8 bits down to there)."""
+    layout = saved_layout(recipe, backend, q.dtype == torch.bfloat16)
+    out_bf16 = out.to(torch.bfloat16)
+    if backend == "cute":
+        from . import cute_backend
+        from .plan import make_plan
+
+        plan = make_plan(recipe, q.shape[2], q.shape[1], k.shape[1], max_seqlen_q, q.shape[0], cu_seqlens_q.numel() - 1)
+        return _pack_kernel(layout, out_bf16, cute_backend.quantize(plan, q, k, v, cu_seqlens_q, max_seqlen_q))
+    if backend != "emulate":
+        raise ValueError(f"saved_from_inputs: backend must be 'cute' or 'emulate', got {backend!r}")
+    from types import SimpleNamespace
+
+    from .emulator import quantize_inputs
+
+    qo, ko, vo = quantize_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, _recipe(recipe))
+    return _pack_emulated(layout, out_bf16, SimpleNamespace(q=qo, k=ko, v=vo))
+
+
 def run_backward(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                  softmax_scale: float, causal: bool, recipe: str, backend: str):
     """dq, dk, dv in out's dtype from the forward's saved list."""

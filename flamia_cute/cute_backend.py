@@ -59,14 +59,20 @@ def quantize_per_tensor(q, k, v, cu, config):
     return qq, (kq, kt), (vq, vt)
 
 
+def quantize(plan: Plan, q, k, v, cu, max_seqlen: int):
+    """The plan's Q/K/V operands, as the forward reads them and the backward saves them. A deterministic function
+    of the inputs (power-of-two scales from the amax's bits): quantizing again gives the same bytes, which is how
+    the torch backend's backward gets the forward's operands (torch_backend.py)."""
+    if plan.scaling == "tensor":
+        return quantize_per_tensor(q, k, v, cu, plan.qkv)
+    return quantize_operands(q, k, v, cu, plan.block, max_seqlen, plan.qkv)
+
+
 def forward(plan: Plan, q, k, v, cu, max_seqlen: int, softmax_scale: float):
     """Quantize + forward kernel: (out bf16, lse (H, T) fp32, the quantized operands)."""
     from .sm90.attention_fwd import flamia_fwd_sm90
 
-    if plan.scaling == "tensor":
-        ops = quantize_per_tensor(q, k, v, cu, plan.qkv)
-    else:
-        ops = quantize_operands(q, k, v, cu, plan.block, max_seqlen, plan.qkv)
+    ops = quantize(plan, q, k, v, cu, max_seqlen)
     qq, (kq, kt), (vq, vt) = ops
     out, lse = flamia_fwd_sm90(
         qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale,
