@@ -10,6 +10,7 @@ Configs come tuned for the call's workload class (tuned.py) and are memoized wit
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -47,12 +48,31 @@ def _why_not_call(arch: str, kernels, has_kernel: bool, head_dims, recipe: Recip
         return f"recipe {recipe.name!r} has no {arch} kernel (kernels: {kernels})"
     if not causal:
         return f"causal=False has no {arch} kernel"
-    if q.shape[0] != k.shape[0] or not (cu_q is cu_k or torch.equal(cu_q, cu_k)):
+    if q.shape[0] != k.shape[0] or not same_documents(cu_q, cu_k):
         return (f"queries that are a sub-range of their document's keys (cu_seqlens_q != cu_seqlens_k) have no "
                 f"{arch} kernel: the {arch} kernels are self-attention only")
     if q.shape[-1] not in head_dims:
         return f"head_dim {q.shape[-1]} has no {arch} kernel ({', '.join(map(str, head_dims))})"
     return None
+
+
+def same_documents(cu_q: torch.Tensor, cu_k: torch.Tensor) -> bool:
+    """cu_seqlens_q == cu_seqlens_k. Integrations pass two tensors with equal values to every layer (Hugging Face's
+    collator makes cu_seq_lens_q and cu_seq_lens_k separately): the answer is kept on cu_q's object, for this cu_k
+    object at these versions, so that a GPU pair is read once per batch instead of once per layer."""
+    if cu_q is cu_k:
+        return True
+    if cu_q.shape != cu_k.shape:
+        return False
+    if torch.compiler.is_compiling() or not hasattr(cu_q, "__dict__"):
+        return torch.equal(cu_q, cu_k)
+    versions = (cu_q._version, cu_k._version)
+    memo = cu_q.__dict__.get("_flamia_same_documents")
+    if memo is not None and memo[0]() is cu_k and memo[1] == versions:
+        return memo[2]
+    same = torch.equal(cu_q, cu_k)
+    cu_q.__dict__["_flamia_same_documents"] = (weakref.ref(cu_k), versions, same)
+    return same
 
 
 def why_not_kernels(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | None:
