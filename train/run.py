@@ -2,6 +2,10 @@
 
     python -m train.run --attention flamia --recipe fp8_tokenblock_dsbf16 --steps 1000 --out runs/
     python -m train.run --compare runs/
+    torchrun --nproc-per-node 8 -m train.run --fsdp --compile ...   # FSDP2 data parallel, compiled
+
+With --fsdp each rank trains on its own batches (every WORLD_SIZE-th of the stream) with the blocks and the
+model sharded by FSDP2's fully_shard; the logged loss is the mean over the ranks and rank 0 writes the files.
 
 Each run writes DIR/<run>.csv (one row per step), DIR/<run>.summary.json and redraws
 DIR/loss_curves.png from every CSV in DIR (when matplotlib is installed).
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
+import itertools
 import json
 import math
 import os
@@ -51,6 +56,10 @@ def parse_args(argv=None):
     ap.add_argument("--leak-max-prefix", type=int, default=2048)
     ap.add_argument("--repeat-batch", action="store_true", help="train on the first batch every step (smoke test)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="FSDP2 (fully_shard per block) over the ranks torchrun starts: nccl on GPUs, gloo on the CPU")
+    ap.add_argument("--compile", action="store_true", help="torch.compile every block (flamia's ops trace as custom ops)")
+    ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend (aot_eager: no codegen)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--save-model", action="store_true", help="write DIR/<run>.pt for train.eval_leakage")
     ap.add_argument("--run-name", default=None)
@@ -80,13 +89,58 @@ def make_optimizer(model, lr, weight_decay, device):
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
 
 
+def setup_distributed(args, device: torch.device) -> tuple[int, int, torch.device]:
+    """(rank, world size, device) of an --fsdp run under torchrun (env:// rendezvous); (0, 1, device) otherwise."""
+    if not args.fsdp:
+        return 0, 1, device
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def shard_model(model, args):
+    """FSDP2: each block, then the root (embeddings, final norm, head); --compile compiles each block."""
+    if args.compile:
+        for block in model.blocks:
+            block.compile(backend=args.compile_backend)
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    return model
+
+
+def _local(t):
+    """A DTensor's full value (FSDP's grad norm), else t."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def train(args) -> dict:
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda":
         os.environ.setdefault("FLAMIA_CUTE_TRUST_CU_SEQLENS", "1")  # data.py builds them; skip a sync per call
+    rank, world, device = setup_distributed(args, device)
+    try:
+        return _train(args, device, rank, world)
+    finally:
+        if args.fsdp:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _train(args, device, rank: int, world: int) -> dict:
     spec = AttentionSpec(args.attention, args.recipe if args.attention == "flamia" else "none", args.backend)
     spec.check_device(device)
     run = args.run_name or default_run_name(args)
+    writes = rank == 0  # the files and the log: rank 0
     os.makedirs(args.out, exist_ok=True)
     warmup = args.warmup_steps if args.warmup_steps is not None else min(100, args.steps // 10)
 
@@ -94,18 +148,23 @@ def train(args) -> dict:
     cfg = preset(args.preset, VOCAB_SIZE)
     model = Decoder(cfg, spec).to(device)
     n_params = model.num_parameters()
+    model = shard_model(model, args)
     opt = make_optimizer(model, args.lr, args.weight_decay, device)
     files = list_corpus_files()
-    batches = train_batches(args.tokens_per_step, args.seed, files, args.max_doc_tokens)
+    # data parallel: rank r trains on batches r, r + world, ...
+    batches = itertools.islice(train_batches(args.tokens_per_step, args.seed, files, args.max_doc_tokens), rank, None,
+                               world)
     fixed_batch = next(batches).to(device) if args.repeat_batch else None
     heldout = heldout_batches(args.eval_batches, args.tokens_per_step, files, args.max_doc_tokens)
     timer = AttentionTimer(device)
-    print(f"[{run}] {n_params / 1e6:.1f}M params, {args.preset}, {spec}, device {device}, "
-          f"{len(files)} corpus files, {args.steps} steps x {args.tokens_per_step} tokens")
+    log = print if writes else (lambda *a, **k: None)
+    log(f"[{run}] {n_params / 1e6:.1f}M params, {args.preset}, {spec}, device {device}, "
+        f"{len(files)} corpus files, {args.steps} steps x {args.tokens_per_step} tokens"
+        + (f" x {world} ranks (FSDP2)" if args.fsdp else "") + (f", compiled ({args.compile_backend})" if args.compile else ""))
 
     csv_path = os.path.join(args.out, f"{run}.csv")
     losses, heldout_loss, diverged_at = [], float("nan"), None
-    with open(csv_path, "w", newline="") as fh:
+    with open(csv_path if writes else os.devnull, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
         writer.writeheader()
         for step in range(1, args.steps + 1):
@@ -121,7 +180,7 @@ def train(args) -> dict:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            loss_v, grad_norm_v = loss.item(), grad_norm.item()  # host sync: the step is done
+            loss_v, grad_norm_v = _mean_over_ranks(loss.detach(), world), _local(grad_norm).item()  # host sync
             if device.type == "cuda":
                 torch.cuda.synchronize()
             step_s = time.perf_counter() - t0
@@ -139,17 +198,17 @@ def train(args) -> dict:
             writer.writerow(row)
             fh.flush()  # a crashed or killed run still leaves its curve
             if step % args.log_every == 0 or step in (1, args.steps) or diverged_at:
-                print(f"[{run}] step {step:5d} loss {loss_v:.4f} gnorm {grad_norm_v:.3f} lr {lr:.2e} "
+                log(f"[{run}] step {step:5d} loss {loss_v:.4f} gnorm {grad_norm_v:.3f} lr {lr:.2e} "
                       f"{row['tokens_per_s']} tok/s attn {row['attn_ms']} ms / step {row['step_ms']} ms"
                       + (f" heldout {row['heldout_loss']}" if row["heldout_loss"] else ""))
             if diverged_at:
-                print(f"[{run}] loss is not finite at step {step}: stopping")
+                log(f"[{run}] loss is not finite at step {step}: stopping")
                 break
 
     leak = {}
     if args.leak_samples and diverged_at is None:
         leak = causal_gap(model, heldout, device, args.leak_samples, args.seed, args.leak_max_prefix)
-        print(f"[{run}] causal held-out check: parallel {leak['loss_parallel']:.4f} causal {leak['loss_causal']:.4f} "
+        log(f"[{run}] causal held-out check: parallel {leak['loss_parallel']:.4f} causal {leak['loss_causal']:.4f} "
               f"gap {leak['gap']:+.5f} +- {leak['gap_stderr']:.5f} (n={leak['samples']})")
     tail = losses[-FINAL_WINDOW:]
     summary = {
@@ -157,16 +216,40 @@ def train(args) -> dict:
         "tokens_per_step": args.tokens_per_step, "max_doc_tokens": args.max_doc_tokens, "seed": args.seed,
         "lr": args.lr, "repeat_batch": args.repeat_batch,
         "final_train_loss": sum(tail) / len(tail), "heldout_loss": heldout_loss, "diverged_at": diverged_at,
-        "leakage": leak, "device": str(device),
+        "leakage": leak, "device": str(device), "world_size": world, "fsdp": args.fsdp, "compile": args.compile,
     }
+    state = full_state_dict(model, args) if args.save_model else None
+    if not writes:
+        return summary
     with open(os.path.join(args.out, f"{run}.summary.json"), "w") as fh:
         json.dump(summary, fh, indent=2)
     if args.save_model:
-        torch.save({"model": model.state_dict(), "config": asdict(cfg), "attention": asdict(spec),
+        torch.save({"model": state, "config": asdict(cfg), "attention": asdict(spec),
                     "tokens_per_step": args.tokens_per_step, "max_doc_tokens": args.max_doc_tokens},
                    os.path.join(args.out, f"{run}.pt"))
     plot_runs(args.out)
     return summary
+
+
+def _mean_over_ranks(x: torch.Tensor, world: int) -> float:
+    if world > 1:
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x)
+        x /= world
+    return x.item()
+
+
+def full_state_dict(model, args) -> dict:
+    """The unsharded state dict (every rank takes part under FSDP); compiled blocks keep their plain names."""
+    if args.fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = model.state_dict()
+    return {k.replace("._orig_mod", ""): v for k, v in state.items()}
 
 
 def load_runs(directory: str) -> dict[str, dict]:
