@@ -71,7 +71,7 @@ def register_flamia_fp8() -> FlamiaFlashHandle:
     """register_fn of FLAMIA_FP8: our kernels for the aten flash ops on CUDA and on the CPU."""
     lib = Library("aten", "IMPL")
     with warnings.catch_warnings():  # torch warns on every override of a built-in kernel: that is the point here
-        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
+        warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
         for op, key, handler in _KERNELS:
             if not hasattr(torch.ops.aten, op.split(".")[0]):  # an op this torch does not have
                 continue
