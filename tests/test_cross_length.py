@@ -122,8 +122,8 @@ def test_non_causal_against_fp64(recipe):
     assert not got["out"][empty].any() and torch.isinf(got["lse"][:, empty]).all() and not got["dq"][empty].any()
 
 
-@pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16", "fp8_tokenblock", "mxfp8", "bf16"])
-@pytest.mark.parametrize("doc,cut", [(1, None), (1, 256), (1, 257), (0, 129), (5, 200)])
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16", "fp8_tokenblock", "mxfp8"])
+@pytest.mark.parametrize("doc,cut", [(1, None), (1, 257), (0, 129), (5, 200)])  # mid-block, block edge + 1, ...
 def test_cross_length_leakage(recipe, doc, cut, problem):
     (q, k, v, do, _, scale), qr, kr, cu_q, cu_k = problem
     fn = attention_fn_for(recipe, scale).varlen

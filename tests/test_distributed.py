@@ -14,6 +14,8 @@ from flamia_cute import flamia_attn_varlen_func
 from flamia_cute.distributed import chunk_ranges, context_parallel_attn, gather_tokens, shard_packed_batch
 from flamia_cute.testing import check_leakage, make_inputs
 
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the spawned ranks talk over loopback only
+
 DOCS = [300, 217, 1, 122, 0, 64]  # 704 tokens: 8 chunks of 88 at world size 4; 4 of 176 at 2
 SPLIT_DOC = 1  # [300, 517): on several ranks at world sizes 2 and 4
 
@@ -138,5 +140,3 @@ def test_world_size_1_without_a_process_group_is_the_direct_call():
     out = context_parallel_attn(shard.take(q), shard.take(k), shard.take(v), shard, None, scale)
     assert torch.equal(out, flamia_attn_varlen_func(q, k, v, cu, cu, 300, 300, scale))
 
-
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
