@@ -12,7 +12,7 @@ allocation, where an overrun shows) and all together, a mixed pack that builds t
 kernels, and a pack of more documents than the persistent forward's tables hold (its per-tile
 build). Shapes stay tiny (H <= 4, under 1,100 tokens): racecheck and synccheck are slow.
 
-    python perf/sanitize_driver.py --set full       # every case (memcheck; also the compile warm-up)
+    python perf/sanitize_driver.py --set full       # every case (memcheck; with --compile-ahead, the warm-up)
     python perf/sanitize_driver.py --set small      # the all-lengths and mixed packs (racecheck, synccheck)
     python perf/sanitize_driver.py --control oob    # one planted out-of-bounds write: memcheck must fail
     python perf/sanitize_driver.py --list           # the cases, without a GPU
@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import sys
 import time
 from dataclasses import dataclass
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 EDGE_LENGTHS = (1, 2, 63, 65, 127, 129, 255, 257)
 # short documents (mean under SHORT_PAIRS_MEAN_TOKENS: the short-pair builds), an empty one, odd ends
@@ -90,6 +93,25 @@ def run_case(case: Case, seed: int = 0) -> None:
             raise RuntimeError(f"{case.label()}: {name} has non-finite values")
 
 
+def case_kernels(todo: list[Case]) -> set:
+    """The kernels the cases launch (kernel_warmup.call_kernels), each case's determinism applied."""
+    from kernel_warmup import call_kernels
+
+    was = os.environ.get("FLAMIA_CUTE_DETERMINISTIC")
+    kernels = set()
+    try:
+        for c in todo:
+            H, Hk, D = HEADS[c.heads]
+            os.environ["FLAMIA_CUTE_DETERMINISTIC"] = "1" if c.deterministic else "0"
+            kernels |= call_kernels(c.recipe, D, H, Hk, PACKS[c.pack], True)
+    finally:
+        if was is None:
+            os.environ.pop("FLAMIA_CUTE_DETERMINISTIC", None)
+        else:
+            os.environ["FLAMIA_CUTE_DETERMINISTIC"] = was
+    return kernels
+
+
 def planted_oob() -> None:
     """The e4m3-to-bf16 codes kernel launched straight from its launcher with an output one 16-element
     chunk short: an out-of-bounds global write that memcheck must report (a sanitizer run that
@@ -114,6 +136,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set", choices=("full", "small"), default="full", help="which cases (see cases())")
     ap.add_argument("--control", choices=("oob",), help="run the planted error instead of the cases")
     ap.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
+    ap.add_argument("--compile-ahead", action="store_true",
+                    help="first compile the cases' kernels into the disk cache on all cores (the warm-up run)")
     args = ap.parse_args(argv)
     todo = cases(args.set)
     if args.list:
@@ -129,6 +153,10 @@ def main(argv=None) -> int:
     if args.control == "oob":
         planted_oob()
         return 0
+    if args.compile_ahead:
+        from kernel_warmup import compile_ahead
+
+        compile_ahead(case_kernels(todo))
     t0 = time.time()
     for i, c in enumerate(todo):
         t = time.time()

@@ -95,7 +95,7 @@ def test_call_kernels_follow_the_recipe_and_the_call():
 # ----------------------------------------------------------------------------- sanitize_driver
 
 
-def test_sanitize_cases_cover_every_shipping_kernel_on_odd_packs(monkeypatch):
+def test_sanitize_cases_cover_every_shipping_kernel_on_odd_packs():
     full, small = sanitize_driver.cases("full"), sanitize_driver.cases("small")
     assert set(sanitize_driver.RECIPES) | {"fp8_tokenblock"} == set(KERNEL_SCALINGS)
     assert {sanitize_driver.HEADS[c.heads][2] for c in full} == {64, 128}
@@ -105,11 +105,7 @@ def test_sanitize_cases_cover_every_shipping_kernel_on_odd_packs(monkeypatch):
     # tiny shapes (racecheck and synccheck are slow); the per-tile pack only in the full set
     assert all(sum(sanitize_driver.PACKS[c.pack]) < 1100 and sanitize_driver.HEADS[c.heads][0] <= 4 for c in full)
     assert {c.pack for c in small} == set(sanitize_driver.SMALL_PACKS)
-    kernels = set()
-    for c in full:
-        H, Hk, D = sanitize_driver.HEADS[c.heads]
-        monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1" if c.deterministic else "0")
-        kernels |= kernel_warmup.call_kernels(c.recipe, D, H, Hk, sanitize_driver.PACKS[c.pack], True)
+    kernels = sanitize_driver.case_kernels(full)
     fwds = [cfg for k, cfg in kernels if k == "fwd"]
     bwds = [cfg for k, cfg in kernels if k == "bwd"]
     assert {k for k, _ in kernels} == set(kernel_warmup.KINDS)
