@@ -28,7 +28,7 @@ SUMMARY="$DIR/summary.txt"
   echo "commit: ${FLAMIA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
   echo "gpu: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1)"
   echo "sanitizer: ${SAN:-NOT FOUND} $([ -n "$SAN" ] && "$SAN" --version 2>&1 | grep -i version | head -1)"
-  echo; } > "$SUMMARY"
+  echo "steps: ${SANITIZE_STEPS:-warmup control memcheck racecheck synccheck}"; echo; } >> "$SUMMARY"
 if [ -z "$SAN" ]; then echo "compute-sanitizer not found (PATH, CUDA_HOME, /usr/local/cuda*)" | tee -a "$SUMMARY"; exit 2; fi
 fail=0
 STEPS=" ${SANITIZE_STEPS:-warmup control memcheck racecheck synccheck} "

@@ -38,6 +38,7 @@ PACKS = {**{f"len{n}": (n,) for n in EDGE_LENGTHS}, "edges": EDGE_LENGTHS, "mixe
          "many": (1,) * MANY_DOCS}
 SMALL_PACKS = ("edges", "mixed")
 HEADS = {"h2_d128": (2, 2, 128), "gqa2x1_d128": (2, 1, 128), "gqa4x1_d64": (4, 1, 64)}
+SMALL_HEADS = ("gqa2x1_d128", "gqa4x1_d64")  # d128 and d64, both GQA
 # every recipe with a kernel (plan.KERNEL_SCALINGS) except fp8_tokenblock, which shares the default's
 # forward build and the emulator's backward with fp8_token
 RECIPES = ("fp8_tokenblock_dsbf16", "fp8_token", "fp8_tensor_current")
@@ -56,10 +57,10 @@ class Case:
 
 def cases(which: str) -> list[Case]:
     """full: every recipe x head config x pack, plus the deterministic backward on the default recipe;
-    small: the same on SMALL_PACKS (without the per-tile pack)."""
-    packs = list(PACKS) if which == "full" else list(SMALL_PACKS)
-    out = [Case(r, h, p) for r in RECIPES for h in HEADS for p in packs]
-    out += [Case(RECIPES[0], h, p, deterministic=True) for h in HEADS for p in packs if p in SMALL_PACKS]
+    small (racecheck, synccheck): the same on SMALL_PACKS and SMALL_HEADS."""
+    packs, heads = (list(PACKS), list(HEADS)) if which == "full" else (list(SMALL_PACKS), list(SMALL_HEADS))
+    out = [Case(r, h, p) for r in RECIPES for h in heads for p in packs]
+    out += [Case(RECIPES[0], h, p, deterministic=True) for h in heads for p in packs if p in SMALL_PACKS]
     return out
 
 
