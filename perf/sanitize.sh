@@ -48,7 +48,7 @@ step() {  # step NAME EXPECT(pass|fail) CMD...: the command under a time limit, 
 }
 DRIVER=("${PYTHON:-python3}" perf/sanitize_driver.py)
 step warmup pass "${DRIVER[@]}" --set full --compile-ahead
-step control_oob fail "$SAN" --tool memcheck --error-exitcode 1 "${DRIVER[@]}" --control oob
+step control_oob fail env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool memcheck --error-exitcode 1 "${DRIVER[@]}" --control oob
 [[ $STEPS != *" control "* ]] || grep -q "Invalid __global__ write" "$DIR/control_oob.log" || { echo "control_oob: no 'Invalid __global__ write' in the log" | tee -a "$SUMMARY"; fail=1; }
 step memcheck pass env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool memcheck --error-exitcode 1 "${DRIVER[@]}" --set full
 step racecheck pass "$SAN" --tool racecheck --error-exitcode 1 "${DRIVER[@]}" --set small

@@ -114,17 +114,18 @@ def case_kernels(todo: list[Case]) -> set:
 
 
 def planted_oob() -> None:
-    """The e4m3-to-bf16 codes kernel launched straight from its launcher with an output one 16-element
-    chunk short: an out-of-bounds global write that memcheck must report (a sanitizer run that
-    reports nothing here checks nothing)."""
+    """The e4m3-to-bf16 codes kernel launched straight from its launcher for 64 16-element chunks into
+    an output of one: out-of-bounds global writes that memcheck must report (a sanitizer run that
+    reports nothing here checks nothing). Run it with PyTorch's caching allocator off, so that the
+    output is an allocation of its own."""
     import torch
 
     from flamia_cute.compile_cache import compile_launcher, launch_on_device, target_arch
     from flamia_cute.sm90 import codes
 
-    chunks = 2
+    chunks = 64
+    short = torch.empty(codes.CHUNK, dtype=torch.bfloat16, device="cuda")
     src = torch.zeros(chunks * codes.CHUNK, dtype=torch.float8_e4m3fn, device="cuda")
-    short = torch.empty((chunks - 1) * codes.CHUNK, dtype=torch.bfloat16, device="cuda")
     launch = compile_launcher(codes.SOURCE_FILES, codes.CodesConfig(row_scale=False), target_arch(),
                               lambda c, a, t: codes.compile_codes_sm90(c, a, tvm_ffi=t), codes.ARG_KINDS, None)
     launch_on_device(launch, src.device, src.data_ptr(), 0, short.data_ptr(), chunks, 1, 1, 1)

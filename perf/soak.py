@@ -111,12 +111,12 @@ def run_call(spec: dict, configs: dict) -> None:
     cu = cu_seqlens_from_lengths(lengths, "cuda")
     if spec["train"]:
         leaves = [t.requires_grad_() for t in (q, k, v)]
-        out = flamia_attn_varlen_func(*leaves, cu, cu, mx, mx, recipe=RECIPE)
+        out = flamia_attn_varlen_func(*leaves, cu, cu, mx, mx, recipe=RECIPE, backend="cute")
         grads = torch.autograd.grad(out, leaves, mk(H))
         results = (out, *grads)
     else:
         with torch.no_grad():
-            results = (flamia_attn_varlen_func(q, k, v, cu, cu, mx, mx, recipe=RECIPE),)
+            results = (flamia_attn_varlen_func(q, k, v, cu, cu, mx, mx, recipe=RECIPE, backend="cute"),)
     if not all(bool(torch.isfinite(r).all()) for r in results):
         raise RuntimeError(f"call {spec['index']} (seed {spec['seed']}): non-finite output")
 
