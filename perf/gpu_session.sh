@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs a maintainer repeats, by stage: bash perf/gpu_session.sh STAGE...   (perf/README.md)
-# Stages: setup tests tests-full bench breakdown api-profile tune ablations go36 train accuracy sanitize fuzz
-# soak train-long cudnn-direct.
+# Stages: setup tests tests-full bench breakdown api-profile tune ablations go36 train accuracy sanitize
+# sanitize-race fuzz soak train-long cudnn-direct.
 # Each stage writes $RESULTS/<date>-<stage>/: its log, its outputs and a MANIFEST.md (commit, command,
 # GPU, clock regime, SM clock samples where taken). RESULTS defaults to $OUT (the device tool returns
 # what is under $OUT), else perf/results. WORKLOADS, ABLATIONS, TRAIN_WHAT, TRAIN_SEED, SANITIZE_STEPS,
@@ -84,11 +84,12 @@ for stage in "$@"; do
       run demo 200 python3 -m flamia_cute
       run kernel_accuracy 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_accuracy.py
       run accuracy_table 180 python3 -m flamia_cute.cli accuracy --json "$DIR/accuracy_emulator.json" ;;
-    sanitize)  # compute-sanitizer on every shipping kernel, tiny odd packs (perf/sanitize.sh): a warm-up that
-      # compiles, a planted out-of-bounds write memcheck must report, memcheck, racecheck, synccheck. SANITIZE_STEPS
-      # picks steps (two calls: "warmup control memcheck", then "racecheck synccheck"; the disk cache carries over)
-      begin sanitize "not timed (correctness)"
-      run sanitize 590 bash perf/sanitize.sh "$DIR" ;;
+    sanitize|sanitize-race)  # compute-sanitizer on every shipping kernel, tiny odd packs (perf/sanitize.sh):
+      # sanitize = the warm-up that compiles, the planted out-of-bounds write memcheck must report, memcheck (~6-9 min);
+      # sanitize-race = racecheck and synccheck (~4-8 min; run it after sanitize on the same machine: its disk cache)
+      begin "$stage" "not timed (correctness)"
+      if [ "$stage" = sanitize ]; then steps="warmup control memcheck"; limit=420; else steps="racecheck synccheck"; limit=280; fi
+      run "${stage//-/_}" 590 env SANITIZE_STEPS="${SANITIZE_STEPS:-$steps}" SANITIZE_LIMIT="$limit" bash perf/sanitize.sh "$DIR" ;;
     fuzz)  # 320 random packs (1..16k-token documents, every head config, training and no_grad) against the
       # emulator within the kernel tests' bounds; FUZZ_SEED replays a run (~2-3 min with its compiles)
       begin fuzz "not timed (correctness)"
