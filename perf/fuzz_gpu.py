@@ -18,7 +18,7 @@ with --seed SEED --only INDEX.
 
     python perf/fuzz_gpu.py --out DIR            # 320 packs, fuzz.csv and fuzz.log in DIR
 
-Expected time on one H200: ~1-2 min for the packs after the kernels are compiled (about 40 builds,
+Expected time on one H200: ~1-2 min for the packs after the kernels are compiled (about 30 builds,
 compiled ahead on all cores: ~20-40 s from a cold cache, seconds from a warm one).
 """
 
