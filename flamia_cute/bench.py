@@ -174,14 +174,12 @@ class CudnnFp8(Impl):
         return t.view(self.b, self.s, *t.shape[1:])
 
     def run(self, case, q, k, v, do, mode):
-        from .baselines.cudnn_fp8 import to_bf16
-
-        o, desc, stats, saved = self.att.forward(self._bshd(q), self._bshd(k), self._bshd(v))
-        out = to_bf16(o, desc.to(torch.bfloat16)).view(q.shape)  # O as a bf16 consumer takes it
+        # O (and the gradients) in bf16, as their consumers take them
+        out, saved = self.att.forward_bf16(self._bshd(q), self._bshd(k), self._bshd(v))
         if mode == "fwd":
-            return out, None
-        dq, dk, dv = self.att.backward(self._bshd(do), o, desc, stats, saved)
-        return out, dq.view(q.shape)
+            return out.view(q.shape), None
+        dq, dk, dv = self.att.backward(self._bshd(do), *saved)
+        return out.view(q.shape), dq.view(q.shape)
 
 
 def _sync(device):
@@ -432,6 +430,9 @@ def environment() -> dict:
             env[mod] = getattr(m, "__version__", "?")
         except Exception:
             env[mod] = None
+    cudnn_baseline = sys.modules.get("flamia_cute.baselines.cudnn_fp8")
+    if cudnn_baseline is not None and cudnn_baseline.FUSION["mode"]:  # how its per-call passes ran
+        env["cudnn_passes"] = cudnn_baseline.FUSION["mode"]
     return env
 
 

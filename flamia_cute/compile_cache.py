@@ -52,15 +52,41 @@ _FAST: dict[tuple, Any] = {}  # (source paths, config, arch) -> compiled: this p
 _MODULES: dict[str, Any] = {}  # loaded ExternalBinaryModules, kept alive with their functions
 
 
+@dataclass(frozen=True)
+class KernelBuild:
+    """One kernel this process got from outside its in-memory cache: compiled, or loaded from disk."""
+
+    config: Any  # the kernel's frozen config (FwdConfig, BwdDsBf16Config, MultiQuantizeConfig, ...)
+    arch: str
+    variant: str  # "" or "tvm_ffi"
+    source: str  # "compile" or "disk"
+
+
 @dataclass
 class CacheStats:
     memory_hits: int = 0
     disk_hits: int = 0
     compiles: int = 0
     export_errors: list[str] = field(default_factory=list)
+    builds: list[KernelBuild] = field(default_factory=list)  # in order; see kernel_builds()
 
 
 STATS = CacheStats()
+
+
+def kernel_builds(since: int = 0) -> list[KernelBuild]:
+    """The kernels this process compiled or loaded from disk (each at most once per key while the
+    in-memory cache holds it), from the `since`-th on: a long run checks that nothing builds after
+    its warm-up (len(kernel_builds()) then, and kernel_builds(that) later, must be empty)."""
+    return STATS.builds[since:]
+
+
+def _record(config: Any, arch: str, variant: str, source: str) -> None:
+    if source == "compile":
+        STATS.compiles += 1
+    else:
+        STATS.disk_hits += 1
+    STATS.builds.append(KernelBuild(config, arch, variant, source))
 
 # Compute capability -> arch string the DSL accepts; "a" targets use wgmma/tcgen05 features.
 _ARCH_BY_CC = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a", (12, 0): "sm_120a"}
@@ -250,7 +276,8 @@ def _export(fn: Any, tmp: str, key: str, tvm_ffi: bool) -> Path:
 
 
 def _compile_cached_slow(kernel_source_files, config, arch, build_fn, tvm_ffi=False):
-    key = cache_key(kernel_source_files, config, arch, "tvm_ffi" if tvm_ffi else "")
+    variant = "tvm_ffi" if tvm_ffi else ""
+    key = cache_key(kernel_source_files, config, arch, variant)
     finish = (lambda f: _raw_tvm_ffi_function(f, key)) if tvm_ffi else (lambda f: f)
     fn = _MEMORY.get(key)
     if fn is not None:
@@ -258,7 +285,7 @@ def _compile_cached_slow(kernel_source_files, config, arch, build_fn, tvm_ffi=Fa
         return fn
     if not disk_cache_enabled():
         fn = finish(build_fn(config, arch))
-        STATS.compiles += 1
+        _record(config, arch, variant, "compile")
         _MEMORY[key] = fn
         return fn
 
@@ -270,13 +297,13 @@ def _compile_cached_slow(kernel_source_files, config, arch, build_fn, tvm_ffi=Fa
         if obj.exists():
             try:
                 fn = _load(obj, key, tvm_ffi)
-                STATS.disk_hits += 1
+                _record(config, arch, variant, "disk")
             except Exception:  # truncated or foreign object: rebuild it
                 obj.unlink(missing_ok=True)
                 fn = None
         if fn is None:
             fn = build_fn(config, arch)
-            STATS.compiles += 1
+            _record(config, arch, variant, "compile")
             default = dsl_default_arch()
             if default is not None and default != arch:
                 # export_to_c of a kernel built for another arch than the DSL's import-time

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU runs a maintainer repeats, by stage: bash perf/gpu_session.sh STAGE...   (perf/README.md)
-# Stages: setup tests tests-full bench breakdown api-profile tune ablations go36 train accuracy.
+# Stages: setup tests tests-full bench breakdown api-profile tune ablations go36 train accuracy sanitize
+# sanitize-race fuzz soak train-long cudnn-direct.
 # Each stage writes $RESULTS/<date>-<stage>/: its log, its outputs and a MANIFEST.md (commit, command,
 # GPU, clock regime, SM clock samples where taken). RESULTS defaults to $OUT (the device tool returns
-# what is under $OUT), else perf/results. WORKLOADS, ABLATIONS, TRAIN_WHAT, TRAIN_SEED: see the stages.
+# what is under $OUT), else perf/results. WORKLOADS, ABLATIONS, TRAIN_WHAT, TRAIN_SEED, SANITIZE_STEPS,
+# FUZZ_SEED: see the stages.
 # One device call runs at most 10 minutes: run setup alone, then one or two stages per call.
 set -uo pipefail
 RESULTS=${RESULTS:-${OUT:-perf/results}}; mkdir -p "$RESULTS"
@@ -82,6 +84,26 @@ for stage in "$@"; do
       run demo 200 python3 -m flamia_cute
       run kernel_accuracy 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_accuracy.py
       run accuracy_table 180 python3 -m flamia_cute.cli accuracy --json "$DIR/accuracy_emulator.json" ;;
+    sanitize|sanitize-race)  # compute-sanitizer on every shipping kernel, tiny odd packs (perf/sanitize.sh):
+      # sanitize = the warm-up that compiles, the planted out-of-bounds write memcheck must report, memcheck (~6-9 min);
+      # sanitize-race = racecheck and synccheck (~4-8 min; run it after sanitize on the same machine: its disk cache)
+      begin "$stage" "not timed (correctness)"
+      if [ "$stage" = sanitize ]; then steps="warmup control memcheck"; limit=420; else steps="racecheck synccheck"; limit=280; fi
+      run "${stage//-/_}" 590 env SANITIZE_STEPS="${SANITIZE_STEPS:-$steps}" SANITIZE_LIMIT="$limit" bash perf/sanitize.sh "$DIR" ;;
+    fuzz)  # 320 random packs (1..16k-token documents, every head config, training and no_grad) against the
+      # emulator within the kernel tests' bounds; FUZZ_SEED replays a run (~2-3 min with its compiles)
+      begin fuzz "not timed (correctness)"
+      run fuzz_stdout 560 python3 perf/fuzz_gpu.py --out "$DIR" ${FUZZ_SEED:+--seed "$FUZZ_SEED"} ;;
+    soak)  # 2,000 random calls: allocated memory flat, reserved at a plateau, no kernel built after the warm-up
+      begin soak "not timed (memory and compiles)"
+      run soak_stdout 400 python3 perf/soak.py --out "$DIR" ;;
+    train-long)  # FA4 against ours, train/ on 16k-token documents: tokens/s and a training step's peak memory
+      begin train-long "eager training steps (median tokens/s after 10 warm-up steps)"
+      run train_long 590 bash perf/train_long.sh "$DIR" ;;
+    cudnn-direct)  # the cuDNN FP8 baseline against a direct cudnn-frontend call: GPU time, then graph replays
+      begin cudnn-direct "burst (--gpu-time: each call behind a queued GPU sleep); sustained CUDA-graph replays for --graph"
+      run cudnn_direct 400 python3 perf/cudnn_direct.py --only 1x16k,4x4k,16x1k --bwd --out "$DIR"
+      run cudnn_direct_graph 300 python3 perf/cudnn_direct.py --only 1x16k --graph --out "$DIR/graph" ;;
     *) echo "unknown stage $stage (see perf/README.md)" ;;
   esac
 done

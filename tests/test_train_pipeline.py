@@ -1,6 +1,7 @@
 """The training-validation pipeline (train/) end to end on the CPU: tiny model, emulator backend."""
 
 import csv
+import itertools
 import json
 import math
 import os
@@ -53,6 +54,53 @@ def test_pack_documents_cu_seqlens_match_document_lengths():
             assert torch.equal(b.targets[s : e - 1], b.tokens[s + 1 : e])  # next token, same document
             assert int(b.targets[e - 1]) == data.IGNORE_INDEX  # never across a boundary
     assert pieces_per_doc == lengths
+
+
+def test_concat_documents_makes_exact_long_documents_in_order():
+    docs = [torch.arange(n) + 1000 * i for i, n in enumerate([5, 40, 3, 100, 1, 17, 64, 2])]
+    long = list(data.concat_documents(iter(docs), 50))
+    assert [len(d) for d in long] == [50, 50, 50, 50, 32]  # 232 tokens: the last one shorter
+    assert torch.equal(torch.cat(long), torch.cat(docs))  # nothing lost, order kept
+    with pytest.raises(ValueError, match="doc_tokens"):
+        next(data.concat_documents(iter(docs), 1))
+
+
+def test_long_document_batches_from_the_corpus(corpus):
+    """--doc-tokens: every document of a batch has exactly doc_tokens tokens and spans several files (their
+    BOS tokens inside), packed four to a batch; deterministic, and the held-out set built the same way."""
+    batches = list(itertools.islice(data.train_batches(4096, seed=3, files=corpus, max_doc_tokens=1024,
+                                                       doc_tokens=1024), 16))
+    b = batches[0]
+    assert all(x.doc_lengths == [1024] * 4 and x.max_seqlen == 1024 for x in batches)
+    assert int(b.tokens[0]) == data.BOS
+    # files concatenated: files start inside documents, and a document's targets cross them
+    inside = [bool((x.tokens.view(4, 1024)[:, 1:] == data.BOS).any()) for x in batches]
+    assert any(inside)
+    again = next(data.train_batches(4096, seed=3, files=corpus, max_doc_tokens=1024, doc_tokens=1024))
+    assert torch.equal(b.tokens, again.tokens)
+    (held,) = data.heldout_batches(1, 2048, files=corpus, doc_tokens=1024)
+    assert held.doc_lengths == [1024, 1024]
+
+
+def test_doc_tokens_options_of_a_run():
+    limits = lambda *argv: run.doc_limits(run.parse_args(list(argv)))
+    assert limits() == (4096, None)
+    assert limits("--doc-tokens", "16384") == (16384, 16384)
+    assert limits("--doc-tokens", "2048", "--max-doc-tokens", "4096") == (4096, 2048)
+    with pytest.raises(SystemExit, match="cut"):
+        limits("--doc-tokens", "16384", "--max-doc-tokens", "4096")
+
+
+def test_long_document_run_reports_throughput(tmp_path):
+    summary = run.main(["--attention", "sdpa", "--preset", "tiny", "--steps", "3", "--tokens-per-step", "256",
+                        "--doc-tokens", "128", "--eval-batches", "1", "--eval-every", "0", "--leak-samples", "0",
+                        "--timing-warmup", "1", "--out", str(tmp_path)])
+    assert summary["doc_tokens"] == 128 and summary["max_doc_tokens"] == 128
+    tp = summary["throughput"]
+    assert tp["timed_steps"] == 2 and tp["tokens_per_s"] > 0 and tp["peak_mem_mb"] is None  # no GPU memory here
+    with open(tmp_path / f"{summary['run']}.csv", newline="") as fh:
+        assert set(run.CSV_FIELDS) == set(next(csv.DictReader(fh)))
+    assert "tokens/s" in run.main(["--compare", str(tmp_path)])
 
 
 def test_real_corpus_batches_are_documents_and_deterministic(corpus):

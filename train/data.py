@@ -6,7 +6,9 @@ so the split is stable across machines and runs. Documents are packed into fixed
 token batches with int32 cu_seqlens; a document longer than max_doc_tokens, or that does
 not fit in what is left of a batch, is cut, and each piece is a separate document (no
 attention across pieces, positions restart). The cap bounds attention context, and the
-emulator's memory (it builds a full score matrix per document).
+emulator's memory (it builds a full score matrix per document). With doc_tokens, consecutive files
+are first concatenated into long documents of exactly doc_tokens tokens (concat_documents: the
+long-context benchmark's 16k-token documents; the files' BOS and EOS tokens stay inside).
 
 The file list depends on the installed torch and Python versions: runs that are
 compared must use the same machine (or the same versions).
@@ -146,15 +148,39 @@ def pack_documents(docs: Iterator[torch.Tensor], tokens_per_batch: int, max_doc_
             return
 
 
+def concat_documents(docs: Iterator[torch.Tensor], doc_tokens: int) -> Iterator[torch.Tensor]:
+    """Long documents of exactly doc_tokens tokens, each the next files' tokens end to end (a file cut at
+    a document's end continues the next one); a shorter last one when the files run out."""
+    if doc_tokens < 2:
+        raise ValueError(f"doc_tokens must be >= 2, got {doc_tokens}")
+    parts, used = [], 0
+    for d in docs:
+        while len(d):
+            take = min(len(d), doc_tokens - used)
+            parts.append(d[:take])
+            d, used = d[take:], used + take
+            if used == doc_tokens:
+                yield torch.cat(parts)
+                parts, used = [], 0
+    if parts:
+        yield torch.cat(parts)
+
+
+def _documents(files: list[SourceFile], seed: int, epochs: int | None, doc_tokens: int | None):
+    docs = document_stream(files, seed, epochs)
+    return concat_documents(docs, doc_tokens) if doc_tokens else docs
+
+
 def train_batches(tokens_per_step: int, seed: int, files: list[SourceFile] | None = None,
-                  max_doc_tokens: int | None = None) -> Iterator[PackedBatch]:
+                  max_doc_tokens: int | None = None, doc_tokens: int | None = None) -> Iterator[PackedBatch]:
+    """doc_tokens: documents of that many tokens, concatenated from consecutive files (concat_documents)."""
     train, _ = split_corpus(files if files is not None else list_corpus_files())
-    return pack_documents(document_stream(train, seed), tokens_per_step, max_doc_tokens)
+    return pack_documents(_documents(train, seed, None, doc_tokens), tokens_per_step, max_doc_tokens)
 
 
 def heldout_batches(num_batches: int, tokens_per_batch: int, files: list[SourceFile] | None = None,
-                    max_doc_tokens: int | None = None) -> list[PackedBatch]:
+                    max_doc_tokens: int | None = None, doc_tokens: int | None = None) -> list[PackedBatch]:
     """A fixed held-out evaluation set: the same for every run on a machine with the same settings."""
     _, heldout = split_corpus(files if files is not None else list_corpus_files())
-    stream = pack_documents(document_stream(heldout, HELDOUT_SEED, epochs=1), tokens_per_batch, max_doc_tokens)
+    stream = pack_documents(_documents(heldout, HELDOUT_SEED, 1, doc_tokens), tokens_per_batch, max_doc_tokens)
     return list(itertools.islice(stream, num_batches))

@@ -126,7 +126,8 @@ def main(argv=None):
     model = Decoder(ModelConfig(**ckpt["config"]), spec)
     model.load_state_dict(ckpt["model"])
     model.to(device)
-    batches = heldout_batches(args.eval_batches, ckpt["tokens_per_step"], max_doc_tokens=ckpt["max_doc_tokens"])
+    batches = heldout_batches(args.eval_batches, ckpt["tokens_per_step"], max_doc_tokens=ckpt["max_doc_tokens"],
+                              doc_tokens=ckpt.get("doc_tokens"))
     result = {"checkpoint": args.checkpoint, "trained_with": ckpt["attention"], "evaluated_with": asdict(spec)}
     result["heldout_loss"] = parallel_heldout_loss(model, batches, device)
     result.update(causal_gap(model, batches, device, args.samples, args.seed, args.max_prefix))

@@ -20,6 +20,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import asdict
 
@@ -30,7 +31,8 @@ from .data import IGNORE_INDEX, VOCAB_SIZE, heldout_batches, list_corpus_files, 
 from .eval_leakage import autocast_for, causal_gap, parallel_heldout_loss
 from .model import ATTENTION_KINDS, AttentionSpec, AttentionTimer, Decoder, preset
 
-CSV_FIELDS = ("step", "lr", "train_loss", "grad_norm", "tokens_per_s", "step_ms", "attn_ms", "heldout_loss")
+CSV_FIELDS = ("step", "lr", "train_loss", "grad_norm", "tokens_per_s", "step_ms", "attn_ms", "peak_mem_mb", "step_mem_mb",
+              "heldout_loss")
 FINAL_WINDOW = 20  # final train loss = mean over the last steps: one step's loss is noisy
 
 
@@ -42,8 +44,13 @@ def parse_args(argv=None):
     ap.add_argument("--preset", choices=("tiny", "llama_125m"), default="llama_125m")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--tokens-per-step", type=int, default=65536)
-    ap.add_argument("--max-doc-tokens", type=int, default=4096,
-                    help="longer documents are cut into pieces that each start a new document (context length)")
+    ap.add_argument("--max-doc-tokens", type=int, default=None,
+                    help="longer documents are cut into pieces that each start a new document (context length; "
+                         "default 4096, or --doc-tokens)")
+    ap.add_argument("--doc-tokens", type=int, default=None,
+                    help="concatenate consecutive corpus files into documents of exactly this many tokens (long context)")
+    ap.add_argument("--timing-warmup", type=int, default=5,
+                    help="steps left out of the summary's median tokens/s and step time (compiles, allocator warm-up)")
     ap.add_argument("--seed", type=int, default=0, help="model init and data order")
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
@@ -122,8 +129,30 @@ def _local(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def doc_limits(args) -> tuple[int, int | None]:
+    """(max_doc_tokens, doc_tokens) of a run: --max-doc-tokens defaults to 4096, or to --doc-tokens, which it
+    must not cut."""
+    if args.doc_tokens is not None and args.doc_tokens < 2:
+        raise SystemExit(f"--doc-tokens must be >= 2, got {args.doc_tokens}")
+    max_doc = args.max_doc_tokens if args.max_doc_tokens is not None else (args.doc_tokens or 4096)
+    if args.doc_tokens and max_doc < args.doc_tokens:
+        raise SystemExit(f"--max-doc-tokens {max_doc} would cut the --doc-tokens {args.doc_tokens} documents")
+    return max_doc, args.doc_tokens
+
+
+def throughput(rows: list[dict], warmup: int) -> dict:
+    """Median tokens/s, step and attention time over the steps after `warmup`, and the largest step peak
+    memory (all steps; None off the GPU), from the CSV rows' strings."""
+    timed = rows[warmup:] or rows
+    med = lambda key: statistics.median(float(r[key]) for r in timed) if timed else None
+    most = lambda key: max((float(r[key]) for r in rows if r.get(key)), default=None)
+    return {"timed_steps": len(timed), "tokens_per_s": med("tokens_per_s"), "step_ms": med("step_ms"),
+            "attn_ms": med("attn_ms"), "peak_mem_mb": most("peak_mem_mb"), "step_mem_mb": most("step_mem_mb")}
+
+
 def train(args) -> dict:
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    doc_limits(args)  # bad --doc-tokens / --max-doc-tokens stop here, before any process group
     if device.type == "cuda":
         os.environ.setdefault("FLAMIA_CUTE_TRUST_CU_SEQLENS", "1")  # data.py builds them; skip a sync per call
     rank, world, device = setup_distributed(args, device)
@@ -137,6 +166,7 @@ def train(args) -> dict:
 
 
 def _train(args, device, rank: int, world: int) -> dict:
+    max_doc_tokens, doc_tokens = doc_limits(args)
     spec = AttentionSpec(args.attention, args.recipe if args.attention == "flamia" else "none", args.backend)
     spec.check_device(device)
     run = args.run_name or default_run_name(args)
@@ -152,18 +182,20 @@ def _train(args, device, rank: int, world: int) -> dict:
     opt = make_optimizer(model, args.lr, args.weight_decay, device)
     files = list_corpus_files()
     # data parallel: rank r trains on batches r, r + world, ...
-    batches = itertools.islice(train_batches(args.tokens_per_step, args.seed, files, args.max_doc_tokens), rank, None,
-                               world)
+    batches = itertools.islice(train_batches(args.tokens_per_step, args.seed, files, max_doc_tokens, doc_tokens),
+                               rank, None, world)
     fixed_batch = next(batches).to(device) if args.repeat_batch else None
-    heldout = heldout_batches(args.eval_batches, args.tokens_per_step, files, args.max_doc_tokens)
+    heldout = heldout_batches(args.eval_batches, args.tokens_per_step, files, max_doc_tokens, doc_tokens)
     timer = AttentionTimer(device)
     log = print if writes else (lambda *a, **k: None)
     log(f"[{run}] {n_params / 1e6:.1f}M params, {args.preset}, {spec}, device {device}, "
         f"{len(files)} corpus files, {args.steps} steps x {args.tokens_per_step} tokens"
-        + (f" x {world} ranks (FSDP2)" if args.fsdp else "") + (f", compiled ({args.compile_backend})" if args.compile else ""))
+        + (f" x {world} ranks (FSDP2)" if args.fsdp else "") + (f", compiled ({args.compile_backend})" if args.compile else "")
+        + ", documents " + (f"of {doc_tokens} tokens (files concatenated)" if doc_tokens
+                            else f"of at most {max_doc_tokens} tokens"))
 
     csv_path = os.path.join(args.out, f"{run}.csv")
-    losses, heldout_loss, diverged_at = [], float("nan"), None
+    losses, heldout_loss, diverged_at, rows = [], float("nan"), None, []
     with open(csv_path if writes else os.devnull, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
         writer.writeheader()
@@ -172,6 +204,10 @@ def _train(args, device, rank: int, world: int) -> dict:
             for g in opt.param_groups:
                 g["lr"] = lr
             batch = fixed_batch if fixed_batch is not None else next(batches).to(device)
+            if device.type == "cuda":  # the step's peak over what it starts with (weights, optimizer state, batch)
+                torch.cuda.synchronize()
+                start_mem = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             with autocast_for(device):
                 logits = model(batch.tokens, batch.cu_seqlens, batch.max_seqlen, timer=timer)
@@ -187,8 +223,11 @@ def _train(args, device, rank: int, world: int) -> dict:
             row = {
                 "step": step, "lr": f"{lr:.3e}", "train_loss": f"{loss_v:.5f}", "grad_norm": f"{grad_norm_v:.4f}",
                 "tokens_per_s": f"{batch.tokens.numel() / step_s:.0f}", "step_ms": f"{1000 * step_s:.1f}",
-                "attn_ms": f"{timer.pop_ms():.1f}", "heldout_loss": "",
+                "attn_ms": f"{timer.pop_ms():.1f}", "peak_mem_mb": "", "step_mem_mb": "", "heldout_loss": "",
             }
+            if device.type == "cuda":
+                peak = torch.cuda.max_memory_allocated()
+                row["peak_mem_mb"], row["step_mem_mb"] = f"{peak / 2**20:.0f}", f"{(peak - start_mem) / 2**20:.0f}"
             losses.append(loss_v)
             if not math.isfinite(loss_v):
                 diverged_at = step
@@ -196,6 +235,7 @@ def _train(args, device, rank: int, world: int) -> dict:
                 heldout_loss = parallel_heldout_loss(model, heldout, device)
                 row["heldout_loss"] = f"{heldout_loss:.5f}"
             writer.writerow(row)
+            rows.append(row)
             fh.flush()  # a crashed or killed run still leaves its curve
             if step % args.log_every == 0 or step in (1, args.steps) or diverged_at:
                 log(f"[{run}] step {step:5d} loss {loss_v:.4f} gnorm {grad_norm_v:.3f} lr {lr:.2e} "
@@ -213,7 +253,8 @@ def _train(args, device, rank: int, world: int) -> dict:
     tail = losses[-FINAL_WINDOW:]
     summary = {
         "run": run, "attention": asdict(spec), "preset": args.preset, "params": n_params, "steps": len(losses),
-        "tokens_per_step": args.tokens_per_step, "max_doc_tokens": args.max_doc_tokens, "seed": args.seed,
+        "tokens_per_step": args.tokens_per_step, "max_doc_tokens": max_doc_tokens, "doc_tokens": doc_tokens,
+        "seed": args.seed, "throughput": throughput(rows, args.timing_warmup),
         "lr": args.lr, "repeat_batch": args.repeat_batch,
         "final_train_loss": sum(tail) / len(tail), "heldout_loss": heldout_loss, "diverged_at": diverged_at,
         "leakage": leak, "device": str(device), "world_size": world, "fsdp": args.fsdp, "compile": args.compile,
@@ -225,7 +266,7 @@ def _train(args, device, rank: int, world: int) -> dict:
         json.dump(summary, fh, indent=2)
     if args.save_model:
         torch.save({"model": state, "config": asdict(cfg), "attention": asdict(spec),
-                    "tokens_per_step": args.tokens_per_step, "max_doc_tokens": args.max_doc_tokens},
+                    "tokens_per_step": args.tokens_per_step, "max_doc_tokens": max_doc_tokens, "doc_tokens": doc_tokens},
                    os.path.join(args.out, f"{run}.pt"))
     plot_runs(args.out)
     return summary
@@ -318,6 +359,10 @@ def pick_control(runs: dict[str, dict], control: str | None) -> str | None:
     return None
 
 
+def _num(x, width: int = 9) -> str:
+    return f"{x:{width}.0f}" if x is not None else f"{'-':>{width}s}"
+
+
 def compare(directory: str, control: str | None = None) -> str:
     runs = load_runs(directory)
     if not runs:
@@ -326,9 +371,12 @@ def compare(directory: str, control: str | None = None) -> str:
     ctrl = pick_control(runs, control)
     ctrl_heldout = runs[ctrl]["summary"].get("heldout_loss", float("nan")) if ctrl else float("nan")
     header = (f"{'run':34s} {'steps':>6s} {'train':>8s} {'held-out':>9s} {'d vs ctrl':>10s} "
-              f"{'causal':>8s} {'leak gap (a)-(b)':>21s} {'attn ms':>8s}")
+              f"{'causal':>8s} {'leak gap (a)-(b)':>21s} {'attn ms':>8s} {'tokens/s':>9s} {'peak MiB':>9s} "
+              f"{'step MiB':>9s}")
     lines = [f"control: {ctrl or '(none found)'}; train = mean of the last {FINAL_WINDOW} steps; "
-             "leak gap < 0 beyond its stderr means the parallel pass sees what it should not", header]
+             "leak gap < 0 beyond its stderr means the parallel pass sees what it should not; tokens/s: median "
+             "over the steps after the timing warm-up; peak MiB: the largest peak of a step (torch.cuda."
+             "max_memory_allocated), step MiB: that peak over what the step started with", header]
     for name, run in runs.items():
         s = run["summary"]
         rows = run["rows"]
@@ -340,10 +388,11 @@ def compare(directory: str, control: str | None = None) -> str:
         leak = s.get("leakage") or {}
         attn = [float(r["attn_ms"]) for r in rows[1:]] or [float("nan")]  # step 1 includes compilation
         gap = f"{leak['gap']:+.5f}+-{leak['gap_stderr']:.5f}" if leak else "-"
+        tp = s.get("throughput") or throughput(rows, 1)
         lines.append(
             f"{name:34s} {len(rows):6d} {final if final is not None else float('nan'):8.4f} {held:9.4f} "
             f"{held - ctrl_heldout:+10.4f} {leak.get('loss_causal', float('nan')):8.4f} {gap:>21s} "
-            f"{sum(attn) / len(attn):8.1f}"
+            f"{sum(attn) / len(attn):8.1f} {_num(tp['tokens_per_s'])} {_num(tp['peak_mem_mb'])} {_num(tp['step_mem_mb'])}"
         )
     table = "\n".join(lines)
     print(table)

@@ -1,0 +1,103 @@
+"""The sm_90a kernels a call launches, from its plan (host only), and their compiles ahead of time in
+parallel processes, into the disk cache (FLAMIA_CUTE_CACHE_DIR): the GPU scripts (fuzz_gpu.py,
+soak.py) compile their kernels on all cores first instead of one at a time inside the timed loop.
+
+call_kernels() names each kernel by (kind, frozen config) the way the launch code builds it: a
+difference from what the kernels' host code builds shows as a build that soak.py reports unexpected.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+KINDS = ("quant", "fwd", "bwd", "codes")
+
+
+def call_kernels(recipe: str, head_dim: int, heads_q: int, heads_kv: int, lengths, train: bool) -> set[tuple]:
+    """{(kind, config)} of the sm_90a kernels one call launches (kind in KINDS): the Q/K/V launch (not
+    for the per-tensor control, which torch quantizes), the forward (its per-tile build past
+    PERSISTENT_MAX_DOCS documents) and, for a training call of a recipe with a backward kernel, the dO
+    + D launch (not for the control, whose dO torch quantizes), Q's codes conversion and the backward."""
+    from flamia_cute.plan import make_plan
+    from flamia_cute.sm90.attention_fwd import PERSISTENT_MAX_DOCS, per_tile_fallback
+    from flamia_cute.sm90.codes import CodesConfig
+    from flamia_cute.sm90.quantize import dout_delta_config
+
+    lengths = list(lengths)
+    plan = make_plan(recipe, head_dim, heads_q, heads_kv, max(lengths), sum(lengths), len(lengths))
+    fwd = plan.fwd
+    if fwd.persistent and len(lengths) > PERSISTENT_MAX_DOCS:
+        fwd = per_tile_fallback(fwd)
+    out = {("fwd", fwd)}
+    if plan.scaling != "tensor":
+        out.add(("quant", plan.qkv))
+    if train and plan.bwd is not None:
+        out |= {("codes", CodesConfig(row_scale=True)), ("bwd", plan.bwd)}
+        if plan.scaling != "tensor":
+            out.add(("quant", dout_delta_config(head_dim, heads_q, heads_q // heads_kv)))
+    return out
+
+
+def build(kind: str, config) -> None:
+    """Compile (or load) one kernel through the launcher its launch code uses (same cache key)."""
+    from flamia_cute.compile_cache import compile_launcher, target_arch
+
+    if kind == "fwd":
+        from flamia_cute.sm90.attention_fwd import get_launcher
+    elif kind == "bwd":
+        from flamia_cute.sm90.attention_bwd import get_launcher
+    elif kind == "quant":
+        from flamia_cute.sm90 import quantize as m
+
+        def get_launcher(c):
+            return compile_launcher(m.SOURCE_FILES, c, target_arch(),
+                                    lambda c_, a, t: m.compile_fused_quantize_sm90(c_, a, tvm_ffi=t), m.ARG_KINDS)
+    elif kind == "codes":
+        from flamia_cute.sm90 import codes as m
+
+        def get_launcher(c):
+            return compile_launcher(m.SOURCE_FILES, c, target_arch(),
+                                    lambda c_, a, t: m.compile_codes_sm90(c_, a, tvm_ffi=t), m.ARG_KINDS, None)
+    else:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    get_launcher(config)
+
+
+def _build_one(item) -> tuple[str, float, str | None]:
+    kind, config = item
+    t0 = time.time()
+    try:
+        build(kind, config)
+        return kind, time.time() - t0, None
+    except Exception as e:  # reported; the run compiles it in-process instead
+        return kind, time.time() - t0, f"{type(e).__name__}: {e}"[:300]
+
+
+def compile_ahead(kernels, workers: int | None = None, log=print) -> float:
+    """Compile `kernels` ({(kind, config)}) into the disk cache in `workers` spawned processes (default:
+    the CPU count, at most 16); returns the seconds it took. Without the disk cache (FLAMIA_CUTE_DISK_CACHE=0)
+    the processes' compiles would be lost: then nothing is done here."""
+    from flamia_cute.compile_cache import disk_cache_enabled
+
+    kernels = sorted(kernels, key=lambda kc: (KINDS.index(kc[0]), repr(kc[1])))
+    if not kernels or not disk_cache_enabled():
+        return 0.0
+    workers = max(1, min(workers or min(os.cpu_count() or 1, 16), len(kernels)))
+    t0 = time.time()
+    import multiprocessing
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for kind, _secs, err in pool.map(_build_one, kernels):
+            if err:
+                log(f"compile_ahead: {kind} failed in a worker ({err}); it compiles in-process when first called")
+    took = time.time() - t0
+    log(f"compile_ahead: {len(kernels)} kernels in {took:.1f} s on {workers} processes")
+    return took
+
+
+if __name__ == "__main__":
+    print(__doc__)
+    sys.exit(0)
