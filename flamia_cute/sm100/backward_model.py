@@ -18,7 +18,7 @@ import torch
 
 from ..quant.formats import E4M3, cast_to
 from ..quant.microscaling import E4M3_EMAX, mx_quantize
-from ..quant.mx_layout import MX_BLOCK, MxForwardOperands, unpack_dim_rows_sf
+from ..quant.mx_layout import MX_BLOCK, MxForwardOperands
 from .plan import BWD_KEY_TILE, BWD_QUERY_TILE
 
 LOG2E = math.log2(math.e)
@@ -58,7 +58,7 @@ def reference_bwd_sm100(ops: MxForwardOperands, q, dout, out, lse, cu_seqlens, s
     from .attention_fwd import decode_operands
 
     m = decode_operands(ops, cu_seqlens)
-    T, H, D, Hk, group, cu, qm, km, dt, qd, kd, vd = (m.T, m.H, m.D, m.Hk, m.group, m.cu, m.q, m.k, m.dt, m.qd,
+    T, H, D, Hk, group, cu, qm, km, vm, qd, kd, vd = (m.T, m.H, m.D, m.Hk, m.group, m.cu, m.q, m.k, m.v, m.qd,
                                                       m.kd, m.vd)
     d_row = (dout.float() * out.float()).sum(-1)  # (T, H): D = rowsum(dO * O)
     lse2 = lse.float() * LOG2E
@@ -71,7 +71,6 @@ def reference_bwd_sm100(ops: MxForwardOperands, q, dout, out, lse, cu_seqlens, s
         if L == 0:
             continue
         doc = slice(s0, s0 + L)
-        vm = ops.v_dt.float()[:, :, dt[b] + torch.arange(L)].permute(2, 0, 1) * unpack_dim_rows_sf(ops.v_sf, cu, T)[doc]
         q_t = mx_quantize(q[doc].float(), dim=0, block=MX_BLOCK)  # Q scaled along the queries (dK)
         do_d = mx_quantize(dout[doc].float(), dim=-1, block=MX_BLOCK)  # dO along D (dP^T)
         do_t = mx_quantize(dout[doc].float(), dim=0, block=MX_BLOCK)  # dO along the queries (dV)
@@ -80,7 +79,7 @@ def reference_bwd_sm100(ops: MxForwardOperands, q, dout, out, lse, cu_seqlens, s
                 keys = torch.arange(BWD_KEY_TILE * n, min(BWD_KEY_TILE * (n + 1), L))
                 dk_acc = torch.zeros(keys.numel(), D)
                 dv_acc = torch.zeros(keys.numel(), D)
-                kk, kkd, vv, vvd = km[s0 + keys, kh], kd[s0 + keys, kh], vm[keys, kh], vd[s0 + keys, kh]
+                kk, kkd, vv, vvd = km[s0 + keys, kh], kd[s0 + keys, kh], vm[s0 + keys, kh], vd[s0 + keys, kh]
                 first = BWD_KEY_TILE * n // BWD_QUERY_TILE
                 for i in range(first, -(-L // BWD_QUERY_TILE)):
                     rows = torch.arange(BWD_QUERY_TILE * i, min(BWD_QUERY_TILE * (i + 1), L))
