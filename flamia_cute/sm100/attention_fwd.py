@@ -25,10 +25,11 @@ Organization (one CTA per (128-query block, head, document), blocks longest firs
   shared -> tensor memory by tcgen05.cp just before the MMAs that read them (same-thread tcgen05
   ops execute in order: a chunk is never overwritten under an MMA still reading it);
 - warps 0-3 (softmax): thread r owns query row r (tensor-memory lane r). First, row r of Q's MX
-  values in bf16 from its codes and scale chunk (shared memory, for the diagonal's bf16 S). Per tile: S from tensor
-  memory, mask on the diagonal tile, online softmax in the log2 domain, O in tensor memory
-  rescaled by exp2(m_old - m_new) once the previous P V has finished, P's codes written back over
-  S (32 columns) and its scales into a shared-memory chunk. Epilogue: O / l in bf16, LSE.
+  values in bf16 from its codes and scale chunk (shared memory, for the diagonal's bf16 S). Per
+  tile: S from tensor memory, mask on the diagonal tile, online softmax in the log2 domain, O in
+  tensor memory rescaled by exp2(m_old - m_new) once the previous P V has finished, P's codes
+  written back over S (32 columns) and its scales into a shared-memory chunk. Epilogue: O / l in
+  bf16, LSE.
 Tensor memory (512 columns): S stages at 0 and 128 (P over them), O at 256, scale chunks after
 (400 used). Head dim 128 only: one scale chunk covers 4 blocks of 32 along D.
 
