@@ -108,6 +108,9 @@ KERNELS = {
         # its fused quantization: no tensor cores, so it also builds (and is GPU-tested) for sm_90a
         KernelEntry("quantize_mx", (*BLACKWELL_ARCHES, "sm_90a"), "flamia_cute.sm100.quantize_mx", "MxQuantizeConfig",
                     {"d128": {}}),
+        # the planned MXFP8 backward's dO (both orientations) and D = rowsum(dO * O): also runs on sm_90a
+        KernelEntry("quantize_do_mx", (*BLACKWELL_ARCHES, "sm_90a"), "flamia_cute.sm100.quantize_do_mx",
+                    "MxDoQuantizeConfig", {"d128": {}}),
     )
 }
 

@@ -10,7 +10,7 @@ code. Scheduling only: no attention math here.
   partner lookup; short_pair_follower, the second document whose own tile or CTA has nothing to do).
 - The sm_90a backward's grid: backward_grid (host, trace time) and backward_work_item (in the kernel),
   its CTA -> (KV head, document, key block) map.
-- The sm_100a MX quantization reuses doc_chunk_cumsum and last_doc_at_or_before for its tile slots.
+- The sm_100a MX quantizations reuse doc_chunk_cumsum and last_doc_at_or_before for their tile slots.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
                      threads: cutlass.Constexpr, barrier_id: cutlass.Constexpr, tile: cutlass.Constexpr, sPair=None):
     """Per-document tables in shared memory, for d in 0..num_docs: sCum[d] = sum over documents
     b < d of ceil(len_b / tile) (chunks), sDt[d] = document d's first data_dt column (the same sum
-    of lengths rounded up to DT_DOC_ALIGN: quant.dt_cu_seqlens).
+    of lengths rounded up to DT_DOC_ALIGN: quant.dt_cu_seqlens; sDt None: chunks only).
 
     Run by `threads` threads (tid in 0..threads-1, whole warps) that meet at named barrier
     `barrier_id`; the caller syncs before anyone reads the tables. Thread t owns documents
@@ -56,7 +56,8 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
     run_c, run_p = group_scan_up(tid, sWarp, threads, barrier_id, True, my_c, my_p)
     if tid == 0:
         sCum[0] = Int32(0)
-        sDt[0] = Int32(0)
+        if cutlass.const_expr(sDt is not None):
+            sDt[0] = Int32(0)
     for i in cutlass.range(k, unroll=1):
         b = d0 + i
         if b < num_docs:
@@ -64,7 +65,8 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
             run_c = run_c + c
             run_p = run_p + p
             sCum[b + 1] = run_c
-            sDt[b + 1] = run_p
+            if cutlass.const_expr(sDt is not None):
+                sDt[b + 1] = run_p
             if cutlass.const_expr(short_pairs):
                 sPair[b] = short_pair_len(mCu, b, num_docs)
 

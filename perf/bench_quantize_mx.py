@@ -3,9 +3,9 @@
     python perf/bench_quantize_mx.py        # prints a table; writes $OUT/bench_quantize_mx.json if OUT is set
 
 GPU time of one `quantize_mx_forward` call (one launch; `prep` times its torch part alone: the
-document tables past MAX_SCAN_DOCS documents, else nothing) and of its torch specification on the
+document table past MAX_SCAN_DOCS documents, else nothing) and of its torch specification on the
 GPU, CUDA events, medians over rotated inputs (more than L2 in total). Bytes: q, k, v read once (2 B per
-element); the codes of Q, K, V (1 B), Q's bf16 MX values (2 B) and the scale chunks written once.
+element); the codes of Q, K, V (1 B) and the scale chunks written once.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from flamia_cute.quant.mx_layout import SF_CHUNK_BYTES, document_starts, pack_mx_forward_operands, sf_slots
+from flamia_cute.quant.mx_layout import SF_CHUNK_BYTES, pack_mx_forward_operands, sf_slots, sf_tile_starts
 from flamia_cute.sm100.quantize_mx import MAX_SCAN_DOCS, quantize_mx_forward
 from flamia_cute.testing import cu_seqlens_from_lengths
 
@@ -52,16 +52,16 @@ def main():
         got = quantize_mx_forward(*bufs[0])
         want = pack_mx_forward_operands(*bufs[0])
         exact = all(torch.equal(getattr(got, n).view(torch.uint8), getattr(want, n).view(torch.uint8))
-                    for n in ("q", "k", "v_dt", "q_diag"))
+                    for n in ("q", "k", "v"))
         slots = sf_slots(T, len(lengths))
-        useful = T * HEADS * D * (3 * 2 + 3 + 2) + 3 * HEADS * slots * SF_CHUNK_BYTES
+        useful = T * HEADS * D * (3 * 2 + 3) + 3 * HEADS * slots * SF_CHUNK_BYTES
         k_ms = gpu_ms(quantize_mx_forward, bufs)
         t_ms = gpu_ms(pack_mx_forward_operands, bufs[:1])
         n_docs = len(lengths)
 
-        def prep(q, k, v, cu, n_docs=n_docs):  # the call's torch side: the host tables past MAX_SCAN_DOCS
+        def prep(q, k, v, cu, n_docs=n_docs):  # the call's torch side: the host table past MAX_SCAN_DOCS
             if n_docs > MAX_SCAN_DOCS:
-                document_starts(cu)
+                sf_tile_starts(cu)
 
         p_ms = gpu_ms(prep, bufs)
         rows.append(dict(workload=name, tokens=T, call_us=round(1e3 * k_ms, 1), prep_us=round(1e3 * p_ms, 1),

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Blackwell acceptance, one command for whoever first holds a B200/B300: bash perf/blackwell_acceptance.sh
-# Runs the sm100 tests, the leakage checks through the API (FLAMIA_CUTE_SM100=1, recipe mxfp8), the fused
-# MX quantization tests and the forward side by side with FA4 bf16 and cuDNN FP8. Writes acceptance.log and
-# acceptance.csv (each check's status, then the bench rows) to $OUT, else perf/results/<date>-blackwell-acceptance/.
+# Runs the sm100 tests, the leakage checks through the API (FLAMIA_CUTE_SM100=1, recipe mxfp8), the MX
+# quantizations' tests (the forward's Q/K/V, the backward's dO) and the forward side by side with FA4 bf16 and
+# cuDNN FP8. Writes acceptance.log and acceptance.csv (each check's status, then the bench rows) to $OUT, else
+# perf/results/<date>-blackwell-acceptance/.
 # On another GPU the Blackwell parts skip, saying so. WORKLOADS: the bench's --only (default: every workload).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +28,7 @@ step() {  # step NAME BLACKWELL_ONLY CMD...: run CMD (off Blackwell skip it if B
 
 step sm100_tests 1 $PY -m pytest -q -p no:cacheprovider -m sm100 tests
 step sm100_files 1 $PY -m pytest -q -p no:cacheprovider tests/test_attention_fwd_sm100.py tests/test_dispatch.py
-step mx_quantize 0 $PY -m pytest -q -p no:cacheprovider tests/test_quantize_mx_kernel.py
+step mx_quantize 0 $PY -m pytest -q -p no:cacheprovider tests/test_quantize_mx_kernel.py tests/test_quantize_do_mx.py
 step leakage_api 1 $PY - <<'EOF'
 from flamia_cute.testing import attention_fn_for, check_leakage, make_inputs
 q, k, v, do, cu, scale = make_inputs([1000, 1, 0, 517, 4096, 33, 129], 2, 2, 128, device="cuda", seed=4)

@@ -31,6 +31,14 @@ from .microscaling import mx_quantize, mx_quantize_2d, nvfp4_quantize  # noqa: E
 
 __all__ += ["mx_quantize", "mx_quantize_2d", "nvfp4_quantize"]
 
-from .mx_layout import MxForwardOperands, pack_mx_forward_operands, sf_slots, sf_tile_starts  # noqa: E402
+from .mx_layout import (  # noqa: E402
+    MxDoOperands,
+    MxForwardOperands,
+    pack_mx_do_operands,
+    pack_mx_forward_operands,
+    sf_slots,
+    sf_tile_starts,
+)
 
-__all__ += ["MxForwardOperands", "pack_mx_forward_operands", "sf_slots", "sf_tile_starts"]
+__all__ += ["MxDoOperands", "MxForwardOperands", "pack_mx_do_operands", "pack_mx_forward_operands", "sf_slots",
+            "sf_tile_starts"]

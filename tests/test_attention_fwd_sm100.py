@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from flamia_cute.emulator import emulate_forward, quantize_inputs
-from flamia_cute.quant import dt_cu_seqlens
 from flamia_cute.quant.mx_layout import (
     SF_UNUSED,
-    document_starts,
+    decode_dim_rows,
+    decode_token_rows,
     pack_mx_forward_operands,
     sf_byte_offset,
     sf_slots,
@@ -58,31 +58,33 @@ GPU_LSE_ABS = 4e-3
 LENGTH_SETS = [[1, 37, 200, 300, 130], [128, 256], [5, 1, 33, 64, 96, 31]]
 
 
-def _doc_tokens(cu, T):
-    doc = torch.searchsorted(cu.long(), torch.arange(T), right=True) - 1
-    return doc, torch.arange(T) - cu.long()[doc]
-
-
 # ----------------------------------------------------------------------------------------------
 # The operand layout
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kind", ["normal", "outliers", "tiny"])
 @pytest.mark.parametrize("lengths", LENGTH_SETS)
-def test_packed_operands_are_the_emulators_quantization(lengths):
-    """Codes x decoded scale chunks equal the emulator's MX values of Q, K and V exactly, and q_diag is
-    Q's MX value in bf16 (exact)."""
-    q, k, v, _, cu, _ = make_inputs(lengths, 4, 2, 128, seed=1)
+def test_packed_operands_are_the_emulators_quantization(lengths, kind):
+    """Codes x decoded scale chunks equal the emulator's MX values of Q, K and V exactly: V's token-major
+    codes with its dim-row chunks (P V's MN-major B); and bf16 holds Q's MX values exactly, so the
+    kernel's conversion of Q's codes for the diagonal loses nothing (tiny: values down to bf16's
+    subnormals, scales down to 2^-126)."""
+    q, k, v, _, cu, _ = make_inputs(lengths, 4, 2, 128, kind="outliers" if kind == "outliers" else "normal", seed=1)
+    if kind == "tiny":
+        q, k, v = (x * 2.0**-120 for x in (q, k, v))
     T = q.shape[0]
     ops = pack_mx_forward_operands(q, k, v, cu)
     qo, ko, vo = quantize_inputs(q, k, v, cu, cu, MXFP8)
     sq, sk = unpack_token_rows_sf(ops.q_sf, cu, T), unpack_token_rows_sf(ops.k_sf, cu, T)
     assert torch.equal((ops.q.float().reshape(T, 4, 4, 32) * sq[..., None]).reshape(T, 4, 128), qo.along_d)
     assert torch.equal((ops.k.float().reshape(T, 2, 4, 32) * sk[..., None]).reshape(T, 2, 128), ko.along_d)
-    doc, pos = _doc_tokens(cu, T)
-    v_td = ops.v_dt.float()[:, :, dt_cu_seqlens(cu).long()[doc] + pos].permute(2, 0, 1)
-    assert torch.equal(v_td * unpack_dim_rows_sf(ops.v_sf, cu, T), vo.along_t)
-    assert torch.equal(ops.q_diag.float(), qo.along_d)
+    assert ops.v.shape == v.shape and torch.equal(ops.v.float() * unpack_dim_rows_sf(ops.v_sf, cu, T), vo.along_t)
+    assert torch.equal(decode_dim_rows(ops.v, ops.v_sf, cu), vo.along_t)
+    q_vals = decode_token_rows(ops.q, ops.q_sf, cu)
+    assert torch.equal(q_vals.to(torch.bfloat16).float(), q_vals)
+    if kind == "tiny":
+        assert (sq == 2.0**-126).any() and (q_vals.abs() < 2.0**-126).any() and (q_vals != 0).any()
     assert torch.equal(ops.k_diag, k) and torch.equal(ops.v_diag, v)
 
 
@@ -91,8 +93,7 @@ def test_scale_chunk_layout():
     BlockScaledBasicChunk's (16 (r % 32) + 4 (r // 32) + b, every byte of a chunk once); unused rows 1.0."""
     lengths = [1, 129, 0, 300]
     cu = torch.tensor([0, 1, 130, 130, 430], dtype=torch.int32)
-    assert sf_tile_starts(cu).tolist() == [0, 1, 3, 3, 6]
-    assert document_starts(cu).tolist() == [[0, 1, 3, 3, 6], dt_cu_seqlens(cu).tolist()]
+    assert sf_tile_starts(cu).tolist() == [0, 1, 3, 3, 6] and sf_tile_starts(cu).dtype == torch.int32
     assert sf_slots(430, 4) >= 6
     r, b = torch.meshgrid(torch.arange(128), torch.arange(4), indexing="ij")
     assert sorted(sf_byte_offset(r, b).flatten().tolist()) == list(range(512))
@@ -208,7 +209,8 @@ def sm100_artifacts():
 def test_compiles_with_block_scaled_tcgen05(sm100_artifacts, group):
     """Both products on the block-scaled tensor core, 4 k-steps per site (S: the diagonal, the second
     tile's before the loop and the loop's; P V: the diagonal's and the loop's), the diagonal's bf16
-    products (8 k-steps each), scale chunks by tcgen05.cp, TMA loads, P and O through tensor memory,
+    products (8 k-steps each), scale chunks by tcgen05.cp, TMA loads (Q and V e4m3 only, no bf16 Q),
+    the diagonal's bf16 Q converted from Q's codes in shared memory, P and O through tensor memory,
     no local memory."""
     art = sm100_artifacts(qhead_per_kvhead=group)
     ptx = art.ptx
@@ -219,7 +221,12 @@ def test_compiles_with_block_scaled_tcgen05(sm100_artifacts, group):
     assert len(re.findall(r"kind::mxf8f6f4\.block_scale\.block32\S* \[%r\d+\], \[%r\d+\],", ptx)) == 8
     assert len(re.findall(r"kind::f16\S* \[%r\d+\], \[%r\d+\],", ptx)) == 8
     assert len(re.findall(r"tcgen05\.cp\.cta_group::1\.32x128b\.warpx4", ptx)) >= 4
-    assert "cp.async.bulk.tensor" in ptx and "tcgen05.alloc" in ptx and "tcgen05.dealloc" in ptx
+    assert "tcgen05.alloc" in ptx and "tcgen05.dealloc" in ptx
+    # TMA: Q, K, V and their chunks, one box each; bf16 K and V of the diagonal, two 128-byte boxes each
+    assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == 6 + 2 * 2
+    # Q's bf16 MX values: a row's 128 codes, two per cvt, scaled; 16-byte stores into the swizzled tile
+    assert len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)) == 64
+    assert len(re.findall(r"st\.shared\.v4\.b32", ptx)) == 16
     assert len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)) > 0
     assert ".local" not in ptx
     if art.frame_bytes is not None:

@@ -69,7 +69,7 @@ def test_blackwell_kernels_within_budgets(tmp_path, arch):
     sites and P V at two, 4 k-steps each), UTCQMMA in the SASS."""
     blocks, out = _ptx_all(tmp_path, arch)
     expected = {(k.name, c) for k in KERNELS.values() for c in k.configs if arch in k.arches}
-    assert set(blocks) == expected and {n for n, _ in expected} == {"fwd_mx", "quantize_mx"}
+    assert set(blocks) == expected and {n for n, _ in expected} == {"fwd_mx", "quantize_mx", "quantize_do_mx"}
     for (name, cfg), v in blocks.items():
         stem = out / f"{name}_{cfg}_{arch}"
         assert f".target {arch}" in stem.with_suffix(".ptx").read_text(), cfg

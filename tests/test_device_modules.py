@@ -10,7 +10,8 @@ SHARED = ("mask", "softmax", "tile_scheduler", "varlen")
 
 
 @pytest.mark.parametrize("module", ["flamia_cute.sm90.attention_fwd", "flamia_cute.sm90.attention_bwd",
-                                    "flamia_cute.sm100.attention_fwd", "flamia_cute.sm100.quantize_mx"])
+                                    "flamia_cute.sm100.attention_fwd", "flamia_cute.sm100.quantize_mx",
+                                    "flamia_cute.sm100.quantize_do_mx"])
 def test_source_files_cover_the_shared_device_modules(module):
     pytest.importorskip("cutlass")
     mod = importlib.import_module(module)

@@ -22,6 +22,18 @@ def test_original_order_clobbers_the_diagonals_p(n_tiles, kv_stages):
     assert "S1 writes tmem[0:128) between P0's write and mma: PV0's read of tmem[0:32)" in problems[0]
 
 
+@pytest.mark.parametrize("n_tiles", [1, 3])
+def test_q_conversion_must_wait_for_q_and_be_waited_for(n_tiles):
+    """The softmax warps write the diagonal's bf16 Q from Q's TMA'd codes; the bf16 S reads it."""
+    softmax = forward_roles(n_tiles)[2]
+    assert [op.label for op in softmax.ops[:4]] == ["wait q.full[0]#0", "cvt_Qd", "arrive qd.full[0]", "wait s.full[0]#0"]
+    problems = check(forward_roles(n_tiles, order="qd_unwaited"))
+    assert problems == ["Sbf0 may read sQd before cvt_Qd writes it"], problems
+    problems = check(forward_roles(n_tiles, order="q_unwaited"))
+    assert sorted(problems) == ["cvt_Qd may read sQ before load_q writes it",
+                                "cvt_Qd may read sfQ before load_q writes it"], problems
+
+
 def test_one_tile_has_no_second_s():
     # with only the diagonal there is no tile 1: both orders are the same sequence
     a, b = forward_roles(1, order="s_first"), forward_roles(1)

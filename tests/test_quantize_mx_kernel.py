@@ -29,9 +29,10 @@ needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl not impo
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_90a"])
 def test_compiles_with_e4m3_packs_and_no_local_memory(arch, scan):
     art = kernel_artifacts(MxQuantizeConfig(scan_documents=scan), arch)
-    # Q, K and V each: 128 elements per row, two per cvt
-    assert len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", art.ptx)) == 3 * 64
-    assert len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", art.ptx)) == 64  # Q's bf16 MX values
+    # Q, and K and V (one code path): 128 elements per row, two per cvt; no bf16 copy of Q (the forward
+    # converts its codes)
+    assert len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", art.ptx)) == 2 * 64
+    assert "cvt.rn.f16x2.e4m3x2" not in art.ptx
     assert ".local" not in art.ptx
     if art.frame_bytes is not None:
         assert art.frame_bytes == 0
@@ -79,7 +80,7 @@ def test_kernel_is_bit_exact_with_the_specification(mix, kind, scan):
     got = quantize_mx_forward(q, k, v, cu, MxQuantizeConfig(scan_documents=scan))
     want = pack_mx_forward_operands(q, k, v, cu)
     used = int(sf_tile_starts(cu)[-1])  # chunk slots past the last tile are never read
-    for name in ("q", "k", "v_dt", "q_diag"):
+    for name in ("q", "k", "v"):
         a, b = getattr(got, name), getattr(want, name)
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
     for name in ("q_sf", "k_sf", "v_sf"):
@@ -90,8 +91,8 @@ def test_kernel_is_bit_exact_with_the_specification(mix, kind, scan):
 @needs_dsl
 @pytest.mark.gpu
 @pytest.mark.sm90_sm100
-def test_no_tokens_gives_the_specifications_zeros():
-    """No launch when there is no token: V^T (its pad columns only) is still zero, as specified."""
+def test_no_tokens_launches_nothing():
     q, k, v, _, cu, _ = make_inputs([0, 0], 2, 2, 128, device="cuda")
     got, want = quantize_mx_forward(q, k, v, cu), pack_mx_forward_operands(q, k, v, cu)
-    assert got.v_dt.numel() > 0 and torch.equal(got.v_dt.view(torch.uint8), want.v_dt.view(torch.uint8))
+    for name in ("q", "q_sf", "k", "k_sf", "v", "v_sf"):
+        assert getattr(got, name).shape == getattr(want, name).shape, name

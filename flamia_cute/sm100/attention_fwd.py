@@ -4,28 +4,32 @@ Recipe `mxfp8` (flamia_cute.emulator is the spec; `reference_fwd_sm100` below is
 algorithm on the CPU, tile by tile, and must equal the emulator). Compiled and checked here
 without a Blackwell GPU (CI: PTX and SASS); it has not run on a GPU.
 
-Operands (quant.mx_layout.pack_mx_forward_operands): e4m3 codes of Q, K and V^T, and E8M0 scale
-chunks of 512 bytes, one per 128-token tile and head, in the block-scaled MMA's scale layout, so
-one TMA copy brings a tile's scales next to its codes. Both products run on the block-scaled
+Operands (quant.mx_layout.pack_mx_forward_operands): e4m3 codes of Q, K and V, all token-major, and
+E8M0 scale chunks of 512 bytes, one per 128-token tile and head, in the block-scaled MMA's scale
+layout, so one TMA copy brings a tile's scales next to its codes. V is P V's B operand read
+MN-major (head dims contiguous): no transposed copy. Both products run on the block-scaled
 tensor core (tcgen05.mma kind::mxf8f6f4.block_scale, one scale per 32 elements along the
 reduction): S = Q K^T with Q's per-token and K's 32x32 tile scales, and O += P V with P's
 per-row, per-32-key scales (computed here) and V's 32x32 tile scales. The diagonal safeguard:
 pairs whose key shares the query's 32-token block (K's and V's shared scales would carry future
-keys into them) run in bf16 (tcgen05.mma kind::f16): S from Q's MX values, exact in bf16, times
-bf16 K; O from bf16 P times bf16 V. Only the diagonal tile has such pairs.
+keys into them) run in bf16 (tcgen05.mma kind::f16): S from Q's MX values, exact in bf16 (the softmax
+warps convert Q's codes in shared memory), times bf16 K; O from bf16 P times bf16 V. Only the
+diagonal tile has such pairs.
 
 Organization (one CTA per (128-query block, head, document), blocks longest first; 192 threads):
-- warp 5 (load): TMA of Q's codes and scales and the diagonal tile's bf16 Q, K and V once, then
-  K and V^T tiles with their scale chunks through `kv_stages`-deep rings, diagonal first;
+- warp 5 (load): TMA of Q's codes and scales and the diagonal tile's bf16 K and V once, then K
+  and V tiles with their scale chunks through `kv_stages`-deep rings, diagonal first;
 - warp 4 (MMA): one thread issues every tcgen05 op. The diagonal's S (both stages), its P V,
   then S of tile 1; after that S of tile i + 1 is issued before P V of tile i, so the softmax of
   one tile runs under the other's matrix products (the order hazards.py checks). Scale chunks move
   shared -> tensor memory by tcgen05.cp just before the MMAs that read them (same-thread tcgen05
   ops execute in order: a chunk is never overwritten under an MMA still reading it);
-- warps 0-3 (softmax): thread r owns query row r (tensor-memory lane r). Per tile: S from tensor
-  memory, mask on the diagonal tile, online softmax in the log2 domain, O in tensor memory
-  rescaled by exp2(m_old - m_new) once the previous P V has finished, P's codes written back over
-  S (32 columns) and its scales into a shared-memory chunk. Epilogue: O / l in bf16, LSE.
+- warps 0-3 (softmax): thread r owns query row r (tensor-memory lane r). First, row r of Q's MX
+  values in bf16 from its codes and scale chunk (shared memory, for the diagonal's bf16 S). Per
+  tile: S from tensor memory, mask on the diagonal tile, online softmax in the log2 domain, O in
+  tensor memory rescaled by exp2(m_old - m_new) once the previous P V has finished, P's codes
+  written back over S (32 columns) and its scales into a shared-memory chunk. Epilogue: O / l in
+  bf16, LSE.
 Tensor memory (512 columns): S stages at 0 and 128 (P over them), O at 256, scale chunks after
 (400 used). Head dim 128 only: one scale chunk covers 4 blocks of 32 along D.
 
@@ -56,7 +60,6 @@ from .. import softmax as _softmax
 from .. import varlen as _varlen
 from ..compile_cache import compile_entry, launch_on_device
 from ..mask import hide_future
-from ..quant import DT_DOC_ALIGN, transposed_tokens
 from ..quant import mx_layout as _mx_layout
 from ..quant.mx_layout import MX_BLOCK, MX_TILE, SF_CHUNK_BYTES, MxForwardOperands, sf_slots
 from ..sm90.primitives import (
@@ -68,8 +71,12 @@ from ..sm90.primitives import (
     as_f32,
     cvt_bf16x2,
     cvt_e4m3x4,
+    e4m3x2_to_bf16x2,
     f32_bits,
+    smem_word_index,
     st_global_v4,
+    st_shared_v4,
+    xor_walk,
 )
 from ..softmax import LN2, LOG2E, fmax_chains, online_max, row_lse
 from ..validation import check_kernel_tensors, int32_cu_seqlens
@@ -107,7 +114,8 @@ class FwdSm100Config:
 
 
 def smem_bytes(cfg: FwdSm100Config) -> int:
-    """Shared memory a CTA asks for: fp8 Q and K/V stages, bf16 diagonal Q/K/V, scale chunks, barriers."""
+    """Shared memory a CTA asks for: fp8 Q and K/V stages, bf16 diagonal Q (converted in the kernel), K, V,
+    scale chunks, barriers."""
     t, d = MX_TILE, cfg.head_dim
     fp8 = t * d * (1 + 2 * cfg.kv_stages)
     bf16 = 3 * 2 * t * d
@@ -128,7 +136,7 @@ class FlamiaFwdSm100:
         self.group = config.qhead_per_kvhead
         self.stages = config.kv_stages
         self.kb = self.D // MX_BLOCK  # scale blocks along D (S) and along a key tile (P V): 4 each
-        # bytes TMA brings per stage: a tile's e4m3 codes and its scale chunk (Q, K and V^T alike);
+        # bytes TMA brings per stage: a tile's e4m3 codes and its scale chunk (Q, K and V alike);
         # the diagonal's bf16 tiles twice the codes' bytes each
         self.tile_bytes = self.tile * self.D + SF_CHUNK_BYTES
         self.bf16_tile_bytes = 2 * self.tile * self.D
@@ -140,16 +148,14 @@ class FlamiaFwdSm100:
         qsf_ptr: cute.Pointer,
         k_ptr: cute.Pointer,
         ksf_ptr: cute.Pointer,
-        vt_ptr: cute.Pointer,
+        v_ptr: cute.Pointer,
         vsf_ptr: cute.Pointer,
-        qd_ptr: cute.Pointer,
         kd_ptr: cute.Pointer,
         vd_ptr: cute.Pointer,
         cu_ptr: cute.Pointer,
         o_ptr: cute.Pointer,
         lse_ptr: cute.Pointer,
         T: Int32,
-        T_dt: Int32,
         slots: Int32,
         num_kv_heads: Int32,
         num_docs: Int32,
@@ -161,16 +167,12 @@ class FlamiaFwdSm100:
         H = num_kv_heads * self.group
         hd = cute.assume(H * D, divby=D)
         khd = cute.assume(num_kv_heads * D, divby=D)
-        tdt = cute.assume(T_dt, divby=128)
         # (token, d, head): d contiguous, K-major for S = Q K^T
         mQ = cute.make_tensor(q_ptr, cute.make_layout((T, D, H), stride=(hd, 1, D)))
         mK = cute.make_tensor(k_ptr, cute.make_layout((T, D, num_kv_heads), stride=(khd, 1, D)))
-        mQd = cute.make_tensor(qd_ptr, cute.make_layout((T, D, H), stride=(hd, 1, D)))
         mKd = cute.make_tensor(kd_ptr, cute.make_layout((T, D, num_kv_heads), stride=(khd, 1, D)))
-        # V^T (d, column, head), keys contiguous: K-major B of O = P V. bf16 V (d, token, head), d
-        # contiguous: the MN-major B of the diagonal's bf16 P V
-        mVt = cute.make_tensor(vt_ptr, cute.make_layout((D, tdt, num_kv_heads),
-                                                        stride=(tdt, 1, cute.assume(D * tdt, divby=128))))
+        # V (d, token, head), d contiguous: the MN-major B of O = P V, e4m3 codes and the diagonal's bf16
+        mV = cute.make_tensor(v_ptr, cute.make_layout((D, T, num_kv_heads), stride=(1, khd, D)))
         mVd = cute.make_tensor(vd_ptr, cute.make_layout((D, T, num_kv_heads), stride=(1, khd, D)))
         # scale chunks (word, slot, head): 128 words = 512 bytes per tile
         cw = SF_CHUNK_BYTES // 4
@@ -185,9 +187,10 @@ class FlamiaFwdSm100:
         one_cta = tcgen05.CtaGroup.ONE
         qk_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
             Float8E4M3FN, Float8E4M3FN, K_MAJOR, K_MAJOR, Float8E8M0FNU, MX_BLOCK, one_cta, (tn, tn))
-        # P comes from tensor memory (written over S), always K-major
+        # P comes from tensor memory (written over S), always K-major; V MN-major (its scale chunk's
+        # layout does not depend on the operand's major mode)
         pv_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
-            Float8E4M3FN, Float8E4M3FN, K_MAJOR, K_MAJOR, Float8E8M0FNU, MX_BLOCK, one_cta, (tn, D),
+            Float8E4M3FN, Float8E4M3FN, K_MAJOR, MN_MAJOR, Float8E8M0FNU, MX_BLOCK, one_cta, (tn, D),
             tcgen05.OperandSource.TMEM)
         qk_bf = sm100_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_MAJOR, K_MAJOR, Float32, one_cta, (tn, tn))
         pv_bf = sm100_utils.make_trivial_tiled_mma(BFloat16, BFloat16, K_MAJOR, MN_MAJOR, Float32, one_cta, (tn, D),
@@ -216,8 +219,7 @@ class FlamiaFwdSm100:
 
         tma_q, tQ = cute.nvgpu.make_tiled_tma_atom_A(g2s, mQ, slice0(sQ_l), qk_tiler, qk_mma)
         tma_k, tK = cute.nvgpu.make_tiled_tma_atom_B(g2s, mK, slice0(sK_l), qk_tiler, qk_mma)
-        tma_v, tV = cute.nvgpu.make_tiled_tma_atom_B(g2s, mVt, slice0(sV_l), pv_tiler, pv_mma)
-        tma_qd, tQd = cute.nvgpu.make_tiled_tma_atom_A(g2s, mQd, slice0(sQd_l), qk_tiler, qk_bf)
+        tma_v, tV = cute.nvgpu.make_tiled_tma_atom_B(g2s, mV, slice0(sV_l), pv_tiler, pv_mma)
         tma_kd, tKd = cute.nvgpu.make_tiled_tma_atom_B(g2s, mKd, slice0(sKd_l), qk_tiler, qk_bf)
         tma_vd, tVd = cute.nvgpu.make_tiled_tma_atom_B(g2s, mVd, slice0(sVd_l), pv_tiler, pv_bf)
         chunk_l = cute.make_layout(cw)
@@ -228,6 +230,7 @@ class FlamiaFwdSm100:
         @cute.struct
         class SharedStorage:
             q_mbar: cute.struct.MemRange[Int64, 2]
+            qd_mbar: cute.struct.MemRange[Int64, 2]
             d_mbar: cute.struct.MemRange[Int64, 2]
             k_mbar: cute.struct.MemRange[Int64, 2 * st]
             v_mbar: cute.struct.MemRange[Int64, 2 * st]
@@ -249,7 +252,7 @@ class FlamiaFwdSm100:
         self.shared_storage = SharedStorage
         self.kernel(
             qk_mma, pv_mma, qk_bf, pv_bf,
-            tma_q, tQ, tma_k, tK, tma_v, tV, tma_qd, tQd, tma_kd, tKd, tma_vd, tVd,
+            tma_q, tQ, tma_k, tK, tma_v, tV, tma_kd, tKd, tma_vd, tVd,
             tma_sq, tSQ, tma_sk, tSK, tma_sv, tSV,
             mO, mLSE, mCu,
             sQ_l, sK_l, sV_l, sQd_l, sKd_l, sVd_l, tP_l, tPd_l, sfQ_l, sfK_l, sfP_l, sfV_l,
@@ -261,7 +264,7 @@ class FlamiaFwdSm100:
         self,
         qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, qk_bf: cute.TiledMma, pv_bf: cute.TiledMma,
         tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor,
-        tma_v: cute.CopyAtom, tV: cute.Tensor, tma_qd: cute.CopyAtom, tQd: cute.Tensor,
+        tma_v: cute.CopyAtom, tV: cute.Tensor,
         tma_kd: cute.CopyAtom, tKd: cute.Tensor, tma_vd: cute.CopyAtom, tVd: cute.Tensor,
         tma_sq: cute.CopyAtom, tSQ: cute.Tensor, tma_sk: cute.CopyAtom, tSK: cute.Tensor,
         tma_sv: cute.CopyAtom, tSV: cute.Tensor,
@@ -307,10 +310,10 @@ class FlamiaFwdSm100:
             acc_layouts = self.acc_layouts(qk_mma, pv_mma)
             if warp == LOAD_WARP:
                 self.load(
-                    (tma_q, tQ, tma_k, tK, tma_v, tV, tma_qd, tQd, tma_kd, tKd, tma_vd, tVd,
+                    (tma_q, tQ, tma_k, tK, tma_v, tV, tma_kd, tKd, tma_vd, tVd,
                      tma_sq, tSQ, tma_sk, tSK, tma_sv, tSV),
                     (qk_mma, pv_mma, qk_bf, pv_bf),
-                    (sQ, sK, sV, sQd, sKd, sVd, sfQ, sfK, sfV),
+                    (sQ, sK, sV, sKd, sVd, sfQ, sfK, sfV),
                     pipes, mCu, head, kv_head, doc, doc_start, m_block, n_tiles,
                 )
             if warp == MMA_WARP:
@@ -329,6 +332,13 @@ class FlamiaFwdSm100:
             if warp < MMA_WARP:
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
+                # Q's bf16 MX values once Q's codes and scales have landed (a wait on the TMA's
+                # barrier, which the MMA warp consumes: no arrive of its own)
+                cute.arch.mbarrier_wait(storage.q_mbar.data_ptr(), 0)
+                q_words = (storage.sQ.get_tensor(cute.make_layout(cute.cosize(sQ_l) // 4), dtype=Uint32),
+                           storage.sfQ.get_tensor(cute.make_layout(SF_CHUNK_BYTES // 4), dtype=Int32),
+                           storage.sQd.get_tensor(cute.make_layout(cute.cosize(sQd_l) // 2), dtype=Uint32))
+                self.convert_q(q_words, self.q_conversion_plan(sQ_l, sQd_l), pipes["qd"][0], tidx)
                 self.softmax(
                     acc_layouts, sfP, pipes, tmem_ptr, mO, mLSE, head, doc_start, doc_len, m_block,
                     n_tiles, scale_log2, tidx,
@@ -338,9 +348,10 @@ class FlamiaFwdSm100:
 
     # ------------------------------------------------------------------------------------------
     def make_pipelines(self, storage):
-        """Barriers between the roles. TMA -> MMA: q (Q codes, scales, bf16 Q), d (the diagonal's
-        bf16 K and V), k, v. MMA -> softmax: s (S in a tensor-memory stage, tcgen05.commit), o (a
-        P V finished). softmax -> MMA: p (P and its scale chunk written)."""
+        """Barriers between the roles. TMA -> MMA: q (Q's codes and scales; the softmax warps wait on it
+        too), d (the diagonal's bf16 K and V), k, v. MMA -> softmax: s (S in a tensor-memory stage,
+        tcgen05.commit), o (a P V finished). softmax -> MMA: qd (Q's bf16 MX values written), p (P and
+        its scale chunk written)."""
         thread = pipeline.Agent.Thread
         one = pipeline.CooperativeGroup(thread, 1)
         softmax = pipeline.CooperativeGroup(thread, SOFTMAX_THREADS)
@@ -355,31 +366,33 @@ class FlamiaFwdSm100:
                                                      barrier_storage=mbar.data_ptr(),
                                                      defer_sync=True).make_participants()
 
-        q = tma(1, self.tile_bytes + self.bf16_tile_bytes, storage.q_mbar)  # + the diagonal's bf16 Q
+        q = tma(1, self.tile_bytes, storage.q_mbar)
         d = tma(1, 2 * self.bf16_tile_bytes, storage.d_mbar)  # the diagonal's bf16 K and V
         k = tma(self.stages, self.tile_bytes, storage.k_mbar)
         v = tma(self.stages, self.tile_bytes, storage.v_mbar)
         s = umma_to_softmax(S_STAGES, storage.s_mbar)
         o = umma_to_softmax(O_STAGES, storage.o_mbar)
-        p = pipeline.PipelineAsyncUmma.create(num_stages=P_STAGES, producer_group=softmax, consumer_group=one,
-                                              barrier_storage=storage.p_mbar.data_ptr(),
-                                              defer_sync=True).make_participants()
-        return dict(q=q, d=d, k=k, v=v, s=s, o=o, p=p)
+        def softmax_to_umma(stages, mbar):
+            return pipeline.PipelineAsyncUmma.create(num_stages=stages, producer_group=softmax, consumer_group=one,
+                                                     barrier_storage=mbar.data_ptr(),
+                                                     defer_sync=True).make_participants()
+
+        return dict(q=q, d=d, k=k, v=v, s=s, o=o, p=softmax_to_umma(P_STAGES, storage.p_mbar),
+                    qd=softmax_to_umma(1, storage.qd_mbar))
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def load(self, atoms, mmas, smem, pipes, mCu, head, kv_head, doc, doc_start, m_block, n_tiles):
         """Warp 5: TMA. Document-local tiles: the token coordinate is shifted by the document start
-        (Q, K: token-major, any start; V^T: the document's DT_DOC_ALIGN-aligned column), scale
-        chunks sit at the document's first slot + tile."""
-        (tma_q, tQ, tma_k, tK, tma_v, tV, tma_qd, tQd, tma_kd, tKd, tma_vd, tVd,
+        (Q, K, V: token-major, any start), scale chunks sit at the document's first slot + tile."""
+        (tma_q, tQ, tma_k, tK, tma_v, tV, tma_kd, tKd, tma_vd, tVd,
          tma_sq, tSQ, tma_sk, tSK, tma_sv, tSV) = atoms
         qk_mma, pv_mma, qk_bf, pv_bf = mmas
-        sQ, sK, sV, sQd, sKd, sVd, sfQ, sfK, sfV = smem
+        sQ, sK, sV, sKd, sVd, sfQ, sfK, sfV = smem
         D, tn = self.D, self.tile
         q_prod, d_prod, k_prod, v_prod = pipes["q"][0], pipes["d"][0], pipes["k"][0], pipes["v"][0]
-        # the document's first V^T column and first scale-chunk slot, from one pass over cu_seqlens
-        dt_start, tile_tokens = document_aligned_starts(mCu, doc, (DT_DOC_ALIGN, MX_TILE))
+        # the document's first scale-chunk slot, from one pass over cu_seqlens
+        (tile_tokens,) = document_aligned_starts(mCu, doc, (MX_TILE,))
         slot0 = tile_tokens // MX_TILE
         one = cute.make_layout(1)
 
@@ -402,19 +415,17 @@ class FlamiaFwdSm100:
             return cute.nvgpu.cpasync.tma_partition(atom, 0, one, cute.group_modes(sw, 0, 1), cute.group_modes(g, 0, 1))
 
         tQs, tQg = a_part(tma_q, tQ, qk_mma, sQ, head)
-        tQds, tQdg = a_part(tma_qd, tQd, qk_bf, sQd, head)
         tSQs, tSQg = chunk_part(tma_sq, tSQ, sfQ, head)
         tKs, tKg = b_part(tma_k, tK, qk_mma, sK, (doc_start, 0), tn, D, False)
         tKds, tKdg = b_part(tma_kd, tKd, qk_bf, sKd, (doc_start, 0), tn, D, False)
         tSKs, tSKg = chunk_part(tma_sk, tSK, sfK, kv_head)
-        tVs, tVg = b_part(tma_v, tV, pv_mma, sV, (0, dt_start), D, tn, True)
+        tVs, tVg = b_part(tma_v, tV, pv_mma, sV, (0, doc_start), D, tn, True)
         tVds, tVdg = b_part(tma_vd, tVd, pv_bf, sVd, (0, doc_start), D, tn, True)
         tSVs, tSVg = chunk_part(tma_sv, tSV, sfV, kv_head)
 
         h = q_prod.acquire_and_advance()
         cute.copy(tma_q, tQg[None, m_block], tQs[None, 0], tma_bar_ptr=h.barrier)
         cute.copy(tma_sq, tSQg[None, slot0 + m_block], tSQs[None, 0], tma_bar_ptr=h.barrier)
-        cute.copy(tma_qd, tQdg[None, m_block], tQds[None, 0], tma_bar_ptr=h.barrier)
         h = d_prod.acquire_and_advance()
         cute.copy(tma_kd, tKdg[None, m_block], tKds[None, 0], tma_bar_ptr=h.barrier)
         cute.copy(tma_vd, tVdg[None, m_block], tVds[None, 0], tma_bar_ptr=h.barrier)
@@ -424,8 +435,8 @@ class FlamiaFwdSm100:
 
     @cute.jit
     def load_kv(self, atoms, kv_parts, k_prod, v_prod, n, slot0):
-        """Key tile n: K's codes and scale chunk, then V^T's; returns the (rebound) pipelines."""
-        (_, _, tma_k, _, tma_v, _, _, _, _, _, _, _, _, _, tma_sk, _, tma_sv, _) = atoms
+        """Key tile n: K's codes and scale chunk, then V's; returns the (rebound) pipelines."""
+        (_, _, tma_k, _, tma_v, _, _, _, _, _, _, _, tma_sk, _, tma_sv, _) = atoms
         tKs, tKg, tSKs, tSKg, tVs, tVg, tSVs, tSVg = kv_parts
         h = k_prod.acquire_and_advance()
         cute.copy(tma_k, tKg[None, n], tKs[None, h.index], tma_bar_ptr=h.barrier)
@@ -508,7 +519,7 @@ class FlamiaFwdSm100:
         sQ, sK, sV, sQd, sKd, sVd, sfQ, sfK, sfP, sfV, tP_l, tPd_l = smem
         tn, D = self.tile, self.D
         q_cons, d_cons, k_cons, v_cons = pipes["q"][1], pipes["d"][1], pipes["k"][1], pipes["v"][1]
-        s_prod, o_prod, p_cons = pipes["s"][0], pipes["o"][0], pipes["p"][1]
+        s_prod, o_prod, p_cons, qd_cons = pipes["s"][0], pipes["o"][0], pipes["p"][1], pipes["qd"][1]
         tS, tO, tP, tPd, col = self.tmem_tensors(mmas, tP_l, tPd_l, tmem_ptr)
         sf_cols = [col]  # each chunk's first column, then the end
         tSFQ, col = self.sf_tmem(qk_mma, (tn, tn, D), sfQ.layout, tmem_ptr, col, True)
@@ -540,6 +551,7 @@ class FlamiaFwdSm100:
         # the diagonal tile: block-scaled S in stage 0, bf16 S in stage 1
         k_cons, s_prod, qk_mma = self.issue_s(qk_mma, (cpK, cpKs, cpKt), k_cons, s_prod, tS, rQ, rK, tSFQ, tSFK)
         d_cons.wait_and_advance()
+        qd_cons.wait_and_advance()  # Q's bf16 MX values, converted by the softmax warps
         sh = s_prod.acquire_and_advance()
         self.plain_gemm(qk_bf, self.stage(tSd, sh.index), rQd[None, None, None, 0], rKd[None, None, None, 0], False)
         sh.commit()
@@ -590,6 +602,50 @@ class FlamiaFwdSm100:
         view = cute.make_tensor(t.iterator, cute.composition(t.layout, cute.make_layout((self.tile, columns))))
         tiled = tcgen05.make_tmem_copy(atom, view)
         return tiled, view
+
+    def q_conversion_plan(self, sQ_l, sQd_l):
+        """Trace time: convert_q's walks over the swizzled tiles (primitives.xor_walk, checked for every
+        thread): thread t reads the 32 code words of Q's row t (word j: head dims 4 j .. 4 j + 3) and
+        writes the 16 16-byte chunks of bf16 row t (chunk c: head dims 8 c .. 8 c + 7). A row's head dim
+        k sits at ((row, k % atom), 0, k // atom, 0) of both layouts (tile_to_mma_shape: the MMA's K atom
+        of 32 bytes, then the K tiles; checked)."""
+        tn, D = self.tile, self.D
+
+        def coord(layout, elem_bytes):
+            atom = 32 // elem_bytes
+            if cute.size(layout.outer, mode=[0]) != tn * atom or cute.size(layout.outer) != tn * D:
+                raise ValueError(f"convert_q: unexpected shared-memory layout {layout}")
+            return lambda t, j: ((t, j % atom), 0, j // atom, 0)
+
+        q_at, qd_at = coord(sQ_l, 1), coord(sQd_l, 2)
+
+        def src(t, j):
+            return q_at(t, 4 * j)
+
+        def dst(t, c):
+            return qd_at(t, 8 * c)
+
+        return (sQ_l, src, xor_walk(sQ_l, src, 1, tn, D // 4)), (sQd_l, dst, xor_walk(sQd_l, dst, 2, tn, D // 8))
+
+    @cute.jit
+    def convert_q(self, words, plan, qd_prod, tidx):
+        """Row tidx of the diagonal's bf16 Q into sQd: Q's codes times their E8M0 block scales, exact in
+        bf16 (quant.mx_layout), for the MMA warp's bf16 S; then the qd barrier. Q's codes and scale
+        chunk have landed (the caller waited on the TMA's barrier)."""
+        sQ_w, sfQ_w, sQd_w = words
+        (sQ_l, src, (sx, sa)), (sQd_l, dst, (dx, da)) = plan
+        h = qd_prod.acquire_and_advance()
+        sf = sfQ_w[(tidx % 32) * 4 + tidx // 32]  # the row's four block scales (quant.mx_layout.sf_byte_offset)
+        s0 = smem_word_index(sQ_l, src(tidx, 0), 1)
+        d0 = smem_word_index(sQd_l, dst(tidx, 0), 2)
+        base = sQd_w.iterator.toint()
+        for c in cutlass.range_constexpr(self.D // 8):
+            sc = as_f32(((sf >> (8 * (8 * c // MX_BLOCK))) & 0xFF) << 23)
+            x = [sQ_w[(s0 ^ sx[j]) + sa[j]] for j in (2 * c, 2 * c + 1)]
+            st_shared_v4(base + 4 * ((d0 ^ dx[c]) + da[c]),
+                         [e4m3x2_to_bf16x2(x[j // 2], j % 2 == 1, sc) for j in range(4)])
+        cute.arch.fence_view_async_shared()  # generic-proxy writes, read by tcgen05.mma
+        h.commit()
 
     @cute.jit
     def softmax(self, acc_layouts, sfP, pipes, tmem_ptr, mO, mLSE, head, doc_start, doc_len, m_block, n_tiles,
@@ -764,10 +820,10 @@ class FlamiaFwdSm100:
 # ----------------------------------------------------------------------------------------------
 
 ARG_KINDS = (
-    ARG_F8, ARG_SF, ARG_F8, ARG_SF, ARG_F8, ARG_SF,  # q, q_sf, k, k_sf, v_dt, v_sf
-    ARG_BF16, ARG_BF16, ARG_BF16,  # q_diag, k_diag, v_diag
+    ARG_F8, ARG_SF, ARG_F8, ARG_SF, ARG_F8, ARG_SF,  # q, q_sf, k, k_sf, v, v_sf
+    ARG_BF16, ARG_BF16,  # k_diag, v_diag
     ARG_I32, ARG_BF16, ARG_F32,  # cu_seqlens, out, lse
-    ("i32",), ("i32",), ("i32",), ("i32",), ("i32",), ("i32",), ("f32",),  # T, T_dt, slots, Hk, docs, grid_x, scale
+    ("i32",), ("i32",), ("i32",), ("i32",), ("i32",), ("f32",),  # T, slots, Hk, docs, grid_x, scale
     ("stream",),
 )
 
@@ -809,11 +865,11 @@ def flamia_fwd_sm100(ops: MxForwardOperands, cu_seqlens, max_seqlen: int, softma
         raise RuntimeError(f"flamia_fwd_sm100 needs a Blackwell (sm_100) GPU; ops are on {dev}"
                            + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""))
     f8, u8, bf = torch.float8_e4m3fn, torch.uint8, torch.bfloat16
-    T_dt, slots = transposed_tokens(T, num_docs), sf_slots(T, num_docs)
+    slots = sf_slots(T, num_docs)
     check_kernel_tensors([
-        ("ops.q", ops.q, (T, H, D), f8), ("ops.k", ops.k, (T, Hk, D), f8), ("ops.v_dt", ops.v_dt, (Hk, D, T_dt), f8),
+        ("ops.q", ops.q, (T, H, D), f8), ("ops.k", ops.k, (T, Hk, D), f8), ("ops.v", ops.v, (T, Hk, D), f8),
         ("ops.q_sf", ops.q_sf, (H, slots, SF_CHUNK_BYTES), u8), ("ops.k_sf", ops.k_sf, (Hk, slots, SF_CHUNK_BYTES), u8),
-        ("ops.v_sf", ops.v_sf, (Hk, slots, SF_CHUNK_BYTES), u8), ("ops.q_diag", ops.q_diag, (T, H, D), bf),
+        ("ops.v_sf", ops.v_sf, (Hk, slots, SF_CHUNK_BYTES), u8),
         ("ops.k_diag", ops.k_diag, (T, Hk, D), bf), ("ops.v_diag", ops.v_diag, (T, Hk, D), bf),
     ], dev)
     if not softmax_scale > 0:
@@ -829,9 +885,9 @@ def flamia_fwd_sm100(ops: MxForwardOperands, cu_seqlens, max_seqlen: int, softma
         return out, lse
     launch_on_device(
         get_launcher(config), dev,
-        ops.q.data_ptr(), ops.q_sf.data_ptr(), ops.k.data_ptr(), ops.k_sf.data_ptr(), ops.v_dt.data_ptr(),
-        ops.v_sf.data_ptr(), ops.q_diag.data_ptr(), ops.k_diag.data_ptr(), ops.v_diag.data_ptr(), cu.data_ptr(),
-        out.data_ptr(), lse.data_ptr(), T, T_dt, slots, Hk, num_docs, max_m_blocks, float(softmax_scale * LOG2E),
+        ops.q.data_ptr(), ops.q_sf.data_ptr(), ops.k.data_ptr(), ops.k_sf.data_ptr(), ops.v.data_ptr(),
+        ops.v_sf.data_ptr(), ops.k_diag.data_ptr(), ops.v_diag.data_ptr(), cu.data_ptr(),
+        out.data_ptr(), lse.data_ptr(), T, slots, Hk, num_docs, max_m_blocks, float(softmax_scale * LOG2E),
     )
     return out, lse
 
@@ -869,18 +925,17 @@ def _e8m0_p_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def decode_operands(ops: MxForwardOperands, cu_seqlens) -> SimpleNamespace:
-    """What the block-scaled MMAs read, in fp32 (exact): Q and K as codes times their token-row E8M0
-    scales, the diagonal's bf16 Q, K, V; with the shapes, the int64 cu_seqlens and the transposed copies'
-    document starts (dt) the tile models walk."""
-    from ..quant.mx_layout import decode_token_rows
-    from ..quant.quantize import dt_cu_seqlens
+    """What the MMAs read, in fp32 (exact): Q and K as codes times their token-row E8M0 scales, V as codes
+    times its dim-row scales, the diagonal's bf16 Q as convert_q makes it (Q's values rounded to bf16,
+    which holds them exactly), K and V; with the shapes and the int64 cu_seqlens the tile models walk."""
+    from ..quant.mx_layout import decode_dim_rows, decode_token_rows
 
     T, H, D = ops.q.shape
     Hk = ops.k.shape[1]
     cu = cu_seqlens.to(torch.int64).cpu()
     q, k = decode_token_rows(ops.q, ops.q_sf, cu), decode_token_rows(ops.k, ops.k_sf, cu)
-    return SimpleNamespace(T=T, H=H, D=D, Hk=Hk, group=H // Hk, cu=cu, q=q, k=k, dt=dt_cu_seqlens(cu).to(torch.int64),
-                           qd=ops.q_diag.float(), kd=ops.k_diag.float(), vd=ops.v_diag.float())
+    return SimpleNamespace(T=T, H=H, D=D, Hk=Hk, group=H // Hk, cu=cu, q=q, k=k, v=decode_dim_rows(ops.v, ops.v_sf, cu),
+                           qd=q.to(torch.bfloat16).float(), kd=ops.k_diag.float(), vd=ops.v_diag.float())
 
 
 def reference_fwd_sm100(ops: MxForwardOperands, cu_seqlens, softmax_scale: float, bug: str | None = None):
@@ -889,12 +944,11 @@ def reference_fwd_sm100(ops: MxForwardOperands, cu_seqlens, softmax_scale: float
     emulate_forward(recipe mxfp8) up to fp32 rounding (tests). bug: a deliberate defect for the
     tests' mutation checks (TILE_MODEL_BUGS)."""
     from ..quant.formats import E4M3, cast_to
-    from ..quant.mx_layout import unpack_dim_rows_sf
 
     if bug not in TILE_MODEL_BUGS:
         raise ValueError(f"bug must be one of {TILE_MODEL_BUGS}, got {bug!r}")
     m = decode_operands(ops, cu_seqlens)
-    T, H, D, group, cu, q, k, dt, qd, kd, vd = m.T, m.H, m.D, m.group, m.cu, m.q, m.k, m.dt, m.qd, m.kd, m.vd
+    T, H, D, group, cu, q, k, v, qd, kd, vd = m.T, m.H, m.D, m.group, m.cu, m.q, m.k, m.v, m.qd, m.kd, m.vd
     out = torch.zeros(T, H, D)
     lse = torch.full((H, T), float("-inf"))
     scale_log2 = softmax_scale * LOG2E
@@ -902,8 +956,6 @@ def reference_fwd_sm100(ops: MxForwardOperands, cu_seqlens, softmax_scale: float
         s0, L = int(cu[b]), int(cu[b + 1] - cu[b])
         if L == 0:
             continue
-        cols = dt[b] + torch.arange(L)
-        v = ops.v_dt.float()[:, :, cols].permute(2, 0, 1) * unpack_dim_rows_sf(ops.v_sf, cu, T)[s0:s0 + L]
         for h in range(H):
             kh = h // group
             for i in range(-(-L // MX_TILE)):
@@ -940,7 +992,7 @@ def reference_fwd_sm100(ops: MxForwardOperands, cu_seqlens, softmax_scale: float
                     if own is not None:
                         o = o + torch.where(own, p.to(torch.bfloat16).float(), 0.0) @ vd[s0 + keys, kh]
                         pe = torch.where(own, 0.0, pe)
-                    o = o + pe @ v[keys, kh]
+                    o = o + pe @ v[s0 + keys, kh]
                     m = m_new
                 out[s0 + rows, h] = o / l_run
                 lse[h, s0 + rows] = ((m + torch.log2(l_run)) * LN2).squeeze(-1)

@@ -28,19 +28,12 @@ def saved_operands(ops, q, cu):
     """The emulator's (q, k, v) EmuOperands (recipe mxfp8) of quant.mx_layout.MxForwardOperands `ops`;
     q: the bf16 input (for Q's blocks along tokens only)."""
     from ..emulator import EmuOperand, quantize_operand
-    from ..quant.mx_layout import MX_BLOCK, decode_token_rows, unpack_dim_rows_sf
-    from ..quant.quantize import dt_cu_seqlens
+    from ..quant.mx_layout import MX_BLOCK, decode_dim_rows, decode_token_rows
     from ..recipes import NAMED_RECIPES
 
     rec = NAMED_RECIPES["mxfp8"]
-    T, _, D = ops.q.shape
-    dev = ops.q.device
-    cu64 = cu.to(device=dev, dtype=torch.int64)
-
-    tok = torch.arange(T, device=dev)
-    doc = torch.searchsorted(cu64, tok, right=True) - 1
-    col = dt_cu_seqlens(cu64).to(torch.int64)[doc] + tok - cu64[doc]  # V^T's column of each token
-    v_vals = ops.v_dt.float()[:, :, col].permute(2, 0, 1) * unpack_dim_rows_sf(ops.v_sf, cu64, T, D)
+    cu64 = cu.to(device=ops.q.device, dtype=torch.int64)
+    v_vals = decode_dim_rows(ops.v, ops.v_sf, cu64)
     k_vals = decode_token_rows(ops.k, ops.k_sf, cu64)
     qo = quantize_operand(q, cu64, rec.q, False, rec)
     qo.along_d = decode_token_rows(ops.q, ops.q_sf, cu64)

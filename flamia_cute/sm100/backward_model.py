@@ -18,7 +18,7 @@ import torch
 
 from ..quant.formats import E4M3, cast_to
 from ..quant.microscaling import E4M3_EMAX, mx_quantize
-from ..quant.mx_layout import MX_BLOCK, MxForwardOperands, unpack_dim_rows_sf
+from ..quant.mx_layout import MX_BLOCK, MxForwardOperands, decode_dim_rows, decode_token_rows, pack_mx_do_operands
 from .plan import BWD_KEY_TILE, BWD_QUERY_TILE
 
 LOG2E = math.log2(math.e)
@@ -50,17 +50,20 @@ def _mx_cast(x: torch.Tensor, dim: int, rows_share: bool = False) -> torch.Tenso
 def reference_bwd_sm100(ops: MxForwardOperands, q, dout, out, lse, cu_seqlens, softmax_scale: float,
                         bug: str | None = None):
     """dq (T, H, D), dk, dv (T, Hk, D) bf16 of the planned backward from the forward's operands `ops`
-    (pack_mx_forward_operands), its bf16 `out` and LSE (H, T), bf16 q and dout. The backward's own
-    operands (Q scaled along the queries, dO along D and along the queries) are quantized here from
-    q and dout, per document, as the emulator does. bug: BWD_MODEL_BUGS."""
+    (pack_mx_forward_operands), its bf16 `out` and LSE (H, T), bf16 q and dout. dO in both orientations
+    and D = rowsum(dO * O) are what the dO quantizer writes (pack_mx_do_operands, sm100/quantize_do_mx.py),
+    decoded; Q scaled along the queries is quantized here, per document, as the emulator does.
+    bug: BWD_MODEL_BUGS."""
     if bug not in BWD_MODEL_BUGS:
         raise ValueError(f"bug must be one of {BWD_MODEL_BUGS}, got {bug!r}")
     from .attention_fwd import decode_operands
 
     m = decode_operands(ops, cu_seqlens)
-    T, H, D, Hk, group, cu, qm, km, dt, qd, kd, vd = (m.T, m.H, m.D, m.Hk, m.group, m.cu, m.q, m.k, m.dt, m.qd,
+    T, H, D, Hk, group, cu, qm, km, vm, qd, kd, vd = (m.T, m.H, m.D, m.Hk, m.group, m.cu, m.q, m.k, m.v, m.qd,
                                                       m.kd, m.vd)
-    d_row = (dout.float() * out.float()).sum(-1)  # (T, H): D = rowsum(dO * O)
+    dos = pack_mx_do_operands(dout, out, cu)
+    do_d_all, do_t_all = decode_token_rows(dos.do, dos.do_sf, cu), decode_dim_rows(dos.do_t, dos.do_t_sf, cu)
+    d_row = dos.delta.T  # (T, H): D = rowsum(dO * O)
     lse2 = lse.float() * LOG2E
     scale_log2 = softmax_scale * LOG2E
     dq = torch.zeros(T, H, D)
@@ -71,16 +74,14 @@ def reference_bwd_sm100(ops: MxForwardOperands, q, dout, out, lse, cu_seqlens, s
         if L == 0:
             continue
         doc = slice(s0, s0 + L)
-        vm = ops.v_dt.float()[:, :, dt[b] + torch.arange(L)].permute(2, 0, 1) * unpack_dim_rows_sf(ops.v_sf, cu, T)[doc]
         q_t = mx_quantize(q[doc].float(), dim=0, block=MX_BLOCK)  # Q scaled along the queries (dK)
-        do_d = mx_quantize(dout[doc].float(), dim=-1, block=MX_BLOCK)  # dO along D (dP^T)
-        do_t = mx_quantize(dout[doc].float(), dim=0, block=MX_BLOCK)  # dO along the queries (dV)
+        do_d, do_t = do_d_all[doc], do_t_all[doc]  # dO along D (dP^T), along the queries (dV)
         for kh in range(Hk):
             for n in range(-(-L // BWD_KEY_TILE)):  # one CTA
                 keys = torch.arange(BWD_KEY_TILE * n, min(BWD_KEY_TILE * (n + 1), L))
                 dk_acc = torch.zeros(keys.numel(), D)
                 dv_acc = torch.zeros(keys.numel(), D)
-                kk, kkd, vv, vvd = km[s0 + keys, kh], kd[s0 + keys, kh], vm[keys, kh], vd[s0 + keys, kh]
+                kk, kkd, vv, vvd = km[s0 + keys, kh], kd[s0 + keys, kh], vm[s0 + keys, kh], vd[s0 + keys, kh]
                 first = BWD_KEY_TILE * n // BWD_QUERY_TILE
                 for i in range(first, -(-L // BWD_QUERY_TILE)):
                     rows = torch.arange(BWD_QUERY_TILE * i, min(BWD_QUERY_TILE * (i + 1), L))

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from ..quant.mx_layout import MX_TILE
 from .plan import BWD_QUERY_TILE, O_STAGES, P_STAGES, S_STAGES, TMEM_COLS, bwd_tmem_plan, fwd_tmem_plan
 
-FWD_ORDERS = ("pv_first", "s_first")  # s_first: S of tile 1 before the diagonal's P V (the clobber)
+# s_first: S of tile 1 before the diagonal's P V (the clobber); mutants of Q's conversion to bf16:
+# qd_unwaited issues the diagonal's bf16 S without waiting for it, q_unwaited converts before Q's TMA lands
+FWD_ORDERS = ("pv_first", "s_first", "qd_unwaited", "q_unwaited")
 # the backward's planned order, then mutants check() must fail: s_lookahead issues the next tile's S^T
 # right after dP^T (FA4's 1-CTA order, which needs dQ in its own columns); dq_early_release has the
 # reduction free dQ before its tcgen05.ld; no_dq_wait issues S^T without waiting for that release
@@ -167,8 +169,9 @@ def check(roles) -> list[str]:
 
 def forward_roles(n_tiles: int, kv_stages: int = 2, order: str = "pv_first", head_dim: int = 128):
     """The sm_100a forward's roles for one CTA with `n_tiles` key tiles (tile 0 the diagonal), as
-    attention_fwd.py issues them (load, mma, softmax with its epilogue). order="s_first" is the order
-    before the fix (S of tile 1 issued before the diagonal's P V): a mutant check() must fail."""
+    attention_fwd.py issues them (load, mma, softmax with Q's conversion to bf16 and the epilogue).
+    order="s_first" is the order before the fix (S of tile 1 issued before the diagonal's P V);
+    it and the other FWD_ORDERS but "pv_first" are mutants check() must fail."""
     if order not in FWD_ORDERS or n_tiles < 1:
         raise ValueError(f"order must be one of {FWD_ORDERS} and n_tiles >= 1, got {order!r}, {n_tiles}")
     plan = fwd_tmem_plan(head_dim)
@@ -185,11 +188,11 @@ def forward_roles(n_tiles: int, kv_stages: int = 2, order: str = "pv_first", hea
     q, d = Pipe("q", 1, tc_consumer=True), Pipe("d", 1, tc_consumer=True)
     k, v = Pipe("k", kv_stages, tc_consumer=True), Pipe("v", kv_stages, tc_consumer=True)
     s, o = Pipe("s", S_STAGES, tc_producer=True), Pipe("o", O_STAGES, tc_producer=True)
-    p = Pipe("p", P_STAGES, tc_consumer=True)
+    p, qd = Pipe("p", P_STAGES, tc_consumer=True), Pipe("qd", 1, tc_consumer=True)
 
     # warp 5: TMA (a copy's bytes land before it completes the stage's full barrier)
     i = q.acquire(load)
-    load.do("load_q", writes=[sm("sQ"), sm("sfQ"), sm("sQd")])
+    load.do("load_q", writes=[sm("sQ"), sm("sfQ")])
     q.commit(load, i)
     i = d.acquire(load)
     load.do("load_d", writes=[sm("sKd"), sm("sVd")])
@@ -230,8 +233,10 @@ def forward_roles(n_tiles: int, kv_stages: int = 2, order: str = "pv_first", hea
     mma.do("cp_sfQ", [(sm("sfQ"), "load_q")], [tm("SFQ")], tc=True)
     issue_s(0)
     d.wait(mma)
+    if order != "qd_unwaited":
+        qd.wait(mma)
     si = s.acquire(mma)
-    mma.do("Sbf0", [(sm("sQd"), "load_q"), (sm("sKd"), "load_d")], [stage(si)], tc=True)
+    mma.do("Sbf0", [(sm("sQd"), "cvt_Qd"), (sm("sKd"), "load_d")], [stage(si)], tc=True)
     s.commit(mma, si)
     first = [lambda: issue_pv(0)] + ([lambda: issue_s(1)] if n_tiles > 1 else [])
     for step in (first[::-1] if order == "s_first" else first):
@@ -243,7 +248,14 @@ def forward_roles(n_tiles: int, kv_stages: int = 2, order: str = "pv_first", hea
     mma.wait("tmem_free", 0)
     mma.do("dealloc", writes=[Region("tmem", 0, TMEM_COLS)])
 
-    # warps 0-3: softmax, then the epilogue
+    # warps 0-3: Q's bf16 MX values (waiting on the TMA's barrier without consuming it), the softmax,
+    # then the epilogue
+    if order != "q_unwaited":
+        softmax.wait("q.full[0]", 0)
+    i = qd.acquire(softmax)
+    softmax.do("cvt_Qd", [(sm("sQ"), "load_q"), (sm("sfQ"), "load_q")], [sm("sQd")])
+    qd.commit(softmax, i)
+
     def last_pv(j):
         return "PVbf0" if j == 0 else f"PV{j}"
 
