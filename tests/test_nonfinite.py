@@ -113,6 +113,22 @@ def test_quantization_puts_a_nonfinite_input_in_its_scale_only():
     assert torch.isfinite(deq).all() and deq[7, 0].abs().max() == 448 * 2.0**119
 
 
+def test_dv_fold_reference_leaves_out_nan_scales():
+    """The bf16-dS backward's dV fold reference per (KV head, document): the largest finite dO scale (a
+    NaN one, a non-finite dO row, poisons its own P folds only), at least FOLD_REF_MIN."""
+    pytest.importorskip("cutlass")
+    from flamia_cute.recipes import FOLD_REF_MIN
+    from flamia_cute.sm90.attention_bwd import dv_fold_reference
+
+    g = torch.Generator().manual_seed(0)
+    sdo = torch.exp2(torch.randint(-20, 10, (4, 30), generator=g).float())
+    cu = cu_seqlens_from_lengths([10, 1, 19])
+    sdo[1, 3] = sdo[2, 10] = sdo[0, 20] = float("nan")
+    want = torch.stack([torch.stack([torch.nan_to_num(sdo[2 * h : 2 * h + 2, s:e], nan=0.0).amax() for s, e in
+                                     ((0, 10), (10, 11), (11, 30))]) for h in range(2)]).clamp_min(FOLD_REF_MIN)
+    assert torch.equal(dv_fold_reference(sdo, cu, 2), want)
+
+
 def _magnitude_inputs(lengths, heads, scale_qkv, scale_v=None, device="cpu", seed=3):
     q, k, v, do, cu, scale = make_inputs(lengths, *heads, HEAD_DIM, seed=seed, device=device)
 
