@@ -51,11 +51,11 @@ def _cases():
 _BASE: dict = {}
 
 
-def _run_case(backend, heads, name, which, value, dq_tol=0.0, tiles=False, device="cpu"):
+def _run_case(backend, heads, name, which, value, dq_tol=0.0, tiles=False, device="cpu", head_dim=HEAD_DIM):
     lengths, doc, pos = CASES[name]
-    q, k, v, do, cu, scale = make_inputs(lengths, *heads, HEAD_DIM, seed=7, device=device)
+    q, k, v, do, cu, scale = make_inputs(lengths, *heads, head_dim, seed=7, device=device)
     fn = attention_fn_for(RECIPE, scale, backend=backend)
-    key = (backend, heads, tuple(lengths), device, os.environ.get("FLAMIA_CUTE_DETERMINISTIC"))
+    key = (backend, heads, head_dim, tuple(lengths), device, os.environ.get("FLAMIA_CUTE_DETERMINISTIC"))
     if key not in _BASE:
         _BASE[key] = fn(q, k, v, cu, do)
     return check_nonfinite_input(fn, q, k, v, cu, do, which, doc, pos, NONFINITE[value], head=1, base=_BASE[key],
@@ -129,8 +129,8 @@ def test_dv_fold_reference_leaves_out_nan_scales():
     assert torch.equal(dv_fold_reference(sdo, cu, 2), want)
 
 
-def _magnitude_inputs(lengths, heads, scale_qkv, scale_v=None, device="cpu", seed=3):
-    q, k, v, do, cu, scale = make_inputs(lengths, *heads, HEAD_DIM, seed=seed, device=device)
+def _magnitude_inputs(lengths, heads, scale_qkv, scale_v=None, device="cpu", seed=3, head_dim=HEAD_DIM):
+    q, k, v, do, cu, scale = make_inputs(lengths, *heads, head_dim, seed=seed, device=device)
 
     def big(t, s):
         return (t.float() * s).to(torch.bfloat16)
@@ -189,23 +189,48 @@ def _assert_finite_where(got, ref, what):
 # ----------------------------------------------------------------------------- the kernels (GPU)
 
 
+@pytest.fixture
+def default_configs(monkeypatch):
+    """The untuned configs: the short pack then runs the paired-tile builds whatever a tuning record says."""
+    monkeypatch.setenv("FLAMIA_CUTE_NO_TUNING", "1")
+    monkeypatch.delenv("FLAMIA_CUTE_DETERMINISTIC", raising=False)
+
+
+def _plan(lengths, heads=(4, 2), head_dim=128):
+    from flamia_cute.plan import make_plan
+
+    return make_plan(RECIPE, head_dim, *heads, max(lengths), sum(lengths), len(lengths))
+
+
+def test_the_short_pack_runs_the_paired_builds(default_configs):
+    """What the GPU tests cover: the short pack on the paired-tile forward and backward, the mixed one
+    on the plain builds (the untuned configs, D 128)."""
+    pytest.importorskip("cutlass")
+    assert _plan(SHORT).fwd.short_pairs and _plan(SHORT).bwd.short_pairs
+    assert not _plan(MIXED).fwd.short_pairs and not _plan(MIXED).bwd.short_pairs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, which, value", list(_cases()))
-def test_kernels_isolate_nonfinite_inputs(name, which, value):
+def test_kernels_isolate_nonfinite_inputs(name, which, value, default_configs):
     """The kernel path (fused quantization, forward, backward; the short pack runs the paired-tile
     builds): other documents bitwise (dQ within the fp32 reduce-adds' run-to-run spread), and inside
     the poisoned document also the parts whose tiles never meet the bad value."""
-    bad = _run_case("cute", (4, 2), name, which, value, dq_tol=2e-2, tiles=True, device="cuda")
+    plan = _plan(CASES[name][0])
+    paired = CASES[name][0] is SHORT
+    assert plan.fwd.short_pairs == paired and plan.bwd.short_pairs == paired
+    bad = _run_case("cute", (4, 2), name, which, value, dq_tol=2e-2, tiles=True, device="cuda", head_dim=128)
     assert not bad, "\n".join(bad)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["mixed-mid", "mixed-edge", "mixed-1tok"])
 @pytest.mark.parametrize("which", POISON_INPUTS)
-def test_kernels_isolate_nonfinite_inputs_bitwise_dq(name, which, monkeypatch):
+def test_kernels_isolate_nonfinite_inputs_bitwise_dq(name, which, default_configs, monkeypatch):
     """The deterministic backward (ordered dQ additions): dQ of the other documents bitwise too."""
     monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1")
-    bad = _run_case("cute", (4, 2), name, which, "nan", tiles=True, device="cuda")
+    assert _plan(CASES[name][0]).bwd.deterministic
+    bad = _run_case("cute", (4, 2), name, which, "nan", tiles=True, device="cuda", head_dim=128)
     assert not bad, "\n".join(bad)
 
 
@@ -225,11 +250,11 @@ def _fa4_outputs(q, k, v, cu, scale, do):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mag", list(MAGNITUDES))
 @pytest.mark.parametrize("lengths", [MIXED, SHORT], ids=["mixed", "short"])
-def test_kernels_are_finite_where_fp32_attention_and_fa4_are(mag, lengths):
+def test_kernels_are_finite_where_fp32_attention_and_fa4_are(mag, lengths, default_configs):
     """The issue's sweep on the kernel path: every output finite where an fp32 attention's is, and
     where FA4's is (when installed); O within 10% of fp32's."""
     s_qk, s_v = MAGNITUDES[mag]
-    q, k, v, do, cu, scale = _magnitude_inputs(lengths, (4, 2), s_qk, s_v, device="cuda")
+    q, k, v, do, cu, scale = _magnitude_inputs(lengths, (4, 2), s_qk, s_v, device="cuda", head_dim=128)
     got = attention_fn_for(RECIPE, scale, backend="cute")(q, k, v, cu, do)
     ref = _fp32_reference(q, k, v, cu, scale, do)
     _assert_finite_where(got, ref, f"{mag} against fp32")
