@@ -37,11 +37,16 @@ SHORT = [64, 17, 40, 1, 33, 64, 50, 9]
 CASES = {"mixed-mid": (MIXED, 2, 150), "mixed-edge": (MIXED, 3, 128), "mixed-1tok": (MIXED, 1, 0),
          "pair-second": (SHORT, 1, 16), "pair-1tok": (SHORT, 3, 0), "pair-first": (SHORT, 2, 39)}
 HEAD_DIM = 64
+# the issue's probe: 10 documents of 1 to 1,000 tokens, the bad value in document 4 (GPU only)
+PROBE = [1, 913, 37, 250, 1000, 129, 64, 500, 17, 768]
+CASES["probe-doc4"] = (PROBE, 4, 517)
 
 
-def _cases():
-    """Every case with NaN; +-inf on one mixed and one paired case."""
+def _cases(gpu=False):
+    """Every case with NaN; +-inf on one mixed and one paired case; the issue's probe on the GPU."""
     for name in CASES:
+        if name == "probe-doc4" and not gpu:
+            continue
         for which in POISON_INPUTS:
             for value in NONFINITE:
                 if value == "nan" or name in ("mixed-edge", "pair-second"):
@@ -211,7 +216,7 @@ def test_the_short_pack_runs_the_paired_builds(default_configs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, which, value", list(_cases()))
+@pytest.mark.parametrize("name, which, value", list(_cases(gpu=True)))
 def test_kernels_isolate_nonfinite_inputs(name, which, value, default_configs):
     """The kernel path (fused quantization, forward, backward; the short pack runs the paired-tile
     builds): other documents bitwise (dQ within the fp32 reduce-adds' run-to-run spread), and inside
