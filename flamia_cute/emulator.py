@@ -306,7 +306,8 @@ def emulate_forward(q, k, v, cu_q, cu_k, softmax_scale, causal, recipe: Recipe, 
                 # a row whose reference falls below max(r_run * FOLD_DROP, FOLD_REF_MIN) adds nothing
                 # (recipes.FOLD_DROP: the kernel carries O in units of r, and r_run / r must not overflow)
                 r_tile = torch.where(visp, wt, torch.zeros_like(wt)).amax(-1, keepdim=True)
-                keep = r_tile >= torch.clamp_min(r_run * FOLD_DROP, FOLD_REF_MIN)
+                # (a NaN reference, a non-finite V block, is kept: its NaN reaches the row, as in the kernel)
+                keep = ~(r_tile < torch.clamp_min(r_run * FOLD_DROP, FOLD_REF_MIN))
                 ref = torch.where(keep, r_tile, torch.ones_like(r_tile))  # dropped rows: any finite r
                 pe = torch.where(keep, _fold_cast_to(p, wt, ref.expand_as(p), recipe.p_scale), 0.0)
                 r_run = torch.where(keep, r_tile, r_run)
@@ -348,7 +349,8 @@ def emulate_backward(dout: torch.Tensor, ctx: EmulatorContext, dtype=torch.float
             continue
         s = _scores(ctx.q, ctx.k, g, group, sm, ctx.causal, recipe, dtype)
         lse = ctx.lse[:, g.qs : g.qe, None].to(dtype)
-        p = torch.where(g.visible & torch.isfinite(lse), torch.exp(s - lse), 0.0)
+        # an empty row (LSE -inf) has P = 0; a NaN LSE (a non-finite input the row saw) gives NaN
+        p = torch.where(g.visible & (lse != float("-inf")), torch.exp(s - lse), 0.0)
         vis = g.visible[None].expand_as(p)
         # dP = dO V^T (reduction over D): scales factor out, values exact in fp32
         vmask = _select(ctx.v, g, ctx.causal, recipe)
@@ -367,8 +369,9 @@ def emulate_backward(dout: torch.Tensor, ctx: EmulatorContext, dtype=torch.float
             pe = p.to(torch.bfloat16).to(dtype)
         elif recipe.p_cast == "e4m3_fold":
             w = doo.scale[:, g.qs : g.qe, None].to(dtype).expand_as(p)
-            if recipe.dv_fold == "document":  # one reference per (KV head group, document)
-                ref = doo.scale[:, g.qs : g.qe].to(dtype).reshape(-1, group, g.qe - g.qs).amax((1, 2))
+            if recipe.dv_fold == "document":  # one reference per (KV head group, document), NaN scales left out
+                sdo = torch.nan_to_num(doo.scale[:, g.qs : g.qe].to(dtype), nan=0.0)
+                ref = sdo.reshape(-1, group, g.qe - g.qs).amax((1, 2))
                 ref = ref.repeat_interleave(group)[:, None, None].clamp_min(FOLD_REF_MIN)
                 pe = _fold_cast_to(p, w, ref.expand_as(p), recipe.p_scale)
             else:

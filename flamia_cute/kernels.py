@@ -100,7 +100,8 @@ KERNELS = {
         KernelEntry("bwd_dsbf16", ("sm_90a",), "flamia_cute.sm90.attention_bwd", "BwdDsBf16Config",
                     ATTENTION_CONFIGS),
         # Q's e4m3 codes as bf16 for the backward's dK operand
-        KernelEntry("codes", ("sm_90a",), "flamia_cute.sm90.codes", "CodesConfig", {"default": {}}),
+        KernelEntry("codes", ("sm_90a",), "flamia_cute.sm90.codes", "CodesConfig",
+                    {"default": {}, "row_scale": dict(row_scale=True)}),
         # Blackwell: the MXFP8 forward on block-scaled tcgen05 (compile-only here: no sm_100 GPU)
         KernelEntry("fwd_mx", BLACKWELL_ARCHES, "flamia_cute.sm100.attention_fwd", "FwdSm100Config", {
             "mxfp8_d128": {}, "mxfp8_d128_gqa4": dict(qhead_per_kvhead=4),

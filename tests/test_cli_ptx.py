@@ -185,3 +185,16 @@ def test_lane_divergence_lint_flags_a_one_lane_collective():
     assert len(lane_divergent_collectives(derived)) == 1
     # a branch on the elected predicate, and a lane branch whose fall-through path ends before the barrier
     assert lane_divergent_collectives(_WARP_COPY) == []
+
+
+def test_softmax_bounds_hold_at_any_magnitude(ptx_all):
+    """P <= 1 however large the scores (docs/numerics.md, "Large magnitudes"): the forward rounds each
+    row's max and its LSE up (mul.rp / add.rp: directed rounding, which the compiler neither drops nor
+    folds into a round-to-nearest FFMA); the backward rounds lse * log2e up."""
+    blocks, out = ptx_all
+    for name, cfg in blocks:
+        ptx = (out / f"{name}_{cfg}_sm_90a.ptx").read_text()
+        if name == "fwd":
+            assert ptx.count("mul.rp.f32") >= 4 and ptx.count("add.rp.f32") >= 2, cfg
+        if name == "bwd_dsbf16":
+            assert ptx.count("mul.rp.f32") >= 1, cfg

@@ -119,6 +119,10 @@ SOURCE_FILES = (
 
 SMEM_LIMIT = 232448  # sm_90 dynamic shared memory per CTA (227 KB)
 N_VEC = 5  # per-query vectors per tile in shared memory (see load_vectors)
+# short_pairs: two more rows of zeros per stage, read as D and dO's scale by a warpgroup whose keys are
+# the other document's (cross_vectors): a paired tile's masked P is 0, and 0 * D or 0 * sdo must not
+# become NaN where the other document holds a non-finite value
+PAIR_ZERO_ROW = N_VEC
 KEY_BLOCK = 128
 QUERY_TILE = 64
 # query-tile stages of both pipelines: a third does not fit beside Q's bf16 copy and the dQ tile at d128
@@ -211,10 +215,15 @@ def smem_bytes(cfg: BwdDsBf16Config) -> int:
     kv = 2 * KEY_BLOCK * D + 2 * KEY_BLOCK * D  # K, V e4m3 + K bf16 (converted in the kernel)
     per_stage = 2 * tq * D + tq * D + 2 * tq * D  # Q, dO e4m3 | dO^T e4m3, Q bf16
     ds = 2 * 2 * tq * KEY_BLOCK  # bf16 dS [q, key], two buffers
-    vec = N_VEC * tq * 4 * cfg.vec_stages + KEY_BLOCK * 4  # + the phase's key scales
+    vec = vec_rows(cfg) * tq * 4 * cfg.vec_stages + KEY_BLOCK * 4  # + the phase's key scales
     bars = 8 * 2 * (1 + 2 * Q_STAGES + cfg.vec_stages)
     dq = tq * D * 4 + 1024 if cfg.dq_tma_reduce else 0  # the fp32 dQ tile
     return kv + per_stage * Q_STAGES + ds + vec + bars + dq + 9 * 1024
+
+
+def vec_rows(cfg: BwdDsBf16Config) -> int:
+    """Rows of a per-query vector stage: N_VEC, and with short_pairs two rows of zeros (PAIR_ZERO_ROW)."""
+    return N_VEC + (2 if cfg.short_pairs else 0)
 
 
 def _pv_order_key(m, b: int):
@@ -305,14 +314,17 @@ def dv_fold_reference(sdo: torch.Tensor, cu_seqlens: torch.Tensor, group: int) -
     at least FOLD_REF_MIN. On the GPU without a host sync and without atomics (a scatter-max into
     one slot per document serialized on its atomics: 0.7-3 ms): the scales are positive powers of
     two, so (document << 8 | exponent) orders them within a document and puts every document above
-    the ones before; a running max along the tokens read at each document's last token is its max."""
+    the ones before; a running max along the tokens read at each document's last token is its max.
+    A NaN scale (a non-finite dO row) is left out: that row poisons its own P folds, not the
+    reference of the whole document."""
     H, T = sdo.shape
     num_docs = cu_seqlens.numel() - 1
     hk = H // group
     ref = torch.full((hk, num_docs), FOLD_REF_MIN, dtype=torch.float32, device=sdo.device)
     if T == 0 or num_docs == 0:
         return ref
-    per_kv = sdo.float().view(hk, group, T).amax(1) if group > 1 else sdo.float().contiguous()
+    sdo = torch.nan_to_num(sdo.float(), nan=0.0)
+    per_kv = sdo.view(hk, group, T).amax(1) if group > 1 else sdo.contiguous()
     ends = cu_seqlens[1:].to(torch.int64)
     doc_of_token = torch.searchsorted(ends, torch.arange(T, device=sdo.device), right=True).to(torch.int32)
     key = (doc_of_token << 8) | ((per_kv.view(torch.int32) >> 23) & 0xFF)
@@ -502,7 +514,7 @@ class FlamiaBwdDsBf16Sm90:
             a_mbar: cute.struct.MemRange[cutlass.Int64, 2 * st]
             b_mbar: cute.struct.MemRange[cutlass.Int64, 2 * st]
             v_mbar: cute.struct.MemRange[cutlass.Int64, 2 * sv]
-            sVec: cute.struct.Align[cute.struct.MemRange[Float32, N_VEC * tq * sv], 16]
+            sVec: cute.struct.Align[cute.struct.MemRange[Float32, vec_rows(self.cfg) * tq * sv], 16]
             sKs: cute.struct.Align[cute.struct.MemRange[Float32, kb], 16]  # the phase's key scales
             sK: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["K"])], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["K"])], 1024]
@@ -606,18 +618,20 @@ class FlamiaBwdDsBf16Sm90:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
                 # the warpgroup's keys' document: with a pair, warpgroup 1's is the second (shifted 64 back),
                 # and warpgroup 0 masks the second's query tile
-                w_start, w_len, w_doc, pair_first = doc_start, doc_len, doc, None
+                w_start, w_len, w_doc, pair_first, pair_second = doc_start, doc_len, doc, None, None
                 if cutlass.const_expr(pairs):
                     pair_first = Boolean(False)
+                    pair_second = Boolean(False)
                     if pair_len > 0:
                         if wg_idx == 2:
                             w_start, w_len, w_doc = hi_start, hi_len, doc + 1
+                            pair_second = Boolean(True)
                         else:
                             pair_first = Boolean(True)
                 self.consume(
                     mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok,
                     mRef[kv_head, w_doc], (mdQ, mSem, doc, sdQ_words, dq_plan), mdK, mdV, kv_head,
-                    w_start, w_len, sched, softmax_scale, wg_idx - 1, pair_first,
+                    w_start, w_len, sched, softmax_scale, wg_idx - 1, pair_first, pair_second,
                 )
 
     @cute.jit
@@ -646,7 +660,7 @@ class FlamiaBwdDsBf16Sm90:
             storage.sV.get_tensor(cute.make_layout(cute.cosize(sK_layout) // 4), dtype=Uint32),
             sVt_layout,
         )
-        sVec = storage.sVec.get_tensor(cute.make_layout((self.tq, N_VEC, self.sv)))
+        sVec = storage.sVec.get_tensor(cute.make_layout((self.tq, vec_rows(self.cfg), self.sv)))
         sdQ, sdQ_words, dq_plan = None, None, None
         if cutlass.const_expr(self.dq_tma):
             sdQ = buf(storage.sdQ, tmas[16])  # the TMA's view
@@ -792,7 +806,14 @@ class FlamiaBwdDsBf16Sm90:
         n_blk, n_diag, per = sched
         lane = cute.arch.lane_idx()
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sv)
+        # (in fp32 from the fp32 softmax_scale: softmax.scale_log2_f32, the forward's number)
         scale_log2 = softmax_scale * Float32(LOG2E)
+        if cutlass.const_expr(self.cfg.short_pairs):
+            # the zero rows (cross_vectors), before any stage's first commit publishes them
+            for st in cutlass.range_constexpr(self.sv):
+                for r in cutlass.range_constexpr(PAIR_ZERO_ROW, PAIR_ZERO_ROW + 2):
+                    for c in cutlass.range_constexpr(self.tq // 32):
+                        sVec[lane + 32 * c, r, st] = Float32(0.0)
         total = self._tile_count(n_diag, per)
         for i in cutlass.range(total, unroll=1):
             hi, m = self._tile_of(i, n_blk, n_diag, per)
@@ -856,12 +877,13 @@ class FlamiaBwdDsBf16Sm90:
     @cute.jit
     def consume(
         self, mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok, dv_ref, dq_out, mdK,
-        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, pair_first=None,
+        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, pair_first=None, pair_second=None,
     ):
         """Consumer warpgroup wg: the CTA's item (key block n_blk of KV head kv_head in the document),
         both phases' tiles, then dK and dV to global memory. pair_first (short_pairs): this warpgroup
         holds a pair's first document, so the second diagonal tile (the second document's queries) is
-        masked whole."""
+        masked whole; pair_second: it holds the second, and the first tile is the other document's
+        (cross_vectors)."""
         frags, krow = self.consumer_fragments(mmas, bufs, wg)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         a_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -905,6 +927,7 @@ class FlamiaBwdDsBf16Sm90:
                 2 * n_blk + i % n_diag, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state,
                 v_state, dq_out, doc_start, doc_len, lim_i, n_blk, softmax_scale, wg,
                 (pipe_kv, kv_state, last_diag) if early else None,
+                self.cross_vectors(pair_first, pair_second, i, n_diag),
             )
         if cutlass.const_expr(self.prefetch and self.dq_tma):
             warpgroup.wait_group(0)  # the dummy S^T, dP^T issued after the phase's last tile
@@ -1079,14 +1102,27 @@ class FlamiaBwdDsBf16Sm90:
         warpgroup.commit_group()
 
     @cute.jit
+    def cross_vectors(self, pair_first, pair_second, i, n_diag):
+        """The row offset of D and dO's scale in diagonal tile i's per-query vectors: 0, or (short_pairs)
+        PAIR_ZERO_ROW - 2 where the tile's queries are the other document's (the first warpgroup's second
+        tile, the second warpgroup's first): there they read zeros, so this warpgroup's dS^T and dV fold
+        are exact zeros whatever the other document holds (P is masked to 0 there). None: no pairs."""
+        off = None
+        if cutlass.const_expr(pair_first is not None):
+            cross = (pair_first & (i % n_diag == 1)) | (pair_second & (i % n_diag == 0))
+            off = select(cross, Int32(PAIR_ZERO_ROW - 2), Int32(0))
+        return off
+
+    @cute.jit
     def tile_step(
         self, diag: cutlass.Constexpr, i, has_next, hq, m, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v,
         a_state, b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg, release_kv=None,
+        vec_off=None,
     ):
         """One 64-query tile m of query head hq (tile number i of the CTA). diag: m in {2n, 2n+1}.
         release_kv (pipe_kv, its state, a runtime flag): when the flag is set, the K/V stage is released
         as soon as this tile's S^T and dP^T have read it (the phase's last tile: the next phase's copies
-        load under the rest of the tile).
+        load under the rest of the tile). vec_off (short_pairs): cross_vectors' offset.
 
         With prefetch, its S^T and dP^T were issued before (issue_sdp: by the previous tile of the
         phase, or before the phase) and has_next issues the next tile's after this tile's dQ
@@ -1130,10 +1166,13 @@ class FlamiaBwdDsBf16Sm90:
                 pipe_kv.consumer_release(kv_state)
 
         # ---- dS^T = P^T (dP^T sv sdo - D) into acc_dp, the dV fold of P^T into acc_s
+        vo = 0
+        if cutlass.const_expr(vec_off is not None):
+            vo = vec_off
         for c, rows in walk:
             col = tScS[c][1]
-            cd = sVec[col, 2, vs]
-            cw = sVec[col, 3, vs]
+            cd = sVec[col, 2 + vo, vs]
+            cw = sVec[col, 3 + vo, vs]
             cwf = cw * cf  # sdo * 256 / r: powers of two, so (p * sdo) * (256 / r) exactly
             for a, v1 in rows:
                 p = acc_s[a]

@@ -65,7 +65,18 @@ from ..quant import transposed_tokens
 from ..schedules import varlen_tiles as _varlen_tiles
 from ..schedules.varlen_chunks import max_chunks
 from ..schedules.varlen_tiles import LPT_MAX_DOCS, TILE_ORDERS, short_pairs_worth
-from ..softmax import LOG2E, P_SCALE, P_SCALE_LOG2, fold_reference, online_max, quad_sum, row_lse, two_row_max
+from ..softmax import (
+    P_SCALE,
+    P_SCALE_LOG2,
+    fold_reference,
+    offset_up,
+    online_max,
+    quad_sum,
+    row_lse,
+    row_max_up,
+    scale_log2_f32,
+    two_row_max,
+)
 from ..tile_scheduler import (
     SCHED_STAGES,
     claim_next_tile,
@@ -123,8 +134,16 @@ def smem_bytes(cfg) -> int:
     persistent tables, barriers and alignment."""
     tables = {"documents": 2, "longest_documents": 4}[cfg.tile_order] + int(cfg.short_pairs)
     table = tables * 4 * (PERSISTENT_MAX_DOCS + 1) + 128 if cfg.persistent else 0
-    scales = 3 * TILE * 4 * cfg.kv_stages  # K and V scales per key, Q scales per row
+    scales = scale_rows(cfg) * 4 * cfg.kv_stages
     return TILE * cfg.head_dim * cfg.q_stages + 2 * cfg.kv_stages * TILE * cfg.head_dim + scales + table + 2048
+
+
+def scale_rows(cfg) -> int:
+    """Rows of a scale stage: K scales per key, V scales per key, Q scales per row. With short_pairs
+    the V scales of a paired diagonal step are [the first document's 64, 64 zeros, the second's 64]:
+    each warpgroup reads the 128 from its own offset (key_lo), so the other document's keys have V
+    scale 0 and their masked P adds exactly 0 (a NaN scale there would turn the masked 0 into NaN)."""
+    return 3 * TILE + (WG_ROWS if cfg.short_pairs else 0)
 
 
 @dataclass(frozen=True)
@@ -221,7 +240,8 @@ class FlamiaFwdSm90:
         self.q_stages = config.q_stages
         self.short_pairs = config.short_pairs
         # scale stage rows: K and V scales per key, the diagonal step's Q scales per row
-        self.scale_rows = 3 * TILE
+        self.scale_rows = scale_rows(config)
+        self.q_row0 = self.scale_rows - TILE  # the diagonal step's Q scales (after K's and V's)
         # tile ring words: block, head, document, its start and length (short pairs: the partner's length)
         self.sched_rows = 6
 
@@ -545,8 +565,9 @@ class FlamiaFwdSm90:
         # token-major (the token is the outer, strided TMA coordinate: any start is fine); V^T's
         # token axis is the contiguous one, so its tiles start at the document's 16-aligned
         # column dt_start. The diagonal V tile may run past the document into zero pad, the next
-        # document's columns, or past T_dt (TMA zero fill): always finite, and P = 0 there
-        # (masked score and zero V scale), so it adds exactly 0.
+        # document's columns, or past T_dt (TMA zero fill): always finite (a non-finite input's codes
+        # are 0, its NaN is in its scale: quant.quantize_with_scale), and P = 0 there (masked score
+        # and zero V scale), so it adds exactly 0.
         tQs, tQg = document_tiles(tma_q, tQ, head, sQ, (wm, D), doc_start, 0)
 
         def k_part(atom, t):
@@ -646,7 +667,7 @@ class FlamiaFwdSm90:
             pipe_s.producer_acquire(s_state)
             if i == 0:
                 self.stage_diagonal(mSK, mSV, mSKt, mSVt, mSQ, sScale, s_state, kv_head, head, doc_start,
-                                    doc_len, hi_bounds, m_block)
+                                    doc_len, hi_bounds, m_block, pair_len)
             else:  # off-diagonal steps: the tile's own document only
                 self.stage_key_scales(mSK, mSV, mSKt, mSVt, sScale, s_state, i, n, kv_head, doc_start, doc_len)
             pipe_s.producer_commit(s_state)  # every lane arrives: releases its own stores
@@ -673,16 +694,21 @@ class FlamiaFwdSm90:
 
     @cute.jit
     def stage_diagonal(self, mSK, mSV, mSKt, mSVt, mSQ, sScale, s_state, kv_head, head, doc_start, doc_len,
-                       hi_bounds, m_block):
+                       hi_bounds, m_block, pair_len=None):
         """The diagonal step's Q, K and V scales, each half's from its own document (hi_bounds: the
         second half's, a short pair's second document or the tile's own): one global round trip per
         half, a runtime loop (unrolled, a pair's second document's bases spill in the producers' 24
-        registers). The consumers wait for this step first, so its round trips are on every tile's path."""
+        registers). The consumers wait for this step first, so its round trips are on every tile's path.
+        A paired step's second half goes 64 rows further in the V scales, and 0 where it was
+        (scale_rows): [first document, 0, second document]."""
         for h in cutlass.range(2, unroll=1):
             start = select(h == 0, doc_start, hi_bounds[0])
             length = select(h == 0, doc_len, hi_bounds[1])
             loaded = self.diagonal_half_scales(mSK, mSV, mSKt, mSVt, mSQ, kv_head, head, start, length, m_block, h)
-            self.store_diagonal_scales(sScale, s_state, loaded)
+            v_shift = None
+            if cutlass.const_expr(pair_len is not None):
+                v_shift = select((h == 1) & (pair_len > 0), Int32(WG_ROWS), Int32(0))
+            self.store_diagonal_scales(sScale, s_state, loaded, v_shift)
 
     @cute.jit
     def diagonal_half_scales(self, mSK, mSV, mSKt, mSVt, mSQ, kv_head, head, start, length, m_block, h):
@@ -701,12 +727,17 @@ class FlamiaFwdSm90:
         return loaded
 
     @cute.jit
-    def store_diagonal_scales(self, sScale, s_state, loaded):
+    def store_diagonal_scales(self, sScale, s_state, loaded, v_shift=None):
         tn = TILE
         for key, sq, sk, sv in loaded:
-            sScale[2 * tn + key, s_state.index] = sq
+            sScale[self.q_row0 + key, s_state.index] = sq
             sScale[key, s_state.index] = sk
-            sScale[tn + key, s_state.index] = sv
+            if cutlass.const_expr(v_shift is not None):
+                # (v_shift 0: both stores hit one word, in program order: sv stays)
+                sScale[tn + key, s_state.index] = select(v_shift > 0, Float32(0.0), sv)
+                sScale[tn + key + v_shift, s_state.index] = sv
+            else:
+                sScale[tn + key, s_state.index] = sv
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -864,7 +895,7 @@ class FlamiaFwdSm90:
         l_tot = quad_sum(l_run[v1])
         f = Float32(0.0)
         lse = -Float32.inf
-        if l_tot > Float32(0.0):
+        if not (l_tot <= Float32(0.0)):  # a NaN sum (a non-finite input's row) gives NaN O and LSE
             f = (abs(r_run[v1]) / Float32(P_SCALE)) / l_tot
             lse = row_lse(m_run[v1], l_tot)
         row = row_in_blk[v1]
@@ -932,7 +963,8 @@ class FlamiaFwdSm90:
         an all-zero V tile (scale 2^-126) would make 256 / r and r_prev / r overflow.
         diag: the diagonal tile (first), the only one with a mask and the one whose stage holds the
         block's Q scales; key_lo (short_pairs): its columns below key_lo are masked too (the other
-        document's keys). The caller waits for and releases the scale stage s_state.
+        document's keys), and its V scales start key_lo rows later (scale_rows: the other document's
+        are 0 there). The caller waits for and releases the scale stage s_state.
         """
         tn, wm = TILE, WG_ROWS
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
@@ -944,9 +976,14 @@ class FlamiaFwdSm90:
         uniform = cutlass.const_expr((not diag) and self.diag_copy)
         if cutlass.const_expr(diag):
             for v1 in cutlass.range_constexpr(2):  # the block's Q scales, staged by the scale warp
-                rs[v1] = rs[v1] * sScale[2 * tn + wg * wm + tScS[2 * v1][0], s_state.index]
+                rs[v1] = rs[v1] * sScale[self.q_row0 + wg * wm + tScS[2 * v1][0], s_state.index]
         sk_t = sScale[0, s_state.index]
         w_t = sScale[tn, s_state.index]
+        # this warpgroup's V scales: a paired second document reads 64 rows on (scale_rows), where the
+        # first document's keys have scale 0
+        v_base = tn
+        if cutlass.const_expr(diag and key_lo is not None):
+            v_base = tn + key_lo
         # Both rows of the thread in one pass over its columns: each column's scales are loaded
         # once and are dead right after (no 32 x 2 scale registers kept between passes; that
         # matters while a P V accumulator is in flight). Max is exact, so its order is free;
@@ -961,7 +998,7 @@ class FlamiaFwdSm90:
                         row_s[v1].append(acc_s[v0 + 2 * v1 + 4 * v2])
                 else:
                     sk = sScale[col, s_state.index]
-                    sw = sScale[tn + col, s_state.index]
+                    sw = sScale[v_base + col, s_state.index]
                     for v1 in cutlass.range_constexpr(2):
                         a = v0 + 2 * v1 + 4 * v2
                         s = acc_s[a] * sk
@@ -987,8 +1024,8 @@ class FlamiaFwdSm90:
                 rsv[v1] = rs[v1] * sk_t
             else:
                 r = wmax[v1]
-            # rsv > 0, so max(s) * rsv == max(s * rsv) exactly
-            m_new, ms, alpha = online_max(m_run[v1], tm * rsv[v1])
+            # rsv > 0: max(s) * rsv rounded up is at least every s * rsv (P <= 1 at any magnitude)
+            m_new, ms, alpha = online_max(m_run[v1], row_max_up(tm, rsv[v1]))
             m_safe[v1] = ms
             # running output: softmax correction times the fold change r_prev / r (exact)
             c, inv_r, r_new = fold_reference(r_run[v1], r, alpha)
@@ -1001,13 +1038,13 @@ class FlamiaFwdSm90:
         # uniform tiles: P * 256 = exp2(x + 8) saves a multiply per element (P_SCALE = 2^8)
         m_off = [m_safe[0], m_safe[1]]
         if cutlass.const_expr(uniform):
-            m_off = [m_safe[0] - Float32(P_SCALE_LOG2), m_safe[1] - Float32(P_SCALE_LOG2)]
+            m_off = [offset_up(m_safe[0], P_SCALE_LOG2), offset_up(m_safe[1], P_SCALE_LOG2)]
         for v2 in cutlass.range_constexpr(n_acc_s // 4):
             for v0 in cutlass.range_constexpr(2):
                 col = tScS[v0 + 4 * v2][1]
                 sw = w_t
                 if cutlass.const_expr(not uniform):
-                    sw = sScale[tn + col, s_state.index]
+                    sw = sScale[v_base + col, s_state.index]
                 for v1 in cutlass.range_constexpr(2):
                     a = v0 + 2 * v1 + 4 * v2
                     p = cute.math.exp2(acc_s[a] * rsv[v1] - m_off[v1], fastmath=True)
@@ -1302,6 +1339,6 @@ def flamia_fwd_sm90(
         get_launcher(config), dev,
         q_td.data_ptr(), sq.data_ptr(), k_td.data_ptr(), sk.data_ptr(), v_dt.data_ptr(), sv.data_ptr(),
         k_tok_td.data_ptr(), sk_tok.data_ptr(), v_tok_dt.data_ptr(), sv_tok.data_ptr(), cu.data_ptr(),
-        out.data_ptr(), lse.data_ptr(), sched_ptr, T, T_dt, Hk, num_docs, grid_x, float(softmax_scale * LOG2E),
+        out.data_ptr(), lse.data_ptr(), sched_ptr, T, T_dt, Hk, num_docs, grid_x, scale_log2_f32(softmax_scale),
     )
     return out, lse

@@ -12,7 +12,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int64, Uint32
 
-from ..softmax import LOG2E
+from ..softmax import lse_log2_up
 from .primitives import cvt_bf16x2, ptx, quad_transpose4, st_global_v4
 
 
@@ -59,8 +59,9 @@ def fence_proxy_async_global():
 @cute.jit
 def store_query_vectors(sVec, col, st, q, doc_start, doc_len, hq, mSQ, mLSE, mDelta, mSdO, scale_log2):
     """Column `col` of a query tile's vectors in stage st of sVec (query q of the document, head hq):
-    0 sq * softmax_scale * log2e, 1 lse * log2e (+inf past the document end: P = 0 there), 2 D =
-    rowsum(dO * O), 3 the dO scale (0 past the end), 4 sq. Returns the dO scale."""
+    0 sq * softmax_scale * log2e, 1 lse * log2e rounded up (softmax.lse_log2_up: P <= 1 at any
+    magnitude; +inf past the document end: P = 0 there), 2 D = rowsum(dO * O), 3 the dO scale (0 past
+    the end), 4 sq. Returns the dO scale."""
     a_ = Float32(0.0)
     b_ = Float32.inf
     d_ = Float32(0.0)
@@ -69,7 +70,7 @@ def store_query_vectors(sVec, col, st, q, doc_start, doc_len, hq, mSQ, mLSE, mDe
     if q < doc_len:
         s_ = mSQ[doc_start + q, hq]
         a_ = s_ * scale_log2
-        b_ = mLSE[doc_start + q, hq] * Float32(LOG2E)
+        b_ = lse_log2_up(mLSE[doc_start + q, hq])
         d_ = mDelta[doc_start + q, hq]
         w_ = mSdO[doc_start + q, hq]
     sVec[col, 0, st] = a_
@@ -83,7 +84,11 @@ def store_query_vectors(sVec, col, st, q, doc_start, doc_len, hq, mSQ, mLSE, mDe
 @cute.jit
 def load_row_scales(rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, key0):
     """rsc = (sk(row 0), sk(row 1), sv(row 0), sv(row 1)) of this thread's key rows krow of the block
-    starting at key0 (0 past the document end)."""
+    starting at key0 (0 past the document end, and 0 for a NaN scale). A NaN scale marks a K or V block
+    holding a non-finite input (its codes are 0): as a factor it would turn the exact zeros of other
+    documents' queries in the tile (P = 0, sdo = D = 0) into NaN, which the dQ reduce-add carries into
+    their rows. The key's own gradients get the NaN from the forward instead: every query that sees
+    the key has a NaN LSE (a non-finite K) or a NaN O, hence D (a non-finite V)."""
     for v1 in cutlass.range_constexpr(2):
         key = key0 + krow[v1]
         sk = Float32(0.0)
@@ -91,8 +96,8 @@ def load_row_scales(rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, key0):
         if key < doc_len:
             sk = mSK[doc_start + key, kv_head]
             sv = mSV[doc_start + key, kv_head]
-        rsc[v1] = sk
-        rsc[2 + v1] = sv
+        rsc[v1] = cute.arch.fmax(sk, Float32(0.0))  # max drops a NaN: 0
+        rsc[2 + v1] = cute.arch.fmax(sv, Float32(0.0))
 
 
 @cute.jit

@@ -14,6 +14,9 @@ before the part's specialized code. Host side: every output of every part is a v
 uint8 allocation (quant.output_buffer_plan), and the launch passes raw values through TVM-FFI
 (no DSL pointer objects per launch; the DSL's marshalling without apache-tvm-ffi).
 
+A non-finite input makes its block's scale NaN (the integer amax orders NaN > inf > finite) and
+every code of the block 0, bit-exactly as quant.quantize_with_scale: no product meets a NaN code.
+
 CTA order ("raster", default "heads"): inside a part CTA = chunk * head_groups + head_group,
 so CTAs resident together cover every head of a window of consecutive chunks: x rows and
 data_td rows are read/written whole, and each data_dt row gets a run of consecutive segments.
@@ -72,6 +75,7 @@ from .primitives import (
     ARG_F8,
     ARG_F32,
     ARG_I32,
+    NAN_SCALE_BITS,
     SHARED_SOURCE_FILES,
     as_f32,
     bf16_abs_max_bits,
@@ -182,6 +186,13 @@ def _auto_heads_per_cta(head_dim: int, num_heads: int) -> int:
 # ----------------------------------------------------------------------------------------------
 # The kernel
 # ----------------------------------------------------------------------------------------------
+
+
+def _store_zero_words(dst):
+    """Zeros over a 16-byte global segment as four 32-bit stores (of RZ: no registers held)."""
+    dst_w = cute.recast_tensor(dst, Uint32)
+    for m in range(4):  # plain Python: unrolled while tracing
+        dst_w[m] = Uint32(0)
 
 
 @dataclass(frozen=True)
@@ -575,15 +586,28 @@ class FusedQuantizeSm90:
                                 sbits[st].append(sb)
                                 q = cute.make_rmem_tensor(16, Float8E4M3FN)
                                 q.store((xf * as_f32(ib)).to(Float8E4M3FN))
+                                # codes 0 where the scale is NaN (quant.quantize_with_scale: no product meets a
+                                # NaN code), and for tokens past the chunk in the tile (data_dt pad bytes). The
+                                # zeros go out as word stores of RZ on that rare branch (a zero source tensor
+                                # would hold registers); which branch comes first is what the 64- and 80-register
+                                # budgets fit without spills (the dO launch's rowdot holds more)
+                                poisoned = sb == Int32(NAN_SCALE_BITS)
                                 if const_expr(P.TOKEN_MAJOR):
                                     if valid[it]:
-                                        cute.copy(st_atom, q, cute.local_tile(mTD[start + tau[it], head, None], (16,),
-                                                                              (j,)))
+                                        dst = cute.local_tile(mTD[start + tau[it], head, None], (16,), (j,))
+                                        if const_expr(P.cfg.emit_rowdot):
+                                            cute.copy(st_atom, q, dst)
+                                            if poisoned:
+                                                _store_zero_words(dst)
+                                        else:
+                                            if poisoned:
+                                                _store_zero_words(dst)
+                                            else:
+                                                cute.copy(st_atom, q, dst)
                                 qw = cute.recast_tensor(q, Uint32)
-                                # tokens past the chunk must be 0 in the tile: they become data_dt pad bytes
                                 zw = []
                                 for m in cutlass.range_constexpr(4):
-                                    zw.append(select(valid[it], qw[m], Uint32(0)))
+                                    zw.append(select(valid[it] & ~poisoned, qw[m], Uint32(0)))
                                 qwords[st].append(zw)
                         ta_j = 16 * warp + 4 * quad + j
                         write_scale = (j < 4) & (ta_j < n) & active
@@ -597,7 +621,10 @@ class FusedQuantizeSm90:
                                 mS[head, start + ta_j] = sel
                             if const_expr(doc_max and st == 0):
                                 # the chunk's max per head: lanes first, then shared memory
-                                lane_max = imax(lane_max, select(write_scale, sel, Int32(0)))
+                                # (a NaN scale left out, attention_bwd.dv_fold_reference: finite scales' bits
+                                # are below NAN_SCALE_BITS, so the mask is ~0 for them and 0 for NaN)
+                                finite_sel = sel & ((sel - Int32(NAN_SCALE_BITS)) >> 31)
+                                lane_max = imax(lane_max, select(write_scale, finite_sel, Int32(0)))
                             if const_expr(TRANS):
                                 sT = tiles[st]
                                 for m in cutlass.range_constexpr(4):
