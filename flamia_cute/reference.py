@@ -38,3 +38,19 @@ def reference_attention(q, k, v, cu_q, cu_k, softmax_scale, causal=True, dout=No
         dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), dout.to(dtype), allow_unused=True)
         res.update(dq=dq, dk=dk, dv=dv)
     return res
+
+
+def reference_attention_rotary(q, k, v, cu, softmax_scale, rotary, dout=None, dtype=torch.float64):
+    """reference_attention of self-attention with RoPE (a rotary.Rotary) applied to q and k in `dtype`
+    (positions restart at every document start); dq, dk of the unrotated inputs (R^T of the rotated
+    ones' gradients, exact for an orthogonal rotation)."""
+    from .rotary import document_positions, rope
+
+    pos = document_positions(cu, cu, q.shape[0])
+    qr = rope(q.detach().to(dtype), rotary.cos, rotary.sin, pos, rotary.interleaved)
+    kr = rope(k.detach().to(dtype), rotary.cos, rotary.sin, pos, rotary.interleaved)
+    res = reference_attention(qr, kr, v, cu, cu, softmax_scale, True, dout, dtype)
+    if dout is not None:
+        res["dq"] = rope(res["dq"], rotary.cos, rotary.sin, pos, rotary.interleaved, inverse=True)
+        res["dk"] = rope(res["dk"], rotary.cos, rotary.sin, pos, rotary.interleaved, inverse=True)
+    return res

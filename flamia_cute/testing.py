@@ -181,15 +181,16 @@ def check_leakage(fn: AttentionFn, q, k, v, cu_seqlens, dout=None, doc: int | No
     return rep
 
 
-def attention_fn_for(recipe, softmax_scale=None, causal=True, backend="emulate") -> AttentionFn:
-    """Adapter: flamia_attn_varlen_func as an AttentionFn (forward, and backward when dout is given)."""
+def attention_fn_for(recipe, softmax_scale=None, causal=True, backend="emulate", rotary=None) -> AttentionFn:
+    """Adapter: flamia_attn_varlen_func as an AttentionFn (forward, and backward when dout is given);
+    rotary: its rotary argument (a RotaryConfig, or a Rotary with tables for every length used)."""
     from .interface import flamia_attn_varlen_func
 
     def fn(q, k, v, cu, dout=None):
         lens = (cu[1:] - cu[:-1]).max().item() if cu.numel() > 1 else 0
         qq, kk, vv = (t.detach().clone().requires_grad_(dout is not None) for t in (q, k, v))
         out, lse = flamia_attn_varlen_func(qq, kk, vv, cu, cu, int(lens), int(lens), softmax_scale, causal,
-                                           recipe=recipe, backend=backend, return_lse=True)
+                                           recipe=recipe, backend=backend, return_lse=True, rotary=rotary)
         res = {"out": out.detach(), "lse": lse.detach()}
         if dout is not None:
             dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), dout)
