@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--recipe", default=DEFAULT_RECIPE, help="comma-separated: one flamia_<recipe> column each")
     b.add_argument("--impls", default="", help="comma-separated name prefixes (flamia, fa4, cudnn, flex, sdpa)")
     b.add_argument("--modes", default="fwd,bwd,fwdbwd")
+    b.add_argument("--layer", action="store_true",
+                   help="also time RoPE + attention ('+rope' columns): ours with the RoPE fused into the "
+                        "quantization against FA4 after the best importable RoPE kernel (flash-attn's "
+                        "rotary, else torch.compile)")
     b.add_argument("--reps", type=int, default=15)
     b.add_argument("--gpu-time", action="store_true",
                    help="time GPU work only (each call queued behind a GPU sleep, as when the host runs ahead); "

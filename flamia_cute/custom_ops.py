@@ -417,7 +417,8 @@ def _backward(ctx, dout, _dlse, _dsaved):
         dout = torch.zeros_like(out)
     dq, dk, dv = varlen_bwd(dout, out, lse, saved, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend, rope_cos,
                             rope_sin, rope_interleaved)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+    # one gradient per argument the call passed (the RoPE arguments have defaults a call may leave out)
+    return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
 varlen_fwd.register_autograd(_backward, setup_context=_setup_context)

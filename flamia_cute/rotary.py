@@ -144,10 +144,14 @@ def resolve_rotary(rotary, head_dim: int, max_seqlen: int, device) -> Rotary | N
 
 
 def kernel_tables(rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin as the kernels read them: fp32, contiguous, 16-byte aligned (exact conversions)."""
+    """cos, sin as the kernels read them: fp32, contiguous, 16-byte aligned (exact conversions). Under
+    torch.compile the address is unknown while tracing: a misaligned table view is then refused by the
+    kernel launch's check, with the argument's name."""
     def fix(t):
         t = t if t.dtype == torch.float32 else t.float()
         t = t if t.is_contiguous() else t.contiguous()
+        if torch.compiler.is_compiling():
+            return t
         return t if t.data_ptr() % 16 == 0 else t.clone()
 
     return fix(rotary.cos), fix(rotary.sin)
