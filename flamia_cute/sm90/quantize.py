@@ -1020,8 +1020,9 @@ def forward_only(qkv: MultiQuantizeConfig) -> MultiQuantizeConfig:
     return dataclasses.replace(qkv, parts=(q, k, v), min_ctas_per_sm=bound)
 
 
-# launch bound of a Q/K/V launch with the Hadamard transform: its 16 fp32 values per token slice
-# spill 100-250 bytes at 64 registers (4 CTAs per SM), 0-56 at 80 (3); RoPE alone fits 64 (0-8 bytes)
+# launch bound of a Q/K/V launch with the Hadamard transform or interleaved RoPE (sm_90a builds of the
+# training call's launch, d64 and d128): they spill 100-250 bytes at 64 registers (4 CTAs per SM), 0-56 at
+# 80 (3). Half-split RoPE, whose lane pairs split the slice's frequencies, fits 64 (0-8 bytes)
 HADAMARD_MIN_CTAS = 3
 
 
@@ -1038,7 +1039,7 @@ def with_rotations(qkv: MultiQuantizeConfig, rotary: str = "none", rotary_dim: i
     q = dataclasses.replace(q, rotary=rotary, rotary_dim=rotary_dim, hadamard=hadamard_shift(d, "q") if hadamard else 0)
     k = dataclasses.replace(k, rotary=rotary, rotary_dim=rotary_dim, hadamard=hadamard_shift(d, "k") if hadamard else 0)
     bound = qkv.min_ctas_per_sm
-    if hadamard and bound:
+    if (hadamard or rotary == "interleaved") and bound:
         bound = min(bound, HADAMARD_MIN_CTAS)
     return dataclasses.replace(qkv, parts=(q, k, v), min_ctas_per_sm=bound)
 
