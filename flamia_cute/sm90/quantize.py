@@ -481,7 +481,8 @@ class FusedQuantizeSm90:
                         sInfo[2] = p_acc + loc
                         if const_expr(self.doc_max_group > 0):
                             sInfo[3] = b  # the document, for its max-scale atomic
-                        sInfo[4] = loc  # the chunk's first token's position in its document (RoPE)
+                        if const_expr(self.rotary_dim > 0):
+                            sInfo[4] = loc  # the chunk's first token's position in its document (RoPE)
                     c_acc = c_acc + nch
                     p_acc = p_acc + ((ln + DT_DOC_ALIGN - 1) & -DT_DOC_ALIGN)
         if const_expr(self.doc_max_group > 0):
@@ -549,7 +550,7 @@ class FusedQuantizeSm90:
                     # ---- rotations (RoPE, Hadamard) of each token's slice, before its scale and codes;
                     # collectives, so every lane runs them (loads of absent tokens' table rows are skipped)
                     if const_expr(has_rotation(P.cfg)):
-                        pos0 = sInfo[4]
+                        pos0 = sInfo[4] if const_expr(P.cfg.rotary != "none") else Int32(0)
                         for it in cutlass.range_constexpr(SPT * 4):
                             words = cute.recast_tensor(rx[it], Uint32)
                             rot = forward_rotate_words(DeviceOps, [words[kk] for kk in range(8)], j, lane, L, P.cfg,
