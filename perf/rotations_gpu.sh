@@ -26,7 +26,15 @@ for stage in $STAGES; do
         | tee "$OUT/accuracy_kernels_rope.log" || rc=1 ;;
     passes)  # the quantization launch and the dQ conversion with each rotation, per launch bound
       $PY perf/bench_rotations.py "$OUT" 2>&1 | tee "$OUT/passes.log" || rc=1 ;;
-    *) echo "unknown stage $stage (tests layer accuracy passes)" >&2; rc=2 ;;
+    train)   # not in the default STAGES: 1,000 steps of train/ with the fused RoPE (~6 min of GPU time per run,
+             # perf/results/2026-11-30-training's command), and FA4 bf16's at this commit with TRAIN_FA4=1
+      for att in flamia ${TRAIN_FA4:+fa4}; do
+        $PY -m train.run --attention "$att" --recipe "${TRAIN_RECIPE:-fp8_tokenblock_dsbf16}" --preset llama_125m \
+          --steps 1000 --tokens-per-step 65536 --max-doc-tokens 4096 --seed 0 --eval-every 100 --leak-samples 128 \
+          --log-every 50 --out "$OUT/train" 2>&1 | tee "$OUT/train_$att.log" || rc=1
+      done
+      $PY -m train.run --compare "$OUT/train" 2>&1 | tee "$OUT/train_compare.log" ;;
+    *) echo "unknown stage $stage (tests layer accuracy passes train)" >&2; rc=2 ;;
   esac
 done
 exit $rc
