@@ -173,23 +173,26 @@ def rope_interleaved_words(ops, words, j, mCos, mSin, pos, ok, rotary_dim: int):
 
 
 def rope_values(ops, vals, j, lane, mCos, mSin, pos, ok, rotary: str, rotary_dim: int, inverse: bool):
-    """RoPE (inverse: by -theta) of this lane's 16 fp32 channels, fp32 out (the gradient's: no split,
-    the values travel whole). Channels >= rotary_dim pass through."""
-    if rotary == "half":
+    """RoPE (inverse: by -theta) of this lane's 16 fp32 channels, fp32 out (the gradient's).
+    Channels >= rotary_dim pass through."""
+    if rotary == "half":  # the lane pair splits the frequencies, as rope_half_words (8 values each way, twice)
         R = rotary_dim // 32
+        h = SLICE // 2
         lower = j < R
         in_rot = j < 2 * R
         src = ops.sel(lower, lane + R, lane - R)
-        other = [ops.shfl(v, src) for v in vals]
-        first = SLICE * ops.sel(lower, j, j - R)
-        c = ops.load(mCos, pos, first, SLICE, ok & in_rot)
-        s = ops.load(mSin, pos, first, SLICE, ok & in_rot)
-        # y1 = x1 c - x2 s, y2 = x2 c + x1 s; by -theta the signs of s swap
-        out = []
-        for e in range(SLICE):
-            se = ops.sel(lower, -s[e], s[e]) if not inverse else ops.sel(lower, s[e], -s[e])
-            out.append(ops.sel(in_rot, ops.mul_add(vals[e], c[e], other[e], se), vals[e]))
-        return out
+        first = SLICE * ops.sel(lower, j, j - R) + ops.sel(lower, ops.i32(0), ops.i32(h))
+        c = ops.load(mCos, pos, first, h, ok & in_rot)
+        s = ops.load(mSin, pos, first, h, ok & in_rot)
+        recv = [ops.shfl(ops.sel(lower, vals[h + e], vals[e]), src) for e in range(h)]
+        a = [ops.sel(lower, vals[e], recv[e]) for e in range(h)]  # x1 of this lane's 8 frequencies
+        b = [ops.sel(lower, recv[e], vals[h + e]) for e in range(h)]  # x2
+        sg = [-s[e] if not inverse else s[e] for e in range(h)]  # y1 = x1 c - x2 s (by -theta: + x2 s)
+        y1 = [ops.mul_add(a[e], c[e], b[e], sg[e]) for e in range(h)]
+        y2 = [ops.mul_add(b[e], c[e], a[e], -sg[e]) for e in range(h)]
+        back = [ops.shfl(ops.sel(lower, y2[e], y1[e]), src) for e in range(h)]
+        out = [ops.sel(lower, y1[e], back[e]) for e in range(h)] + [ops.sel(lower, back[e], y2[e]) for e in range(h)]
+        return [ops.sel(in_rot, out[e], vals[e]) for e in range(SLICE)]
     in_rot = j < rotary_dim // SLICE
     c = ops.load(mCos, pos, SLICE // 2 * j, SLICE // 2, ok & in_rot)
     s = ops.load(mSin, pos, SLICE // 2 * j, SLICE // 2, ok & in_rot)
