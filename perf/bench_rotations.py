@@ -5,7 +5,8 @@
 Per workload (16x1k, 1x16k; 16 heads, d128), GPU time of (a) the training call's Q/K/V quantization
 launch (the plan's layouts) plain, with half-split RoPE, interleaved RoPE, the Hadamard transform and
 RoPE + Hadamard, each at 4, 3 and 2 CTAs per SM (the launch bound: which spills least and runs
-fastest decides sm90/quantize.HADAMARD_MIN_CTAS), and (b) the dQ conversion: torch's fp32 -> bf16
+fastest decides sm90/quantize.HADAMARD_MIN_CTAS) and, with RoPE, 2 heads per CTA (lanes of two heads
+share the cos/sin rows they read), and (b) the dQ conversion: torch's fp32 -> bf16
 cast against the rotating conversion kernel. Kernels alone, each launch behind a GPU sleep (no host
 time), medians of rotated input sets; bit-exactness of each rotated launch is tests/test_rotary.py's.
 """
@@ -68,24 +69,29 @@ def main() -> int:
         base = qkv_launch(D, H, H, 128, max(lengths), T, docs)
         for label, (mode, rd, had) in ROTATIONS.items():
             cfg = with_rotations(base, mode, rd, had) if label != "plain" else base
-            for bound in (4, 3, 2):
+            # heads_per_cta 2: a warp's lanes of two heads read the same table rows (one request)
+            variants = [(b, 0) for b in (4, 3, 2)] + ([(cfg.min_ctas_per_sm, 2)] if mode != "none" else [])
+            for bound, hg in variants:
                 c = dataclasses.replace(cfg, min_ctas_per_sm=bound)
+                if hg:
+                    c = dataclasses.replace(c, parts=tuple(dataclasses.replace(p, heads_per_cta=hg) for p in c.parts))
                 outs = [_alloc_outputs(c, T, transposed_tokens(T, docs), "cuda") for _ in range(SETS)]
                 tabs = tables if mode != "none" else None
                 us = _time(lambda i, x=sets, cu=cu, c=c, o=outs, t=tabs: launch_fused_quantize_multi_sm90(
                     x[i], cu, c, o[i], rope_tables=t))
                 rows.append({"workload": name, "pass": "qkv quantization", "variant": label, "min_ctas_per_sm": bound,
-                             "default_bound": bound == cfg.min_ctas_per_sm, "us": round(us, 2)})
+                             "heads_per_cta": c.parts[0].heads_per_cta,
+                             "default_bound": bound == cfg.min_ctas_per_sm and not hg, "us": round(us, 2)})
                 print(rows[-1], flush=True)
         gs = [torch.randn(T, H, D, device="cuda") for _ in range(SETS)]
         rows.append({"workload": name, "pass": "dq conversion", "variant": "plain cast", "min_ctas_per_sm": "",
-                     "default_bound": True, "us": round(_time(lambda i, g=gs: g[i].to(torch.bfloat16)), 2)})
+                     "heads_per_cta": "", "default_bound": True, "us": round(_time(lambda i, g=gs: g[i].to(torch.bfloat16)), 2)})
         for label, (mode, rd, had) in list(ROTATIONS.items())[1:]:
             gcfg = GradRotateConfig(D, mode, rd, 4 if had else 0)
             tabs = tables if mode != "none" else (None, None)
             us = _time(lambda i, g=gs, cu=cu, t=tabs, c=gcfg: grad_rotate_to_bf16(g[i], cu, *t, c))
             rows.append({"workload": name, "pass": "dq conversion", "variant": label, "min_ctas_per_sm": "",
-                         "default_bound": True, "us": round(us, 2)})
+                         "heads_per_cta": "", "default_bound": True, "us": round(us, 2)})
             print(rows[-1], flush=True)
     with open(out / "bench_rotations.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
