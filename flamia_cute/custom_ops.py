@@ -213,12 +213,23 @@ def _unpack_kernel(saved, recipe: str, T: int, num_docs: int, Hq: int):
 # ----------------------------------------------------------------------------- the call
 
 
+def _rotary(rope_cos, rope_sin, rope_interleaved: bool):
+    """The call's RoPE tables as a rotary.Rotary (None: no RoPE)."""
+    if rope_cos is None:
+        return None
+    from .rotary import Rotary
+
+    return Rotary(rope_cos, rope_sin, rope_interleaved)
+
+
 def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-                causal: bool, recipe: str, backend: str, save: bool = True):
+                causal: bool, recipe: str, backend: str, rope_cos=None, rope_sin=None, rope_interleaved: bool = False,
+                save: bool = True):
     """(out in q's dtype, lse (H, T) fp32, the saved list of saved_layout). Checks cu_seqlens' values:
     the public API checks only what it can without reading them (torch.compile traces it).
-    save=False (no backward will run): nothing is packed and the saved list is [] (backend "sm100" also
-    skips decoding its operands)."""
+    rope_cos, rope_sin: the RoPE tables (rotary.resolve_rotary's; None: no RoPE), applied to Q and K
+    in their quantization. save=False (no backward will run): nothing is packed and the saved list
+    is [] (backend "sm100" also skips decoding its operands)."""
     from .validation import check_cu_seqlens_values
 
     check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
@@ -233,8 +244,10 @@ def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
         if k.shape[0] != q.shape[0]:  # equal totals with other cu_seqlens_k: plan.why_not_kernels refused the call
             raise NotImplementedError("backend 'cute': the sm_90a kernels are self-attention only "
                                       "(cu_seqlens_q == cu_seqlens_k)")
-        plan = make_plan(recipe, q.shape[2], q.shape[1], k.shape[1], max_seqlen_q, q.shape[0], cu_seqlens_q.numel() - 1)
-        out_k, lse, ops = cute_backend.forward(plan, q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale)
+        rotary = _rotary(rope_cos, rope_sin, rope_interleaved)
+        plan = make_plan(recipe, q.shape[2], q.shape[1], k.shape[1], max_seqlen_q, q.shape[0], cu_seqlens_q.numel() - 1,
+                         rotary_key(rotary))
+        out_k, lse, ops = cute_backend.forward(plan, q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, rotary)
         out = out_k if out_k.dtype == q.dtype else out_k.to(q.dtype)  # a no-op .to() costs host time too
         return out, lse, _pack_kernel(layout, out_k, ops) if save else []
     if backend == "sm100":
@@ -243,6 +256,8 @@ def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
 
         if not causal:
             raise NotImplementedError("backend 'sm100': causal=False has no sm_100a kernel")
+        if rope_cos is not None or _recipe(recipe).hadamard:
+            raise NotImplementedError("backend 'sm100': the rotations of Q and K have no sm_100a kernel")
         out_k, lse, ops = sm100.forward(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, save)
         out = out_k if out_k.dtype == q.dtype else out_k.to(q.dtype)
         if not save:
@@ -251,7 +266,8 @@ def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
         return out, lse, _pack_emulated(layout, out_k, ectx)
     from .emulator import emulate_forward
 
-    out_e, lse, ectx = emulate_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, _recipe(recipe))
+    out_e, lse, ectx = emulate_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, _recipe(recipe),
+                                       rotary=_rotary(rope_cos, rope_sin, rope_interleaved))
     # for bf16 q, out IS out_e, and the layout holds a placeholder instead (outputs must not alias)
     return out_e.to(q.dtype), lse, _pack_emulated(layout, out_e, ectx) if save else []
 
@@ -282,8 +298,10 @@ def saved_from_inputs(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
 
 
 def run_backward(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                 softmax_scale: float, causal: bool, recipe: str, backend: str):
-    """dq, dk, dv in out's dtype from the forward's saved list."""
+                 softmax_scale: float, causal: bool, recipe: str, backend: str, rope_cos=None, rope_sin=None,
+                 rope_interleaved: bool = False):
+    """dq, dk, dv in out's dtype from the forward's saved list; dq and dk in the caller's frame (the
+    inverse rotations applied where they are written)."""
     dt = out.dtype
     layout = saved_layout(recipe, backend, dt == torch.bfloat16)
     out_bf16 = saved[0] if layout[0][1] == _OUT else out
@@ -295,14 +313,18 @@ def run_backward(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         T, H = out.shape[0], out.shape[1]
         qq, kq, vq, kt, vt = _unpack_kernel(saved, recipe, T, cu_seqlens_q.shape[0] - 1, H)
         ops = (qq, (kq, kt), (vq, vt))
-        plan = make_plan(recipe, out.shape[2], H, kq.data_td.shape[1], max_seqlen_q, T, cu_seqlens_q.numel() - 1)
-        grads = cute_backend.backward(plan, dout, out_bf16, lse, ops, cu_seqlens_q, max_seqlen_q, softmax_scale)
+        rotary = _rotary(rope_cos, rope_sin, rope_interleaved)
+        plan = make_plan(recipe, out.shape[2], H, kq.data_td.shape[1], max_seqlen_q, T, cu_seqlens_q.numel() - 1,
+                         rotary_key(rotary))
+        grads = cute_backend.backward(plan, dout, out_bf16, lse, ops, cu_seqlens_q, max_seqlen_q, softmax_scale,
+                                      rotary)
     else:  # "emulate", and "sm100": the emulator's backward on the operands its kernel forward read
-        from .emulator import EmulatorContext, emulate_backward
+        from .emulator import EmulatorContext, emulate_backward, qk_transform
 
         rec = _recipe(recipe)
         qo, ko, vo = _unpack_emulated(layout, saved, rec)
-        ectx = EmulatorContext(rec, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, qo, ko, vo, out_bf16, lse)
+        ectx = EmulatorContext(rec, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, qo, ko, vo, out_bf16, lse,
+                               qk_transform(rec, _rotary(rope_cos, rope_sin, rope_interleaved)))
         grads = emulate_backward(dout, ectx)
     return tuple(g if g.dtype == dt else g.to(dt) for g in grads)
 
@@ -311,18 +333,21 @@ class Attention(torch.autograd.Function):
     """The eager path: run_forward / run_backward without the custom ops' dispatch."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend):
-        out, lse, saved = run_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend)
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend, rope_cos=None, rope_sin=None,
+                rope_interleaved=False):
+        out, lse, saved = run_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend, rope_cos,
+                                      rope_sin, rope_interleaved)
         ctx.mark_non_differentiable(lse)
-        ctx.save_for_backward(out, lse, cu_q, cu_k, *saved)
+        ctx.save_for_backward(out, lse, cu_q, cu_k, rope_cos, rope_sin, *saved)
         ctx.static = (max_q, max_k, scale, causal, recipe, backend)
+        ctx.rope_interleaved = rope_interleaved
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        out, lse, cu_q, cu_k, *saved = ctx.saved_tensors
-        grads = run_backward(dout, out, lse, saved, cu_q, cu_k, *ctx.static)
-        return (*grads, None, None, None, None, None, None, None, None)
+        out, lse, cu_q, cu_k, rope_cos, rope_sin, *saved = ctx.saved_tensors
+        grads = run_backward(dout, out, lse, saved, cu_q, cu_k, *ctx.static, rope_cos, rope_sin, ctx.rope_interleaved)
+        return (*grads, None, None, None, None, None, None, None, None, None, None, None)
 
 
 # ----------------------------------------------------------------------------- the custom ops
@@ -341,15 +366,18 @@ def varlen_fwd(
     causal: bool,
     recipe: str,
     backend: str,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    rope_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """out (T, H, D) in q's dtype, lse (H, T) fp32, and the saved list of `saved_layout`."""
     return run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                       recipe, backend)
+                       recipe, backend, rope_cos, rope_sin, rope_interleaved)
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                     recipe, backend):
+                     recipe, backend, rope_cos=None, rope_sin=None, rope_interleaved=False):
     layout = saved_layout(recipe, backend, q.dtype == torch.bfloat16)
     T, H, D = q.shape
     Tk, Hk, _ = k.shape
@@ -377,15 +405,18 @@ def varlen_bwd(
     causal: bool,
     recipe: str,
     backend: str,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    rope_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv in out's dtype from the forward's saved operands."""
     return run_backward(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                        causal, recipe, backend)
+                        causal, recipe, backend, rope_cos, rope_sin, rope_interleaved)
 
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                     causal, recipe, backend):
+                     causal, recipe, backend, rope_cos=None, rope_sin=None, rope_interleaved=False):
     layout = saved_layout(recipe, backend, out.dtype == torch.bfloat16)
     k_idx = next(i for i, (name, kind) in enumerate(layout) if name == "k" and kind is not _NONE)
     Tk, Hk, D = saved[k_idx].shape  # K's values / data_td: (Tk, Hk, D); the cute shape carrier: (0, Hk, D)
@@ -399,28 +430,38 @@ def _varlen_bwd_fake(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seql
 
 def _setup_context(ctx, inputs, output):
     out, lse, saved = output
-    (_q, _k, _v, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend) = inputs
+    (_q, _k, _v, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend, rope_cos, rope_sin, rope_interleaved) = inputs
     ctx.mark_non_differentiable(lse, *saved)
-    # Only what the forward op returned (out, LSE, quantized operands) plus the int32 cu_seqlens.
-    ctx.save_for_backward(out, lse, cu_q, cu_k, *saved)
-    ctx.static = (max_q, max_k, scale, causal, recipe, backend)
+    # Only what the forward op returned (out, LSE, quantized operands) plus the int32 cu_seqlens (and
+    # the RoPE tables, inputs the caller holds anyway).
+    ctx.save_for_backward(out, lse, cu_q, cu_k, rope_cos, rope_sin, *saved)
+    ctx.static = (max_q, max_k, scale, causal, recipe, backend, rope_interleaved)
 
 
 def _backward(ctx, dout, _dlse, _dsaved):
-    out, lse, cu_q, cu_k, *saved = ctx.saved_tensors
-    max_q, max_k, scale, causal, recipe, backend = ctx.static
+    out, lse, cu_q, cu_k, rope_cos, rope_sin, *saved = ctx.saved_tensors
+    max_q, max_k, scale, causal, recipe, backend, rope_interleaved = ctx.static
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = varlen_bwd(dout, out, lse, saved, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    dq, dk, dv = varlen_bwd(dout, out, lse, saved, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend, rope_cos,
+                            rope_sin, rope_interleaved)
+    # one gradient per argument the call passed (the RoPE arguments have defaults a call may leave out)
+    return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
 varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-              recipe: str, backend: str):
+              recipe: str, backend: str, rope_cos=None, rope_sin=None, rope_interleaved: bool = False):
     """(out, lse) through the custom ops; recipe by key (recipe_key), backend in OP_BACKENDS."""
     out, lse, _saved = varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                  float(softmax_scale), causal, recipe, backend)
+                                  float(softmax_scale), causal, recipe, backend, rope_cos, rope_sin, rope_interleaved)
     return out, lse
+
+
+def rotary_key(rotary) -> tuple[str, int] | None:
+    """The kernels' view of a call's RoPE: (mode "half" or "interleaved", rotary_dim), or None."""
+    if rotary is None:
+        return None
+    return ("interleaved" if rotary.interleaved else "half", rotary.rotary_dim)

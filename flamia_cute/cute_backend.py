@@ -12,6 +12,7 @@ import functools
 import torch
 
 from .plan import Plan
+from .recipes import NAMED_RECIPES
 
 
 @functools.cache
@@ -29,17 +30,22 @@ def cute_attention_available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0) and _dsl_importable()
 
 
-def quantize_operands(q, k, v, cu, block: int, max_seqlen: int, config=None):
+def quantize_operands(q, k, v, cu, block: int, max_seqlen: int, config=None, rope_tables=None):
     """Q, K, V in ONE fused launch: Q per token; K, V per `block` tokens (1 or 128) plus, for blocks,
-    the per-token diagonal copies; the forward's layouts. config: the launch (a Plan's qkv), else
-    plan.qkv_launch's for this workload."""
+    the per-token diagonal copies; the forward's layouts. config: the launch (a Plan's qkv, which says
+    how Q and K are rotated), else plan.qkv_launch's for this workload. rope_tables: (cos, sin) fp32
+    (rotary.kernel_tables) when the launch applies RoPE."""
     from .plan import qkv_launch
     from .sm90.quantize import fused_quantize_multi_sm90
 
     if config is None:
         config = qkv_launch(q.shape[2], q.shape[1], k.shape[1], block, max_seqlen, q.shape[0], cu.numel() - 1)
-    (qq, _), (kq, kt), (vq, vt) = fused_quantize_multi_sm90((q, k, v), cu, config)
+    (qq, _), (kq, kt), (vq, vt) = fused_quantize_multi_sm90((q, k, v), cu, config, rope_tables=rope_tables)
     return qq, (kq, kt), (vq, vt)
+
+
+def _tables(rotary):
+    return (rotary.cos, rotary.sin) if rotary is not None else None
 
 
 def quantize_per_tensor(q, k, v, cu, config):
@@ -59,20 +65,24 @@ def quantize_per_tensor(q, k, v, cu, config):
     return qq, (kq, kt), (vq, vt)
 
 
-def quantize(plan: Plan, q, k, v, cu, max_seqlen: int):
+def quantize(plan: Plan, q, k, v, cu, max_seqlen: int, rotary=None):
     """The plan's Q/K/V operands, as the forward reads them and the backward saves them. A deterministic function
     of the inputs (power-of-two scales from the amax's bits): quantizing again gives the same bytes, which is how
-    the torch backend's backward gets the forward's operands (torch_backend.py)."""
-    if plan.scaling == "tensor":
+    the torch backend's backward gets the forward's operands (torch_backend.py). rotary: the call's
+    rotary.Rotary (fp32 tables) when the plan's launch applies RoPE."""
+    if plan.scaling == "tensor":  # the control: rotated by torch (the specification), then quantized
+        from .emulator import qk_transform, transform_inputs
+
+        q, k = transform_inputs(q, k, cu, cu, qk_transform(NAMED_RECIPES[plan.recipe], rotary))
         return quantize_per_tensor(q, k, v, cu, plan.qkv)
-    return quantize_operands(q, k, v, cu, plan.block, max_seqlen, plan.qkv)
+    return quantize_operands(q, k, v, cu, plan.block, max_seqlen, plan.qkv, _tables(rotary))
 
 
-def forward(plan: Plan, q, k, v, cu, max_seqlen: int, softmax_scale: float):
+def forward(plan: Plan, q, k, v, cu, max_seqlen: int, softmax_scale: float, rotary=None):
     """Quantize + forward kernel: (out bf16, lse (H, T) fp32, the quantized operands)."""
     from .sm90.attention_fwd import flamia_fwd_sm90
 
-    ops = quantize(plan, q, k, v, cu, max_seqlen)
+    ops = quantize(plan, q, k, v, cu, max_seqlen, rotary)
     qq, (kq, kt), (vq, vt) = ops
     out, lse = flamia_fwd_sm90(
         qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale,
@@ -82,20 +92,21 @@ def forward(plan: Plan, q, k, v, cu, max_seqlen: int, softmax_scale: float):
     return out, lse, ops
 
 
-def backward(plan: Plan, dout, out, lse, ops, cu, max_seqlen: int, softmax_scale: float):
+def backward(plan: Plan, dout, out, lse, ops, cu, max_seqlen: int, softmax_scale: float, rotary=None):
     """dq, dk, dv (bf16) from the forward's saved operands: the backward kernel, or the emulator's
-    backward where the plan has none."""
+    backward where the plan has none; dq, dk in the caller's frame (rotary: the forward's)."""
     qq, (kq, kt), (vq, vt) = ops
+    rec = NAMED_RECIPES[plan.recipe]
     if plan.bwd is None:
-        from .emulator import EmulatorContext, emulate_backward, operand_from_quantized
-        from .recipes import NAMED_RECIPES
+        from .emulator import EmulatorContext, emulate_backward, operand_from_quantized, qk_transform
 
-        ectx = EmulatorContext(NAMED_RECIPES[plan.recipe], softmax_scale, True, cu, cu, operand_from_quantized(qq),
-                               operand_from_quantized(kq, kt), operand_from_quantized(vq, vt, cu), out, lse)
+        ectx = EmulatorContext(rec, softmax_scale, True, cu, cu, operand_from_quantized(qq),
+                               operand_from_quantized(kq, kt), operand_from_quantized(vq, vt, cu), out, lse,
+                               qk_transform(rec, rotary))
         return emulate_backward(dout, ectx)
     from .sm90.attention_bwd import flamia_bwd_dsbf16_sm90_from_saved
 
-    kw = {}
+    kw = dict(rope_tables=_tables(rotary), dq_convert=plan.dq_convert, delta_quantized=rec.delta == "quantized")
     if plan.scaling == "tensor":  # the control's dO: one scale per tensor too, and D by torch
         from .quant import quantize_thd_per_tensor
         from .sm90.quantize import dout_config

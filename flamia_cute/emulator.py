@@ -34,6 +34,7 @@ from flamia_cute.quant.microscaling import pad_to_multiple
 from flamia_cute.quant.quantize import QuantizedTHD
 
 from .recipes import FOLD_DROP, FOLD_REF_MIN, MX_BLOCK, OperandQuant, Recipe
+from .rotary import QKTransform, Rotary, document_positions
 
 
 @dataclass
@@ -236,6 +237,8 @@ class EmulatorContext:
     v: EmuOperand
     out: torch.Tensor
     lse: torch.Tensor
+    # the rotations of Q and K (rotary.QKTransform) whose inverses the backward applies to dQ, dK
+    transform: QKTransform | None = None
 
 
 def quantize_inputs(q, k, v, cu_q, cu_k, recipe: Recipe):
@@ -267,8 +270,39 @@ def _per_pair_scale(op: EmuOperand, mask, s, e, group):
     return w
 
 
-def emulate_forward(q, k, v, cu_q, cu_k, softmax_scale, causal, recipe: Recipe, dtype=torch.float32):
-    """Returns (out bf16 (T, H, D), lse fp32 (H, T), EmulatorContext)."""
+def transform_inputs(q, k, cu_q, cu_k, transform: QKTransform | None):
+    """Q and K as the quantization sees them: through the call's rotations (rotary.QKTransform)."""
+    if transform is None or not transform.active:
+        return q, k
+    return (transform.forward(q, document_positions(cu_q, cu_k, q.shape[0]), "q"),
+            transform.forward(k, document_positions(cu_k, cu_k, k.shape[0]), "k"))
+
+
+def transform_grads(dq, dk, ctx: EmulatorContext):
+    """fp32 dQ, dK of the rotated operands back in the caller's frame (rotary.QKTransform.backward)."""
+    t = ctx.transform
+    if t is None or not t.active:
+        return dq, dk
+    return (t.backward(dq, document_positions(ctx.cu_q, ctx.cu_k, dq.shape[0]), "q"),
+            t.backward(dk, document_positions(ctx.cu_k, ctx.cu_k, dk.shape[0]), "k"))
+
+
+def qk_transform(recipe: Recipe, rotary: Rotary | None) -> QKTransform | None:
+    """The rotations of a call: its RoPE tables and the recipe's Hadamard transform (None: neither)."""
+    if rotary is None and not recipe.hadamard:
+        return None
+    if rotary is None:
+        return QKTransform(hadamard=True)
+    return QKTransform(rotary.cos, rotary.sin, rotary.interleaved, recipe.hadamard)
+
+
+def emulate_forward(q, k, v, cu_q, cu_k, softmax_scale, causal, recipe: Recipe, dtype=torch.float32,
+                    rotary: Rotary | None = None):
+    """Returns (out bf16 (T, H, D), lse fp32 (H, T), EmulatorContext). rotary: RoPE tables
+    (rotary.resolve_rotary's), applied to Q and K before their quantization, with the recipe's
+    Hadamard transform after it."""
+    transform = qk_transform(recipe, rotary)
+    q, k = transform_inputs(q, k, cu_q, cu_k, transform)
     qo, ko, vo = quantize_inputs(q, k, v, cu_q, cu_k, recipe)
     T, H, D = q.shape
     group = H // k.shape[1]
@@ -325,7 +359,7 @@ def emulate_forward(q, k, v, cu_q, cu_k, softmax_scale, causal, recipe: Recipe, 
         out[g.qs : g.qe] = o.transpose(0, 1).float()
         lse[:, g.qs : g.qe] = torch.where(empty, float("-inf"), m + torch.log(l_sum)).squeeze(-1).float()
     out = out.to(torch.bfloat16)
-    ctx = EmulatorContext(recipe, softmax_scale, causal, cu_q, cu_k, qo, ko, vo, out, lse)
+    ctx = EmulatorContext(recipe, softmax_scale, causal, cu_q, cu_k, qo, ko, vo, out, lse, transform)
     return out, lse, ctx
 
 
@@ -361,7 +395,8 @@ def emulate_backward(dout: torch.Tensor, ctx: EmulatorContext, dtype=torch.float
             v_diag = _expand_kv(_heads_first(ctx.v.diag_along_d, g.ks, g.ke), group).to(dtype)
             dp = torch.where(vmask, do_d @ v_diag.transpose(1, 2), dp)
         o = _heads_first(ctx.out, g.qs, g.qe).float()
-        d_row = (_heads_first(dout, g.qs, g.qe).float() * o).sum(-1, keepdim=True).to(dtype)
+        d_src = doo.along_d if recipe.delta == "quantized" else dout  # recipes.DELTAS
+        d_row = (_heads_first(d_src, g.qs, g.qe).float() * o).sum(-1, keepdim=True).to(dtype)
         ds = torch.where(vis, p * (dp - d_row), 0.0)
         # dV = P^T dO (reduction over queries)
         do_t = _heads_first(doo.along_t, g.qs, g.qe).to(dtype)
@@ -396,6 +431,7 @@ def emulate_backward(dout: torch.Tensor, ctx: EmulatorContext, dtype=torch.float
         dq[g.qs : g.qe] = dq_h.transpose(0, 1).float()
         dk[g.ks : g.ke] = dk_h.reshape(Hk, group, lk, D).sum(1).transpose(0, 1).float()
         dv[g.ks : g.ke] = dv_h.reshape(Hk, group, lk, D).sum(1).transpose(0, 1).float()
+    dq, dk = transform_grads(dq, dk, ctx)
     return dq.to(torch.bfloat16), dk.to(torch.bfloat16), dv.to(torch.bfloat16)
 
 

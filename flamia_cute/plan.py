@@ -22,7 +22,7 @@ from .recipes import NAMED_RECIPES, Recipe
 # "token" (per token), "tensor" (one scale per tensor, quantized by torch into the per-token layouts:
 # the leaky control, run on the kernels so that the kernel path's leakage tests have a control).
 KERNEL_SCALINGS = {"fp8_tokenblock_dsbf16": "tokenblock", "fp8_tokenblock": "tokenblock", "fp8_token": "token",
-                   "fp8_tensor_current": "tensor"}
+                   "fp8_tensor_current": "tensor", "fp8_tokenblock_hadamard": "tokenblock"}
 KERNEL_HEAD_DIMS = (64, 128)
 
 
@@ -75,10 +75,23 @@ def same_documents(cu_q: torch.Tensor, cu_k: torch.Tensor) -> bool:
     return same
 
 
-def why_not_kernels(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | None:
+def why_not_rotary(rotary) -> str | None:
+    """Why the sm_90a kernels cannot apply this RoPE (rotary.Rotary; None: they can): a lane pairs whole
+    16-channel slices (half-split: rotary_dim a multiple of 32; interleaved: of 16)."""
+    if rotary is None:
+        return None
+    align = 16 if rotary.interleaved else 32
+    if rotary.rotary_dim % align:
+        return (f"rotary_dim {rotary.rotary_dim} has no sm_90a kernel ({'interleaved' if rotary.interleaved else 'half-split'} "
+                f"RoPE: a multiple of {align})")
+    return None
+
+
+def why_not_kernels(recipe: Recipe, causal: bool, q, k, cu_q, cu_k, rotary=None) -> str | None:
     """Why the sm_90a kernels cannot run this call (None: they can)."""
-    return _why_not_call("sm_90a", sorted(KERNEL_SCALINGS), kernel_scaling(recipe) is not None, KERNEL_HEAD_DIMS,
-                         recipe, causal, q, k, cu_q, cu_k)
+    why = _why_not_call("sm_90a", sorted(KERNEL_SCALINGS), kernel_scaling(recipe) is not None, KERNEL_HEAD_DIMS,
+                        recipe, causal, q, k, cu_q, cu_k)
+    return why if why is not None else why_not_rotary(rotary)
 
 
 # The named recipes whose forward the sm_100a kernels run (never yet on hardware; opt-in only, see
@@ -87,12 +100,14 @@ SM100_RECIPES = ("mxfp8",)
 SM100_HEAD_DIMS = (128,)
 
 
-def why_not_sm100(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | None:
+def why_not_sm100(recipe: Recipe, causal: bool, q, k, cu_q, cu_k, rotary=None) -> str | None:
     """Why the sm_100a MXFP8 forward cannot run this call (None: it can)."""
     has = recipe.name in SM100_RECIPES and NAMED_RECIPES[recipe.name] == recipe
     why = _why_not_call("sm_100a", list(SM100_RECIPES), has, SM100_HEAD_DIMS, recipe, causal, q, k, cu_q, cu_k)
     if why is not None:
         return why
+    if rotary is not None:
+        return "rotary has no sm_100a kernel"
     if q.dtype != torch.bfloat16:
         return f"the sm_100a kernels take bfloat16 inputs, got {q.dtype}"
     return None
@@ -115,6 +130,9 @@ class Plan:
     fwd: object  # sm90.attention_fwd.FwdConfig
     qkv: object  # sm90.quantize.MultiQuantizeConfig: the layouts the forward and either backward read
     bwd: object | None  # sm90.attention_bwd.BwdDsBf16Config; None: the emulator's backward
+    # sm90.rotate.GradRotateConfig: the dQ conversion with the inverse rotations of Q (RoPE, the
+    # recipe's Hadamard transform); None: a plain cast (no rotations, or the emulator's backward)
+    dq_convert: object | None = None
 
     @property
     def block(self) -> int:
@@ -123,18 +141,19 @@ class Plan:
 
 
 def make_plan(recipe: str, head_dim: int, heads_q: int, heads_kv: int, max_seqlen: int, total_tokens: int,
-              num_docs: int) -> Plan:
-    """The Plan of a call (recipe: a name in KERNEL_SCALINGS), memoized per signature while the tuned
-    records stay loaded (tuned.derived_memo): building and tuning configs costs host time that every
-    layer of every step would pay again."""
+              num_docs: int, rotary: tuple[str, int] | None = None) -> Plan:
+    """The Plan of a call (recipe: a name in KERNEL_SCALINGS; rotary: custom_ops.rotary_key, the RoPE mode
+    and width, or None), memoized per signature while the tuned records stay loaded (tuned.derived_memo):
+    building and tuning configs costs host time that every layer of every step would pay again."""
     from .tuned import derived_memo
 
-    key = ("plan", recipe, head_dim, heads_q, heads_kv, int(max_seqlen), total_tokens, num_docs,
+    key = ("plan", recipe, head_dim, heads_q, heads_kv, int(max_seqlen), total_tokens, num_docs, rotary,
            deterministic_backward(), os.environ.get("FLAMIA_CUTE_NO_TUNING"))
     memo = derived_memo()
     plan = memo.get(key)
     if plan is None:
-        plan = memo[key] = _build_plan(recipe, head_dim, heads_q, heads_kv, int(max_seqlen), total_tokens, num_docs)
+        plan = memo[key] = _build_plan(recipe, head_dim, heads_q, heads_kv, int(max_seqlen), total_tokens, num_docs,
+                                       rotary)
     return plan
 
 
@@ -152,15 +171,21 @@ def qkv_launch(head_dim: int, heads_q: int, heads_kv: int, block: int, max_seqle
     return forward_only(qkv)
 
 
-def _build_plan(recipe, head_dim, heads_q, heads_kv, max_seqlen, total_tokens, num_docs) -> Plan:
+def _build_plan(recipe, head_dim, heads_q, heads_kv, max_seqlen, total_tokens, num_docs, rotary=None) -> Plan:
     from dataclasses import replace
 
+    from .rotary import hadamard_shift
     from .schedules.varlen_tiles import short_pairs_worth
     from .sm90.attention_bwd import BwdDsBf16Config, auto_head_window, short_pairs_supported
     from .sm90.attention_fwd import FwdConfig, short_pairs_default
+    from .sm90.quantize import with_rotations
+    from .sm90.rotate import GradRotateConfig
     from .tuned import tuned_bwd_dsbf16_config, tuned_fwd_config
 
     scaling = KERNEL_SCALINGS[recipe]
+    hadamard = NAMED_RECIPES[recipe].hadamard
+    rot_mode, rot_dim = rotary if rotary is not None else ("none", 0)
+    rotations = dict(rotary=rot_mode, rotary_dim=rot_dim)
     block_copy = scaling == "tokenblock"
     group = heads_q // heads_kv
     fwd = tuned_fwd_config(FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=block_copy,
@@ -169,15 +194,23 @@ def _build_plan(recipe, head_dim, heads_q, heads_kv, max_seqlen, total_tokens, n
     # the control is quantized by torch: no launch to tune
     qkv = qkv_launch(head_dim, heads_q, heads_kv, 128 if block_copy else 1, max_seqlen, total_tokens, num_docs,
                      tuned=scaling != "tensor")
+    if rotary is not None or hadamard:
+        qkv = with_rotations(qkv, rot_mode, rot_dim, hadamard)
     bwd = None
+    dq_convert = None
     if has_backward_kernel(NAMED_RECIPES[recipe]):
+        # the dK epilogue applies K's inverse rotations; the dQ conversion Q's
+        k_rot = dict(rotations, hadamard=hadamard_shift(head_dim, "k") if hadamard else 0)
         if deterministic_backward():  # the ordered atomics path, untuned
             bwd = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=block_copy,
-                                  deterministic=True)
+                                  deterministic=True, **k_rot)
         else:
             bwd = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=block_copy,
-                                  head_window=auto_head_window(heads_kv, max_seqlen))
+                                  head_window=auto_head_window(heads_kv, max_seqlen), **k_rot)
             if short_pairs_worth(total_tokens, num_docs) and short_pairs_supported(bwd):
                 bwd = replace(bwd, short_pairs=True)
             bwd = tuned_bwd_dsbf16_config(bwd, max_seqlen, total_tokens, num_docs)
-    return Plan(recipe, scaling, fwd, qkv, bwd)
+        if rotary is not None or hadamard:
+            dq_convert = GradRotateConfig(head_dim, hadamard=hadamard_shift(head_dim, "q") if hadamard else 0,
+                                          **rotations)
+    return Plan(recipe, scaling, fwd, qkv, bwd, dq_convert)

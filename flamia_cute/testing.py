@@ -208,10 +208,11 @@ def check_leakage_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, dout=None, doc
     return rep
 
 
-def attention_fn_for(recipe, softmax_scale=None, causal=True, backend="emulate") -> AttentionFn:
+def attention_fn_for(recipe, softmax_scale=None, causal=True, backend="emulate", rotary=None) -> AttentionFn:
     """Adapter: flamia_attn_varlen_func as an AttentionFn (forward, and backward when dout is given).
     fn(q, k, v, cu, dout) is self-attention; fn.varlen(q, k, v, cu_q, cu_k, dout) takes both cu_seqlens
-    (check_leakage_varlen's form)."""
+    (check_leakage_varlen's form). rotary: its rotary argument (a RotaryConfig, or a Rotary with tables for
+    every length used)."""
     from .interface import flamia_attn_varlen_func
 
     def varlen(q, k, v, cu_q, cu_k, dout=None):
@@ -220,7 +221,7 @@ def attention_fn_for(recipe, softmax_scale=None, causal=True, backend="emulate")
 
         qq, kk, vv = (t.detach().clone().requires_grad_(dout is not None) for t in (q, k, v))
         out, lse = flamia_attn_varlen_func(qq, kk, vv, cu_q, cu_k, longest(cu_q), longest(cu_k), softmax_scale, causal,
-                                           recipe=recipe, backend=backend, return_lse=True)
+                                           recipe=recipe, backend=backend, return_lse=True, rotary=rotary)
         res = {"out": out.detach(), "lse": lse.detach()}
         if dout is not None:
             dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), dout)

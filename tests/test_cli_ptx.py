@@ -89,7 +89,7 @@ def test_blackwell_kernels_within_budgets(tmp_path, arch):
 def test_summary_reports_shared_memory_within_the_sm90_limit(ptx_all):
     blocks, _ = ptx_all
     for key, v in blocks.items():
-        low = 0 if key[0] == "codes" else 1  # the code conversion runs in registers
+        low = 0 if key[0] in ("codes", "grad_rotate") else 1  # the code and dQ conversions run in registers
         assert low <= int(v["shared_memory_bytes"]) <= 227 * 1024, key
 
 
@@ -138,7 +138,7 @@ def test_bf16_ds_backward_mixes_fp8_and_bf16_wgmma_without_spills(ptx_all):
         if "sass QGMMA (fp8 wgmma)" in v:
             assert int(v["sass QGMMA (fp8 wgmma)"]) >= 3 and int(v["sass HGMMA (16-bit wgmma)"]) >= 2, cfg
             assert int(v["sass STL/LDL (local memory)"]) == 0, cfg
-    assert seen == 4
+    assert seen == 5  # the 4 attention configs and the dK epilogue with rotations
 
 
 def test_no_kernel_runs_a_warp_collective_on_some_lanes_only(ptx_all):

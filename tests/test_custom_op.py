@@ -165,10 +165,24 @@ def test_custom_recipes_take_the_same_path_by_key():
     assert not torch.equal(*grads)  # bf16 dS against e4m3 dS
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_opcheck_with_rope_tables(interleaved):
+    from flamia_cute.rotary import RotaryConfig
+
+    args, do = _args("fp8_tokenblock_hadamard")
+    rot = RotaryConfig(interleaved=interleaved).tables(max(LENGTHS), 64, "cpu")
+    torch.library.opcheck(varlen_fwd, (*args, rot.cos, rot.sin, interleaved))
+    out, lse, saved = varlen_fwd(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args), rot.cos, rot.sin,
+                                 interleaved)
+    q, k, v, cu_q, cu_k, mq, mk, scale, causal, name, backend = args
+    torch.library.opcheck(varlen_bwd, (do, out, lse, saved, cu_q, cu_k, mq, mk, scale, causal, name, backend, rot.cos,
+                                       rot.sin, interleaved))
+
+
 class _Tiny(torch.nn.Module):
-    def __init__(self, dim=64, heads=2, recipe="fp8_tokenblock", backend="emulate"):
+    def __init__(self, dim=64, heads=2, recipe="fp8_tokenblock", backend="emulate", rotary=None):
         super().__init__()
-        self.heads, self.recipe, self.backend = heads, recipe, backend
+        self.heads, self.recipe, self.backend, self.rotary = heads, recipe, backend, rotary
         self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
         self.proj = torch.nn.Linear(dim, dim, bias=False)
 
@@ -176,13 +190,14 @@ class _Tiny(torch.nn.Module):
         T, dim = x.shape
         q, k, v = self.qkv(x).view(T, 3, self.heads, dim // self.heads).unbind(1)
         o = flamia_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, recipe=self.recipe,
-                                    backend=self.backend)
+                                    backend=self.backend, rotary=self.rotary)
         return self.proj(o.reshape(T, dim))
 
 
-def _compiled_matches_eager(backend, device, attn_backend, recipe="fp8_tokenblock"):
+def _compiled_matches_eager(backend, device, attn_backend, recipe="fp8_tokenblock", rotary=None):
     torch.manual_seed(0)
-    model = _Tiny(dim=256, heads=2, recipe=recipe, backend=attn_backend).to(device=device, dtype=torch.bfloat16)
+    model = _Tiny(dim=256, heads=2, recipe=recipe, backend=attn_backend, rotary=rotary).to(device=device,
+                                                                                          dtype=torch.bfloat16)
     lengths = [3, 150, 0, 40]
     cu = torch.tensor([0, 3, 153, 153, 193], dtype=torch.int32, device=device)
     x = torch.randn(sum(lengths), 256, device=device, dtype=torch.bfloat16)
@@ -203,6 +218,34 @@ def test_compile_fullgraph_aot_eager_matches_eager():
     assert torch.equal(eager, compiled)
     for a, b in zip(g_eager, g_compiled, strict=True):
         assert torch.equal(a, b)
+
+
+def test_compile_fullgraph_aot_eager_with_rotary():
+    """rotary= traces with torch.compile(fullgraph=True): a RotaryConfig's tables are built in the graph,
+    a Rotary's are graph inputs; the result is the eager call's (the tables are the same values)."""
+    from flamia_cute.rotary import Rotary, RotaryConfig
+
+    tabs = RotaryConfig(interleaved=True).tables(150, 128, "cpu")
+    for rotary in (RotaryConfig(theta=100.0), Rotary(tabs.cos, tabs.sin, interleaved=True)):
+        torch._dynamo.reset()
+        (eager, compiled), (g_eager, g_compiled) = _compiled_matches_eager("aot_eager", "cpu", "emulate",
+                                                                          "fp8_tokenblock_hadamard", rotary)
+        assert torch.equal(eager, compiled)
+        for a, b in zip(g_eager, g_compiled, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16", "fp8_tokenblock_hadamard"])
+def test_compile_fullgraph_inductor_cute_with_rotary(recipe):
+    from flamia_cute.rotary import RotaryConfig
+
+    torch._dynamo.reset()
+    (eager, compiled), (g_eager, g_compiled) = _compiled_matches_eager("inductor", "cuda", "cute", recipe,
+                                                                      RotaryConfig())
+    torch.testing.assert_close(compiled.float(), eager.float(), rtol=2e-2, atol=2e-2)
+    for a, b in zip(g_eager, g_compiled, strict=True):
+        torch.testing.assert_close(b.float(), a.float(), rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.gpu

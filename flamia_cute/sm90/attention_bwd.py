@@ -78,6 +78,7 @@ from ..compile_cache import compile_entry, launch_on_device
 from ..mask import diagonal_key_end, diagonal_source, hide_invisible, pair_key_end
 from ..quant import PV_ORDER16, transposed_tokens
 from ..recipes import FOLD_REF_MIN
+from ..schedules.varlen_tiles import SHORT_PAIR_ROWS
 from ..softmax import LOG2E, P_SCALE, dv_fold_factor, recompute_p
 from ..tile_scheduler import backward_grid, backward_work_item, short_pair_follower, short_pair_len
 from ..validation import check_kernel_tensors, int32_cu_seqlens
@@ -108,10 +109,12 @@ from .primitives import (
     word_walk,
     xor_walk,
 )
+from .rotate import ARG_F32_16, DeviceOps, check_rotation_fields, has_rotation, inverse_rotate_fragment_row
 
 SOURCE_FILES = (
     Path(__file__).resolve(),
     Path(__file__).resolve().with_name("bwd_device.py"),
+    Path(__file__).resolve().with_name("rotate.py"),
     Path(_recipes.__file__).resolve(),
     *(Path(m.__file__).resolve() for m in (_mask, _softmax, _tile_scheduler, _varlen)),
     *SHARED_SOURCE_FILES,
@@ -159,6 +162,13 @@ class BwdDsBf16Config:
     # 64 back), the first masks tile 1. The second document's CTA exits at once. Gradients
     # bit-identical (a masked P is 0, so the other document's keys and queries add exact zeros).
     short_pairs: bool = False
+    # K's rotations (sm90/rotate.py), whose inverses the dK epilogue applies before its bf16 store: RoPE
+    # ("none", "half", "interleaved") on the first rotary_dim channels at each key's position in its
+    # document (the launch's fp32 cos/sin tables), after the Walsh-Hadamard transform times
+    # 2^-hadamard when hadamard > 0
+    rotary: str = "none"
+    rotary_dim: int = 0
+    hadamard: int = 0
 
     def __post_init__(self):
         def bad(name, msg):
@@ -179,6 +189,7 @@ class BwdDsBf16Config:
             bad("head_window", "windows the 'blocks' CTA order only (not the deterministic mode's)")
         if self.short_pairs and not short_pairs_supported(self):
             bad("short_pairs", "needs the dQ warp (not deterministic) and no S^T/dP^T prefetch (d64)")
+        check_rotation_fields("BwdDsBf16Config", self.head_dim, self.rotary, self.rotary_dim, self.hadamard)
 
     @property
     def prefetch_sdp(self) -> bool:
@@ -430,11 +441,14 @@ class FlamiaBwdDsBf16Sm90:
         dk_ptr: cute.Pointer,  # (T, Hk, D) bf16
         dv_ptr: cute.Pointer,  # (T, Hk, D) bf16
         sem_ptr: cute.Pointer,  # int32 zeros: (H, docs, 2 max_n_blocks) when deterministic, else unused
+        cos_ptr: cute.Pointer,  # (table_rows, rotary_dim / 2) f32 when rotary, else unused
+        sin_ptr: cute.Pointer,
         T: Int32,
         T_dt: Int32,
         num_kv_heads: Int32,
         num_docs: Int32,
         max_n_blocks: Int32,
+        table_rows: Int32,
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -475,6 +489,11 @@ class FlamiaBwdDsBf16Sm90:
             mSem = cute.make_tensor(sem_ptr, cute.make_layout(H * num_docs * 2 * max_n_blocks))
         mdK = cute.make_tensor(dk_ptr, ktd)
         mdV = cute.make_tensor(dv_ptr, ktd)
+        mCos, mSin = None, None
+        if cutlass.const_expr(self.cfg.rotary != "none"):
+            half = self.cfg.rotary_dim // 2
+            mCos = cute.make_tensor(cos_ptr, cute.make_layout((table_rows, half), stride=(half, 1)))
+            mSin = cute.make_tensor(sin_ptr, cute.make_layout((table_rows, half), stride=(half, 1)))
 
         mmas = self._make_mmas()
         L = self._smem_layouts()
@@ -530,7 +549,7 @@ class FlamiaBwdDsBf16Sm90:
         tmas = (tma_k, tK, tma_v, tV, tma_ktok, tKtok, tma_vtok, tVtok, tma_q, tQ, tma_do, tdO, tma_dot, tdOt, tma_dq,
                 tdQ, sdQ_layout, tma_qb, tQb)
         self.kernel(
-            mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV, mSem,
+            mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV, mSem, mCos, mSin,
             L["K"], L["Q"], L["dOt"], L["Qb"], L["Kb"], L["dS"], L["Vt"], softmax_scale,
         ).launch(
             grid=backward_grid(self.cfg.raster, num_kv_heads, num_docs, max_n_blocks, self.cfg.head_window),
@@ -558,6 +577,8 @@ class FlamiaBwdDsBf16Sm90:
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mSem: cute.Tensor,
+        mCos: cute.Tensor,
+        mSin: cute.Tensor,
         sK_layout: cute.ComposedLayout,
         sQ_layout: cute.ComposedLayout,
         sdOt_layout: cute.ComposedLayout,
@@ -619,6 +640,8 @@ class FlamiaBwdDsBf16Sm90:
                 # the warpgroup's keys' document: with a pair, warpgroup 1's is the second (shifted 64 back),
                 # and warpgroup 0 masks the second's query tile
                 w_start, w_len, w_doc, pair_first, pair_second = doc_start, doc_len, doc, None, None
+                # key index 0's position in its document (RoPE): a pair's second document starts at key 64
+                pos0 = Int32(0)
                 if cutlass.const_expr(pairs):
                     pair_first = Boolean(False)
                     pair_second = Boolean(False)
@@ -626,12 +649,13 @@ class FlamiaBwdDsBf16Sm90:
                         if wg_idx == 2:
                             w_start, w_len, w_doc = hi_start, hi_len, doc + 1
                             pair_second = Boolean(True)
+                            pos0 = Int32(-SHORT_PAIR_ROWS)
                         else:
                             pair_first = Boolean(True)
                 self.consume(
                     mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok,
                     mRef[kv_head, w_doc], (mdQ, mSem, doc, sdQ_words, dq_plan), mdK, mdV, kv_head,
-                    w_start, w_len, sched, softmax_scale, wg_idx - 1, pair_first, pair_second,
+                    w_start, w_len, sched, softmax_scale, wg_idx - 1, pair_first, pair_second, (mCos, mSin, pos0),
                 )
 
     @cute.jit
@@ -877,7 +901,7 @@ class FlamiaBwdDsBf16Sm90:
     @cute.jit
     def consume(
         self, mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok, dv_ref, dq_out, mdK,
-        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, pair_first=None, pair_second=None,
+        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, pair_first=None, pair_second=None, rope=None,
     ):
         """Consumer warpgroup wg: the CTA's item (key block n_blk of KV head kv_head in the document),
         both phases' tiles, then dK and dV to global memory. pair_first (short_pairs): this warpgroup
@@ -966,8 +990,26 @@ class FlamiaBwdDsBf16Sm90:
         rfac = r / Float32(P_SCALE)
         store_key_rows_bf16(mdV, lambda i0: (acc_dv[i0] * rfac, acc_dv[i0 + 1] * rfac), krow, n_blk * kb,
                             doc_start, doc_len, kv_head, D, cute.size(acc_dv))
-        store_key_rows_bf16(mdK, lambda i0: (acc_dk[i0] * softmax_scale, acc_dk[i0 + 1] * softmax_scale), krow,
-                            n_blk * kb, doc_start, doc_len, kv_head, D, cute.size(acc_dk))
+        if cutlass.const_expr(has_rotation(self.cfg)):
+            # dK back in the caller's frame: K's inverse rotations on each key row's fp32 values
+            # (sm90/rotate.py), the row's 4 quad lanes holding it whole
+            mCos, mSin, pos0 = rope
+            quad = cute.arch.lane_idx() % 4
+            n_acc = cute.size(acc_dk)
+            for v1 in cutlass.range_constexpr(2):
+                key = n_blk * kb + krow[v1]
+                ok = key < doc_len
+                pos = select(ok, pos0 + key, Int32(0))
+                idx = [2 * v1 + 4 * n8 + e for n8 in range(n_acc // 4) for e in range(2)]
+                vals = inverse_rotate_fragment_row(DeviceOps, [acc_dk[i] * softmax_scale for i in idx], quad, D,
+                                                   self.cfg, mCos, mSin, pos, ok)
+                for i, x in zip(idx, vals, strict=True):
+                    acc_dk[i] = x
+            store_key_rows_bf16(mdK, lambda i0: (acc_dk[i0], acc_dk[i0 + 1]), krow, n_blk * kb, doc_start, doc_len,
+                                kv_head, D, cute.size(acc_dk))
+        else:
+            store_key_rows_bf16(mdK, lambda i0: (acc_dk[i0] * softmax_scale, acc_dk[i0 + 1] * softmax_scale), krow,
+                                n_blk * kb, doc_start, doc_len, kv_head, D, cute.size(acc_dk))
 
     # ------------------------------------------------------------------------------------------
     def _conversion_plans(self, sK_layout, sKb_layout):
@@ -1299,7 +1341,9 @@ ARG_KINDS = (
     ARG_F32, ARG_F32, ARG_F32,  # lse, delta, dV fold reference
     ARG_I32,  # cu_seqlens
     ("ptr", Float32, 16), ARG_BF16, ARG_BF16, ARG_I32,  # dq accumulator, dk, dv, dQ semaphores
-    ("i32",), ("i32",), ("i32",), ("i32",), ("i32",), ("f32",),  # T, T_dt, Hk, num_docs, max_n_blocks, scale
+    ARG_F32_16, ARG_F32_16,  # cos, sin (rotary)
+    ("i32",), ("i32",), ("i32",), ("i32",), ("i32",), ("i32",),  # T, T_dt, Hk, num_docs, max_n_blocks, table rows
+    ("f32",),  # softmax scale
     ("stream",),
 )
 
@@ -1329,7 +1373,7 @@ def flamia_bwd_dsbf16_sm90(
     dout, out, lse, q_td, sq, k_td, sk, v_dt, sv, k_tok_td, sk_tok, v_tok_dt, sv_tok,
     cu_seqlens, max_seqlen: int, softmax_scale: float, config: BwdDsBf16Config,
     poison_outputs: bool = False, do_quantized=None, delta=None, dv_ref=None, q_bf16=None,
-    overlap_passes: bool | None = None,
+    overlap_passes: bool | None = None, rope_tables=None, dq_convert=None, delta_quantized: bool = False,
 ):
     """Causal FP8 attention backward of the bf16-dS recipes on the current stream; returns (dq, dk, dv)
     bf16.
@@ -1348,6 +1392,10 @@ def flamia_bwd_dsbf16_sm90(
     overlap_passes: Q's bf16 copy and the dQ accumulator's zero fill run on a side stream while the
     dO preprocess runs on the current one (all three are memory-bound and independent; the kernel
     waits for both streams). None: OVERLAP_PASSES.
+    rope_tables: (cos, sin) fp32 (rotary.kernel_tables) when config.rotary or dq_convert applies RoPE.
+    dq_convert: a rotate.GradRotateConfig: dQ's conversion to bf16 applies Q's inverse rotations (the
+    dK epilogue applies K's, config.rotary / config.hadamard). delta_quantized: D from dO's e4m3 values
+    (recipes.DELTAS "quantized") when the preprocess computes it.
     """
     from .bwd_preprocess import backward_grid_blocks, backward_outputs, preprocess_bwd
 
@@ -1383,7 +1431,8 @@ def flamia_bwd_dsbf16_sm90(
                 dq_acc.zero_()
         if do_quantized is None or delta is None:
             # the dV fold references come from the same launch when it also quantizes dO
-            delta_, doq, ref_ = preprocess_bwd(dout, out, cu, dv_ref_group=config.qhead_per_kvhead)
+            delta_, doq, ref_ = preprocess_bwd(dout, out, cu, dv_ref_group=config.qhead_per_kvhead,
+                                               delta_quantized=delta_quantized)
             delta = delta if delta is not None else delta_
             if do_quantized is None:
                 do_quantized = doq
@@ -1405,6 +1454,16 @@ def flamia_bwd_dsbf16_sm90(
         raise ValueError("do_quantized.data_dt must be in P-fragment order (quantize with pv_order=True)")
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
+    rows = 1
+    if config.rotary != "none" or (dq_convert is not None and dq_convert.rotary != "none"):
+        rd = max(config.rotary_dim, dq_convert.rotary_dim if dq_convert is not None else 0)
+        if rope_tables is None:
+            raise ValueError("rope_tables=(cos, sin) is needed for a config with rotary")
+        rows = rope_tables[0].shape[0] if rope_tables[0].dim() == 2 else -1
+        check_kernel_tensors((("cos", rope_tables[0], (rows, rd // 2), torch.float32),
+                              ("sin", rope_tables[1], (rows, rd // 2), torch.float32)), dev)
+        if rows < max_seqlen:
+            raise ValueError(f"rope_tables have {rows} positions, fewer than max_seqlen {max_seqlen}")
     max_n_blocks = backward_grid_blocks(T, H, D, T_dt, num_docs, max_seqlen, KEY_BLOCK)
     if Hk % config.head_window:
         raise ValueError(f"config.head_window {config.head_window} does not divide the {Hk} KV heads")
@@ -1417,10 +1476,17 @@ def flamia_bwd_dsbf16_sm90(
         sem = None
         if config.deterministic:
             sem = torch.zeros(H * num_docs * 2 * max_n_blocks, dtype=torch.int32, device=dev)
+        tables = [t.data_ptr() for t in rope_tables] if config.rotary != "none" else [0, 0]
         launch_on_device(get_launcher(config), dev, *(t.data_ptr() for t in ptrs),
-                         sem.data_ptr() if sem is not None else 0,
-                         T, T_dt, Hk, num_docs, max_n_blocks, float(softmax_scale))
-    dq = dq_acc.to(torch.bfloat16)  # softmax_scale is already applied
+                         sem.data_ptr() if sem is not None else 0, *tables,
+                         T, T_dt, Hk, num_docs, max_n_blocks, rows, float(softmax_scale))
+    if dq_convert is None:
+        dq = dq_acc.to(torch.bfloat16)  # softmax_scale is already applied
+    else:  # the same pass, with Q's inverse rotations
+        from .rotate import grad_rotate_to_bf16
+
+        cos, sin = rope_tables if dq_convert.rotary != "none" else (None, None)
+        dq = grad_rotate_to_bf16(dq_acc, cu, cos, sin, dq_convert)
     return dq, dk, dv
 
 
