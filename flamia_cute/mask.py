@@ -49,12 +49,14 @@ def diagonal_key_end(doc_len, key0):
 
 
 @cute.jit
-def hide_invisible(values, fills, key, query, key_end, key_lo=None):
+def hide_invisible(values, fills, key, query, key_end, key_lo=None, causal: cutlass.Constexpr = True):
     """values (a tuple) where key is visible from query on a diagonal tile, else fills: key after
     the query (causal), key at or past key_end (the document end, diagonal_key_end), or below key_lo
-    (a short pair's other document). key, query: positions in the same tile coordinates."""
-    if key > query:
-        values = fills
+    (a short pair's other document). key, query: positions in the same tile coordinates.
+    causal=False (the non-causal forward's first tile, the document's last keys): the end alone."""
+    if cutlass.const_expr(causal):
+        if key > query:
+            values = fills
     if key >= key_end:
         values = fills
     if cutlass.const_expr(key_lo is not None):

@@ -167,3 +167,84 @@ def locate_tile_model(t: int, cum: list[int], heads: int) -> tuple[int, int, int
     local = t - heads * cum[d]
     head = local // nblk
     return d, head, nblk - 1 - (local - head * nblk)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross-length and non-causal forward tiles (FwdConfig.cross_length, FwdConfig.causal=False)
+# ----------------------------------------------------------------------------------------------
+# Document b has Lq queries (cu_seqlens_q) and Lk keys (cu_seqlens_k). Causal: query i sits at key
+# position p = i + Lk - Lq (the queries are the last Lq positions of the keys). The query tiles are
+# 128-position blocks of the KEY axis: tile j holds the queries at positions 128 j .. 128 j + 127,
+# so its last key tile is tile j, masked exactly as self-attention's diagonal tile, every earlier
+# key tile is wholly visible, and every row of the tile has its own position in key block j: the
+# per-token K/V copies serve tile j alone and every other tile reads the block scales (the diagonal
+# safeguard unchanged). Rows outside the document's queries (the partial first and last tiles) are
+# computed on whatever TMA brings and never stored. Queries at negative positions (Lq > Lk) see no
+# key: their tiles (j < 0) run one key tile with every key masked (O = 0, LSE = -inf).
+# Non-causal: query tiles of 128 queries from the document's first; every key tile, the last
+# (processed first, the emulator's order) masked at the document's end, none per-token.
+# These functions are plain integer math over Python or DSL integers (select: a 3-way choice that
+# works on both); the kernel calls them while tracing, the CPU tests replay them.
+
+
+def py_select(cond, a, b):
+    return a if cond else b
+
+
+def floor_tiles(x, select=py_select):
+    """floor(x / 128) of any integer x, from shifts of non-negative values only (no signed division
+    in the kernel)."""
+    return select(x >= 0, x >> 7, -((127 - x) >> 7))
+
+
+def cross_query_tiles(len_q, len_k, causal: bool, select=py_select):
+    """Query tiles of one document. Causal: the 128-position blocks of the key axis that the query
+    positions [Lk - Lq, Lk) meet, ceil(Lk / 128) - floor((Lk - Lq) / 128) (0 without queries).
+    Non-causal: ceil(Lq / 128)."""
+    if not causal:
+        return (len_q + 127) >> 7
+    n = ((len_k + 127) >> 7) - floor_tiles(len_k - len_q, select)
+    return select(len_q > 0, n, 0 * n)
+
+
+def cross_tile(q_start, q_end, k_start, k_end, block, causal: bool, select=py_select):
+    """Query tile `block` (0 .. cross_query_tiles - 1, the last one the longest) of a document whose
+    queries are rows q_start .. q_end - 1 and keys k_start .. k_end - 1, as the kernel's
+    self-attention code paths take it: (m_block, q_base, q_lo, q_hi, k_len).
+
+    m_block: the key tile processed first (the masked one; key tiles m_block .. 0 run). A tile row r
+    (0 .. 127) has the tile coordinate 128 m_block + r: its query row is q_base + that, stored when
+    q_lo <= it < q_hi. k_len: the keys the document has for this tile (0: every key masked)."""
+    len_q, len_k = q_end - q_start, k_end - k_start
+    if causal:
+        off = len_k - len_q  # the key position of the document's first query
+        j = block + floor_tiles(off, select)  # the 128-position block of this tile's rows
+        m_block = select(j > 0, j, 0 * j)
+        q_base = q_start - off + 128 * (j - m_block)
+        k_len = select(j >= 0, len_k, 0 * len_k)
+    else:
+        last = ((len_k + 127) >> 7) - 1
+        m_block = select(last > 0, last, 0 * last)
+        q_base = q_start + 128 * (block - m_block)
+        k_len = len_k
+    return m_block, q_base, q_start - q_base, q_end - q_base, k_len
+
+
+def cross_tiles_model(cu_q, cu_k, causal: bool, heads: int = 1):
+    """(document, head, block, cross_tile(...)) of every query tile, documents in order, then heads,
+    then blocks from the last (the persistent forward's "documents" order)."""
+    out = []
+    for d in range(len(cu_q) - 1):
+        n = cross_query_tiles(cu_q[d + 1] - cu_q[d], cu_k[d + 1] - cu_k[d], causal)
+        for h in range(heads):
+            for b in reversed(range(n)):
+                out.append((d, h, b, cross_tile(cu_q[d], cu_q[d + 1], cu_k[d], cu_k[d + 1], b, causal)))
+    return out
+
+
+def cross_chunk_table(lengths_q, lengths_k, causal: bool) -> list[int]:
+    """chunk_table of the cross-length forward: cum[d] = query tiles of documents before d."""
+    cum = [0]
+    for lq, lk in zip(lengths_q, lengths_k, strict=True):
+        cum.append(cum[-1] + cross_query_tiles(lq, lk, causal))
+    return cum

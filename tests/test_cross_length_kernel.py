@@ -1,0 +1,436 @@
+"""The sm_90a forward in the cross-length causal and non-causal modes (FwdConfig.cross_length, causal=False).
+
+CPU: the tile geometry (schedules.varlen_tiles.cross_tile, which the kernel calls while tracing) covers every
+query once, puts each causal row's own key block on the tile's first (masked, per-token) key tile and only
+wholly visible, wholly earlier key blocks after it; a model of the kernel's tile loop on that geometry equals
+the emulator and passes the leakage checks, and a geometry with query tiles from the query range's start
+(the per-token copies on the last key tile only) fails both; the builds compile for sm_90a without spills.
+GPU (marker `gpu`): the kernel against the emulator at offsets Lk - Lq of 0, 1, 63, 64, 127, 128, 129, 999
+and Lq > Lk, GQA and d64, the cross build on self-attention inputs bit-identical to the default build, and
+the leakage checks on the kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from flamia_cute.emulator import emulate_forward
+from flamia_cute.quant import E4M3, cast_to, dt_cu_seqlens, natural_dt, quantize_thd, transposed_tokens
+from flamia_cute.recipes import FOLD_DROP, FOLD_REF_MIN, Recipe
+from flamia_cute.schedules.varlen_tiles import (
+    cross_chunk_table,
+    cross_query_tiles,
+    cross_tile,
+    cross_tiles_model,
+    floor_tiles,
+)
+from flamia_cute.testing import check_leakage_varlen, cu_seqlens_from_lengths, rel_l2
+
+try:
+    import cutlass  # noqa: F401
+
+    from flamia_cute.sm90.attention_fwd import FwdConfig, flamia_fwd_sm90, kernel_artifacts
+
+    HAVE_DSL = True
+except Exception:  # pragma: no cover - CI without the DSL
+    HAVE_DSL = False
+
+needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl not importable")
+
+RECIPES = {"fp8_token": 1, "fp8_tokenblock": 128}
+# (Lq, Lk) per document; the first has offset 1, so its first tile's Q rows start before token 0 (TMA's zero
+# fill of negative coordinates). Offsets Lk - Lq: 1, 0, 63, 64, 127, 128, 129, 129 (at a 128 boundary of Lq),
+# -130 and -5 (queries before every key: O = 0, LSE = -inf), no queries, 999 (one query at the end).
+CAUSAL_DOCS = [(200, 201), (130, 130), (300, 363), (64, 128), (50, 177), (257, 385), (129, 258), (256, 385),
+               (200, 70), (5, 0), (0, 40), (1, 1000)]
+NON_CAUSAL_DOCS = [(50, 300), (200, 17), (0, 40), (7, 0), (129, 129), (300, 1), (128, 256)]
+
+
+def _cu(docs, side):
+    return cu_seqlens_from_lengths([d[side] for d in docs])
+
+
+def _inputs(docs, H, Hk, D, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    tq, tk = sum(d[0] for d in docs), sum(d[1] for d in docs)
+    q = torch.randn(tq, H, D, generator=g).bfloat16()
+    k, v = (torch.randn(tk, Hk, D, generator=g).bfloat16() for _ in range(2))
+    cu_q, cu_k = _cu(docs, 0), _cu(docs, 1)
+    return (*(t.to(device) for t in (q, k, v, cu_q, cu_k)), 1.0 / math.sqrt(D))
+
+
+def _quantized(q, k, v, cu_q, cu_k, block):
+    """The operands the plan's two quantization launches write: Q per token over cu_q, K and V per block
+    (and per-token copies) over cu_k."""
+    qq = quantize_thd(q, cu_q, 1, transposed=False)
+    kq, vq = quantize_thd(k, cu_k, block, transposed=False), quantize_thd(v, cu_k, block, pv_order=True)
+    if block == 1:
+        return qq, kq, vq, kq, vq
+    return qq, kq, vq, quantize_thd(k, cu_k, 1, transposed=False), quantize_thd(v, cu_k, 1, pv_order=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the tile geometry
+# ----------------------------------------------------------------------------------------------
+
+
+def test_floor_tiles_is_floor_division():
+    for x in range(-1000, 1000):
+        assert floor_tiles(x) == x // 128
+
+
+LENGTH_PAIRS = [(lq, lk) for lq in (0, 1, 5, 64, 127, 128, 129, 300) for lk in (0, 1, 63, 128, 129, 200, 300, 1000)]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cross_tiles_cover_every_query_once(causal):
+    """Every query row of every document in exactly one tile row, stored there; causal: the row's tile
+    coordinate 128 m_block + r is its key position p = i + Lk - Lq (so the kernel's diagonal mask, key
+    column > r, is key > p), the tile's first key tile is the one holding p (the per-token copies serve
+    exactly the row's own block) and every later-processed key tile lies wholly before p's block (block
+    scales there never carry a key after p); rows at p < 0 run with no key (k_len 0). Non-causal: the first
+    key tile is the document's last, masked at Lk."""
+    for lq, lk in LENGTH_PAIRS:
+        n = cross_query_tiles(lq, lk, causal)
+        seen = []
+        for b in range(n):
+            m, q_base, q_lo, q_hi, k_len = cross_tile(1000, 1000 + lq, 5000, 5000 + lk, b, causal)
+            assert m >= 0 and (lq == 0 or q_lo < q_hi)
+            for r in range(128):
+                c = 128 * m + r
+                if not q_lo <= c < q_hi:
+                    continue
+                i = q_base + c - 1000
+                assert 0 <= i < lq
+                seen.append(i)
+                if causal:
+                    p = i + lk - lq
+                    if p < 0:
+                        assert k_len == 0
+                    else:
+                        assert k_len == lk and c == p and p // 128 == m
+                else:
+                    assert k_len == lk and m == max((lk + 127) // 128 - 1, 0)
+        assert sorted(seen) == list(range(lq)), (lq, lk)
+        # at most one tile more than the queries' own (the partial first and last tiles)
+        assert n <= (lq + 127) // 128 + int(causal and lq > 0)
+
+
+def test_cross_tiles_equal_self_attention_tiles_at_offset_zero():
+    """cu_seqlens_q == cu_seqlens_k: the geometry is self-attention's (block b: key tile b, rows from the
+    document start), so the cross build on self-attention inputs is the default build's computation."""
+    for length in (1, 127, 128, 129, 300, 1000):
+        assert cross_query_tiles(length, length, True) == (length + 127) // 128
+        for b in range(cross_query_tiles(length, length, True)):
+            assert cross_tile(7, 7 + length, 7, 7 + length, b, True) == (b, 7, 0, length, length)
+
+
+def test_cross_chunk_table_orders_tiles_by_document():
+    docs = CAUSAL_DOCS
+    cu_q, cu_k = _cu(docs, 0).tolist(), _cu(docs, 1).tolist()
+    for causal in (True, False):
+        cum = cross_chunk_table([d[0] for d in docs], [d[1] for d in docs], causal)
+        tiles = cross_tiles_model(cu_q, cu_k, causal, heads=2)
+        assert len(tiles) == 2 * cum[-1]
+        assert [t[0] for t in tiles] == sorted(t[0] for t in tiles)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: a model of the kernel's tile loop on the cross geometry
+# ----------------------------------------------------------------------------------------------
+
+
+def _query_aligned_tile(q_start, q_end, k_start, k_end, block, causal):
+    """A wrong geometry (the control): query tiles of 128 queries from the query range's start, first key tile
+    the one holding the tile's last query (so with an offset that is not a multiple of 128 the tile's first rows
+    have their own block on the SECOND key tile, which then reads block scales)."""
+    lq, lk = q_end - q_start, k_end - k_start
+    last = min(128 * block + 127, lq - 1) + lk - lq
+    m = max(last // 128, 0)
+    q_base = q_start + 128 * block - 128 * m
+    return m, q_base, q_start - q_base, q_end - q_base, lk
+
+
+def cross_kernel_model(qq, kq, vq, kt, vt, cu_q, cu_k, scale, group, diag_copy, causal, geometry=cross_tile):
+    """What the kernel computes per (document, head, query tile), row-vectorized, in its formulas: the tile
+    of `geometry` (cross_tile), Q rows q_base + 128 m + r (zero fill outside [0, T)), Q scales of stored rows
+    (1 elsewhere), key tiles m .. 0 of the key document (K rows k_start + 128 n, V^T columns from the key
+    document's dt_cu_seqlens start, TMA zero fill past the ends), the first from the per-token copies when
+    causal and block-scaled, K/V scales 0 at keys >= k_len, the first tile's mask (col > r when causal, col >=
+    k_len - 128 n), the log2-domain online softmax with the V-scale fold and its drop rule, O = acc r / 256 / l.
+    The control geometry (_query_aligned_tile) masks every tile by position (so only its scale choice is wrong)."""
+    T, H, D = qq.data_td.shape
+    Tk = kq.data_td.shape[0]
+    out = torch.full((T, H, D), float("nan"))
+    lse = torch.full((H, T), float("nan"))
+    qc, kc, ktc = qq.data_td.float(), kq.data_td.float(), kt.data_td.float()
+    vc, vtc = natural_dt(vq).float(), natural_dt(vt).float()
+    T_dt = vc.shape[2]
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    dtc = dt_cu_seqlens(cu_k).tolist()
+    rows, col = torch.arange(128), torch.arange(128)
+    control = geometry is not cross_tile
+    for doc in range(len(cq) - 1):
+        lq, lk = cq[doc + 1] - cq[doc], ck[doc + 1] - ck[doc]
+        n_tiles = cross_query_tiles(lq, lk, causal) if not control else (lq + 127) // 128
+        for block in range(n_tiles):
+            m, q_base, q_lo, q_hi, k_len = geometry(cq[doc], cq[doc + 1], ck[doc], ck[doc + 1], block, causal)
+            c = 128 * m + rows
+            qrow = q_base + c
+            valid = (c >= q_lo) & (c < q_hi)
+            pos = qrow - cq[doc] + lk - lq  # the rows' key positions (the control's masks)
+            for h in range(H):
+                kh = h // group
+                Q = torch.zeros(128, D)
+                inb = (qrow >= 0) & (qrow < T)
+                Q[inb] = qc[qrow[inb], h]
+                sq = torch.where(valid, qq.scale[h, qrow.clamp(0, T - 1)], torch.ones(128))
+                rs = sq * (scale * math.log2(math.e))
+                M, L, R = torch.full((128,), -math.inf), torch.zeros(128), torch.zeros(128)
+                acc = torch.zeros(128, D)
+                for i in range(m + 1):
+                    n = m - i
+                    use_tok = i == 0 and diag_copy and causal
+                    keys = ck[doc] + n * 128 + col
+                    K = torch.zeros(128, D)
+                    kin = keys < Tk
+                    K[kin] = (ktc if use_tok else kc)[keys[kin], kh]
+                    v0 = dtc[doc] + n * 128
+                    assert v0 % 16 == 0, "the V^T box must start 16-byte aligned"
+                    V = (vtc if use_tok else vc)[kh][:, v0 : v0 + 128]
+                    V = torch.nn.functional.pad(V, (0, 128 - V.shape[1])).t()
+                    assert v0 <= T_dt and torch.isfinite(V).all()
+                    kvis = (n * 128 + col) < k_len
+                    sk = torch.where(kvis, (kt if use_tok else kq).scale[kh, keys.clamp(max=Tk - 1)], 0.0)
+                    sv = torch.where(kvis, (vt if use_tok else vq).scale[kh, keys.clamp(max=Tk - 1)], 0.0)
+                    S = (Q @ K.t()) * sk[None, :]
+                    W = sv[None, :].expand(128, 128).clone()
+                    mask = None
+                    if control:
+                        mask = (n * 128 + col)[None, :] > pos[:, None]
+                    elif i == 0:
+                        mask = (col[None, :] > rows[:, None]) if causal else torch.zeros(128, 128, dtype=torch.bool)
+                    if mask is not None:
+                        mask = mask | (col[None, :] >= k_len - n * 128)
+                        S, W = S.masked_fill(mask, -math.inf), W.masked_fill(mask, 0.0)
+                    m_new = torch.maximum(M, S.amax(1) * rs)
+                    m_safe = torch.where(m_new == -math.inf, 0.0, m_new)
+                    alpha = torch.exp2(M - m_safe)
+                    r = W.amax(1)
+                    keep = r >= torch.clamp_min(R.abs() * FOLD_DROP, FOLD_REF_MIN)
+                    r = torch.where(keep, r, R.abs())
+                    inv = torch.where(keep, 256.0 / r, 0.0)
+                    P = torch.exp2(S * rs[:, None] - m_safe[:, None])
+                    P8 = cast_to((P * sv[None, :]) * inv[:, None], E4M3)
+                    L = L * alpha + P.sum(1)
+                    acc = acc * (alpha * torch.where(keep, R.abs() / r, 1.0))[:, None] + P8 @ V
+                    M, R = m_new, r
+                f = torch.where(L > 0, (R / 256.0) / L, 0.0)
+                ls = torch.where(L > 0, (M + torch.log2(L)) * math.log(2), -math.inf)
+                out[qrow[valid], h] = (acc * f[:, None])[valid]
+                lse[h, qrow[valid]] = ls[valid]
+    return out.to(torch.bfloat16), lse
+
+
+def _model_fn(recipe, causal, scale, group, geometry=cross_tile):
+    block = RECIPES[recipe]
+
+    def fn(q, k, v, cu_q, cu_k, dout=None):
+        o, lse = cross_kernel_model(*_quantized(q, k, v, cu_q, cu_k, block), cu_q, cu_k, scale, group, block > 1,
+                                    causal, geometry)
+        return {"out": o, "lse": lse}
+
+    return fn
+
+
+def _agree(o, lse, eo, else_):
+    assert not torch.isnan(o.float()).any() and not torch.isnan(lse).any(), "a row was never written"
+    assert rel_l2(o.float(), eo.float()) < 1e-4
+    assert torch.equal(torch.isinf(lse), torch.isinf(else_))
+    fin = torch.isfinite(else_)
+    assert (lse[fin] - else_[fin]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("causal, H, Hk, D", [(True, 2, 1, 64), (True, 4, 2, 128), (False, 2, 1, 64)])
+def test_cross_model_matches_emulator(recipe, causal, H, Hk, D):
+    docs = CAUSAL_DOCS if causal else NON_CAUSAL_DOCS
+    q, k, v, cu_q, cu_k, scale = _inputs(docs, H, Hk, D, seed=3)
+    out = _model_fn(recipe, causal, scale, H // Hk)(q, k, v, cu_q, cu_k)
+    eo, else_, _ = emulate_forward(q, k, v, cu_q, cu_k, scale, causal, Recipe.from_name(recipe))
+    _agree(out["out"], out["lse"], eo, else_)
+    # queries that see no key (before every key, or of a key-less document): O = 0, LSE = -inf
+    starts = _cu(docs, 0).tolist()
+    empty = [starts[d] + i for d, (lq, lk) in enumerate(docs) for i in range(lq) if (i + lk - lq < 0 if causal else lk == 0)]
+    assert len(empty) >= 5
+    assert not out["out"][empty].float().any() and torch.isinf(out["lse"][:, empty]).all()
+
+
+@pytest.mark.parametrize("doc, cut", [(0, 100), (2, 64), (4, 128), (5, 129), (7, 300)])
+def test_cross_model_passes_the_leakage_checks(doc, cut):
+    """The future test in key positions (cuts inside and at the edge of a 128-key block, several offsets) and
+    document isolation, on the model of the kernel's tiles (token-block scales: the diagonal safeguard)."""
+    q, k, v, cu_q, cu_k, scale = _inputs(CAUSAL_DOCS, 2, 1, 64, seed=4)
+    rep = check_leakage_varlen(_model_fn("fp8_tokenblock", True, scale, 2), q, k, v, cu_q, cu_k, doc=doc, cut=cut)
+    assert rep.ok, str(rep)
+
+
+def test_query_aligned_tiles_leak_and_differ():
+    """Control: query tiles from the query range's start (the per-token copies on each tile's last key tile only)
+    give rows whose own key block is an earlier tile block scales that span later keys: the future test fails
+    and the values leave the emulator's. The same checks pass on cross_tile's geometry (tests above)."""
+    q, k, v, cu_q, cu_k, scale = _inputs(CAUSAL_DOCS, 2, 1, 64, seed=4)
+    bad = _model_fn("fp8_tokenblock", True, scale, 2, geometry=_query_aligned_tile)
+    rep = check_leakage_varlen(bad, q, k, v, cu_q, cu_k, doc=2, cut=101)  # offset 63: rows 0-64 own block 0
+    assert not rep.future_ok, str(rep)
+    # a large key at position 120 of document 2: the queries at positions 63-119 must not feel its block scale
+    k = k.clone()
+    k[int(cu_k[2]) + 120] *= 2**14  # its block scale puts the others in e4m3 subnormals
+    rows = slice(int(cu_q[2]), int(cu_q[2]) + 120 - 63)
+    eo, _, _ = emulate_forward(q, k, v, cu_q, cu_k, scale, True, Recipe.from_name("fp8_tokenblock"))
+    good = _model_fn("fp8_tokenblock", True, scale, 2)(q, k, v, cu_q, cu_k)["out"]
+    assert rel_l2(good[rows].float(), eo[rows].float()) < 1e-4
+    assert rel_l2(bad(q, k, v, cu_q, cu_k)["out"][rows].float(), eo[rows].float()) > 1e-2
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: sm_90a builds
+# ----------------------------------------------------------------------------------------------
+
+MODES = {"cross_causal": dict(cross_length=True), "non_causal": dict(causal=False)}
+
+
+@needs_dsl
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("head_dim, diagonal_copy, extra", [(128, True, {}), (64, True, {}), (128, False, {}),
+                                                            (128, True, {"persistent": False})])
+def test_cross_builds_compile_without_spills(mode, head_dim, diagonal_copy, extra):
+    """fp8 wgmma for S and P V (the two copies of the tile step), TMA loads, 16-byte O stores, no local
+    memory; the cross-length build reads the per-token copies on its first tile, the non-causal build not."""
+    art = kernel_artifacts(FwdConfig(head_dim=head_dim, diagonal_copy=diagonal_copy, **MODES[mode], **extra))
+    n_mma = 2 * (head_dim // 32 + 4)
+    assert len(re.findall(r"wgmma\.mma_async[^\n]*e4m3\.e4m3", art.ptx)) == n_mma
+    assert not re.search(r"\b(ld|st)\.local\b", art.ptx)
+    assert art.frame_bytes in (None, 0)
+    if art.sass is not None:
+        assert not re.search(r"\b(STL|LDL)\b", art.sass), "register spills in SASS"
+        assert len(re.findall(r"\bQGMMA\b", art.sass)) == n_mma
+        assert len(re.findall(r"\bSTG\.E\.128\b", art.sass)) == 2 * head_dim // 32
+
+
+@needs_dsl
+@pytest.mark.parametrize("field, value, match", [
+    ("cross_length", 1, "must be a bool"), ("causal", 0, "must be a bool"),
+])
+def test_config_rejects(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        FwdConfig(head_dim=128, **{field: value})
+
+
+@needs_dsl
+def test_config_rejects_combinations():
+    with pytest.raises(ValueError, match="cross_length"):
+        FwdConfig(head_dim=128, causal=False, cross_length=True)
+    for mode in MODES.values():
+        with pytest.raises(ValueError, match="short_pairs"):
+            FwdConfig(head_dim=128, short_pairs=True, **mode)
+        assert FwdConfig(head_dim=128, **mode).separate_keys
+    assert not FwdConfig(head_dim=128).separate_keys
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------
+
+VARIANTS = {"default": {}, "per_tile": {"persistent": False}, "longest_documents": {"tile_order": "longest_documents"},
+            "stages3": {"kv_stages": 3}}
+
+
+def run_cross_kernel(q, k, v, cu_q, cu_k, scale, recipe, causal, variant="default", poison=True):
+    block = RECIPES[recipe]
+    qq, kq, vq, kt, vt = _quantized(q, k, v, cu_q, cu_k, block)
+    assert vq.data_dt.shape[2] == transposed_tokens(k.shape[0], cu_k.numel() - 1)
+    cfg = FwdConfig(head_dim=q.shape[2], qhead_per_kvhead=q.shape[1] // k.shape[1], diagonal_copy=block > 1,
+                    causal=causal, cross_length=causal, **VARIANTS[variant])
+    lens = (cu_q[1:] - cu_q[:-1]).tolist()
+    tok = block > 1
+    return flamia_fwd_sm90(
+        qq.data_td, qq.scale, kq.data_td, kq.scale, vq.data_dt, vq.scale,
+        kt.data_td if tok else None, kt.scale if tok else None, vt.data_dt if tok else None, vt.scale if tok else None,
+        cu_q, max(lens), scale, cfg, poison_outputs=poison, cu_seqlens_k=cu_k)
+
+
+def _gpu_check(docs, recipe, causal, H, Hk, D, seed, variant="default"):
+    from test_attention_fwd_kernel import _errors, _violations
+
+    q, k, v, cu_q, cu_k, scale = _inputs(docs, H, Hk, D, seed, device="cuda")
+    out, lse = run_cross_kernel(q, k, v, cu_q, cu_k, scale, recipe, causal, variant)
+    torch.cuda.synchronize()
+    eo, else_, _ = emulate_forward(q, k, v, cu_q, cu_k, scale, causal, Recipe.from_name(recipe))
+    res = _errors(out, lse, eo, else_, cu_q.cpu())
+    assert not _violations(res), res
+    # no visible key: exactly O = 0, LSE = -inf (the emulator's)
+    none = torch.isinf(else_.cpu()).all(0)
+    assert not out.cpu()[none].float().any() and torch.isinf(lse.cpu()[:, none]).all()
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("causal, H, Hk, D", [(True, 4, 2, 128), (True, 2, 1, 64), (False, 4, 2, 128),
+                                              (False, 2, 1, 64)])
+def test_gpu_cross_matches_emulator(recipe, causal, H, Hk, D, variant):
+    _gpu_check(CAUSAL_DOCS if causal else NON_CAUSAL_DOCS, recipe, causal, H, Hk, D, seed=11, variant=variant)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_gpu_cross_build_on_self_attention_is_the_default_build(recipe):
+    """cu_seqlens_k == cu_seqlens_q: the cross-length build's tiles are self-attention's, so O and LSE equal the
+    default build's bit for bit."""
+    from test_attention_fwd_kernel import _run_kernel
+
+    lengths = [1, 127, 128, 129, 1000, 0, 300]
+    docs = [(n, n) for n in lengths]
+    q, k, v, cu_q, cu_k, scale = _inputs(docs, 4, 2, 128, seed=12, device="cuda")
+    got = run_cross_kernel(q, k, v, cu_q, cu_k, scale, recipe, True)
+    ref = _run_kernel(q, k, v, cu_q, scale, recipe)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("doc, cut", [(0, 100), (2, 64), (4, 128), (5, 129), (7, 300)])
+def test_gpu_cross_leakage(recipe, doc, cut):
+    q, k, v, cu_q, cu_k, scale = _inputs(CAUSAL_DOCS, 4, 2, 128, seed=13)
+
+    def fn(q_, k_, v_, cq, ck, dout=None):
+        out, lse = run_cross_kernel(q_.cuda(), k_.cuda(), v_.cuda(), cq.cuda(), ck.cuda(), scale, recipe, True,
+                                    poison=False)
+        return {"out": out.cpu(), "lse": lse.cpu()}
+
+    rep = check_leakage_varlen(fn, q, k, v, cu_q, cu_k, doc=doc, cut=cut)
+    assert rep.ok, str(rep)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_gpu_non_causal_isolation(recipe):
+    q, k, v, cu_q, cu_k, scale = _inputs(NON_CAUSAL_DOCS, 4, 2, 128, seed=14)
+
+    def fn(q_, k_, v_, cq, ck, dout=None):
+        out, lse = run_cross_kernel(q_.cuda(), k_.cuda(), v_.cuda(), cq.cuda(), ck.cuda(), scale, recipe, False,
+                                    poison=False)
+        return {"out": out.cpu(), "lse": lse.cpu()}
+
+    for doc in (0, 1, 4):
+        rep = check_leakage_varlen(fn, q, k, v, cu_q, cu_k, doc=doc, causal=False)
+        assert rep.ok, str(rep)
