@@ -40,15 +40,17 @@ def has_backward_kernel(recipe: Recipe) -> bool:
     return recipe.ds_cast == "bf16" and recipe.dv_fold == "document"
 
 
-def _why_not_call(arch: str, kernels, has_kernel: bool, head_dims, recipe: Recipe, causal: bool, q, k, cu_q, cu_k):
+def _why_not_call(arch: str, kernels, has_kernel: bool, head_dims, recipe: Recipe, causal: bool, q, k, cu_q, cu_k,
+                  any_keys: bool = False):
     """The reasons both architectures' kernels share: recipe, causal, self-attention, head dim. The emulator runs
-    every call: non-causal attention and queries that are a sub-range of their document's keys (cross-length,
-    causal aligned to the end of each query range) are its alone for now (docs/integration.md)."""
+    every call. any_keys: the kernels also run non-causal attention and queries that are a sub-range of their
+    document's keys (cross-length, causal aligned to the end of each query range; docs/integration.md), else
+    those are the emulator's."""
     if not has_kernel:
         return f"recipe {recipe.name!r} has no {arch} kernel (kernels: {kernels})"
-    if not causal:
+    if not causal and not any_keys:
         return f"causal=False has no {arch} kernel"
-    if q.shape[0] != k.shape[0] or not same_documents(cu_q, cu_k):
+    if not any_keys and (q.shape[0] != k.shape[0] or not same_documents(cu_q, cu_k)):
         return (f"queries that are a sub-range of their document's keys (cu_seqlens_q != cu_seqlens_k) have no "
                 f"{arch} kernel: the {arch} kernels are self-attention only")
     if q.shape[-1] not in head_dims:
@@ -76,9 +78,18 @@ def same_documents(cu_q: torch.Tensor, cu_k: torch.Tensor) -> bool:
 
 
 def why_not_kernels(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | None:
-    """Why the sm_90a kernels cannot run this call (None: they can)."""
+    """Why the sm_90a kernels cannot run this call (None: they can). They run causal self-attention, cross-length
+    causal and non-causal attention (separate_keys: the forward kernel; the backward kernel is self-attention
+    only, and those calls' backward is the emulator's on the forward's saved operands)."""
     return _why_not_call("sm_90a", sorted(KERNEL_SCALINGS), kernel_scaling(recipe) is not None, KERNEL_HEAD_DIMS,
-                         recipe, causal, q, k, cu_q, cu_k)
+                         recipe, causal, q, k, cu_q, cu_k, any_keys=True)
+
+
+def separate_keys(causal: bool, q_tokens: int, k_tokens: int, cu_q, cu_k) -> bool:
+    """Whether a kernel call takes its own key documents (the forward builds FwdConfig.cross_length or
+    causal=False) instead of running causal self-attention: non-causal, or other key documents (same_documents,
+    which the dispatch has already asked for these tensors: its memo answers)."""
+    return not causal or q_tokens != k_tokens or not same_documents(cu_q, cu_k)
 
 
 # The named recipes whose forward the sm_100a kernels run (never yet on hardware; opt-in only, see
@@ -121,20 +132,28 @@ class Plan:
         """K/V token-block size of the quantized layouts."""
         return 128 if self.scaling == "tokenblock" else 1
 
+    @property
+    def separate_keys(self) -> bool:
+        """The call's K and V have their own documents (cu_seqlens_k): quantized over them, the forward's
+        cross-length or non-causal build."""
+        return self.fwd.separate_keys
+
 
 def make_plan(recipe: str, head_dim: int, heads_q: int, heads_kv: int, max_seqlen: int, total_tokens: int,
-              num_docs: int) -> Plan:
+              num_docs: int, causal: bool = True, separate: bool = False) -> Plan:
     """The Plan of a call (recipe: a name in KERNEL_SCALINGS), memoized per signature while the tuned
     records stay loaded (tuned.derived_memo): building and tuning configs costs host time that every
-    layer of every step would pay again."""
+    layer of every step would pay again. separate (separate_keys): K and V have their own documents, as
+    cross-length causal (causal) or non-causal attention; max_seqlen and total_tokens are the queries'."""
     from .tuned import derived_memo
 
     key = ("plan", recipe, head_dim, heads_q, heads_kv, int(max_seqlen), total_tokens, num_docs,
-           deterministic_backward(), os.environ.get("FLAMIA_CUTE_NO_TUNING"))
+           deterministic_backward(), os.environ.get("FLAMIA_CUTE_NO_TUNING"), causal, separate or not causal)
     memo = derived_memo()
     plan = memo.get(key)
     if plan is None:
-        plan = memo[key] = _build_plan(recipe, head_dim, heads_q, heads_kv, int(max_seqlen), total_tokens, num_docs)
+        plan = memo[key] = _build_plan(recipe, head_dim, heads_q, heads_kv, int(max_seqlen), total_tokens, num_docs,
+                                       causal, separate or not causal)
     return plan
 
 
@@ -152,7 +171,8 @@ def qkv_launch(head_dim: int, heads_q: int, heads_kv: int, block: int, max_seqle
     return forward_only(qkv)
 
 
-def _build_plan(recipe, head_dim, heads_q, heads_kv, max_seqlen, total_tokens, num_docs) -> Plan:
+def _build_plan(recipe, head_dim, heads_q, heads_kv, max_seqlen, total_tokens, num_docs, causal=True,
+                separate=False) -> Plan:
     from dataclasses import replace
 
     from .schedules.varlen_tiles import short_pairs_worth
@@ -166,11 +186,13 @@ def _build_plan(recipe, head_dim, heads_q, heads_kv, max_seqlen, total_tokens, n
     fwd = tuned_fwd_config(FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=block_copy,
                                      short_pairs=short_pairs_default(total_tokens, num_docs)),
                            max_seqlen, total_tokens, num_docs)
+    if separate:  # self-attention's tuned schedule, without short pairs (self-attention documents only)
+        fwd = replace(fwd, short_pairs=False, causal=causal, cross_length=causal)
     # the control is quantized by torch: no launch to tune
     qkv = qkv_launch(head_dim, heads_q, heads_kv, 128 if block_copy else 1, max_seqlen, total_tokens, num_docs,
                      tuned=scaling != "tensor")
-    bwd = None
-    if has_backward_kernel(NAMED_RECIPES[recipe]):
+    bwd = None  # separate keys: the emulator's backward (the backward kernel is self-attention only)
+    if has_backward_kernel(NAMED_RECIPES[recipe]) and not separate:
         if deterministic_backward():  # the ordered atomics path, untuned
             bwd = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=block_copy,
                                   deterministic=True)

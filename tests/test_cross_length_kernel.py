@@ -434,3 +434,71 @@ def test_gpu_non_causal_isolation(recipe):
     for doc in (0, 1, 4):
         rep = check_leakage_varlen(fn, q, k, v, cu_q, cu_k, doc=doc, causal=False)
         assert rep.ok, str(rep)
+
+
+@pytest.mark.gpu
+@needs_dsl
+def test_gpu_separate_quantization_is_the_reference():
+    """The plan's two launches (Q over cu_seqlens_q, K and V over cu_seqlens_k) write the reference quantizer's
+    bytes into one allocation."""
+    from flamia_cute.plan import make_plan
+    from flamia_cute.sm90.quantize import fused_quantize_qkv_separate_sm90
+
+    q, k, v, cu_q, cu_k, _ = _inputs(CAUSAL_DOCS, 4, 2, 128, seed=16, device="cuda")
+    plan = make_plan("fp8_tokenblock_dsbf16", 128, 4, 2, 300, q.shape[0], len(CAUSAL_DOCS), True, True)
+    assert plan.separate_keys and plan.bwd is None
+    (qq, _), (kq, kt), (vq, vt) = fused_quantize_qkv_separate_sm90(q, k, v, cu_q, cu_k, plan.qkv)
+    ref = _quantized(q, k, v, cu_q, cu_k, 128)
+    assert len({t.data_td.untyped_storage().data_ptr() for t in (qq, kq, kt)}) == 1
+    for got, want, fields in ((qq, ref[0], ("data_td", "scale")), (kq, ref[1], ("data_td", "scale")),
+                              (vq, ref[2], ("data_dt", "scale")), (kt, ref[3], ("data_td", "scale")),
+                              (vt, ref[4], ("data_dt", "scale"))):
+        for f in fields:
+            assert torch.equal(getattr(got, f).view(torch.uint8), getattr(want, f).view(torch.uint8)), f
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16", "fp8_tokenblock", "fp8_token", "fp8_tensor_current"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_api_runs_the_kernels_in_both_modes(recipe, causal):
+    """flamia_attn_varlen_func(backend="cute"): the forward kernel within the forward's bounds of the emulator,
+    the gradients the emulator's backward on the kernel's saved operands (test_cute_backend's bounds)."""
+    from flamia_cute.testing import attention_fn_for
+
+    docs = CAUSAL_DOCS if causal else NON_CAUSAL_DOCS
+    q, k, v, cu_q, cu_k, scale = _inputs(docs, 4, 2, 128, seed=15, device="cuda")
+    do = torch.randn_like(q)
+    got = attention_fn_for(recipe, scale, causal=causal, backend="cute").varlen(q, k, v, cu_q, cu_k, do)
+    ref = attention_fn_for(recipe, scale, causal=causal, backend="emulate").varlen(q, k, v, cu_q, cu_k, do)
+    assert rel_l2(got["out"], ref["out"]) < 8e-3
+    assert torch.equal(torch.isinf(got["lse"]), torch.isinf(ref["lse"]))
+    for name in ("dq", "dk", "dv"):
+        assert rel_l2(got[name], ref[name]) < 2e-2, name
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16", "fp8_token"])
+def test_gpu_query_range_equals_the_whole_document(recipe):
+    """Context parallelism's shard on the kernels: a document's query range [a, b) with its keys [start, b) gives
+    the whole-document self-attention call's O and LSE on those rows bit for bit (the same 128-position tiles,
+    the same K/V blocks from the document's start, the per-token copies on each row's own block)."""
+    from flamia_cute import flamia_attn_varlen_func
+
+    lengths = [300, 517, 1, 130, 260]
+    ranges = [(100, 300), (203, 411), (0, 1), (0, 130), (129, 257)]
+    g = torch.Generator().manual_seed(17)
+    T = sum(lengths)
+    q, k, v = (torch.randn(T, h, 128, generator=g).bfloat16().cuda() for h in (4, 2, 2))
+    cu = cu_seqlens_from_lengths(lengths).cuda()
+    starts = cu.tolist()
+    qr = torch.tensor([s + i for s, (a, b) in zip(starts, ranges, strict=True) for i in range(a, b)], device="cuda")
+    kr = torch.tensor([s + i for s, (a, b) in zip(starts, ranges, strict=True) for i in range(b)], device="cuda")
+    cu_q = cu_seqlens_from_lengths([b - a for a, b in ranges]).cuda()
+    cu_k = cu_seqlens_from_lengths([b for _, b in ranges]).cuda()
+    whole, lse_w = flamia_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), recipe=recipe, backend="cute",
+                                           return_lse=True)
+    part, lse_p = flamia_attn_varlen_func(q[qr], k[kr], v[kr], cu_q, cu_k, 208, 411, recipe=recipe, backend="cute",
+                                          return_lse=True)
+    assert torch.equal(part, whole[qr]) and torch.equal(lse_p, lse_w[:, qr])

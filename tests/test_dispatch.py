@@ -87,13 +87,14 @@ def test_sm90_fallbacks_warn_once_per_reason(monkeypatch):
         warnings.simplefilter("always")
         for _ in range(2):
             call(q, k, v, cu, "fp8_tokenblock")
-            call(q2, k2, v2, cu, "fp8_tokenblock", causal=False)
-            call(q2, k2, v2, cu, "fp8_tokenblock", backend="emulate", causal=False)  # asked for: no warning
-    assert seen == ["emulate"] * 6
+            call(q2, k2, v2, cu, "mxfp8", causal=False)
+            call(q2, k2, v2, cu, "mxfp8", backend="emulate", causal=False)  # asked for: no warning
+            call(q2, k2, v2, cu, "fp8_tokenblock", causal=False)  # the forward kernel's non-causal build
+    assert seen == ["emulate", "emulate", "emulate", "cute"] * 2
     msgs = fallback_warnings(rec)
     assert len(msgs) == 2, msgs
     assert "head_dim 256 has no sm_90a kernel" in msgs[0] and "slow" in msgs[0]
-    assert "causal=False has no sm_90a kernel" in msgs[1]
+    assert "recipe 'mxfp8' has no sm_90a kernel" in msgs[1]
 
 
 def test_cpu_calls_never_warn(monkeypatch):
