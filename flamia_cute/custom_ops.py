@@ -300,7 +300,7 @@ def run_backward(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         plan = _kernel_plan(recipe, out, kq.data_td.shape[0], kq.data_td.shape[1], max_seqlen_q, cu_seqlens_q,
                             cu_seqlens_k, causal)
         grads = cute_backend.backward(plan, dout, out_bf16, lse, ops, cu_seqlens_q, max_seqlen_q, softmax_scale,
-                                      cu_seqlens_k)
+                                      cu_seqlens_k, max_seqlen_k)
     else:  # "emulate", and "sm100": the emulator's backward on the operands its kernel forward read
         from .emulator import EmulatorContext, emulate_backward
 

@@ -94,9 +94,11 @@ def forward(plan: Plan, q, k, v, cu, max_seqlen: int, softmax_scale: float, cu_k
     return out, lse, ops
 
 
-def backward(plan: Plan, dout, out, lse, ops, cu, max_seqlen: int, softmax_scale: float, cu_k=None):
+def backward(plan: Plan, dout, out, lse, ops, cu, max_seqlen: int, softmax_scale: float, cu_k=None,
+             max_seqlen_k: int | None = None):
     """dq, dk, dv (bf16) from the forward's saved operands: the backward kernel, or the emulator's
-    backward where the plan has none (the e4m3-dS recipes; separate keys, cu_k their documents)."""
+    backward where the plan has none (the e4m3-dS recipes). cu_k, max_seqlen_k: the key documents of a
+    separate-keys plan."""
     qq, (kq, kt), (vq, vt) = ops
     if plan.bwd is None:
         from .emulator import EmulatorContext, emulate_backward, operand_from_quantized
@@ -117,5 +119,7 @@ def backward(plan: Plan, dout, out, lse, ops, cu, max_seqlen: int, softmax_scale
         pv_order = dout_config(dout.shape[2], dout.shape[1]).dt_pv_order
         kw["do_quantized"] = quantize_thd_per_tensor(dout.to(torch.bfloat16), cu, pv_order=pv_order)
         kw["delta"] = (dout.float() * out.float()).sum(-1).t().contiguous()  # D = rowsum(dO * O), as the emulator
+    if plan.separate_keys:
+        kw.update(cu_seqlens_k=cu_k, max_seqlen_k=max_seqlen_k)
     return flamia_bwd_dsbf16_sm90_from_saved(dout, out, lse, qq, kq, vq, kt, vt, cu, max_seqlen, softmax_scale,
                                              config=plan.bwd, **kw)

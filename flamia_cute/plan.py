@@ -79,16 +79,15 @@ def same_documents(cu_q: torch.Tensor, cu_k: torch.Tensor) -> bool:
 
 def why_not_kernels(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | None:
     """Why the sm_90a kernels cannot run this call (None: they can). They run causal self-attention, cross-length
-    causal and non-causal attention (separate_keys: the forward kernel; the backward kernel is self-attention
-    only, and those calls' backward is the emulator's on the forward's saved operands)."""
+    causal and non-causal attention (separate_keys: the kernels' cross-length and non-causal builds)."""
     return _why_not_call("sm_90a", sorted(KERNEL_SCALINGS), kernel_scaling(recipe) is not None, KERNEL_HEAD_DIMS,
                          recipe, causal, q, k, cu_q, cu_k, any_keys=True)
 
 
 def separate_keys(causal: bool, q_tokens: int, k_tokens: int, cu_q, cu_k) -> bool:
-    """Whether a kernel call takes its own key documents (the forward builds FwdConfig.cross_length or
-    causal=False) instead of running causal self-attention: non-causal, or other key documents (same_documents,
-    which the dispatch has already asked for these tensors: its memo answers)."""
+    """Whether a kernel call takes its own key documents (the builds with cross_length or causal=False) instead
+    of running causal self-attention: non-causal, or other key documents (same_documents, which the dispatch
+    has already asked for these tensors: its memo answers)."""
     return not causal or q_tokens != k_tokens or not same_documents(cu_q, cu_k)
 
 
@@ -191,8 +190,8 @@ def _build_plan(recipe, head_dim, heads_q, heads_kv, max_seqlen, total_tokens, n
     # the control is quantized by torch: no launch to tune
     qkv = qkv_launch(head_dim, heads_q, heads_kv, 128 if block_copy else 1, max_seqlen, total_tokens, num_docs,
                      tuned=scaling != "tensor")
-    bwd = None  # separate keys: the emulator's backward (the backward kernel is self-attention only)
-    if has_backward_kernel(NAMED_RECIPES[recipe]) and not separate:
+    bwd = None
+    if has_backward_kernel(NAMED_RECIPES[recipe]):
         if deterministic_backward():  # the ordered atomics path, untuned
             bwd = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=block_copy,
                                   deterministic=True)
@@ -202,4 +201,6 @@ def _build_plan(recipe, head_dim, heads_q, heads_kv, max_seqlen, total_tokens, n
             if short_pairs_worth(total_tokens, num_docs) and short_pairs_supported(bwd):
                 bwd = replace(bwd, short_pairs=True)
             bwd = tuned_bwd_dsbf16_config(bwd, max_seqlen, total_tokens, num_docs)
+        if separate:  # self-attention's tuned schedule, without short pairs
+            bwd = replace(bwd, short_pairs=False, causal=causal, cross_length=causal)
     return Plan(recipe, scaling, fwd, qkv, bwd)

@@ -248,3 +248,58 @@ def cross_chunk_table(lengths_q, lengths_k, causal: bool) -> list[int]:
     for lq, lk in zip(lengths_q, lengths_k, strict=True):
         cum.append(cum[-1] + cross_query_tiles(lq, lk, causal))
     return cum
+
+
+# The backward of the same modes (BwdDsBf16Config.cross_length, causal=False): one CTA per (KV head, document,
+# 128-key block n of the key document). Causal: 64-query tiles are 64-position blocks of the key axis (tile m:
+# positions 64 m .. 64 m + 63), so tiles 2n and 2n + 1 are key block n's diagonal (masked, per-token K/V: every
+# row's own block is n) and tiles from 2n + 2 see the whole block (block scales), self-attention's structure;
+# tiles before the first query (m < m_lo) are skipped, so a key block wholly before every query has no diagonal
+# tile (n_diag = 0). Queries at negative positions see no key and are in no tile. Non-causal: 64-query tiles
+# from the document's first query, every tile seen by every key block; the last key block's tiles are masked at
+# the document's end (its "diagonal" tiles), the others' not. dO^T's tile m starts at column dot_start + 64 (m -
+# m_lo) of the document's dO^T columns (backward_dot_columns).
+
+
+def backward_cross_item(q_start, q_end, k_start, k_end, n_blk, causal: bool, select=py_select):
+    """Key block n_blk of a document with queries q_start .. q_end - 1 and keys k_start .. k_end - 1:
+    (live, q_base, q_lo, q_hi, m_lo, d0, n_diag, p0, per). Tile row r of query tile m has the coordinate
+    64 m + r: its query row is q_base + that, a query when q_lo <= it < q_hi (else P = 0 there). The masked
+    tiles are d0 .. d0 + n_diag - 1, the unmasked ones p0 .. p0 + per - 1 (per <= 0: none); m_lo is the first
+    query tile (its dO^T columns start the document's). live: the CTA has work (a query and key block n)."""
+    len_q, len_k = q_end - q_start, k_end - k_start
+    live = (len_q > 0) & (128 * n_blk < len_k)
+    if causal:
+        off = len_k - len_q
+        q_base = q_start - off
+        m_lo = select(off > 0, off >> 6, 0 * off)  # the first tile holding a query
+        n_q = (len_k + 63) >> 6  # tiles 0 .. n_q - 1 cover the key positions
+        d0 = select(2 * n_blk > m_lo, 2 * n_blk, m_lo)
+        d_end = select(2 * n_blk + 2 < n_q, 2 * n_blk + 2, n_q)
+        n_diag = select(d_end > d0, d_end - d0, 0 * d0)
+        p0 = select(2 * n_blk + 2 > m_lo, 2 * n_blk + 2, m_lo)
+        per = n_q - p0
+    else:
+        q_base = q_start
+        m_lo = 0 * q_start
+        n_q = (len_q + 63) >> 6
+        last = 128 * n_blk + 128 >= len_k  # the block the document's keys end in: masked
+        d0 = 0 * q_start
+        n_diag = select(last, n_q, 0 * n_q)
+        p0 = 0 * q_start
+        per = select(last, 0 * n_q, n_q)
+    return live, q_base, q_start - q_base, q_end - q_base, m_lo, d0, n_diag, p0, per
+
+
+def backward_tile_rows(lengths_q, lengths_k, causal: bool):
+    """The backward's per-document dO^T column counts of the separate-keys modes: causal, the key positions
+    from the first query tile's (64 m_lo) to Lk (0 without queries); non-causal, the queries (quant's
+    dt_cu_seqlens layout). backward_dot_columns rounds each up to DT_DOC_ALIGN."""
+    out = []
+    for lq, lk in zip(lengths_q, lengths_k, strict=True):
+        if not causal or lq == 0:
+            out.append(lq)
+        else:
+            off = lk - lq
+            out.append(lk - 64 * max(off >> 6, 0) if off > 0 else lk)
+    return out

@@ -12,6 +12,7 @@ the leakage checks on the kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -446,7 +447,7 @@ def test_gpu_separate_quantization_is_the_reference():
 
     q, k, v, cu_q, cu_k, _ = _inputs(CAUSAL_DOCS, 4, 2, 128, seed=16, device="cuda")
     plan = make_plan("fp8_tokenblock_dsbf16", 128, 4, 2, 300, q.shape[0], len(CAUSAL_DOCS), True, True)
-    assert plan.separate_keys and plan.bwd is None
+    assert plan.separate_keys and plan.bwd.cross_length and plan.fwd.cross_length
     (qq, _), (kq, kt), (vq, vt) = fused_quantize_qkv_separate_sm90(q, k, v, cu_q, cu_k, plan.qkv)
     ref = _quantized(q, k, v, cu_q, cu_k, 128)
     assert len({t.data_td.untyped_storage().data_ptr() for t in (qq, kq, kt)}) == 1
@@ -463,7 +464,8 @@ def test_gpu_separate_quantization_is_the_reference():
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_api_runs_the_kernels_in_both_modes(recipe, causal):
     """flamia_attn_varlen_func(backend="cute"): the forward kernel within the forward's bounds of the emulator,
-    the gradients the emulator's backward on the kernel's saved operands (test_cute_backend's bounds)."""
+    the gradients (the backward kernel for the bf16-dS recipe and the per-tensor control, the emulator's backward
+    on the kernel's saved operands for the e4m3-dS ones) within test_cute_backend's bounds."""
     from flamia_cute.testing import attention_fn_for
 
     docs = CAUSAL_DOCS if causal else NON_CAUSAL_DOCS
@@ -502,3 +504,348 @@ def test_gpu_query_range_equals_the_whole_document(recipe):
     part, lse_p = flamia_attn_varlen_func(q[qr], k[kr], v[kr], cu_q, cu_k, 208, 411, recipe=recipe, backend="cute",
                                           return_lse=True)
     assert torch.equal(part, whole[qr]) and torch.equal(lse_p, lse_w[:, qr])
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the backward (BwdDsBf16Config.cross_length, causal=False): geometry and a model of its tile loop
+# ----------------------------------------------------------------------------------------------
+
+
+def _bwd_items(docs, causal, geometry=None):
+    from flamia_cute.schedules.varlen_tiles import backward_cross_item
+
+    geometry = geometry or backward_cross_item
+    cq, ck = _cu(docs, 0).tolist(), _cu(docs, 1).tolist()
+    for d in range(len(docs)):
+        for n in range((ck[d + 1] - ck[d] + 127) // 128):
+            yield d, n, geometry(cq[d], cq[d + 1], ck[d], ck[d + 1], n, causal)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_backward_tiles_cover_every_visible_pair_once(causal):
+    """Every (query, key) pair a query sees is in exactly one (key block, query tile) of its document, masked
+    tiles exactly where some pair of the tile is not seen, and (causal) the masked tiles are the rows' own key
+    block (per-token K/V) while the unmasked ones lie wholly after the block; no tile holds only rows outside the
+    queries; a key block with keys and queries has work."""
+    pairs = [(lq, lk) for lq in (1, 5, 64, 127, 128, 129, 300) for lk in (0, 1, 63, 64, 127, 128, 129, 200, 300, 640)]
+    docs = pairs
+    cq = _cu(docs, 0).tolist()
+    for d, n, (live, q_base, q_lo, q_hi, m_lo, d0, n_diag, p0, per) in _bwd_items(docs, causal):
+        lq, lk = docs[d]
+        assert live == (lq > 0 and 128 * n < lk)
+        if not live:
+            continue
+        assert n_diag > 0 or per > 0
+        tiles = [(m, True) for m in range(d0, d0 + n_diag)] + [(m, False) for m in range(p0, p0 + max(per, 0))]
+        # m_lo, the tile of the first query (dO^T's first columns), is before every tile of the block
+        assert m_lo == max(q_lo, 0) // 64 and min(m for m, _ in tiles) >= m_lo
+        seen = set()
+        for m, masked in tiles:
+            rows = [c for c in range(64 * m, 64 * m + 64) if q_lo <= c < q_hi]
+            assert rows, (docs[d], n, m)
+            for c in rows:
+                i = q_base + c - cq[d]
+                p = i + lk - lq
+                if causal:
+                    assert c == p
+                vis = [key for key in range(128 * n, min(128 * n + 128, lk)) if not causal or key <= p]
+                if not masked:  # every key of the block seen: no mask, block scales (causal: wholly before p)
+                    assert len(vis) == 128 and (not causal or p // 128 > n)
+                elif causal:
+                    assert p // 128 == n  # the row's own block: per-token K/V there
+                seen |= {(i, key) for key in vis}
+        want = {(i, key) for i in range(lq) for key in range(128 * n, min(128 * n + 128, lk))
+                if not causal or key <= i + lk - lq}
+        assert seen == want, (docs[d], n)
+
+
+def cross_backward_model(st, causal, geometry=None, bug=None):
+    """What the backward kernel computes, per (document, KV head, key block) of `geometry`
+    (backward_cross_item) and query tile, in its formulas: Q, dO rows q_base + 64 m + r (only the stored rows'
+    vectors: LSE +inf and dO scale 0 elsewhere), K rows and V of the key document (per-token on the masked tiles
+    when causal and block-scaled), P^T = exp2(S^T sk sq scale log2e - lse log2e) masked on the masked tiles
+    (key after the row's key position, or past the end), dS^T = P^T (dP^T sv sdo - D), dV += e4m3(P^T sdo 256 / r)
+    dO^T with dO^T read from the layout the host builds (separate_keys_dot; the queries' own for non-causal),
+    dK += bf16(dS^T) (Q codes sq), dQ += bf16(dS) (K codes sk) softmax_scale. The unmasked tiles assert that
+    they need no mask. bug (the controls): "block_on_diagonal" (the masked tiles read the block scales),
+    "dot_unshifted" (dO^T's tile m at the document's column 64 m, without the first tile's shift)."""
+    from flamia_cute.quant import QuantizedTHD
+    from flamia_cute.schedules.varlen_tiles import backward_cross_item
+    from flamia_cute.sm90.bwd_preprocess import separate_keys_dot
+
+    geometry = geometry or backward_cross_item
+    qq, kq, vq, kt, vt = st["ops"]
+    cu_q, cu_k, scale, group = st["cu_q"], st["cu_k"], st["scale"], st["group"]
+    diag_first = st["block"] > 1 and causal and bug != "block_on_diagonal"
+    T, H, D = qq.data_td.shape
+    Tk, Hk = kq.data_td.shape[:2]
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    doq = st["doq"]
+    if causal:
+        dot, dot_cu = separate_keys_dot(doq.data_td, cu_q, cu_k)
+        dot = natural_dt(QuantizedTHD(None, dot, doq.scale, 1, "e4m3", True)).float()
+    else:
+        dot, dot_cu = natural_dt(doq).float(), dt_cu_seqlens(cu_q)
+    dot_cu = dot_cu.tolist()
+    vals = lambda x: x.data_td.float()  # noqa: E731
+    v_codes = {id(o): natural_dt(o).float() for o in (vq, vt)}
+    dvt = dt_cu_seqlens(cu_k).tolist()
+    lse, delta, sdo = st["lse"], st["delta"], doq.scale
+    dq = torch.zeros(T, H, D)
+    dk = torch.zeros(Tk, Hk, D)
+    dv = torch.zeros(Tk, Hk, D)
+    log2e = math.log2(math.e)
+    keys_l = torch.arange(128)
+    for doc, n, (live, q_base, q_lo, q_hi, m_lo, d0, n_diag, p0, per) in _bwd_items(st["docs"], causal, geometry):
+        if not live:
+            continue
+        lq, lk = cq[doc + 1] - cq[doc], ck[doc + 1] - ck[doc]
+        kpos = 128 * n + keys_l
+        kvalid = kpos < lk
+        krows = (ck[doc] + kpos).clamp(max=Tk - 1)
+        lim = lk - 128 * n
+        for kh in range(Hk):
+            r = max(sdo[kh * group:(kh + 1) * group, cq[doc]:cq[doc + 1]].max().item(), FOLD_REF_MIN)
+            acc_dv, acc_dk = torch.zeros(128, D), torch.zeros(128, D)
+            for phase, first, count in ((0, d0, n_diag), (1, p0, per)):
+                if count <= 0:
+                    continue
+                ko, vo = (kt, vt) if phase == 0 and diag_first else (kq, vq)
+                K = torch.where(kvalid[:, None], vals(ko)[krows, kh], 0.0)
+                sk = torch.where(kvalid, ko.scale[kh, krows], 0.0)
+                sv = torch.where(kvalid, vo.scale[kh, krows], 0.0)
+                vcols = (dvt[doc] + kpos).clamp(max=v_codes[id(vo)].shape[2] - 1)
+                V = torch.where(kvalid[:, None], v_codes[id(vo)][kh][:, vcols].t(), 0.0)
+                for t in range(group * count):
+                    hq, m = kh * group + t // count, first + t % count
+                    c = 64 * m + torch.arange(64)
+                    qrow = q_base + c
+                    valid = (c >= q_lo) & (c < q_hi)
+                    qr = qrow.clamp(0, T - 1)
+                    pos = qrow - cq[doc] + lk - lq if causal else None
+                    Q = torch.where(valid[:, None], vals(qq)[qr, hq], 0.0)
+                    dO = torch.where(valid[:, None], vals(doq)[qr, hq], 0.0)
+                    a = torch.where(valid, qq.scale[hq, qr] * scale * log2e, 0.0)
+                    b = torch.where(valid, lse[hq, qr] * log2e, math.inf)
+                    dd = torch.where(valid, delta[hq, qr], 0.0)
+                    w = torch.where(valid, sdo[hq, qr], 0.0)
+                    s_ = torch.where(valid, qq.scale[hq, qr], 0.0)
+                    shift = 0 if bug == "dot_unshifted" else 64 * m_lo
+                    ocols = (dot_cu[doc] - shift + c).clamp(0, dot.shape[2] - 1)
+                    dOt = dot[hq][:, ocols]  # (D, 64) as the TMA box
+                    P = torch.exp2((K @ Q.t()) * sk[:, None] * a[None, :] - b[None, :])
+                    if phase == 0:
+                        hide = keys_l[:, None] >= lim
+                        if causal:
+                            hide = hide | (kpos[:, None] > pos[None, :])
+                        P = torch.where(hide, 0.0, P)
+                    else:  # no mask: every stored row sees every key of the block
+                        if causal:
+                            assert ((kpos[:, None] <= pos[None, :]) | ~valid[None, :]).all()
+                        assert kvalid.all()
+                    dP = V @ dO.t()
+                    dS = P * (dP * sv[:, None] * w[None, :] - dd[None, :])
+                    P8 = cast_to(P * (w * (256.0 / r))[None, :], E4M3)
+                    acc_dv += P8 @ dOt.t()
+                    dSb = dS.bfloat16().float()
+                    acc_dk += dSb @ (Q * s_[:, None])
+                    dq_t = (dSb.t() @ (K * sk[:, None])) * scale
+                    dq[qrow[valid], hq] += dq_t[valid]
+            dv[ck[doc] + kpos[kvalid], kh] = (acc_dv * (r / 256.0))[kvalid]
+            dk[ck[doc] + kpos[kvalid], kh] = (acc_dk * scale)[kvalid]
+    return dq.bfloat16(), dk.bfloat16(), dv.bfloat16()
+
+
+def _bwd_state(docs, recipe, causal, H, Hk, D, seed, tensors=None):
+    from flamia_cute.emulator import emulate_backward
+
+    q, k, v, cu_q, cu_k, scale = _inputs(docs, H, Hk, D, seed)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    if tensors is not None:
+        q, k, v, do = tensors
+    rec = Recipe.from_name(recipe)
+    out, lse, ctx = emulate_forward(q, k, v, cu_q, cu_k, scale, causal, rec)
+    block = RECIPES.get(recipe, 128)
+    ops = _quantized(q, k, v, cu_q, cu_k, block)
+    doq = quantize_thd(do, cu_q, 1, pv_order=True)
+    delta = (do.float() * out.float()).sum(-1).t().contiguous()
+    return dict(docs=docs, ops=ops, cu_q=cu_q, cu_k=cu_k, scale=scale, group=H // Hk, block=block, doq=doq,
+                out=out, lse=lse, delta=delta, emu=emulate_backward(do, ctx), inputs=(q, k, v, do))
+
+
+@pytest.mark.parametrize("causal, H, Hk, D", [(True, 2, 1, 64), (False, 2, 1, 64), (True, 4, 2, 64)])
+def test_cross_backward_model_matches_emulator(causal, H, Hk, D):
+    docs = CAUSAL_DOCS if causal else NON_CAUSAL_DOCS
+    st = _bwd_state(docs, "fp8_tokenblock_dsbf16", causal, H, Hk, D, seed=21)
+    got = cross_backward_model(st, causal)
+    for name, g, e in zip(("dq", "dk", "dv"), got, st["emu"], strict=True):
+        assert torch.isfinite(g.float()).all(), name
+        assert rel_l2(g.float(), e.float()) < 5e-4, (name, rel_l2(g.float(), e.float()))
+
+
+def _bwd_model_fn(causal, bug=None, docs=CAUSAL_DOCS):
+    def fn(q, k, v, cu_q, cu_k, dout=None):
+        st = _bwd_state(docs, "fp8_tokenblock_dsbf16", causal, q.shape[1], k.shape[1], q.shape[2], 0,
+                        tensors=(q, k, v, dout))
+        dq, dk, dv = cross_backward_model(st, causal, bug=bug)
+        return {"out": st["out"], "lse": st["lse"], "dq": dq, "dk": dk, "dv": dv}
+
+    return fn
+
+
+@pytest.mark.parametrize("doc, cut", [(2, 101), (5, 129)])
+def test_cross_backward_model_passes_the_leakage_checks(doc, cut):
+    """The future test (dQ before the cut bitwise) and document isolation (every other document's dQ, dK, dV)
+    on the backward model; reading the block scales on the masked tiles fails the future test."""
+    st = _bwd_state(CAUSAL_DOCS, "fp8_tokenblock_dsbf16", True, 2, 1, 64, seed=22)
+    q, k, v, do = st["inputs"]
+    rep = check_leakage_varlen(_bwd_model_fn(True), q, k, v, st["cu_q"], st["cu_k"], do, doc=doc, cut=cut)
+    assert rep.ok, str(rep)
+    bad = check_leakage_varlen(_bwd_model_fn(True, "block_on_diagonal"), q, k, v, st["cu_q"], st["cu_k"], do,
+                               doc=doc, cut=cut)
+    assert not bad.future_ok, str(bad)
+
+
+def test_cross_backward_model_control_leaves_the_emulator():
+    """dO^T read without the first query tile's column shift (a document whose queries start past key 64)."""
+    st = _bwd_state(CAUSAL_DOCS, "fp8_tokenblock_dsbf16", True, 2, 1, 64, seed=23)
+    _, _, dv = cross_backward_model(st, True, bug="dot_unshifted")
+    assert rel_l2(dv.float(), st["emu"][2].float()) > 1e-2
+
+
+@needs_dsl
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("head_dim, diagonal_copy, extra", [(128, True, {}), (64, True, {}), (128, False, {}),
+                                                            (128, True, {"deterministic": True}),
+                                                            (64, True, {"deterministic": True})])
+def test_cross_backward_builds_compile_without_spills(mode, head_dim, diagonal_copy, extra):
+    """The self-attention build's products (two copies of the tile step; the d64 prefetch's S^T/dP^T issues),
+    both phases' K/V loads (phase 1's under a runtime condition: a
+    block without diagonal tiles, or the per-token copies before), no spills, no serialized wgmmas, no warp
+    collective under a lane-dependent branch."""
+    from collections import Counter
+
+    from flamia_cute.kernels import lane_divergent_collectives
+    from flamia_cute.sm90.attention_bwd import BwdDsBf16Config
+    from flamia_cute.sm90.attention_bwd import kernel_artifacts as bwd_artifacts
+
+    cfg = BwdDsBf16Config(head_dim=head_dim, diagonal_copy=diagonal_copy, **extra)
+    art = bwd_artifacts(dataclasses.replace(cfg, **MODES[mode]))
+    ops = lambda a: Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+\.f32\.\w+\.\w+)", a.ptx))  # noqa: E731
+    assert ops(art) == ops(bwd_artifacts(cfg))  # the self-attention build's products
+    loads = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared", art.ptx))
+    assert loads == 2 * 4 + 2 * (3 + head_dim // 64)
+    assert lane_divergent_collectives(art.ptx) == []
+    assert not re.search(r"\b(ld|st)\.local\b", art.ptx) and art.frame_bytes in (None, 0)
+    if art.sass is not None:
+        assert not re.search(r"\b(STL|LDL)\b", art.sass), "register spills in SASS"
+        assert len(re.findall(r"\bWARPGROUP\.ARRIVE\b", art.sass)) <= 8
+
+
+def _gpu_bwd_run(docs, recipe, causal, H, Hk, D, seed, deterministic=False, q_k_v_do=None):
+    """The backward kernel on the forward's saved operands (the reference quantizer's, as the plan's two
+    launches write them) and the emulator's O and LSE: ((dq, dk, dv), the emulator's, cu_q)."""
+    from flamia_cute.emulator import EmulatorContext, emulate_backward, operand_from_quantized
+    from flamia_cute.sm90.attention_bwd import BwdDsBf16Config, flamia_bwd_dsbf16_sm90_from_saved
+
+    q, k, v, cu_q, cu_k, scale = _inputs(docs, H, Hk, D, seed, device="cuda")
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1)).bfloat16().cuda()
+    if q_k_v_do is not None:
+        q, k, v, do = (t.cuda() for t in q_k_v_do)
+    rec = Recipe.from_name(recipe)
+    out, lse, _ = emulate_forward(q, k, v, cu_q, cu_k, scale, causal, rec)
+    qq, kq, vq, kt, vt = _quantized(q, k, v, cu_q, cu_k, 128)
+    ectx = EmulatorContext(rec, scale, causal, cu_q, cu_k, operand_from_quantized(qq),
+                           operand_from_quantized(kq, kt), operand_from_quantized(vq, vt, cu_k), out, lse)
+    emu = emulate_backward(do, ectx)
+    cfg = BwdDsBf16Config(head_dim=D, qhead_per_kvhead=H // Hk, diagonal_copy=True, causal=causal,
+                          cross_length=causal, deterministic=deterministic)
+    lq, lk = (cu_q[1:] - cu_q[:-1]).max().item(), (cu_k[1:] - cu_k[:-1]).max().item()
+    got = flamia_bwd_dsbf16_sm90_from_saved(do, out, lse, qq, kq, vq, kt, vt, cu_q, lq, scale, config=cfg,
+                                            poison_outputs=True, cu_seqlens_k=cu_k, max_seqlen_k=lk)
+    torch.cuda.synchronize()
+    return got, emu, cu_q, cu_k
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal, H, Hk, D", [(True, 4, 2, 128), (True, 2, 1, 64), (False, 4, 2, 128),
+                                              (False, 2, 1, 64)])
+def test_gpu_cross_backward_matches_emulator(causal, H, Hk, D, deterministic):
+    """The backward kernel's separate-keys builds against emulate_backward on the same operands (the backward
+    kernel tests' tolerances; dK and dV per key document, dQ per query document); every dK, dV row written
+    (NaN-poisoned) and 0 for the keys of a document without queries."""
+    from test_attention_bwd_dsbf16_kernel import _grad_errors, _violations
+
+    docs = CAUSAL_DOCS if causal else NON_CAUSAL_DOCS
+    got, emu, cu_q, cu_k = _gpu_bwd_run(docs, "fp8_tokenblock_dsbf16", causal, H, Hk, D, 31, deterministic)
+    dq_err = _grad_errors((got[0], got[0], got[0]), (emu[0], emu[0], emu[0]), cu_q.cpu())
+    kv_err = _grad_errors(got, emu, cu_k.cpu())
+    err = {**{k: v for k, v in kv_err.items() if not k.startswith("dq")},
+           **{k: v for k, v in dq_err.items() if k.startswith("dq")}}
+    assert not _violations(err), err
+    for g in got[1:]:
+        assert not torch.isnan(g.float()).any()
+
+
+@pytest.mark.gpu
+@needs_dsl
+def test_gpu_cross_backward_on_self_attention_is_the_default_build():
+    """cu_seqlens_k == cu_seqlens_q: the cross-length build's tiles and dO^T columns are self-attention's, so the
+    deterministic builds give the same dQ, dK, dV bit for bit."""
+    from flamia_cute.sm90.attention_bwd import BwdDsBf16Config, flamia_bwd_dsbf16_sm90_from_saved
+
+    docs = [(n, n) for n in (1, 127, 128, 129, 1000, 0, 300)]
+    q, k, v, cu, _, scale = _inputs(docs, 4, 2, 128, 32, device="cuda")
+    do = torch.randn_like(q)
+    rec = Recipe.from_name("fp8_tokenblock_dsbf16")
+    out, lse, _ = emulate_forward(q, k, v, cu, cu, scale, True, rec)
+    qq, kq, vq, kt, vt = _quantized(q, k, v, cu, cu, 128)
+    base = BwdDsBf16Config(head_dim=128, qhead_per_kvhead=2, diagonal_copy=True, deterministic=True)
+    args = (do, out, lse, qq, kq, vq, kt, vt, cu, 1000, scale)
+    ref = flamia_bwd_dsbf16_sm90_from_saved(*args, config=base)
+    got = flamia_bwd_dsbf16_sm90_from_saved(*args, config=dataclasses.replace(base, cross_length=True),
+                                            cu_seqlens_k=cu.clone(), max_seqlen_k=1000)
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("causal, doc, cut", [(True, 2, 101), (True, 5, 129), (True, 0, 100), (False, 1, None)])
+def test_gpu_cross_api_leakage_with_gradients(causal, doc, cut, monkeypatch):
+    """Quantization, forward and backward kernels through the API (deterministic dQ): the future test on O, LSE
+    and dQ before the cut, document isolation on every output and gradient."""
+    from flamia_cute.testing import attention_fn_for
+
+    monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1")
+    docs = CAUSAL_DOCS if causal else NON_CAUSAL_DOCS
+    q, k, v, cu_q, cu_k, scale = _inputs(docs, 4, 2, 128, 33)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(34)).bfloat16()
+    api = attention_fn_for("fp8_tokenblock_dsbf16", scale, causal=causal, backend="cute").varlen
+
+    def fn(q_, k_, v_, cq, ck, dout=None):
+        res = api(q_.cuda(), k_.cuda(), v_.cuda(), cq.cuda(), ck.cuda(), dout.cuda() if dout is not None else None)
+        return {name: t.cpu() for name, t in res.items()}
+
+    rep = check_leakage_varlen(fn, q, k, v, cu_q, cu_k, do, doc=doc, cut=cut, causal=causal)
+    assert rep.ok, str(rep)
+
+
+@needs_dsl
+def test_plans_of_the_separate_keys_modes():
+    """Cross-length and non-causal calls plan both kernels' separate-keys builds (self-attention's tuned
+    schedule, no short pairs); causal self-attention keeps the default builds."""
+    from flamia_cute.plan import make_plan
+
+    args = ("fp8_tokenblock_dsbf16", 128, 4, 2, 64, 6400, 100)  # short documents: self-attention pairs them
+    self_plan = make_plan(*args)
+    assert not self_plan.separate_keys and self_plan.fwd.short_pairs
+    for causal, cross in ((True, True), (False, False), (False, True)):
+        plan = make_plan(*args, causal, cross)
+        assert plan.separate_keys and plan.fwd.causal == plan.bwd.causal == causal
+        assert plan.fwd.cross_length == plan.bwd.cross_length == causal
+        assert not plan.fwd.short_pairs and not plan.bwd.short_pairs
+        assert plan.qkv == self_plan.qkv  # the same launch settings, split in two over the two documents' sets
+    assert make_plan("fp8_tokenblock", *args[1:], True, True).bwd is None  # e4m3 dS: the emulator's backward

@@ -37,7 +37,8 @@ the token coordinate: cu_seqlens[doc] for Q, K (token-major) and the scales, dt_
 (16-aligned) for V^T, which the TMA warp sums from cu_seqlens itself (no host-side table).
 Keys past the document end (only in the diagonal tile) are masked;
 query rows past the end are computed on whatever TMA brought and never stored.
-Self-attention only (cu_seqlens_q == cu_seqlens_k): the runtime entry takes one cu_seqlens.
+The default builds are causal self-attention (cu_seqlens_q == cu_seqlens_k); FwdConfig.cross_length and
+causal=False also take cu_seqlens_k (docs/forward.md, "Cross-length and non-causal builds").
 """
 
 from __future__ import annotations
