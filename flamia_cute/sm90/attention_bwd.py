@@ -1622,8 +1622,10 @@ def flamia_bwd_dsbf16_sm90(
         raise ValueError("do_quantized.data_dt must be in P-fragment order (quantize with pv_order=True)")
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
-    max_n_blocks = backward_grid_blocks(max(T, Tk), H, D, max(T_dt, T_dt_o), num_docs,
-                                        max_seqlen_k if sep else max_seqlen, KEY_BLOCK)
+    # the grid's key blocks; non-causal: at least the query tiles' halves too, as the deterministic dQ's turn
+    # counters hold 2 per key block for each (head, document) and every query tile is any key block's
+    grid_len = max_seqlen if not sep else (max_seqlen_k if config.causal else max(max_seqlen_k, max_seqlen))
+    max_n_blocks = backward_grid_blocks(max(T, Tk), H, D, max(T_dt, T_dt_o), num_docs, grid_len, KEY_BLOCK)
     if Hk % config.head_window:
         raise ValueError(f"config.head_window {config.head_window} does not divide the {Hk} KV heads")
     if sep and Tk == 0:  # no key at all: dK, dV empty, dQ 0
