@@ -578,23 +578,23 @@ class FlamiaFwdSm90:
                                        m_block, q_start=bounds[0])
                 t = claim_next_tile(mSched)
             publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0), tuple(Int32(0) for _ in range(5)))
-        else:
-            while t < total:
-                doc, head, m_block = tile_at(t, sCum, num_docs, heads, lpt_tables)
-                doc_start, doc_len = document_bounds(mCu, doc)
-                bounds = (doc_start, doc_len)
-                pair_len = None
-                if cutlass.const_expr(self.short_pairs):
-                    pair_len = sPair[doc]  # (> 0 only for a document of one block)
-                    bounds = (*bounds, pair_len)
-                t_state = publish_tile(pipe_t, sSched, t_state, m_block, head, doc, bounds)
-                states = self.load_tma(*tma_args, states, head, head // self.group, doc_start, mCu, doc, sDt[doc], m_block,
-                                       pair_len=pair_len)
-                t = claim_next_tile(mSched)
-            end_bounds = (Int32(0), Int32(0))
+            return
+        while t < total:
+            doc, head, m_block = tile_at(t, sCum, num_docs, heads, lpt_tables)
+            doc_start, doc_len = document_bounds(mCu, doc)
+            bounds = (doc_start, doc_len)
+            pair_len = None
             if cutlass.const_expr(self.short_pairs):
-                end_bounds = (*end_bounds, Int32(0))
-            publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0), end_bounds)
+                pair_len = sPair[doc]  # (> 0 only for a document of one block)
+                bounds = (*bounds, pair_len)
+            t_state = publish_tile(pipe_t, sSched, t_state, m_block, head, doc, bounds)
+            states = self.load_tma(*tma_args, states, head, head // self.group, doc_start, mCu, doc, sDt[doc], m_block,
+                                   pair_len=pair_len)
+            t = claim_next_tile(mSched)
+        end_bounds = (Int32(0), Int32(0))
+        if cutlass.const_expr(self.short_pairs):
+            end_bounds = (*end_bounds, Int32(0))
+        publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0), end_bounds)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
