@@ -220,6 +220,12 @@ def select(cond, a, b):
     return type(a)(cutlass.select_(cond, a, b))
 
 
+def select_i32(cond, a, b):
+    """select of two integers as Int32 (either may be a Python int): the `select` that the plain
+    integer math of schedules.varlen_tiles takes while tracing."""
+    return Int32(cutlass.select_(cond, Int32(a), Int32(b)))
+
+
 def bf16_abs_max_bits(words, lanes: int):
     """|x| max of the bf16 pairs in `words` (u32 each) over a group of `lanes` consecutive lanes
     (a power of two; butterfly), as fp32 bits. Integer max on the |x| bits: NaN > inf > finite."""

@@ -822,14 +822,30 @@ def _check_input(x: torch.Tensor, cfg: QuantizeConfig, T: int):
 
 def _layout_outputs(mcfg: MultiQuantizeConfig, T: int, Tdt: int):
     """quant.output_buffer_plan of the launch's parts: [part][set] entries and the byte size."""
-    return output_buffer_plan(T, Tdt, [(c.num_heads, c.head_dim, c.num_sets, c.emit_transposed, c.emit_token_major)
-                                       for c in mcfg.parts])
+    return output_buffer_plan(T, Tdt, _part_specs(mcfg.parts))
+
+
+def _part_specs(parts):
+    return [(c.num_heads, c.head_dim, c.num_sets, c.emit_transposed, c.emit_token_major) for c in parts]
+
+
+def qkv_layout_outputs(mcfg: MultiQuantizeConfig, Tq: int, Tk: int, num_docs: int):
+    """The byte plan of a Q/K/V launch whose Q has Tq tokens and K, V Tk (separate key documents): Q's
+    outputs, then K's and V's at the offset where Q's end. Tq == Tk: _layout_outputs' (the same offsets
+    whenever T > 0), so one plan serves the one-launch and the two-launch quantization."""
+    if Tq == Tk:
+        return _layout_outputs(mcfg, Tq, transposed_tokens(Tq, num_docs))
+    q_plan, q_bytes = output_buffer_plan(Tq, transposed_tokens(Tq, num_docs), _part_specs(mcfg.parts[:1]))
+    kv_plan, kv_bytes = output_buffer_plan(Tk, transposed_tokens(Tk, num_docs), _part_specs(mcfg.parts[1:]))
+    shifted = [[[None if e is None else (*e[:3], e[3] + q_bytes) for e in st] for st in part] for part in kv_plan]
+    return q_plan + shifted, q_bytes + kv_bytes
 
 
 # the runtime allocation's plan, memoized: a training step repeats (config, T) on every layer and
 # call, and rebuilding it cost ~9 us of host time per launch (the fake implementations of the
 # custom ops call _layout_outputs itself: their sizes may be symbolic)
 _runtime_layout = functools.lru_cache(maxsize=64)(_layout_outputs)
+runtime_qkv_layout = functools.lru_cache(maxsize=64)(qkv_layout_outputs)
 
 
 def _alloc_outputs(mcfg, T, Tdt, device, debug_fill=None):
@@ -883,6 +899,27 @@ def fused_quantize_multi_sm90(
     cu = int32_cu_seqlens(cu_seqlens, dev)
     sets = _alloc_outputs(mcfg, T, Tdt, dev, debug_fill)
     launch_fused_quantize_multi_sm90(xs, cu, mcfg, sets, rowdot, docmax, rope_tables)
+    return quantized_outputs(mcfg, sets)
+
+
+def fused_quantize_qkv_separate_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, config: MultiQuantizeConfig) -> list:
+    """A Q/K/V launch (qkv_config) for K and V with their own documents: Q over cu_seqlens_q, K and V over
+    cu_seqlens_k (as many documents), as two launches of the fused kernel (it takes one cu_seqlens) with the
+    config's settings, into views of ONE allocation (qkv_layout_outputs). Returns quantized_outputs."""
+    mcfg = config
+    if len(mcfg.parts) != 3 or cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError("a Q/K/V config of three parts and cu_seqlens_q, cu_seqlens_k of as many documents")
+    for x, cfg, T in ((q, mcfg.parts[0], q.shape[0]), (k, mcfg.parts[1], k.shape[0]), (v, mcfg.parts[2], k.shape[0])):
+        _check_input(x, cfg, T)
+        if x.data_ptr() % 16 or not x.is_contiguous():
+            raise ValueError("q, k, v must be contiguous and 16-byte aligned")
+    num_docs = cu_seqlens_q.numel() - 1
+    dev = q.device
+    plan, nbytes = runtime_qkv_layout(mcfg, int(q.shape[0]), int(k.shape[0]), num_docs)
+    sets = output_views(torch.empty(nbytes, dtype=torch.uint8, device=dev), plan)
+    cu_q, cu_k = int32_cu_seqlens(cu_seqlens_q, dev), int32_cu_seqlens(cu_seqlens_k, dev)
+    launch_fused_quantize_multi_sm90([q], cu_q, dataclasses.replace(mcfg, parts=mcfg.parts[:1]), sets[:1])
+    launch_fused_quantize_multi_sm90([k, v], cu_k, dataclasses.replace(mcfg, parts=mcfg.parts[1:]), sets[1:])
     return quantized_outputs(mcfg, sets)
 
 
