@@ -18,7 +18,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,25 +27,15 @@ from flamia_cute.quant.mx_layout import SF_CHUNK_BYTES, pack_mx_do_operands, sf_
 from flamia_cute.sm100.quantize_do_mx import quantize_do_mx
 from flamia_cute.testing import cu_seqlens_from_lengths
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_quantize_mx import gpu_ms  # noqa: E402  (one timing rule for both quantizers)
+
 COPY_GBPS = 4300.0  # perf/floors.py COPY_TBPS
-REPS, BUFFERS = 30, 4
+BUFFERS = 4
 WORKLOADS = {"1x16k": [16384], "16x1k": [1024] * 16}
 HEADS, D = 16, 128
 
 
-def gpu_ms(fn, args_list):
-    times = []
-    for i in range(REPS + 3):
-        a = args_list[i % len(args_list)]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)  # the host's launches never show between the events
-        start.record()
-        fn(*a)
-        end.record()
-        end.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def bit_exact(got, want, used: int) -> bool:

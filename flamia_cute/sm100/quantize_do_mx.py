@@ -22,7 +22,6 @@ a 32-token block that starts past the end gets 1.0 in the dim-row chunk.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,24 +41,22 @@ from ..quant.mx_layout import (
     ROWSUM_LANES,
     SF_CHUNK_BYTES,
     MxDoOperands,
-    sf_slots,
-    sf_tile_starts,
 )
 from ..sm90.primitives import ARG_BF16, ARG_F8, ARG_F32, ARG_I32, SHARED_SOURCE_FILES, as_f32, cvt_e4m3x4, ptx, st_global_v4
 from ..softmax import fmax_chains
-from ..tile_scheduler import doc_chunk_cumsum
-from ..validation import check_kernel_tensors, int32_cu_seqlens
+from ..validation import check_kernel_tensors
 from . import quantize_mx as _quantize_mx
 from .quantize_mx import (
     ABS_MASK,
     LANES_PER_ROW,
     MAX_SCAN_DOCS,
-    SCAN_BARRIER,
     STEPS,
     UNUSED_WORD,
     bf16_hi,
     bf16_lo,
     bf16_rows,
+    document_tables,
+    document_tiles,
     e8m0_biased,
     load_row_words,
     st_global_u32,
@@ -143,13 +140,7 @@ class MxDoQuantizeSm100:
         smem = cutlass.memory.SmemAllocator()  # one allocator for the kernel: its tensors do not overlap
         # the scales along the tokens, byte (block kb, head dim d) at 128 kb + d
         sScale = smem.allocate_tensor(Uint32, cute.make_layout(MX_TILE * self.D // 128), 16)
-        tiles = mTiles
-        if cutlass.const_expr(self.cfg.scan_documents):
-            # every CTA: documents' first tile slots from cu_seqlens (no host table)
-            tiles = smem.allocate_tensor(Int32, cute.make_layout(MAX_SCAN_DOCS + 1), 16)
-            sWarp = smem.allocate_tensor(Int32, cute.make_layout((MX_TILE // 32, 2)), 16)
-            doc_chunk_cumsum(mCu, num_docs, tiles, None, sWarp, tidx, MX_TILE, SCAN_BARRIER, MX_TILE)
-            cute.arch.barrier()
+        tiles = document_tiles(smem, self.cfg.scan_documents, mTiles, mCu, num_docs, tidx)
         if slot < tiles[num_docs]:
             start, length, tile_col = tile_slot(slot, tiles, mCu, num_docs)
             chunk = (Int64(head) * Int64(slots) + Int64(slot)) * SF_CHUNK_BYTES
@@ -273,12 +264,7 @@ def quantize_do_mx(dout: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tens
     dev = dout.device
     bf = torch.bfloat16
     check_kernel_tensors([("dout", dout, (T, H, D), bf), ("out", out, (T, H, D), bf)], dev)
-    cu = int32_cu_seqlens(cu_seqlens, dev)
-    num_docs = cu.numel() - 1
-    slots = sf_slots(T, num_docs)
-    if num_docs > MAX_SCAN_DOCS:  # too many for the kernel's table: the host's prefix sums
-        config = dataclasses.replace(config, scan_documents=False)
-    tiles = cu if config.scan_documents else sf_tile_starts(cu)  # cu: an unused pointer
+    cu, num_docs, slots, config, tiles = document_tables(cu_seqlens, T, dev, config)
     f8, u8 = torch.float8_e4m3fn, torch.uint8
     do8 = torch.empty(T, H, D, dtype=f8, device=dev)
     dot8 = torch.empty(T, H, D, dtype=f8, device=dev)

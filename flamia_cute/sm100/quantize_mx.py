@@ -103,6 +103,30 @@ def tile_slot(slot, tiles, mCu, num_docs):
     return start, mCu[doc + 1] - start, (slot - tiles[doc]) * MX_TILE
 
 
+@cute.jit
+def document_tiles(smem, scan: cutlass.Constexpr, mTiles, mCu, num_docs, tidx):
+    """The documents' first tile slots: the host's prefix sums (mTiles), or with scan every CTA's own table
+    from cu_seqlens in shared memory (no host table; up to MAX_SCAN_DOCS documents)."""
+    tiles = mTiles
+    if cutlass.const_expr(scan):
+        tiles = smem.allocate_tensor(Int32, cute.make_layout(MAX_SCAN_DOCS + 1), 16)
+        sWarp = smem.allocate_tensor(Int32, cute.make_layout((MX_TILE // 32, 2)), 16)
+        doc_chunk_cumsum(mCu, num_docs, tiles, None, sWarp, tidx, MX_TILE, SCAN_BARRIER, MX_TILE)
+        cute.arch.barrier()
+    return tiles
+
+
+def document_tables(cu_seqlens: torch.Tensor, T: int, dev, config):
+    """A launch's document tables: (int32 cu_seqlens, documents, scale-chunk slots, the config (its table
+    scan off past MAX_SCAN_DOCS documents), the tile-start pointer the kernel reads)."""
+    cu = int32_cu_seqlens(cu_seqlens, dev)
+    num_docs = cu.numel() - 1
+    if num_docs > MAX_SCAN_DOCS:  # too many for the kernel's table: the host's prefix sums
+        config = dataclasses.replace(config, scan_documents=False)
+    tiles = cu if config.scan_documents else sf_tile_starts(cu)  # cu: an unused pointer
+    return cu, num_docs, sf_slots(T, num_docs), config, tiles
+
+
 def bf16_rows(ptr, heads, T, words):
     """(word, head, token) view of a bf16 (T, heads, D) tensor as u32 words; a row starts 256-byte
     aligned, so a lane's loads can be 16 bytes wide."""
@@ -164,13 +188,7 @@ class MxQuantizeSm100:
         tidx, _, _ = cute.arch.thread_idx()
         smem = cutlass.memory.SmemAllocator()  # one allocator for the kernel: its tensors do not overlap
         sScale = smem.allocate_tensor(Int32, cute.make_layout((self.nkb, self.nkb)), 16)
-        tiles = mTiles
-        if cutlass.const_expr(self.cfg.scan_documents):
-            # every CTA: documents' first tile slots from cu_seqlens (no host table)
-            tiles = smem.allocate_tensor(Int32, cute.make_layout(MAX_SCAN_DOCS + 1), 16)
-            sWarp = smem.allocate_tensor(Int32, cute.make_layout((MX_TILE // 32, 2)), 16)
-            doc_chunk_cumsum(mCu, num_docs, tiles, None, sWarp, tidx, MX_TILE, SCAN_BARRIER, MX_TILE)
-            cute.arch.barrier()
+        tiles = document_tiles(smem, self.cfg.scan_documents, mTiles, mCu, num_docs, tidx)
         if slot < tiles[num_docs]:
             start, length, tile_col = tile_slot(slot, tiles, mCu, num_docs)
             if y < num_heads:
@@ -285,12 +303,7 @@ def quantize_mx_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
     dev = q.device
     bf = torch.bfloat16
     check_kernel_tensors([("q", q, (T, H, D), bf), ("k", k, (T, Hk, D), bf), ("v", v, (T, Hk, D), bf)], dev)
-    cu = int32_cu_seqlens(cu_seqlens, dev)
-    num_docs = cu.numel() - 1
-    slots = sf_slots(T, num_docs)
-    if num_docs > MAX_SCAN_DOCS:  # too many for the kernel's table: the host's prefix sums
-        config = dataclasses.replace(config, scan_documents=False)
-    tiles = cu if config.scan_documents else sf_tile_starts(cu)  # cu: an unused pointer
+    cu, num_docs, slots, config, tiles = document_tables(cu_seqlens, T, dev, config)
     f8, u8 = torch.float8_e4m3fn, torch.uint8
     q8 = torch.empty(T, H, D, dtype=f8, device=dev)
     k8 = torch.empty(T, Hk, D, dtype=f8, device=dev)
