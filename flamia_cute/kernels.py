@@ -178,6 +178,21 @@ def lane_divergent_collectives(ptx: str) -> list[str]:
     return found
 
 
+def ex2_under_async_mma(sass: str) -> int:
+    """The most MUFU.EX2 that issue between a wgmma wait that leaves one group in flight
+    (`WARPGROUP.DEPBAR.LE gsb0, 0x1`) and the next wait or wgmma: the exponentials that overlap a
+    running GEMM in the warpgroup (the forward's softmax under P V). ptxas may hoist the second wait
+    above them; this number is how a build shows it did not."""
+    best, count, open_ = 0, 0, False
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR" in line or "GMMA" in line:
+            best, count = max(best, count) if open_ else best, 0
+            open_ = "DEPBAR.LE gsb0, 0x1" in line
+        elif open_ and "MUFU.EX2" in line:
+            count += 1
+    return max(best, count) if open_ else best
+
+
 def summarize(art: Any, smem_bytes: int, tmem_columns: int | None = None) -> dict:
     out = {"arch": art.arch, "registers": art.registers, "stack_frame_bytes": art.frame_bytes,
            "shared_memory_bytes": smem_bytes}
@@ -189,4 +204,5 @@ def summarize(art: Any, smem_bytes: int, tmem_columns: int | None = None) -> dic
     if art.sass:
         for label, pat in SASS_COUNTERS.items():
             out[f"sass {label}"] = len(re.findall(pat, art.sass))
+        out["sass MUFU.EX2 under a running wgmma"] = ex2_under_async_mma(art.sass)
     return out

@@ -107,6 +107,7 @@ from .primitives import (
     cvt_bf16x2,
     f32_bits,
     pack_a_fragment_e4m3,
+    pin_registers,
     quad_transpose4,
     select,
     st_global_v4,
@@ -1305,6 +1306,9 @@ class FlamiaFwdSm90:
         pipe_s.consumer_release(s_state)
         s_state.advance()
         warpgroup.wait_group(0)
+        # P's registers are the in-flight P V's A operand: keep them live up to the wait, or ptxas
+        # reuses them for the softmax and hoists the wait above it (no overlap left)
+        pin_registers(frags[7])
         pipe_v.consumer_release(v_state)
         v_state.advance()
         # the serial schedule's operation for the previous tile: O = O * c_prev + O_tile

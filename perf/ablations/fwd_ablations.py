@@ -15,6 +15,9 @@ Ablations (each against the full kernel in the same run):
   no O update    O = O * c + O_tile (64 FFMA per tile: the promotion) -> one FADD of element 0, which keeps
                  P V's result live (with no use of it, ptxas drops the P V wgmmas as dead code)
   skeleton       all three: GEMMs, pipelines, barriers and the rest of the softmax
+  unpinned       P's registers not pinned to the P V wait (the build before the pin: ptxas reuses them for
+                 the softmax and hoists the wait for P V above it); O is exact, bit-identical to full
+  pingpong       the warpgroups' GEMM-issue barrier on (off by default at d128 block-scaled); O exact
   third product  one more FP8 GEMM per tile step of S = Q K^T's shape (64 x 128 x D per warpgroup):
                  gemm_qk issues S's wgmmas twice, the second pass accumulating onto the first (S' = 2S:
                  its result feeds the softmax, so nothing is dead code, and no accumulator registers are
@@ -43,7 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 F = fwd.FlamiaFwdSm90
-REAL = {"exp2": cute.math.exp2, "fmax_chains": softmax.fmax_chains, "acc": F.accumulate_o, "gemm_qk": F.gemm_qk}
+REAL = {"exp2": cute.math.exp2, "fmax_chains": softmax.fmax_chains, "acc": F.accumulate_o, "gemm_qk": F.gemm_qk,
+        "pin": fwd.pin_registers, "pingpong": fwd.FwdConfig.pingpong}
+EXACT = ("unpinned", "pingpong")  # builds whose O must equal the full build's bit for bit
 SKIPPED = Counter()  # what the patches changed while the last build was traced (compile-only prints it)
 
 
@@ -66,14 +71,20 @@ def _o_one_add(self, frags, c):
     SKIPPED["O update as one FADD"] += 1
 
 
-def patch(no_exp=False, no_max=False, no_o=False, third=False):
+def _no_pin(regs32):
+    SKIPPED["P registers not pinned"] += 1
+
+
+def patch(no_exp=False, no_max=False, no_o=False, third=False, unpinned=False, pingpong=False):
     """Install one ablation's patches (none: the real kernel) and clear the compile caches."""
+    fwd.pin_registers = _no_pin if unpinned else REAL["pin"]
+    fwd.FwdConfig.pingpong = property(lambda self: True) if pingpong else REAL["pingpong"]
     cute.math.exp2 = (lambda x, fastmath=True: x * Float32(0.5)) if no_exp else REAL["exp2"]
     softmax.fmax_chains = (lambda vals, chains=4, combine=None: vals[0]) if no_max else REAL["fmax_chains"]
     F.accumulate_o = _o_one_add if no_o else REAL["acc"]
     F.gemm_qk = _gemm_qk_twice if third else REAL["gemm_qk"]
     SKIPPED.clear()
-    common.set_patched(any((no_exp, no_max, no_o, third)))
+    common.set_patched(any((no_exp, no_max, no_o, third, unpinned, pingpong)))
 
 
 ABLATIONS = {
@@ -83,6 +94,8 @@ ABLATIONS = {
     "no O update": {"no_o": True},
     "skeleton": {"no_exp": True, "no_max": True, "no_o": True},
     "third product": {"third": True},
+    "unpinned": {"unpinned": True},
+    "pingpong": {"pingpong": True},
 }
 GO = ("full", "third product")
 GO_MAX_RATIO = 0.40  # issue 36: the split dQ kernel (this proxy) at most this fraction of today's backward
@@ -97,6 +110,8 @@ def chosen(names: str | None) -> dict:
 
 
 def measure(names, ablations: dict, with_backward: bool) -> list[dict]:
+    import torch
+
     """One row per (workload, build): ms, the ratio to the full forward, TFLOP/s, the SM clock over the
     replays, SM cycles per 128x128 tile step; with_backward: also the full backward kernel alone
     (bwd_ablations' "full") and each build's ratio to it."""
@@ -120,8 +135,12 @@ def measure(names, ablations: dict, with_backward: bool) -> list[dict]:
         for label, flags in ablations.items():
             patch(**flags)
             for name, inp in inputs.items():
+                exact = None
+                if label in EXACT:
+                    out, lse = inp.forward(inp.fwd_config)
+                    exact = bool(torch.equal(out, inp.out) and torch.equal(lse, inp.lse))
                 r = common.timed(lambda inp=inp: inp.forward(inp.fwd_config), sampler)
-                rows.append({"workload": name, "build": label, **r,
+                rows.append({"workload": name, "build": label, "exact": exact, **r,
                              "tflops": causal_flops(inp.lengths, common.HEADS, common.HEAD_DIM) / (r["ms"] * 1e9),
                              "cycles_per_step": common.cycles_per_step(r["ms"], r.get("sm_mhz"),
                                                                        common.fwd_steps(inp.lengths))})
@@ -138,7 +157,7 @@ def measure(names, ablations: dict, with_backward: bool) -> list[dict]:
 
 
 COLUMNS = [("workload", "workload"), ("build", "build"), ("ms", "ms"), ("ratio", "vs fwd full"),
-           ("vs_bwd", "vs bwd full"), ("tflops", "TFLOP/s"), ("sm_mhz", "SM MHz"),
+           ("vs_bwd", "vs bwd full"), ("exact", "O, LSE bit-identical"), ("tflops", "TFLOP/s"), ("sm_mhz", "SM MHz"),
            ("cycles_per_step", "SM cycles / step (fwd 128x128, bwd 64x128)")]
 
 
