@@ -1306,9 +1306,11 @@ class FlamiaFwdSm90:
         pipe_s.consumer_release(s_state)
         s_state.advance()
         warpgroup.wait_group(0)
-        # P's registers are the in-flight P V's A operand: keep them live up to the wait, or ptxas
-        # reuses them for the softmax and hoists the wait above it (no overlap left)
-        pin_registers(frags[7])
+        # P's registers are the in-flight P V's A operand: keep them live up to the wait, or at d128
+        # ptxas reuses them for the softmax and hoists the wait above it (no overlap left). d64 has
+        # registers to spare, and its wait lands where ptxas's latency model puts it either way.
+        if cutlass.const_expr(self.D == 128):
+            pin_registers(frags[7])
         pipe_v.consumer_release(v_state)
         v_state.advance()
         # the serial schedule's operation for the previous tile: O = O * c_prev + O_tile
