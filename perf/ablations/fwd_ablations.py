@@ -109,7 +109,9 @@ def chosen(names: str | None) -> dict:
     return {k: v for k, v in ABLATIONS.items() if not picked or k in picked or k == "full"}
 
 
-def measure(names, ablations: dict, with_backward: bool) -> list[dict]:
+def measure(names, ablations: dict, with_backward: bool, kv_stages: int | None = None) -> list[dict]:
+    import dataclasses
+
     import torch
 
     """One row per (workload, build): ms, the ratio to the full forward, TFLOP/s, the SM clock over the
@@ -120,6 +122,9 @@ def measure(names, ablations: dict, with_backward: bool) -> list[dict]:
     patch()
     wl = common.workloads()
     inputs = {name: common.Inputs(name, wl[name]) for name in names}  # the real kernels, before any patch
+    if kv_stages is not None:  # every build at this K/V depth (the reference O stays the default build's)
+        for inp in inputs.values():
+            inp.fwd_config = dataclasses.replace(inp.fwd_config, kv_stages=kv_stages)
     sampler = common.ClockSampler()
     rows, bwd_ms = [], {}
     try:
@@ -171,11 +176,12 @@ def main():
                                 "the verdict")
     ap.add_argument("--ablations", default=None, help="comma list of ablation labels (default: all)")
     ap.add_argument("--with-backward", action="store_true", help="also time the full backward kernel (--go implies it)")
+    ap.add_argument("--kv-stages", type=int, default=None, help="every forward build at this K/V pipeline depth")
     args = ap.parse_args()
     ablations, names = common.selection(args, ABLATIONS, GO, chosen, compile_only)
     if ablations is None:
         return
-    rows = measure(names, ablations, with_backward=args.go or args.with_backward)
+    rows = measure(names, ablations, with_backward=args.go or args.with_backward, kv_stages=args.kv_stages)
     common.print_table(rows, COLUMNS)
     if args.go:
         for r in rows:
