@@ -39,6 +39,18 @@ def cmd_bench(args) -> int:
     return main_bench(args)
 
 
+
+def _set_value(val: str):
+    """A --set value: True/False, a JSON literal (numbers, quoted strings, lists), else the bare string
+    (the config's own checks then name the field if it is wrong)."""
+    if val in ("True", "False"):
+        return val == "True"
+    try:
+        return json.loads(val)
+    except json.JSONDecodeError:
+        return val
+
+
 def cmd_ptx(args) -> int:
     from .kernels import KERNELS, set_target_arch, summarize
 
@@ -60,8 +72,11 @@ def cmd_ptx(args) -> int:
             return 2
     overrides = {}
     for kv in args.set:
-        key, _, val = kv.partition("=")
-        overrides[key] = json.loads(val) if val not in ("True", "False") else val == "True"
+        key, eq, val = kv.partition("=")
+        if not eq or not key:
+            print(f"ptx: --set {kv!r}: expected FIELD=VALUE", file=sys.stderr)
+            return 2
+        overrides[key] = _set_value(val)
     set_target_arch(args.arch)
     out_dir = pathlib.Path(args.out) if args.out else None
     for n in names:

@@ -124,6 +124,20 @@ def test_ptx_rejects_unknown_names():
     assert res.returncode == 2 and "sm_100a" in res.stderr
 
 
+def test_ptx_set_values():
+    """--set takes bare strings as well as JSON, and names what is wrong."""
+    from flamia_cute.cli import _set_value
+
+    assert _set_value("longest_documents") == "longest_documents"
+    assert _set_value('"documents"') == "documents"
+    assert _set_value("3") == 3 and _set_value("False") is False and _set_value("true") is True
+    ptx = [sys.executable, "-m", "flamia_cute.cli", "ptx", "fwd"]
+    res = subprocess.run(ptx + ["--set", "kv_stages"], capture_output=True, text=True)
+    assert res.returncode == 2 and "FIELD=VALUE" in res.stderr
+    res = subprocess.run(ptx + ["--set", "tile_order=bogus"], capture_output=True, text=True)
+    assert res.returncode == 2 and "FwdConfig.tile_order" in res.stderr
+
+
 def test_bf16_ds_backward_mixes_fp8_and_bf16_wgmma_without_spills(ptx_all):
     """The bf16-dS backward: S^T, dP^T, dV on e4m3 wgmma (QGMMA), dK, dQ on bf16 wgmma (HGMMA), no
     local memory in any named config."""
