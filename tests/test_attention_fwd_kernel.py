@@ -112,11 +112,13 @@ VARIANTS = {
     "field, value",
     [("head_dim", 96), ("head_dim", 256), ("kv_stages", 1), ("kv_stages", 5), ("kv_stages", 2.0),
      ("qhead_per_kvhead", 0), ("diagonal_copy", 1), ("persistent", 1), ("tile_order", "lpt"),
-     ("tile_order", "heavy_first"), ("short_pairs", 1)],
+     ("tile_order", "heavy_first"), ("short_pairs", 1), ("o_under_s", 1)],
 )
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"FwdConfig.{field}"):
         FwdConfig(**{"head_dim": 128, field: value})
+    with pytest.raises(ValueError, match="FwdConfig.o_under_s: needs the overlapped schedule"):
+        FwdConfig(head_dim=128, o_under_s=True)
 
 
 @needs_dsl
@@ -267,7 +269,8 @@ def test_compiles_with_fp8_wgmma_and_tma(artifacts, head_dim, diagonal_copy):
 
 
 @needs_dsl
-@pytest.mark.parametrize("kw", [{}, {"kv_stages": 3}, {"qhead_per_kvhead": 4}, {"short_pairs": True}])
+@pytest.mark.parametrize("kw", [{}, {"kv_stages": 3}, {"qhead_per_kvhead": 4}, {"short_pairs": True},
+                                {"o_under_s": True}])
 def test_softmax_runs_under_p_v(artifacts, kw):
     """The overlap is real in the SASS of the d128 block-scaled builds: at least half of a tile's 64
     exponentials per thread issue while the previous tile's P V runs (ptxas hoisted that wait above
@@ -807,6 +810,24 @@ def test_gpu_short_pairs_bit_identical(recipe, variant, head_dim, H, Hk):
     q, k, v, _, cu, scale = make_inputs(SHORT_MIX, heads_q=H, heads_kv=Hk, head_dim=head_dim, seed=42, device="cuda")
     ref = _run_kernel(q, k, v, cu, scale, recipe)
     got = _run_kernel(q, k, v, cu, scale, recipe, poison=True, variant=variant)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("variant", ["default", "per_tile", "short_pairs", "stages3"])
+@pytest.mark.parametrize("lengths", [[1, 127, 128, 129, 300, 1000], [4096], SHORT_MIX])
+def test_gpu_o_under_s_bit_identical(variant, lengths):
+    """o_under_s moves each O update under the next S GEMM: the same operations in the same order, so
+    O and LSE equal the default schedule's bit for bit (one-tile blocks run only the epilogue's
+    updates, the first of them O = 0 * 1 + 0)."""
+    q, k, v, _, cu, scale = make_inputs(lengths, heads_q=4, heads_kv=2, head_dim=128, seed=43, device="cuda")
+    ref = _run_kernel(q, k, v, cu, scale, "fp8_tokenblock", variant=variant)
+    VARIANTS["_ous"] = {**VARIANTS[variant], "o_under_s": True}
+    try:
+        got = _run_kernel(q, k, v, cu, scale, "fp8_tokenblock", poison=True, variant="_ous")
+    finally:
+        del VARIANTS["_ous"]
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 

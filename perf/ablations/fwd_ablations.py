@@ -18,6 +18,9 @@ Ablations (each against the full kernel in the same run):
   unpinned       P's registers not pinned to the P V wait (the build before the pin: ptxas reuses them for
                  the softmax and hoists the wait for P V above it); O is exact, bit-identical to full
   pingpong       the warpgroups' GEMM-issue barrier on (off by default at d128 block-scaled); O exact
+  o under s      FwdConfig(o_under_s=True): the landed P V added into O while the next S runs, then P V
+                 issued (the O update off the chain after the P V wait); O exact
+  o under s pp   the same with the ping-pong barrier
   third product  one more FP8 GEMM per tile step of S = Q K^T's shape (64 x 128 x D per warpgroup):
                  gemm_qk issues S's wgmmas twice, the second pass accumulating onto the first (S' = 2S:
                  its result feeds the softmax, so nothing is dead code, and no accumulator registers are
@@ -26,6 +29,7 @@ Ablations (each against the full kernel in the same run):
                  <= 0.40 of today's full backward kernel on the same workload (--go times both).
 """
 
+import dataclasses
 import os
 import sys
 
@@ -48,7 +52,8 @@ import common  # noqa: E402
 F = fwd.FlamiaFwdSm90
 REAL = {"exp2": cute.math.exp2, "fmax_chains": softmax.fmax_chains, "acc": F.accumulate_o, "gemm_qk": F.gemm_qk,
         "pin": fwd.pin_registers, "pingpong": fwd.FwdConfig.pingpong}
-EXACT = ("unpinned", "pingpong")  # builds whose O must equal the full build's bit for bit
+EXACT = ("unpinned", "pingpong", "o under s", "o under s pp")  # builds whose O must equal the full build's bit for bit
+CONFIG = {}  # FwdConfig fields the current ablation sets (patch fills it)
 SKIPPED = Counter()  # what the patches changed while the last build was traced (compile-only prints it)
 
 
@@ -75,7 +80,7 @@ def _no_pin(regs32):
     SKIPPED["P registers not pinned"] += 1
 
 
-def patch(no_exp=False, no_max=False, no_o=False, third=False, unpinned=False, pingpong=False):
+def patch(no_exp=False, no_max=False, no_o=False, third=False, unpinned=False, pingpong=False, o_under_s=False):
     """Install one ablation's patches (none: the real kernel) and clear the compile caches."""
     fwd.pin_registers = _no_pin if unpinned else REAL["pin"]
     fwd.FwdConfig.pingpong = property(lambda self: True) if pingpong else REAL["pingpong"]
@@ -83,6 +88,9 @@ def patch(no_exp=False, no_max=False, no_o=False, third=False, unpinned=False, p
     softmax.fmax_chains = (lambda vals, chains=4, combine=None: vals[0]) if no_max else REAL["fmax_chains"]
     F.accumulate_o = _o_one_add if no_o else REAL["acc"]
     F.gemm_qk = _gemm_qk_twice if third else REAL["gemm_qk"]
+    CONFIG.clear()
+    if o_under_s:
+        CONFIG["o_under_s"] = True
     SKIPPED.clear()
     common.set_patched(any((no_exp, no_max, no_o, third, unpinned, pingpong)))
 
@@ -96,6 +104,8 @@ ABLATIONS = {
     "third product": {"third": True},
     "unpinned": {"unpinned": True},
     "pingpong": {"pingpong": True},
+    "o under s": {"o_under_s": True},
+    "o under s pp": {"o_under_s": True, "pingpong": True},
 }
 GO = ("full", "third product")
 GO_MAX_RATIO = 0.40  # issue 36: the split dQ kernel (this proxy) at most this fraction of today's backward
@@ -140,11 +150,12 @@ def measure(names, ablations: dict, with_backward: bool, kv_stages: int | None =
         for label, flags in ablations.items():
             patch(**flags)
             for name, inp in inputs.items():
+                cfg = dataclasses.replace(inp.fwd_config, **CONFIG)
                 exact = None
                 if label in EXACT:
-                    out, lse = inp.forward(inp.fwd_config)
+                    out, lse = inp.forward(cfg)
                     exact = bool(torch.equal(out, inp.out) and torch.equal(lse, inp.lse))
-                r = common.timed(lambda inp=inp: inp.forward(inp.fwd_config), sampler)
+                r = common.timed(lambda inp=inp, cfg=cfg: inp.forward(cfg), sampler)
                 rows.append({"workload": name, "build": label, "exact": exact, **r,
                              "tflops": causal_flops(inp.lengths, common.HEADS, common.HEAD_DIM) / (r["ms"] * 1e9),
                              "cycles_per_step": common.cycles_per_step(r["ms"], r.get("sm_mhz"),
@@ -167,8 +178,13 @@ COLUMNS = [("workload", "workload"), ("build", "build"), ("ms", "ms"), ("ratio",
 
 
 def compile_only(ablations: dict, config=None) -> dict:
-    return common.compile_builds(fwd, config or fwd.FwdConfig(common.HEAD_DIM, diagonal_copy=True), ablations, patch,
-                                 SKIPPED)
+    base = config or fwd.FwdConfig(common.HEAD_DIM, diagonal_copy=True)
+    out = {}
+    for label, flags in ablations.items():  # one build each: an ablation may also set config fields
+        patch(**flags)
+        cfg = dataclasses.replace(base, **CONFIG)
+        out.update(common.compile_builds(fwd, cfg, {label: flags}, patch, SKIPPED))
+    return out
 
 
 def main():
