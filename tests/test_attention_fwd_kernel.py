@@ -128,7 +128,7 @@ def test_config_derives_the_schedule():
     the block-scaled D=128 build, two Q stages when persistent."""
     assert [f.name for f in dataclasses.fields(FwdConfig)] == [
         "head_dim", "qhead_per_kvhead", "diagonal_copy", "kv_stages", "persistent", "tile_order", "short_pairs",
-        "causal", "cross_length"]
+        "causal", "cross_length", "o_under_s"]
     for d in (64, 128):
         for dc in (False, True):
             cfg = FwdConfig(head_dim=d, diagonal_copy=dc)
