@@ -351,3 +351,45 @@ def check_nonfinite_input(fn: AttentionFn, q, k, v, cu_seqlens, dout, which: str
         for name in ("dk", "dv"):
             equal(name, slice(block_end, e), [hk], what="of the keys after the bad query's block")
     return bad
+
+
+def check_nonfinite_isolation_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, dout, which: str, doc: int,
+                                     pos: int, value: float, head: int = 0, base: dict | None = None,
+                                     dq_tol: float = 0.0) -> list[str]:
+    """check_nonfinite_input's isolation part for separate query and key ranges (cross-length causal,
+    causal=False): fn(q, k, v, cu_q, cu_k, dout) as attention_fn_for(...).varlen. One non-finite value
+    at position pos of document doc (a query row for q and do, a key row for k and v). Every other
+    document's O, LSE, dQ (query rows) and dK, dV (key rows) equal the clean run's bitwise (dQ within
+    dq_tol); the poisoned document shows it somewhere (a non-finite O, dQ, dK or dV element), never
+    silently finite. Returns what is wrong (empty: nothing)."""
+    if which not in POISON_INPUTS:
+        raise ValueError(f"which must be one of {POISON_INPUTS}, got {which!r}")
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    cu = cq if which in ("q", "do") else ck
+    if not 0 <= pos < cu[doc + 1] - cu[doc]:
+        raise ValueError(f"pos {pos} lies outside document {doc} (length {cu[doc + 1] - cu[doc]})")
+    ins = {"q": q, "k": k, "v": v, "do": dout}
+    ins[which] = poison(ins[which], cu[doc] + pos, head, value)
+    if base is None:
+        base = fn(q, k, v, cu_seqlens_q, cu_seqlens_k, dout)
+    res = fn(ins["q"], ins["k"], ins["v"], cu_seqlens_q, cu_seqlens_k, ins["do"])
+    bad: list[str] = []
+
+    def outside(c):
+        keep = torch.ones(c[-1], dtype=torch.bool)
+        keep[c[doc]:c[doc + 1]] = False
+        return keep.nonzero().squeeze(1)
+
+    rows = {"out": outside(cq), "lse": outside(cq), "dq": outside(cq), "dk": outside(ck), "dv": outside(ck)}
+    for name, idx in rows.items():
+        a, b = res[name], base[name]
+        a, b = (a[:, idx], b[:, idx]) if name == "lse" else (a[idx], b[idx])
+        tol = dq_tol if name == "dq" else 0.0
+        if a.numel() and not (_same(a, b, tol) and (tol == 0 or bool(torch.isfinite(a.float()).all()))):
+            nf = int((~torch.isfinite(a.float())).sum())
+            bad.append(f"{which}={value} at doc {doc} pos {pos}: {name} of another document changed ({nf} non-finite)")
+    inside = {"out": slice(cq[doc], cq[doc + 1]), "dq": slice(cq[doc], cq[doc + 1]),
+              "dk": slice(ck[doc], ck[doc + 1]), "dv": slice(ck[doc], ck[doc + 1])}
+    if all(bool(torch.isfinite(res[name][sel].float()).all()) for name, sel in inside.items()):
+        bad.append(f"{which}={value} at doc {doc} pos {pos}: every output of the poisoned document is finite")
+    return bad

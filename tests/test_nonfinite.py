@@ -21,6 +21,7 @@ from flamia_cute.testing import (
     POISON_INPUTS,
     attention_fn_for,
     check_nonfinite_input,
+    check_nonfinite_isolation_varlen,
     cu_seqlens_from_lengths,
     make_inputs,
     rel_l2,
@@ -269,3 +270,77 @@ def test_kernels_are_finite_where_fp32_attention_and_fa4_are(mag, lengths, defau
     _assert_convex(got["out"].cpu(), v.cpu(), cu.cpu(), 4 // 2)
     if mag == "1":
         assert rel_l2(got["out"], ref["out"]) < 0.1
+
+
+# ----------------------------------------------------------------------------- separate key ranges
+
+# cross-length causal: each document's queries are the last Lq of its Lk keys (Lq = 0 for one);
+# causal=False: the same ranges with every key visible. (document, query position, key position) to poison:
+# a mid-range query and key, a key before the query range, a query on a 128-token block edge.
+XLEN_K = [300, 517, 1, 130, 260, 129]
+XLEN_Q = [200, 208, 1, 0, 131, 129]
+XLEN_CASES = {"mid": (1, 100, 350), "before-range": (0, 5, 20), "block-edge": (4, 128, 128), "one-token": (2, 0, 0)}
+
+
+def _xlen_problem(device="cpu", head_dim=HEAD_DIM, heads=(4, 2)):
+    q_len = [min(a, b) for a, b in zip(XLEN_Q, XLEN_K, strict=True)]
+    q, _, _, do, _, scale = make_inputs(q_len, heads[0], heads[1], head_dim, seed=11, device=device)
+    _, k, v, _, _, _ = make_inputs(XLEN_K, heads[0], heads[1], head_dim, seed=12, device=device)
+    cu_q = cu_seqlens_from_lengths(q_len, device)
+    cu_k = cu_seqlens_from_lengths(XLEN_K, device)
+    return q, k, v, do, cu_q, cu_k, scale
+
+
+def _xlen_cases():
+    for causal in (True, False):
+        for name in XLEN_CASES:
+            for which in POISON_INPUTS:
+                values = ["nan", "+inf"] if name == "mid" else ["nan"]
+                for value in values:
+                    yield pytest.param(causal, name, which, value,
+                                       id=f"{'cross' if causal else 'noncausal'}-{name}-{which}-{value}")
+
+
+_XBASE: dict = {}
+
+
+def _run_xlen(backend, causal, name, which, value, device="cpu", dq_tol=0.0):
+    q, k, v, do, cu_q, cu_k, scale = _xlen_problem(device)
+    fn = attention_fn_for(RECIPE, scale, causal=causal, backend=backend).varlen
+    key = (backend, causal, device)
+    if key not in _XBASE:
+        _XBASE[key] = fn(q, k, v, cu_q, cu_k, do)
+    doc, qpos, kpos = XLEN_CASES[name]
+    pos = qpos if which in ("q", "do") else kpos
+    return check_nonfinite_isolation_varlen(fn, q, k, v, cu_q, cu_k, do, which, doc, pos, NONFINITE[value], head=1,
+                                            base=_XBASE[key], dq_tol=dq_tol)
+
+
+@pytest.mark.parametrize("causal, name, which, value", list(_xlen_cases()))
+def test_emulator_isolates_nonfinite_inputs_with_separate_keys(causal, name, which, value):
+    """Cross-length causal and causal=False on the emulator: a non-finite value changes only its own
+    document, bitwise, and shows there."""
+    assert _run_xlen("emulate", causal, name, which, value) == []
+
+
+def test_separate_keys_isolation_check_fails_a_leak():
+    """The check catches a leak: an attention that adds a tiny share of every document's mean V to
+    every output (the shared-scale failure) reports the other documents."""
+    q, k, v, do, cu_q, cu_k, scale = _xlen_problem()
+    real = attention_fn_for(RECIPE, scale, causal=True).varlen
+
+    def leaky(q, k, v, cu_q, cu_k, dout=None):
+        res = real(q, k, v, cu_q, cu_k, dout)
+        res["out"] = res["out"] + (v.float().mean() * 1e-3).to(res["out"].dtype)
+        return res
+
+    bad = check_nonfinite_isolation_varlen(leaky, q, k, v, cu_q, cu_k, do, "v", 1, 350, float("nan"), head=1)
+    assert any("out of another document changed" in b for b in bad), bad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, name, which, value", list(_xlen_cases()))
+def test_kernels_isolate_nonfinite_inputs_with_separate_keys(causal, name, which, value, default_configs):
+    """The same on the sm_90a cross-length and non-causal builds (backend="cute"); dQ's fp32 reduce-adds
+    land in any order, so its other documents are compared within 1e-6."""
+    assert _run_xlen("cute", causal, name, which, value, device="cuda", dq_tol=1e-6) == []
