@@ -344,3 +344,24 @@ def test_kernels_isolate_nonfinite_inputs_with_separate_keys(causal, name, which
     """The same on the sm_90a cross-length and non-causal builds (backend="cute"); dQ's fp32 reduce-adds
     land in any order, so its other documents are compared within 1e-6."""
     assert _run_xlen("cute", causal, name, which, value, device="cuda", dq_tol=1e-6) == []
+
+
+def _xlen_magnitudes(causal, mag, backend, device="cpu"):
+    q, k, v, do, cu_q, cu_k, scale = _xlen_problem(device)
+    q, k, v, do = ((t.float() * mag).to(torch.bfloat16) for t in (q, k, v, do))
+    got = attention_fn_for(RECIPE, scale, causal=causal, backend=backend).varlen(q, k, v, cu_q, cu_k, do)
+    ref = reference_attention(q, k, v, cu_q, cu_k, scale, causal=causal, dout=do, dtype=torch.float32)
+    _assert_finite_where(got, {n: ref[n] for n in ("out", "lse", "dq", "dk", "dv")}, f"x{mag:g}")
+
+
+@pytest.mark.parametrize("mag", [1e3, 3e4])
+@pytest.mark.parametrize("causal", [True, False], ids=["cross", "noncausal"])
+def test_emulator_separate_keys_finite_where_fp32_attention_is(causal, mag):
+    _xlen_magnitudes(causal, mag, "emulate")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mag", [1e3, 3e4])
+@pytest.mark.parametrize("causal", [True, False], ids=["cross", "noncausal"])
+def test_kernels_separate_keys_finite_where_fp32_attention_is(causal, mag, default_configs):
+    _xlen_magnitudes(causal, mag, "cute", device="cuda")
