@@ -1313,12 +1313,8 @@ class FlamiaFwdSm90:
         """Overlap schedule, off-diagonal tile n: issue S_n and P_prev V_prev, softmax of S_n
         while P V runs, then O = O * c_prev + O_tile(prev) and P_n."""
         rs, m_run, l_run, r_run, c_pend = rowst
-        if cutlass.const_expr(self.o_under_s):
-            k_state = self.issue_s_then_pv(qk_mma, pv_mma, frags, rowst, pipe_k, pipe_v, pipe_s, k_state, v_state,
-                                           s_state, wg, q_slot)
-        else:
-            k_state = self.issue_s_with_pv(qk_mma, pv_mma, frags, pipe_k, pipe_v, pipe_s, k_state, v_state, s_state,
-                                           wg, q_slot)
+        k_state = self.issue_s_with_pv(qk_mma, pv_mma, frags, rowst, pipe_k, pipe_v, pipe_s, k_state, v_state, s_state,
+                                       wg, q_slot)
         c_prev = [c_pend[0], c_pend[1]]  # the factor of the tile whose P V is in flight
         # reads and writes acc_s only (and the row statistics): P V reads tOrP, writes acc_t
         self.softmax(False, n, frags, rowst, sScale, s_state, doc_len, wg)
@@ -1342,40 +1338,24 @@ class FlamiaFwdSm90:
         return k_state, v_state, s_state, qk_mma, pv_mma
 
     @cute.jit
-    def issue_s_then_pv(self, qk_mma, pv_mma, frags, rowst, pipe_k, pipe_v, pipe_s, k_state, v_state, s_state, wg,
+    def issue_s_with_pv(self, qk_mma, pv_mma, frags, rowst, pipe_k, pipe_v, pipe_s, k_state, v_state, s_state, wg,
                         q_slot):
-        """o_under_s: issue S for the K tile in k_state; while it runs, O = O * c + O_tile of the tile
-        accumulator that landed in the previous step; then P V of the previous tile into the tile
-        accumulator; wait for S alone. Returns the advanced K state."""
-        c_pend = rowst[4]
-        pipe_k.consumer_wait(k_state)
-        self.wait_turn(wg)
-        warpgroup.fence()
-        self.gemm_qk(qk_mma, frags, k_state, q_slot)
-        warpgroup.commit_group()
-        self.accumulate_o(frags, [c_pend[2], c_pend[3]])
-        pipe_v.consumer_wait(v_state)
-        warpgroup.fence()  # the tile accumulator was read above; P V overwrites it
-        self.gemm_pv(pv_mma, frags, v_state)
-        warpgroup.commit_group()
-        self.pass_turn(wg)
-        pipe_s.consumer_wait(s_state)
-        warpgroup.wait_group(1)
-        pipe_k.consumer_release(k_state)
-        k_state.advance()
-        return k_state
-
-    @cute.jit
-    def issue_s_with_pv(self, qk_mma, pv_mma, frags, pipe_k, pipe_v, pipe_s, k_state, v_state, s_state, wg, q_slot):
         """Overlap schedule: issue S for the K tile in k_state and P V of the previous tile (its P in
         the A registers) back to back, wait for S alone (groups retire in order; P V may still run)
-        and for the tile's scales. Returns the advanced K state."""
+        and for the tile's scales. o_under_s: between the two, O = O * c + O_tile of the tile
+        accumulator that landed in the previous step. Returns the advanced K state."""
         pipe_k.consumer_wait(k_state)
-        pipe_v.consumer_wait(v_state)
+        if cutlass.const_expr(not self.o_under_s):
+            pipe_v.consumer_wait(v_state)
         self.wait_turn(wg)
         warpgroup.fence()
         self.gemm_qk(qk_mma, frags, k_state, q_slot)
         warpgroup.commit_group()
+        if cutlass.const_expr(self.o_under_s):
+            c_pend = rowst[4]
+            self.accumulate_o(frags, [c_pend[2], c_pend[3]])
+            pipe_v.consumer_wait(v_state)
+            warpgroup.fence()  # the tile accumulator was read above; P V overwrites it
         self.gemm_pv(pv_mma, frags, v_state)
         warpgroup.commit_group()
         self.pass_turn(wg)
