@@ -205,6 +205,47 @@ def main():
                 verdict = "GO" if r["vs_bwd"] <= GO_MAX_RATIO else "NO-GO"
                 print(f"{r['workload']}: forward + third product {r['ms']:.3f} ms = {r['vs_bwd']:.3f} of the full "
                       f"backward kernel (go if <= {GO_MAX_RATIO}); {r['ratio']:.3f} of the forward: {verdict}", flush=True)
+    for line in overlap_verdicts(rows):
+        print(line, flush=True)
+
+
+# issue 37's written go/no-go for the overlap builds (the default build is the pinned one)
+PIN_GAIN = 0.03  # the pin: at least 3% faster than the unpinned build on 1x16k
+OUS_GAIN, OUS_WORST = 0.015, 0.01  # o_under_s: at least 1.5% on 1x16k, no workload more than 1% slower
+
+
+def overlap_verdicts(rows: list[dict]) -> list[str]:
+    """GO/NO-GO lines for the pin and o_under_s from a run that timed them (nothing otherwise); a build whose
+    O or LSE is not bit-identical is a NO-GO whatever its time."""
+    by = {(r["workload"], r["build"]): r for r in rows}
+    out = []
+
+    def verdict(label, build, base, gain, worst=None):
+        pairs = [(w, by[(w, build)], by[(w, base)]) for (w, b) in by if b == build and (w, base) in by]
+        if not pairs:
+            return
+        change = {w: r["ms"] / ref["ms"] - 1 for w, r, ref in pairs}
+        exact = all(r.get("exact") is not False and ref.get("exact") is not False for _, r, ref in pairs)
+        ok = exact and "1x16k" in change and change["1x16k"] <= -gain
+        if worst is not None:
+            ok = ok and max(change.values()) <= worst
+        table = ", ".join(f"{w} {100 * c:+.1f}%" for w, c in change.items())
+        out.append(f"{label}: {table}; bit-identical {exact}: {'GO' if ok else 'NO-GO'}")
+
+    # the pin: the unpinned build against the default (pinned) one, so the sign flips
+    pairs = [(w, by[(w, "full")], by[(w, "unpinned")]) for (w, b) in by if b == "unpinned" and (w, "full") in by]
+    if pairs:
+        change = {w: full["ms"] / unp["ms"] - 1 for w, full, unp in pairs}
+        exact = all(unp.get("exact") is not False for _, _, unp in pairs)
+        ok = exact and "1x16k" in change and change["1x16k"] <= -PIN_GAIN
+        table = ", ".join(f"{w} {100 * c:+.1f}%" for w, c in change.items())
+        out.append(f"pin (pinned against unpinned): {table}; bit-identical {exact}: {'GO' if ok else 'NO-GO'} "
+                   f"(go if <= -{100 * PIN_GAIN:.0f}% on 1x16k)")
+    verdict(f"o_under_s (against the pinned build; go if <= -{100 * OUS_GAIN:.1f}% on 1x16k and no workload above "
+            f"+{100 * OUS_WORST:.0f}%)", "o under s", "full", OUS_GAIN, OUS_WORST)
+    verdict("ping-pong (against the pinned build)", "pingpong", "full", 0.0)
+    verdict("o_under_s + ping-pong (against the pinned build)", "o under s pp", "full", 0.0)
+    return out
 
 
 if __name__ == "__main__":
