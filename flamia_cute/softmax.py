@@ -182,8 +182,13 @@ def lse_log2_up(lse):
 
 def recompute_p(s, key_scale, query_scale_log2, lse_log2):
     """The backward's P (or P^T) from the forward's statistics: exp2(s * sk * sq scale log2e - lse
-    log2e), s the raw e4m3 product, lse_log2 from lse_log2_up (so P <= 1)."""
-    return cute.math.exp2(s * key_scale * query_scale_log2 - lse_log2, fastmath=True)
+    log2e), s the raw e4m3 product, lse_log2 from lse_log2_up (so P <= 1).
+
+    The two factors are multiplied first (exactly: sk is a power of two), so s * (sq ... sk) rounds
+    once, as s * sk * (sq ...) did. A query column outside the document has the factor 0: its value
+    is exactly 0 even where s * sk alone would overflow (a K scale near the top of the range), which
+    would otherwise be inf * 0 = NaN in a dQ tile row of the next document."""
+    return cute.math.exp2(s * (query_scale_log2 * key_scale) - lse_log2, fastmath=True)
 
 
 def dv_fold_factor(dv_ref):

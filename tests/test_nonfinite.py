@@ -365,3 +365,62 @@ def test_emulator_separate_keys_finite_where_fp32_attention_is(causal, mag):
 @pytest.mark.parametrize("causal", [True, False], ids=["cross", "noncausal"])
 def test_kernels_separate_keys_finite_where_fp32_attention_is(causal, mag, default_configs):
     _xlen_magnitudes(causal, mag, "cute", device="cuda")
+
+
+# ----------------------------------------------------------------------------- one document at 1e35
+
+# One document's Q, K, V or dO times 1e35: finite in bf16, in fp32 attention and in FA4. Its neighbours'
+# outputs stay bitwise those of the clean run (a product of codes and a scale near the top of fp32's range
+# must not meet a zero query factor as inf * 0 in a shared tile), and its own outputs are finite wherever
+# fp32 attention's are, except with K (docs/numerics.md: the forward's diagonal tile forms s * sk first).
+HUGE = 1e35
+HUGE_CASES = {"mixed-doc2": (MIXED, 2), "pair-second": (SHORT, 1), "pair-first": (SHORT, 2)}
+
+
+def _check_huge(backend, name, which, device, head_dim=HEAD_DIM, dq_tol=0.0):
+    lengths, doc = HUGE_CASES[name]
+    q, k, v, do, cu, scale = make_inputs(lengths, 4, 2, head_dim, seed=9, device=device)
+    c = cu.tolist()
+    s, e = c[doc], c[doc + 1]
+    ins = {"q": q, "k": k, "v": v, "do": do}
+    big = ins[which].clone()
+    big[s:e] = (big[s:e].float() * HUGE).to(big.dtype)
+    ins[which] = big
+    fn = attention_fn_for(RECIPE, scale, backend=backend)
+    base, got = fn(q, k, v, cu, do), fn(ins["q"], ins["k"], ins["v"], cu, ins["do"])
+    keep = torch.ones(c[-1], dtype=torch.bool)
+    keep[s:e] = False
+    rows = keep.nonzero().squeeze(1).to(q.device)
+    bad = []
+    for out in ("out", "lse", "dq", "dk", "dv"):
+        a, b = (got[out][:, rows], base[out][:, rows]) if out == "lse" else (got[out][rows], base[out][rows])
+        tol = dq_tol if out == "dq" else 0.0
+        same = torch.equal(a, b) if tol == 0 else bool(((a.double() - b.double()).abs()
+                                                         <= tol * b.double().abs().clamp_min(1e-6)).all())
+        if not same:
+            bad.append(f"{out} of the other documents changed ({int((~torch.isfinite(a.float())).sum())} non-finite)")
+    if which != "k":
+        ref = reference_attention(ins["q"], ins["k"], ins["v"], cu, cu, scale, dout=ins["do"], dtype=torch.float32)
+        try:
+            _assert_finite_where(got, {n: ref[n] for n in ("out", "lse", "dq", "dk", "dv")}, f"{which} x{HUGE:g}")
+        except AssertionError as err:
+            bad.append(str(err))
+    return bad
+
+
+@pytest.mark.parametrize("name", list(HUGE_CASES))
+@pytest.mark.parametrize("which", POISON_INPUTS)
+def test_emulator_one_huge_document(name, which):
+    assert _check_huge("emulate", name, which, "cpu") == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(HUGE_CASES))
+@pytest.mark.parametrize("which", POISON_INPUTS)
+def test_kernels_one_huge_document(name, which, default_configs):
+    """The kernels (the short pack on the paired-tile builds): the backward forms s * (sq ... * sk) and
+    dP * (sdo * sv), so a zero query factor gives 0, not inf * 0 = NaN, in a dQ tile shared with the
+    next document or a paired tile. In the reverse order, s * sk and dP * sv reach inf for K and V at 1e35
+    (the codes' sums times scales near 2^107, checked in CPU arithmetic on the reference quantizer's
+    codes), and inf * 0 = NaN reaches the neighbour's dQ."""
+    assert _check_huge("cute", name, which, "cuda", head_dim=128, dq_tol=2e-2) == []

@@ -1450,7 +1450,9 @@ class FlamiaBwdDsBf16Sm90:
             cwf = cw * cf  # sdo * 256 / r: powers of two, so (p * sdo) * (256 / r) exactly
             for a, v1 in rows:
                 p = acc_s[a]
-                acc_dp[a] = p * (acc_dp[a] * rsc[2 + v1] * cw - cd)
+                # cw * sv first (exact: powers of two): a query column outside the document (cw = 0)
+                # stays 0 even where dP * sv alone would overflow (a V scale near the top)
+                acc_dp[a] = p * (acc_dp[a] * (cw * rsc[2 + v1]) - cd)
                 acc_s[a] = p * cwf  # <= 256: sdo <= r
         pipe_v.consumer_release(v_state)
         v_state.advance()
