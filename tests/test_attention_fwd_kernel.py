@@ -16,8 +16,8 @@ import re
 import pytest
 import torch
 
-from flamia_cute.kernels import ex2_under_async_mma
 from flamia_cute.emulator import emulate_forward
+from flamia_cute.kernels import ex2_under_async_mma
 from flamia_cute.quant import (
     DT_DOC_ALIGN,
     E4M3,

@@ -395,6 +395,16 @@ def test_gpu_cross_matches_emulator(recipe, causal, H, Hk, D, variant):
 
 @pytest.mark.gpu
 @needs_dsl
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_cross_per_tile_build(causal):
+    """The one-CTA-per-tile builds (any pack of more than PERSISTENT_MAX_DOCS documents, normal for context
+    parallelism): their own grid and block order, in the default tier once per mode."""
+    _gpu_check(CAUSAL_DOCS if causal else NON_CAUSAL_DOCS, "fp8_tokenblock", causal, 4, 2, 128, seed=12,
+               variant="per_tile")
+
+
+@pytest.mark.gpu
+@needs_dsl
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_gpu_cross_build_on_self_attention_is_the_default_build(recipe):
     """cu_seqlens_k == cu_seqlens_q: the cross-length build's tiles are self-attention's, so O and LSE equal the
@@ -780,9 +790,25 @@ def test_gpu_cross_backward_matches_emulator(causal, H, Hk, D, deterministic):
     """The backward kernel's separate-keys builds against emulate_backward on the same operands (the backward
     kernel tests' tolerances; dK and dV per key document, dQ per query document); every dK, dV row written
     (NaN-poisoned) and 0 for the keys of a document without queries."""
+    _gpu_backward_check(CAUSAL_DOCS if causal else NON_CAUSAL_DOCS, causal, H, Hk, D, deterministic)
+
+
+# the first document's queries start 64 and 999 keys into it: its dO^T columns and Q, dO, dQ rows start
+# before the tensors' first row (the default packs reach only one row before it)
+FAR_FIRST_DOCS = [(64, 128), (1, 1000), (300, 363), (0, 40), (129, 258)]
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("docs", [FAR_FIRST_DOCS, FAR_FIRST_DOCS[1:]], ids=["offset64", "offset999"])
+def test_gpu_cross_backward_far_first_document(docs, deterministic):
+    _gpu_backward_check(docs, True, 4, 2, 128, deterministic)
+
+
+def _gpu_backward_check(docs, causal, H, Hk, D, deterministic):
     from test_attention_bwd_dsbf16_kernel import _grad_errors, _violations
 
-    docs = CAUSAL_DOCS if causal else NON_CAUSAL_DOCS
     got, emu, cu_q, cu_k = _gpu_bwd_run(docs, "fp8_tokenblock_dsbf16", causal, H, Hk, D, 31, deterministic)
     dq_err = _grad_errors((got[0], got[0], got[0]), (emu[0], emu[0], emu[0]), cu_q.cpu())
     kv_err = _grad_errors(got, emu, cu_k.cpu())
@@ -853,3 +879,23 @@ def test_plans_of_the_separate_keys_modes():
         assert not plan.fwd.short_pairs and not plan.bwd.short_pairs
         assert plan.qkv == self_plan.qkv  # the same launch settings, split in two over the two documents' sets
     assert make_plan("fp8_tokenblock", *args[1:], True, True).bwd is None  # e4m3 dS: the emulator's backward
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_separate_keys_with_an_empty_side(causal):
+    """The host's early returns: no document with keys (O = 0, LSE = -inf, dQ = 0), and no query in any
+    document while there are keys (dK = dV = 0, every row written), through the API on the kernels."""
+    from flamia_cute.testing import attention_fn_for
+
+    for docs in ([(5, 0), (3, 0)], [(0, 40), (0, 17)]):
+        q, k, v, cu_q, cu_k, scale = _inputs(docs, 4, 2, 128, seed=16, device="cuda")
+        do = torch.randn_like(q)
+        got = attention_fn_for("fp8_tokenblock_dsbf16", scale, causal=causal, backend="cute").varlen(
+            q, k, v, cu_q, cu_k, do)
+        assert got["out"].shape == q.shape and not got["out"].float().any()
+        assert torch.isinf(got["lse"]).all() and (got["lse"] < 0).all()
+        assert not got["dq"].float().any()
+        for name in ("dk", "dv"):
+            assert got[name].shape == k.shape and not got[name].float().any(), name

@@ -1759,8 +1759,9 @@ def flamia_bwd_dsbf16_sm90(
     if sep:  # the keys of a document without queries have no CTA: their gradients are 0
         lq = (cu[1:] - cu[:-1])[torch.searchsorted(cu_k[1:], torch.arange(Tk, device=dev, dtype=torch.int32),
                                                    right=True).clamp(max=max(num_docs - 1, 0))]
-        dk = torch.where((lq == 0)[:, None, None], 0, dk)
-        dv = torch.where((lq == 0)[:, None, None], 0, dv)
+        no_queries = (lq == 0)[:, None, None]  # in place: no second copy of dK and dV
+        dk.masked_fill_(no_queries, 0)
+        dv.masked_fill_(no_queries, 0)
     return dq, dk, dv
 
 
