@@ -297,9 +297,12 @@ def saved_from_inputs(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
         raise ValueError(f"saved_from_inputs: backend must be 'cute' or 'emulate', got {backend!r}")
     from types import SimpleNamespace
 
-    from .emulator import quantize_inputs
+    from .emulator import qk_transform, quantize_inputs, transform_inputs
 
-    qo, ko, vo = quantize_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, _recipe(recipe))
+    rec = _recipe(recipe)
+    # the forward quantized Q and K after the recipe's rotations (the Hadamard recipe's; this path has no RoPE)
+    q, k = transform_inputs(q, k, cu_seqlens_q, cu_seqlens_k, qk_transform(rec, None))
+    qo, ko, vo = quantize_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, rec)
     return _pack_emulated(layout, out_bf16, SimpleNamespace(q=qo, k=ko, v=vo))
 
 
