@@ -654,6 +654,20 @@ def test_dout_pass_with_the_quantized_delta():
     assert not torch.equal(plain, delta)
 
 
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16", "fp8_tokenblock_hadamard"])
+def test_the_short_pack_runs_the_paired_builds_with_rotations(recipe, monkeypatch):
+    """The second GPU case below ([64] * 12 + [33, 1, 7]) runs the paired-tile forward and backward with the
+    rotations on (so its dK epilogue's positions of a pair's second document are under test); the untuned
+    configs, as the GPU tests run them."""
+    pytest.importorskip("cutlass")
+    from flamia_cute.plan import make_plan
+
+    monkeypatch.setenv("FLAMIA_CUTE_NO_TUNING", "1")
+    lengths = [64] * 12 + [33, 1, 7]
+    plan = make_plan(recipe, 128, 4, 1, max(lengths), sum(lengths), len(lengths), rotary=("half", 128))
+    assert plan.fwd.short_pairs and plan.bwd.short_pairs and plan.bwd.rotary == "half"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16", "fp8_tokenblock_hadamard", "fp8_tokenblock"])
 @pytest.mark.parametrize("rot", ROPES, ids=["half", "interleaved", "partial"])
