@@ -4,7 +4,8 @@ RMSNorm, rotary embeddings whose positions restart at 0 at every document start,
 SwiGLU MLP, head dim 128, optional GQA. Attention is pluggable (AttentionSpec):
 flamia_attn_varlen_func with a recipe, FA4 bf16 (GPU control), or plain per-document
 SDPA (CPU reference). With flamia the rotary embedding runs inside its quantization
-(rotary=): the same fp32 rotation, no separate pass over Q and K.
+(rotary=): the same fp32 rotation of the bf16 Q and K (on the CPU the fp32 model casts them first), no
+separate pass over Q and K.
 """
 
 from __future__ import annotations
