@@ -911,8 +911,11 @@ def fused_quantize_qkv_separate_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, config
         raise ValueError("a Q/K/V config of three parts and cu_seqlens_q, cu_seqlens_k of as many documents")
     for x, cfg, T in ((q, mcfg.parts[0], q.shape[0]), (k, mcfg.parts[1], k.shape[0]), (v, mcfg.parts[2], k.shape[0])):
         _check_input(x, cfg, T)
-        if x.data_ptr() % 16 or not x.is_contiguous():
-            raise ValueError("q, k, v must be contiguous and 16-byte aligned")
+    # strided inputs (context parallelism's K and V are halves of one gathered tensor) are copied, as the
+    # self-attention launch does
+    q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
+    if any(x.data_ptr() % 16 for x in (q, k, v)):
+        raise ValueError("q, k, v must be 16-byte aligned")
     num_docs = cu_seqlens_q.numel() - 1
     dev = q.device
     plan, nbytes = runtime_qkv_layout(mcfg, int(q.shape[0]), int(k.shape[0]), num_docs)
