@@ -905,15 +905,23 @@ def test_gpu_separate_keys_with_an_empty_side(causal):
 @needs_dsl
 def test_gpu_strided_keys_as_context_parallelism_passes_them():
     """K and V as the two halves of one gathered tensor (flamia_cute.distributed's all-gather): the same
-    results as contiguous inputs, bit for bit."""
-    from flamia_cute.testing import attention_fn_for
+    results as contiguous inputs, bit for bit (dQ up to its fp32 reduce-adds' order)."""
+    from flamia_cute import flamia_attn_varlen_func
 
     q, k, v, cu_q, cu_k, scale = _inputs(CAUSAL_DOCS, 4, 2, 128, seed=18, device="cuda")
     do = torch.randn_like(q)
-    kv = torch.cat([k, v], dim=-1)
-    fn = attention_fn_for("fp8_tokenblock_dsbf16", scale, causal=True, backend="cute").varlen
-    strided = fn(q, kv[..., :128], kv[..., 128:], cu_q, cu_k, do)
-    dense = fn(q, k, v, cu_q, cu_k, do)
-    for name in ("out", "lse", "dk", "dv"):
-        assert torch.equal(strided[name], dense[name]), name
-    assert rel_l2(strided["dq"], dense["dq"]) < 1e-6  # the fp32 reduce-adds' order
+    lq, lk = int((cu_q[1:] - cu_q[:-1]).max()), int((cu_k[1:] - cu_k[:-1]).max())
+
+    def run(q, k, v, leaves):
+        out, lse = flamia_attn_varlen_func(q, k, v, cu_q, cu_k, lq, lk, scale, True, backend="cute", return_lse=True)
+        return out, lse, torch.autograd.grad(out, leaves, do)
+
+    kv = torch.cat([k, v], dim=-1).requires_grad_()
+    qs = q.clone().requires_grad_()
+    assert not kv[..., :128].is_contiguous()
+    out_s, lse_s, (dq_s, dkv) = run(qs, kv[..., :128], kv[..., 128:], (qs, kv))
+    qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
+    out_d, lse_d, (dq_d, dk_d, dv_d) = run(qd, kd, vd, (qd, kd, vd))
+    assert torch.equal(out_s, out_d) and torch.equal(lse_s, lse_d)
+    assert torch.equal(dkv[..., :128], dk_d) and torch.equal(dkv[..., 128:], dv_d)
+    assert rel_l2(dq_s, dq_d) < 1e-6
