@@ -213,6 +213,13 @@ def _unpack_kernel(saved, recipe: str, T: int, num_docs: int, Hq: int):
 # ----------------------------------------------------------------------------- the call
 
 
+def _bf16(*xs):
+    """The kernels' inputs: fp16 is rounded to bf16 first, so its e4m3 codes and scales come from the bf16
+    values (the emulator quantizes fp16 directly: a code or a block's scale can differ where bf16's rounding
+    moves a value across a rounding or scale boundary; both are within the FP8 tolerances)."""
+    return tuple(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16) for x in xs)
+
+
 def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
                 causal: bool, recipe: str, backend: str, save: bool = True):
     """(out in q's dtype, lse (H, T) fp32, the saved list of saved_layout). Checks cu_seqlens' values:
@@ -234,7 +241,7 @@ def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
             raise NotImplementedError("backend 'cute': the sm_90a kernels are self-attention only "
                                       "(cu_seqlens_q == cu_seqlens_k)")
         plan = make_plan(recipe, q.shape[2], q.shape[1], k.shape[1], max_seqlen_q, q.shape[0], cu_seqlens_q.numel() - 1)
-        out_k, lse, ops = cute_backend.forward(plan, q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale)
+        out_k, lse, ops = cute_backend.forward(plan, *_bf16(q, k, v), cu_seqlens_q, max_seqlen_q, softmax_scale)
         out = out_k if out_k.dtype == q.dtype else out_k.to(q.dtype)  # a no-op .to() costs host time too
         return out, lse, _pack_kernel(layout, out_k, ops) if save else []
     if backend == "sm100":
@@ -270,7 +277,7 @@ def saved_from_inputs(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
         from .plan import make_plan
 
         plan = make_plan(recipe, q.shape[2], q.shape[1], k.shape[1], max_seqlen_q, q.shape[0], cu_seqlens_q.numel() - 1)
-        return _pack_kernel(layout, out_bf16, cute_backend.quantize(plan, q, k, v, cu_seqlens_q, max_seqlen_q))
+        return _pack_kernel(layout, out_bf16, cute_backend.quantize(plan, *_bf16(q, k, v), cu_seqlens_q, max_seqlen_q))
     if backend != "emulate":
         raise ValueError(f"saved_from_inputs: backend must be 'cute' or 'emulate', got {backend!r}")
     from types import SimpleNamespace
@@ -296,7 +303,7 @@ def run_backward(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         qq, kq, vq, kt, vt = _unpack_kernel(saved, recipe, T, cu_seqlens_q.shape[0] - 1, H)
         ops = (qq, (kq, kt), (vq, vt))
         plan = make_plan(recipe, out.shape[2], H, kq.data_td.shape[1], max_seqlen_q, T, cu_seqlens_q.numel() - 1)
-        grads = cute_backend.backward(plan, dout, out_bf16, lse, ops, cu_seqlens_q, max_seqlen_q, softmax_scale)
+        grads = cute_backend.backward(plan, *_bf16(dout), out_bf16, lse, ops, cu_seqlens_q, max_seqlen_q, softmax_scale)
     else:  # "emulate", and "sm100": the emulator's backward on the operands its kernel forward read
         from .emulator import EmulatorContext, emulate_backward
 
