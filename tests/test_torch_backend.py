@@ -141,6 +141,19 @@ def test_reasons_without_a_previous_kernel_raise_naming_them(active):
     with pytest.raises(NotImplementedError, match="sliding window"):
         torch.ops.aten._flash_attention_forward(x, x, x, cu, cu, 16, 16, 0.0, True, False, window_size_left=4,
                                                 window_size_right=0)
+    with pytest.raises(NotImplementedError, match="cum_seq_k is None"):
+        torch.ops.aten._flash_attention_forward(x, x, x, cu, None, 16, 16, 0.0, True, False)
+    with pytest.raises(NotImplementedError, match="key or value head dims"):
+        torch.ops.aten._flash_attention_forward(x, x, _rand(16, 2, 128, seed=19), cu, cu, 16, 16, 0.0, True, False)
+
+
+def test_dense_flash_forward_has_the_meta_strides(active):
+    """A dense (B, S, H, D) query that is a transposed (B, H, S, D) tensor: the output has empty_like(q)'s
+    strides, which the op's meta function gives and torch.compile assumes."""
+    q = _rand(2, 4, 32, 64, seed=20).transpose(1, 2)  # (B, S, H, D), not contiguous
+    k = v = _rand(2, 2, 32, 64, seed=21).transpose(1, 2)
+    out = torch.ops.aten._flash_attention_forward(q, k, v, None, None, 32, 32, 0.0, True, False)[0]
+    assert out.stride() == torch.empty_like(q).stride()
 
 
 @pytest.mark.parametrize("what", ["varlen", "sdpa"])
