@@ -234,6 +234,13 @@ def _kernel_plan(recipe: str, q, k_tokens: int, k_heads: int, max_seqlen_q: int,
                      causal=causal, separate=sep, rotary=rotary_key(rotary))
 
 
+def _bf16(*xs):
+    """The kernels' inputs: fp16 is rounded to bf16 first, so its e4m3 codes and scales come from the bf16
+    values (the emulator quantizes fp16 directly: a code or a block's scale can differ where bf16's rounding
+    moves a value across a rounding or scale boundary; both are within the FP8 tolerances)."""
+    return tuple(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16) for x in xs)
+
+
 def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
                 causal: bool, recipe: str, backend: str, rope_cos=None, rope_sin=None, rope_interleaved: bool = False,
                 save: bool = True):
@@ -252,7 +259,7 @@ def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
 
         rotary = _rotary(rope_cos, rope_sin, rope_interleaved)
         plan = _kernel_plan(recipe, q, k.shape[0], k.shape[1], max_seqlen_q, cu_seqlens_q, cu_seqlens_k, causal, rotary)
-        out_k, lse, ops = cute_backend.forward(plan, q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, rotary,
+        out_k, lse, ops = cute_backend.forward(plan, *_bf16(q, k, v), cu_seqlens_q, max_seqlen_q, softmax_scale, rotary,
                                                cu_seqlens_k)
         out = out_k if out_k.dtype == q.dtype else out_k.to(q.dtype)  # a no-op .to() costs host time too
         return out, lse, _pack_kernel(layout, out_k, ops) if save else []
@@ -291,7 +298,7 @@ def saved_from_inputs(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
         from . import cute_backend
 
         plan = _kernel_plan(recipe, q, k.shape[0], k.shape[1], max_seqlen_q, cu_seqlens_q, cu_seqlens_k, causal)
-        return _pack_kernel(layout, out_bf16, cute_backend.quantize(plan, q, k, v, cu_seqlens_q, max_seqlen_q,
+        return _pack_kernel(layout, out_bf16, cute_backend.quantize(plan, *_bf16(q, k, v), cu_seqlens_q, max_seqlen_q,
                                                                     cu_k=cu_seqlens_k))
     if backend != "emulate":
         raise ValueError(f"saved_from_inputs: backend must be 'cute' or 'emulate', got {backend!r}")
@@ -324,7 +331,7 @@ def run_backward(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         rotary = _rotary(rope_cos, rope_sin, rope_interleaved)
         plan = _kernel_plan(recipe, out, kq.data_td.shape[0], kq.data_td.shape[1], max_seqlen_q, cu_seqlens_q,
                             cu_seqlens_k, causal, rotary)
-        grads = cute_backend.backward(plan, dout, out_bf16, lse, ops, cu_seqlens_q, max_seqlen_q, softmax_scale,
+        grads = cute_backend.backward(plan, *_bf16(dout), out_bf16, lse, ops, cu_seqlens_q, max_seqlen_q, softmax_scale,
                                       rotary, cu_seqlens_k, max_seqlen_k)
     else:  # "emulate", and "sm100": the emulator's backward on the operands its kernel forward read
         from .emulator import EmulatorContext, emulate_backward, qk_transform

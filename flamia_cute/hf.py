@@ -4,10 +4,12 @@
     flamia_cute.hf.register()  # AttentionInterface and AttentionMaskInterface
     model = AutoModelForCausalLM.from_config(config, attn_implementation="flamia_fp8")
 
-Packed batches (`DataCollatorWithFlattening`, one row of documents) arrive as `cu_seq_lens_q/k` and
-`max_length_q/k` (with `return_flash_attn_kwargs=True`, no host read per layer) or as `position_ids` that
-restart at every document (read once per layer, as transformers' flash path does). A 2D padding mask is
-unpadded into documents; otherwise the batch rows are the documents. Every call goes to
+Packed batches (`DataCollatorWithFlattening`) arrive as `cu_seq_lens_q/k` and `max_length_q/k` (with
+`return_flash_attn_kwargs=True`, no host read per layer) or as `position_ids` that restart at every document
+(read once per layer): a document starts at every row's first token and wherever a position is not its
+predecessor's plus one, in any number of rows (as sdpa's packed-sequence mask reads them). A 2D padding mask
+is unpadded into documents (keys past the mask's length, a static cache's empty slots, are dropped);
+otherwise, and with a cache, the batch rows are the documents. Every call goes to
 flamia_attn_varlen_func on the unchanged tensors (a transposed view of the model's (B, S, H, D) projections is
 already THD memory), so its numerics are ours bit for bit: the kernels where they run, the emulator elsewhere,
 and a GPU call the kernels cannot run warns once (interface.choose_backend). What flamia does not compute
@@ -76,9 +78,14 @@ def _forward(recipe, module, query, key, value, attention_mask, dropout, scaling
     if attention_mask is not None:
         out = _padded(recipe, qkv, attention_mask.bool(), scaling, causal)
     else:
-        if cu_q is None and B == 1 and L > 1 and kwargs.get("position_ids") is not None:
-            cu_q, max_q = _documents_from_positions(kwargs["position_ids"], L)
-            cu_k, max_k = (cu_q, max_q) if S == L else (None, None)
+        pos = kwargs.get("position_ids")
+        if cu_q is None and pos is not None:
+            if S > L:  # a cache: a static one has slots past the last position (a host read)
+                S = min(S, int(pos.max()) + 1)
+                qkv[1], qkv[2] = qkv[1][:, :S], qkv[2][:, :S]
+            if L > 1 and S == L:
+                cu_q, max_q = _documents_from_positions(pos, B, L)
+                cu_k, max_k = cu_q, max_q
         if cu_q is None or cu_k is None:
             cu_q, cu_k, max_q, max_k = _uniform(B, L, query.device), _uniform(B, S, query.device), L, S
         q, k, v = (t.reshape(-1, t.shape[2], D) for t in qkv)
@@ -95,12 +102,15 @@ def _uniform(batch: int, length: int, device) -> torch.Tensor:
     return torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=device)
 
 
-def _documents_from_positions(position_ids: torch.Tensor, length: int):
-    """cu_seqlens and the longest document of one packed row whose positions restart at every document (a host
-    read). Positions that never restart: one document."""
-    pos = position_ids.reshape(-1)[-length:]
-    starts = (pos == pos.min()).nonzero().flatten().to(torch.int32)
-    cu = torch.cat([starts, starts.new_tensor([length])])
+def _documents_from_positions(position_ids: torch.Tensor, batch: int, length: int):
+    """cu_seqlens over the batch's B * L tokens and the longest document (a host read): a document starts at
+    each row's first token and wherever a position is not the previous one plus one. Positions that never
+    restart: one document per row."""
+    pos = position_ids.reshape(-1, position_ids.shape[-1])[:, -length:].expand(batch, length)
+    start = torch.ones_like(pos, dtype=torch.bool)
+    start[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    starts = start.reshape(-1).nonzero().flatten().to(torch.int32)
+    cu = torch.cat([starts, starts.new_tensor([batch * length])])
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
@@ -109,6 +119,8 @@ def _padded(recipe, qkv, mask: torch.Tensor, scaling, causal: bool) -> torch.Ten
     (causal aligned to the end, as decoding with a cache needs). Padded query rows get zeros."""
     q, k, v = qkv
     B, L, H, D = q.shape
+    # a static cache's keys have slots past the tokens seen so far, which the mask does not cover
+    k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
     q_mask = mask[:, -L:]
     len_q, len_k = q_mask.sum(1, dtype=torch.int32), mask.sum(1, dtype=torch.int32)
     cu_q = torch.nn.functional.pad(len_q.cumsum(0, dtype=torch.int32), (1, 0))

@@ -146,8 +146,10 @@ def _backend(q, k, cu_q, cu_k, causal: bool, bound: dict) -> tuple[str, str]:
         raise _FallThrough(f"{', '.join(set_args)} is set")
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise _FallThrough(f"of {q.dtype} inputs (FP8 attention takes bfloat16 or float16)")
-    if q.shape[-1] not in KERNEL_HEAD_DIMS or k.shape[-1] != q.shape[-1]:
+    if q.shape[-1] not in KERNEL_HEAD_DIMS:
         raise _FallThrough(f"head_dim {q.shape[-1]} has no kernel (64 or 128)")
+    if k.shape[-1] != q.shape[-1] or bound.get("value") is not None and bound["value"].shape[-1] != q.shape[-1]:
+        raise _FallThrough("of key or value head dims other than the query's")
     if q.shape[-2] % k.shape[-2]:
         raise _FallThrough(f"{q.shape[-2]} query heads are not a multiple of {k.shape[-2]} key heads")
     rec = resolve_recipe(_state["recipe"])
@@ -193,10 +195,10 @@ class _Call:
     """A call in THD form: q (T, H, D), k, v (Tk, Hk, D), int32 cu_seqlens."""
 
     def __init__(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, bound):
+        self.backend, self.recipe = _backend(q, k, cu_q, cu_k, causal, bound)  # before any copy: it may decline
         self.q, self.k, self.v = (t.contiguous() for t in (q, k, v))
         self.cu_q, self.cu_k, self.max_q, self.max_k, self.causal = cu_q, cu_k, int(max_q), int(max_k), causal
         self.scale = float(scale) if scale is not None else default_softmax_scale(q.shape[-1])
-        self.backend, self.recipe = _backend(self.q, self.k, cu_q, cu_k, causal, bound)
 
     def forward(self):
         out, lse, _ = run_forward(self.q, self.k, self.v, self.cu_q, self.cu_k, self.max_q, self.max_k, self.scale,
@@ -217,6 +219,8 @@ def _flash_call(b: dict, q, k, v, lse=None):
     """The flash op's call in THD form; dense (B, S, H, D) inputs (no cum_seq_q) become B equal documents."""
     causal = _causal(b)
     if b["cum_seq_q"] is not None:
+        if b["cum_seq_k"] is None:
+            raise _FallThrough("cum_seq_k is None (paged keys and values)")
         cu_q, cu_k = _int32(b["cum_seq_q"]), _int32(b["cum_seq_k"])
         return _Call(q, k, v, cu_q, cu_k, b["max_q"], b["max_k"], b["scale"], causal, b), lse
     B, L, H, D = q.shape
@@ -238,6 +242,8 @@ def _flash_forward(b: dict):
         out, lse = out.view(q.shape), lse.view(H, B, L).transpose(0, 1).contiguous()
     if b.get("out") is not None:
         out = b["out"].copy_(out)
+    else:
+        out = _like(q, out)  # the meta function's strides (a copy only for a permuted q)
     return (out, lse, *_rng(q.device), torch.empty(0, dtype=q.dtype, device=q.device))
 
 
@@ -264,7 +270,7 @@ def _sdpa_call(b: dict):
     causal = bool(b["is_causal"])
     if causal and L != S:
         raise _FallThrough("SDPA's is_causal aligns the mask top-left and FLAMIA_FP8 bottom-right: they differ when "
-                           f"the query and key lengths differ ({L} and {S})")
+                           "the query and key lengths differ")
     cu_q = _uniform_cu(B, L, q.device)
     cu_k = cu_q if S == L else _uniform_cu(B, S, q.device)
     thd = (t.transpose(1, 2).reshape(B * t.shape[2], t.shape[1], t.shape[3]) for t in (q, k, v))

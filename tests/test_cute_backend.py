@@ -104,6 +104,22 @@ def test_per_tensor_operands_fill_one_fused_layout():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16", "fp8_tensor_current"])
+def test_fp16_inputs_run_the_kernels_on_their_bf16_rounding(recipe, monkeypatch):
+    """fp16 Q, K, V and dO on the kernels (no fallback warning): the results of their bf16 rounding, in fp16."""
+    import flamia_cute.interface as iface
+
+    monkeypatch.setattr(iface, "_WARNED", set())
+    q, k, v, do, cu, scale = make_inputs(LENGTHS, 4, 2, 128, device="cuda", seed=8, dtype=torch.float16)
+    got = attention_fn_for(recipe, scale, backend="auto")(q, k, v, cu, do)
+    assert not iface._WARNED, iface._WARNED  # no fallback to the emulator
+    ref = attention_fn_for(recipe, scale, backend="cute")(*(t.bfloat16() for t in (q, k, v)), cu, do.bfloat16())
+    for name in ("out", "dk", "dv"):
+        assert got[name].dtype == torch.float16 and torch.equal(got[name], ref[name].half()), name
+    assert rel_l2(got["dq"], ref["dq"]) < 1e-5  # dQ's fp32 reduce-adds land in any order
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "fp8_tensor_current", "fp8_tokenblock_dsbf16"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 1)])
 def test_kernel_path_matches_emulator(recipe, heads):

@@ -141,3 +141,46 @@ def test_unsupported_arguments_name_themselves():
         fn(None, x, x, x, None, is_causal=True, sliding_window=4)
     with pytest.raises(ValueError, match="4D"):
         fn(None, x, x, x, torch.ones(1, 1, 8, 8, dtype=torch.bool), is_causal=True)
+
+
+def _per_document(model, ids, pos):
+    """Each document of each row run alone: the logits at its tokens."""
+    out = torch.empty(*ids.shape, model.config.vocab_size)
+    with torch.no_grad():
+        for r in range(ids.shape[0]):
+            starts = [0] + [i for i in range(1, ids.shape[1]) if pos[r, i] != pos[r, i - 1] + 1] + [ids.shape[1]]
+            for s, e in zip(starts[:-1], starts[1:], strict=True):
+                out[r, s:e] = model(input_ids=ids[r:r + 1, s:e], position_ids=pos[r:r + 1, s:e]).logits[0]
+    return out
+
+
+@pytest.mark.parametrize("positions", [
+    [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3]],
+    [[7, 8, 9, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]],
+], ids=["two-packed-rows", "first-document-not-at-zero"])
+def test_position_ids_split_documents_in_every_row(positions):
+    """Rows of packed documents marked only by position_ids (no mask, no collator kwargs): every document attends
+    to itself alone, as sdpa's packed-sequence mask makes it, in any row and whatever position it starts at."""
+    model = llama(fhf.ATTN_NAME)
+    pos = torch.tensor(positions)
+    ids = torch.randint(0, 96, pos.shape, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    torch.testing.assert_close(got, _per_document(model, ids, pos), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_static_cache_generation_matches_the_dynamic_cache(padded):
+    """A static cache's keys have slots past the tokens seen so far: with a padding mask they are past the mask's
+    length, without one past the last position. Either way the scores equal the dynamic cache's."""
+    model = llama(fhf.ATTN_NAME)
+    ids = torch.randint(1, 96, (2, 12), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    if padded:
+        ids[0, :3], mask[0, :3] = 0, 0  # left padding: the mask is not all ones, so it reaches the attention
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, attention_mask=mask, return_dict_in_generate=True,
+              output_scores=True)
+    dynamic = model.generate(ids, **kw)
+    static = model.generate(ids, cache_implementation="static", **kw)
+    for a, b in zip(static.scores, dynamic.scores, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

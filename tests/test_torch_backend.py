@@ -34,16 +34,16 @@ def _leaves(*ts):
     return [t.detach().clone().requires_grad_() for t in ts]
 
 
-def _ours(q, k, v, cu_q, cu_k, max_q, max_k, do, causal=True):
+def _ours(q, k, v, cu_q, cu_k, max_q, max_k, do, causal=True, scale=None):
     q, k, v = _leaves(q, k, v)
-    out, lse = flamia_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True)
+    out, lse = flamia_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=causal, return_lse=True)
     out.backward(do)
     return out, lse, q.grad, k.grad, v.grad
 
 
-def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, do, causal=True):
+def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, do, causal=True, scale=None):
     q, k, v = _leaves(q, k, v)
-    kw = {"enable_gqa": True} if GQA else {}
+    kw = ({"enable_gqa": True} if GQA else {}) | ({"scale": scale} if scale is not None else {})
     out, lse = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, 0) if causal else (-1, -1),
                            return_aux=AuxRequest(lse=True), **kw)
     out.backward(do)
@@ -73,6 +73,16 @@ def test_varlen_attn_is_our_call_bit_for_bit(active, causal):
     cu, T = cu_seqlens_from_lengths(lengths), sum(lengths)
     q, k, v, do = _rand(T, 4, 64, seed=1), _rand(T, hk, 64, seed=2), _rand(T, hk, 64, seed=3), _rand(T, 4, 64, seed=4)
     _bitwise(_varlen(q, k, v, cu, cu, 200, 200, do, causal), _ours(q, k, v, cu, cu, 200, 200, do, causal))
+
+
+def test_varlen_attn_passes_the_scale(active):
+    """A softmax scale other than 1/sqrt(d) reaches our call (and a call ignoring it would differ)."""
+    lengths, hk = [100, 37, 200], 2 if GQA else 4
+    cu, T = cu_seqlens_from_lengths(lengths), sum(lengths)
+    q, k, v, do = _rand(T, 4, 64, seed=5), _rand(T, hk, 64, seed=6), _rand(T, hk, 64, seed=7), _rand(T, 4, 64, seed=8)
+    got = _varlen(q, k, v, cu, cu, 200, 200, do, scale=0.3)
+    _bitwise(got, _ours(q, k, v, cu, cu, 200, 200, do, scale=0.3))
+    assert not torch.equal(got[0], _ours(q, k, v, cu, cu, 200, 200, do)[0])
 
 
 def test_varlen_attn_cross_length_runs_the_emulator_bit_for_bit(active):
@@ -141,6 +151,19 @@ def test_reasons_without_a_previous_kernel_raise_naming_them(active):
     with pytest.raises(NotImplementedError, match="sliding window"):
         torch.ops.aten._flash_attention_forward(x, x, x, cu, cu, 16, 16, 0.0, True, False, window_size_left=4,
                                                 window_size_right=0)
+    with pytest.raises(NotImplementedError, match="cum_seq_k is None"):
+        torch.ops.aten._flash_attention_forward(x, x, x, cu, None, 16, 16, 0.0, True, False)
+    with pytest.raises(NotImplementedError, match="key or value head dims"):
+        torch.ops.aten._flash_attention_forward(x, x, _rand(16, 2, 128, seed=19), cu, cu, 16, 16, 0.0, True, False)
+
+
+def test_dense_flash_forward_has_the_meta_strides(active):
+    """A dense (B, S, H, D) query that is a transposed (B, H, S, D) tensor: the output has empty_like(q)'s
+    strides, which the op's meta function gives and torch.compile assumes."""
+    q = _rand(2, 4, 32, 64, seed=20).transpose(1, 2)  # (B, S, H, D), not contiguous
+    k = v = _rand(2, 2, 32, 64, seed=21).transpose(1, 2)
+    out = torch.ops.aten._flash_attention_forward(q, k, v, None, None, 32, 32, 0.0, True, False)[0]
+    assert out.stride() == torch.empty_like(q).stride()
 
 
 @pytest.mark.parametrize("what", ["varlen", "sdpa"])
