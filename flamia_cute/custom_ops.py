@@ -235,9 +235,8 @@ def _kernel_plan(recipe: str, q, k_tokens: int, k_heads: int, max_seqlen_q: int,
 
 
 def _bf16(*xs):
-    """The kernels' inputs: fp16 is rounded to bf16 first, so its e4m3 codes and scales come from the bf16
-    values (the emulator quantizes fp16 directly: a code or a block's scale can differ where bf16's rounding
-    moves a value across a rounding or scale boundary; both are within the FP8 tolerances)."""
+    """fp16 inputs rounded to bf16, on every backend (the kernels quantize bf16), so that the emulator still
+    defines the kernels' numerics exactly; results go back in the caller's dtype."""
     return tuple(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16) for x in xs)
 
 
@@ -271,7 +270,7 @@ def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
             raise NotImplementedError("backend 'sm100': causal=False has no sm_100a kernel")
         if rope_cos is not None or _recipe(recipe).hadamard:
             raise NotImplementedError("backend 'sm100': the rotations of Q and K have no sm_100a kernel")
-        out_k, lse, ops = sm100.forward(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, save)
+        out_k, lse, ops = sm100.forward(*_bf16(q, k, v), cu_seqlens_q, max_seqlen_q, softmax_scale, save)
         out = out_k if out_k.dtype == q.dtype else out_k.to(q.dtype)
         if not save:
             return out, lse, []
@@ -279,7 +278,7 @@ def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
         return out, lse, _pack_emulated(layout, out_k, ectx)
     from .emulator import emulate_forward
 
-    out_e, lse, ectx = emulate_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, _recipe(recipe),
+    out_e, lse, ectx = emulate_forward(*_bf16(q, k, v), cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, _recipe(recipe),
                                        rotary=_rotary(rope_cos, rope_sin, rope_interleaved))
     # for bf16 q, out IS out_e, and the layout holds a placeholder instead (outputs must not alias)
     return out_e.to(q.dtype), lse, _pack_emulated(layout, out_e, ectx) if save else []
@@ -307,6 +306,7 @@ def saved_from_inputs(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     from .emulator import qk_transform, quantize_inputs, transform_inputs
 
     rec = _recipe(recipe)
+    q, k, v = _bf16(q, k, v)
     # the forward quantized Q and K after the recipe's rotations (the Hadamard recipe's; this path has no RoPE)
     q, k = transform_inputs(q, k, cu_seqlens_q, cu_seqlens_k, qk_transform(rec, None))
     qo, ko, vo = quantize_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, rec)
@@ -340,7 +340,7 @@ def run_backward(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         qo, ko, vo = _unpack_emulated(layout, saved, rec)
         ectx = EmulatorContext(rec, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, qo, ko, vo, out_bf16, lse,
                                qk_transform(rec, _rotary(rope_cos, rope_sin, rope_interleaved)))
-        grads = emulate_backward(dout, ectx)
+        grads = emulate_backward(*_bf16(dout), ectx)
     return tuple(g if g.dtype == dt else g.to(dt) for g in grads)
 
 

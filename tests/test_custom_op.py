@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from flamia_cute import NAMED_RECIPES, flamia_attn_varlen_func
 from flamia_cute.custom_ops import recipe_key, saved_layout, varlen_bwd, varlen_fwd
 from flamia_cute.quant import QuantizedTHD, transposed_tokens
-from flamia_cute.testing import make_inputs
+from flamia_cute.testing import attention_fn_for, make_inputs
 
 LENGTHS = [5, 40, 0, 19]
 
@@ -199,6 +199,19 @@ def test_custom_op_path_matches_the_autograd_function_bit_for_bit(recipe, dtype)
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x.grad, y.grad)
     assert not lse.requires_grad
+
+
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16", "fp8_token", "mxfp8"])
+def test_fp16_inputs_are_their_bf16_rounding(recipe):
+    """fp16 is rounded to bf16 on every backend (the kernels quantize bf16): on the emulator, too, its results
+    are those of the rounded inputs, returned in fp16, so the emulator still defines the kernels' numerics."""
+    q, k, v, do, cu, _ = make_inputs([3, 130, 0, 17], 4, 2, 64, dtype=torch.float16, seed=6)
+    fn = attention_fn_for(recipe, backend="emulate")
+    got = fn(q, k, v, cu, do)
+    ref = fn(*(t.bfloat16() for t in (q, k, v)), cu, do.bfloat16())
+    for name in ("out", "dq", "dk", "dv"):
+        assert got[name].dtype == torch.float16 and torch.equal(got[name], ref[name].half()), name
+    assert torch.equal(got["lse"], ref["lse"])
 
 
 def test_custom_recipes_take_the_same_path_by_key():
