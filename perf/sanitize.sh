@@ -8,7 +8,9 @@
 # checks nothing), then memcheck (all cases, PyTorch's caching allocator off so that each tensor is its
 # own allocation and an overrun past its end is seen), racecheck and synccheck (the small set).
 # SANITIZE_STEPS: which steps (default "warmup control memcheck racecheck synccheck"; the disk cache
-# of FLAMIA_CUTE_CACHE_DIR keeps the warm-up's kernels for a later call); SANITIZE_LIMIT: seconds per step (300).
+# of FLAMIA_CUTE_CACHE_DIR keeps the warm-up's kernels for a later call); SANITIZE_LIMIT: seconds per step (300);
+# SANITIZE_BUDGET: seconds for all steps together (560); WARMUP_SET: the warm-up's kernel set (full, or small
+# for racecheck and synccheck alone).
 set -uo pipefail
 case ${1:-} in -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 cd "$(dirname "$0")/.."
@@ -31,23 +33,27 @@ SUMMARY="$DIR/summary.txt"
   echo "steps: ${SANITIZE_STEPS:-warmup control memcheck racecheck synccheck}"; echo; } >> "$SUMMARY"
 if [ -z "$SAN" ]; then echo "compute-sanitizer not found (PATH, CUDA_HOME, /usr/local/cuda*)" | tee -a "$SUMMARY"; exit 2; fi
 fail=0
+END=$((SECONDS + ${SANITIZE_BUDGET:-560}))  # every step together (one device call is 600 s)
 STEPS=" ${SANITIZE_STEPS:-warmup control memcheck racecheck synccheck} "
 step() {  # step NAME EXPECT(pass|fail) CMD...: the command under a time limit, its log, its line in summary.txt
   local name=$1 expect=$2; shift 2
   [[ $STEPS == *" ${name%%_*} "* ]] || return 0
-  local t0=$SECONDS
+  local t0=$SECONDS lim=$LIMIT
+  # never past the script's budget: an outer timeout kills only bash, and the sanitizer would run on orphaned
+  (( END - SECONDS < lim )) && lim=$(( END - SECONDS ))
+  (( lim < 10 )) && { echo "$name: no time left in SANITIZE_BUDGET" | tee -a "$SUMMARY"; fail=1; return 0; }
   echo "=== $name: $*"
-  timeout "$LIMIT" "$@" > "$DIR/$name.log" 2>&1; local rc=$?
+  timeout "$lim" "$@" > "$DIR/$name.log" 2>&1; local rc=$?
   local errs; errs=$(grep -hE "(ERROR|RACECHECK) SUMMARY" "$DIR/$name.log" | sed "s/^=* *//" | paste -sd";" -)
   local verdict=ok
   if [ "$expect" = pass ] && [ "$rc" -ne 0 ]; then verdict=FAILED; fail=1; fi
   if [ "$expect" = fail ] && { [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ]; }; then verdict="FAILED (the planted error was not reported)"; fail=1; fi
-  [ "$rc" -eq 124 ] && verdict="$verdict (timed out after ${LIMIT} s)"
+  [ "$rc" -eq 124 ] && verdict="$verdict (timed out after ${lim} s)"
   printf '%-10s rc %-3s %4d s  %s  %s\n' "$name" "$rc" $((SECONDS - t0)) "${errs:-(no ERROR SUMMARY line)}" "$verdict" | tee -a "$SUMMARY"
   tail -5 "$DIR/$name.log"
 }
 DRIVER=("${PYTHON:-python3}" perf/sanitize_driver.py)
-step warmup pass "${DRIVER[@]}" --set full --compile-ahead
+step warmup pass "${DRIVER[@]}" --set "${WARMUP_SET:-full}" --compile-ahead
 step control_oob fail env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool memcheck --error-exitcode 1 "${DRIVER[@]}" --control oob
 [[ $STEPS != *" control "* ]] || grep -q "Invalid __global__ write" "$DIR/control_oob.log" || { echo "control_oob: no 'Invalid __global__ write' in the log" | tee -a "$SUMMARY"; fail=1; }
 step memcheck pass env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool memcheck --error-exitcode 1 "${DRIVER[@]}" --set full
