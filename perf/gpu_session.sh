@@ -73,8 +73,8 @@ for stage in "$@"; do
       # time, cycles per step, O bit-identical;
       # then the same at kv_stages=3 (the tuner's long-document depth) on 1x16k, 1x64k (~4 min)
       begin overlap "burst (CUDA graphs, SM clock sampled)"
-      run fwd_overlap 400 python3 perf/ablations/fwd_ablations.py 1x16k 1x64k 4x4k mixed16k 16x1k --ablations "unpinned,pingpong,o under s,o under s pp"
-      run fwd_overlap_kv3 200 python3 perf/ablations/fwd_ablations.py 1x16k 1x64k --ablations "unpinned,o under s" --kv-stages 3 ;;
+      run fwd_overlap 360 python3 perf/ablations/fwd_ablations.py 1x16k 1x64k 4x4k mixed16k 16x1k --ablations "unpinned,pingpong,o under s,o under s pp"
+      run fwd_overlap_kv3 180 python3 perf/ablations/fwd_ablations.py 1x16k 1x64k --ablations "unpinned,o under s" --kv-stages 3 ;;
     go36)  # issue 36's go/no-go for a split backward, 1x16k and 1x64k: the dK/dV-only kernel against the full
       # backward kernel (go if <= 0.60), the forward with a third FP8 GEMM against the full backward (go if <= 0.40)
       begin go36 "burst (CUDA graphs, SM clock sampled by nvidia-smi during the replays)"
