@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Issue 40 on two GPUs of one host (NCCL, one process per GPU, NVLink multicast off), by stage:
 #   bash perf/two_gpu.sh [OUTDIR] STAGE...     (OUTDIR default $OUT, else perf/results/two_gpu)
-# Stages (each fits one 10-minute device call with the next; run cp and train-fa4 together, then
-# train-flamia and compare):
+# Stages (one 10-minute device call runs cp and train-fa4, the next train-flamia; compare runs anywhere):
 #   cp            perf/two_gpu_cp.py: context-parallel forward+backward at world size 2 on 1x64k and 2x32k
 #                 (H=16, D=128) against world size 1, leakage across the rank boundary, time against FA4 bf16
 #                 in the same all-gather wrapper (~3 min)
 #   train-fa4     train/ with FSDP2 at world size 2, FA4, 300 steps of 16,384-token documents (~5 min)
 #   train-flamia  the same with the FP8 default recipe on the kernels (~5 min)
-#   compare       train.run --compare: the loss curves overlaid (PNG kept), tokens/s and peak memory per GPU
+#   compare       train.run --compare: the loss curves overlaid (PNG kept), tokens/s and peak memory per GPU;
+#                 it needs both runs' files in OUTDIR: with one call per training run (each call's $OUT starts
+#                 empty), run it afterwards on any machine over the fetched files (it needs no GPU)
 # NPROC (default 2), STEPS (300), DOC_TOKENS (16384), TOKENS_PER_STEP (65536 per rank), SEED (0).
 set -uo pipefail
-case ${1:-} in -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
+case ${1:-} in -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 cd "$(dirname "$0")/.."
 DIR=${OUT:-perf/results/two_gpu}
 if [ $# -gt 0 ] && [[ $1 != cp && $1 != train-* && $1 != compare ]]; then DIR=$1; shift; fi
