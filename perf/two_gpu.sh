@@ -12,7 +12,7 @@
 #                 empty), run it afterwards on any machine over the fetched files (it needs no GPU)
 # NPROC (default 2), STEPS (300), DOC_TOKENS (16384), TOKENS_PER_STEP (65536 per rank), SEED (0).
 set -uo pipefail
-case ${1:-} in -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
+case ${1:-} in -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 cd "$(dirname "$0")/.."
 DIR=${OUT:-perf/results/two_gpu}
 if [ $# -gt 0 ] && [[ $1 != cp && $1 != train-* && $1 != compare ]]; then DIR=$1; shift; fi
