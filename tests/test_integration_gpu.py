@@ -16,6 +16,13 @@ from flamia_cute import flamia_attn_varlen_func
 from flamia_cute.testing import cu_seqlens_from_lengths
 
 pytestmark = pytest.mark.gpu
+
+
+def FLASH():
+    """SDPA's flash backend, the path FLAMIA_FP8 serves."""
+    return torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+
+
 DEV = "cuda"
 
 
@@ -70,7 +77,8 @@ def test_sdpa_runs_the_kernels_bit_for_bit_and_falls_through_saying_why(active, 
     B, H, L, D = 2, 8, 2048, 128
     q, k, v, do = (_rand(B, H, L, D, seed=s) for s in (5, 6, 7, 8))
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    with FLASH():  # torch picks cuDNN's attention over the flash path on an H200 unless told
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True)
     grads = torch.autograd.grad(out, leaves, do)
 
     def thd(t):
@@ -82,7 +90,8 @@ def test_sdpa_runs_the_kernels_bit_for_bit_and_falls_through_saying_why(active, 
         assert torch.equal(thd(a), b)
     with warnings.catch_warnings(record=True) as w:  # non-causal has no sm_90a kernel: FA2 runs it
         warnings.simplefilter("always")
-        F.scaled_dot_product_attention(q, k, v, is_causal=False)
+        with FLASH():
+            F.scaled_dot_product_attention(q, k, v, is_causal=False)
     assert any("causal=False" in str(m.message) for m in w)
 
 
