@@ -39,7 +39,6 @@ def cmd_bench(args) -> int:
     return main_bench(args)
 
 
-
 def _set_value(val: str):
     """A --set value: True/False, a JSON literal (numbers, quoted strings, lists), else the bare string
     (the config's own checks then name the field if it is wrong)."""

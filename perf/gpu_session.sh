@@ -94,7 +94,7 @@ for stage in "$@"; do
       run accuracy_table 180 python3 -m flamia_cute.cli accuracy --json "$DIR/accuracy_emulator.json" ;;
     sanitize|sanitize-race)  # compute-sanitizer on every shipping kernel, tiny odd packs (perf/sanitize.sh):
       # sanitize = the warm-up that compiles, the planted out-of-bounds write memcheck must report, memcheck (~6-9 min);
-      # sanitize-race = racecheck and synccheck (~4-8 min; run it after sanitize on the same machine: its disk cache)
+      # sanitize-race = its own warm-up of the small set, racecheck and synccheck (~4-8 min)
       begin "$stage" "not timed (correctness)"
       # (sanitize-race warms its small set up first: a machine does not keep sanitize's compile cache between calls)
       if [ "$stage" = sanitize ]; then steps="warmup control memcheck"; ws=full; limit=420

@@ -12,7 +12,7 @@
 # SANITIZE_BUDGET: seconds for all steps together (560); WARMUP_SET: the warm-up's kernel set (full, or small
 # for racecheck and synccheck alone).
 set -uo pipefail
-case ${1:-} in -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
+case ${1:-} in -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 cd "$(dirname "$0")/.."
 DIR=${1:-${OUT:-perf/results/sanitize}}
 mkdir -p "$DIR"

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flamia_cute import flamia_attn_varlen_func  # noqa: E402
 from flamia_cute.distributed import _all_gather, context_parallel_attn, gather_tokens, shard_packed_batch  # noqa: E402
-from flamia_cute.testing import check_leakage, make_inputs, rel_l2  # noqa: E402
+from flamia_cute.testing import attention_fn_for, check_leakage, make_inputs, rel_l2  # noqa: E402
 
 GPU_WORKLOADS = {"1x64k": [65536], "2x32k": [32768, 32768]}
 CPU_WORKLOADS = {"1x384": [384], "2x192": [192, 192], "mixed": [100, 37, 200, 47]}
@@ -60,19 +60,6 @@ def ours_cp(shard, recipe, backend, scale):
             grads = torch.autograd.grad(out, (ql, kl, vl), shard.take(dout))
             for name, g in zip(("dq", "dk", "dv"), grads, strict=True):
                 res[name] = gather_tokens(g, shard)
-        return res
-    return fn
-
-
-def ours_ws1(recipe, backend, scale):
-    def fn(q, k, v, cu, dout=None):
-        qq, kk, vv = (t.detach().requires_grad_(dout is not None) for t in (q, k, v))
-        n = int((cu[1:] - cu[:-1]).max())
-        out, lse = flamia_attn_varlen_func(qq, kk, vv, cu, cu, n, n, scale, True, recipe=recipe, backend=backend,
-                                           return_lse=True)
-        res = {"out": out.detach(), "lse": lse.detach()}
-        if dout is not None:
-            res.update(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (qq, kk, vv), dout), strict=True))
         return res
     return fn
 
@@ -126,7 +113,7 @@ def run_workload(name, lengths, args, device, backend, heads, head_dim):
     cu = cu.to(device)
     shard = shard_packed_batch(cu, world, rank, device=device)
     cp = ours_cp(shard, args.recipe, backend, scale)
-    ws1 = ours_ws1(args.recipe, backend, scale)
+    ws1 = attention_fn_for(args.recipe, scale, backend=backend)  # the one-process call
     got, ref = cp(q, k, v, cu, do), ws1(q, k, v, cu, do)
     row = {"workload": name, "world_size": world, "tokens": sum(lengths), "recipe": args.recipe}
     failed = []
