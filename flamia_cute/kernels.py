@@ -81,7 +81,7 @@ ATTENTION_CONFIGS = {
     "tokenblock_d64": dict(head_dim=64, diagonal_copy=True),
     "tokenblock_d128_gqa4": dict(head_dim=128, diagonal_copy=True, qhead_per_kvhead=4),
     # queries that are the last positions of their document's keys, and causal=False (cu_seqlens_k)
-    "tokenblock_d128_cross": dict(head_dim=128, diagonal_copy=True, cross_length=True),
+    "tokenblock_d128_cross": dict(head_dim=128, diagonal_copy=True, cross_length=True, deterministic=True),
     "tokenblock_d128_noncausal": dict(head_dim=128, diagonal_copy=True, causal=False),
 }
 

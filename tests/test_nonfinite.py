@@ -341,9 +341,11 @@ def test_separate_keys_isolation_check_fails_a_leak():
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal, name, which, value", list(_xlen_cases()))
 def test_kernels_isolate_nonfinite_inputs_with_separate_keys(causal, name, which, value, default_configs):
-    """The same on the sm_90a cross-length and non-causal builds (backend="cute"); dQ's fp32 reduce-adds
-    land in any order, so its other documents are compared within 1e-6."""
-    assert _run_xlen("cute", causal, name, which, value, device="cuda", dq_tol=1e-6) == []
+    """The same on the sm_90a cross-length and non-causal builds (backend="cute"). The non-causal build's dQ
+    reduce-adds land in any order, so its other documents' dQ is compared within 2e-2 (the default backward's
+    run-to-run spread, as test_kernels_isolate_nonfinite_inputs); the cross-length build's ordered atomics
+    give it bitwise."""
+    assert _run_xlen("cute", causal, name, which, value, device="cuda", dq_tol=0.0 if causal else 2e-2) == []
 
 
 def _xlen_magnitudes(causal, mag, backend, device="cpu"):

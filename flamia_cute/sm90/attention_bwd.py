@@ -193,6 +193,10 @@ class BwdDsBf16Config:
                 bad(name, "must be a bool")
         if self.cross_length and not self.causal:
             bad("cross_length", "is for causal=True (the non-causal build takes cu_seqlens_k in any case)")
+        if self.cross_length and not self.deterministic:
+            # the TMA reduce-add of a dQ tile whose queries start off a 64-row boundary of their keys stops
+            # the kernel on the H200 (cudaErrorIllegalInstruction): dQ by the ordered atomics
+            bad("cross_length", "needs deterministic=True (its dQ goes by the ordered atomics)")
         if self.short_pairs and self.separate_keys:
             bad("short_pairs", "pairs self-attention documents only (not with cross_length or causal=False)")
         if self.vec_stages not in (2, 3):
