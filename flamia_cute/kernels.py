@@ -81,7 +81,7 @@ ATTENTION_CONFIGS = {
     "tokenblock_d64": dict(head_dim=64, diagonal_copy=True),
     "tokenblock_d128_gqa4": dict(head_dim=128, diagonal_copy=True, qhead_per_kvhead=4),
     # queries that are the last positions of their document's keys, and causal=False (cu_seqlens_k)
-    "tokenblock_d128_cross": dict(head_dim=128, diagonal_copy=True, cross_length=True, deterministic=True),
+    "tokenblock_d128_cross": dict(head_dim=128, diagonal_copy=True, cross_length=True),
     "tokenblock_d128_noncausal": dict(head_dim=128, diagonal_copy=True, causal=False),
 }
 
@@ -111,7 +111,10 @@ KERNELS = {
         KernelEntry("bwd_dsbf16", ("sm_90a",), "flamia_cute.sm90.attention_bwd", "BwdDsBf16Config",
                     ATTENTION_CONFIGS | {  # the dK epilogue with K's inverse rotations
                         "rope_hadamard_d128": dict(head_dim=128, diagonal_copy=True, rotary="half", rotary_dim=128,
-                                                   hadamard=3)}),
+                                                   hadamard=3),
+                        # cross-length dQ goes by the ordered atomics only (BwdDsBf16Config.cross_length)
+                        "tokenblock_d128_cross": {**ATTENTION_CONFIGS["tokenblock_d128_cross"],
+                                                  "deterministic": True}}),
         # the dQ conversion (fp32 -> bf16) with Q's inverse rotations
         KernelEntry("grad_rotate", ("sm_90a",), "flamia_cute.sm90.rotate", "GradRotateConfig", {
             "rope_hadamard_d128": dict(head_dim=128, rotary="half", rotary_dim=128, hadamard=4),
@@ -178,21 +181,6 @@ def lane_divergent_collectives(ptx: str) -> list[str]:
     return found
 
 
-def ex2_under_async_mma(sass: str) -> int:
-    """The most MUFU.EX2 that issue between a wgmma wait that leaves one group in flight
-    (`WARPGROUP.DEPBAR.LE gsb0, 0x1`) and the next wait or wgmma: the exponentials that overlap a
-    running GEMM in the warpgroup (the forward's softmax under P V). ptxas may hoist the second wait
-    above them; this number is how a build shows it did not."""
-    best, count, open_ = 0, 0, False
-    for line in sass.splitlines():
-        if "WARPGROUP.DEPBAR" in line or "GMMA" in line:
-            best, count = max(best, count) if open_ else best, 0
-            open_ = "DEPBAR.LE gsb0, 0x1" in line
-        elif open_ and "MUFU.EX2" in line:
-            count += 1
-    return max(best, count) if open_ else best
-
-
 def summarize(art: Any, smem_bytes: int, tmem_columns: int | None = None) -> dict:
     out = {"arch": art.arch, "registers": art.registers, "stack_frame_bytes": art.frame_bytes,
            "shared_memory_bytes": smem_bytes}
@@ -204,5 +192,4 @@ def summarize(art: Any, smem_bytes: int, tmem_columns: int | None = None) -> dic
     if art.sass:
         for label, pat in SASS_COUNTERS.items():
             out[f"sass {label}"] = len(re.findall(pat, art.sass))
-        out["sass MUFU.EX2 under a running wgmma"] = ex2_under_async_mma(art.sass)
     return out

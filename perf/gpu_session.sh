@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs a maintainer repeats, by stage: bash perf/gpu_session.sh STAGE...   (perf/README.md)
 # Stages: setup tests tests-full bench breakdown api-profile tune ablations go36 train accuracy sanitize
-# sanitize-race fuzz soak train-long cudnn-direct overlap.
+# sanitize-race fuzz soak train-long cudnn-direct.
 # Each stage writes $RESULTS/<date>-<stage>/: its log, its outputs and a MANIFEST.md (commit, command,
 # GPU, clock regime, SM clock samples where taken). RESULTS defaults to $OUT (the device tool returns
 # what is under $OUT), else perf/results. WORKLOADS, ABLATIONS, TRAIN_WHAT, TRAIN_SEED, SANITIZE_STEPS,
@@ -68,13 +68,6 @@ for stage in "$@"; do
         fwd|bwd) run "${a}_ablations" 560 python3 "perf/ablations/${a}_ablations.py" 1x16k 4x4k 16x1k ;;
         power) run bwd_power 300 env BWD_POWER_SECONDS=3 python3 perf/ablations/bwd_power.py 1x16k ;;
       esac; done ;;
-    overlap)  # the forward's softmax under P V (P's registers pinned to the P V wait) against the unpinned
-      # build, the pinned build with the ping-pong barrier and FwdConfig.o_under_s (with and without it): burst
-      # time, cycles per step, O bit-identical;
-      # then the same at kv_stages=3 (the tuner's long-document depth) on 1x16k, 1x64k (~4 min)
-      begin overlap "burst (CUDA graphs, SM clock sampled)"
-      run fwd_overlap 360 python3 perf/ablations/fwd_ablations.py 1x16k 1x64k 4x4k mixed16k 16x1k --ablations "unpinned,pingpong,o under s,o under s pp"
-      run fwd_overlap_kv3 180 python3 perf/ablations/fwd_ablations.py 1x16k 1x64k --ablations "unpinned,o under s" --kv-stages 3 ;;
     go36)  # issue 36's go/no-go for a split backward, 1x16k and 1x64k: the dK/dV-only kernel against the full
       # backward kernel (go if <= 0.60), the forward with a third FP8 GEMM against the full backward (go if <= 0.40)
       begin go36 "burst (CUDA graphs, SM clock sampled by nvidia-smi during the replays)"

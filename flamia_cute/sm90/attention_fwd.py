@@ -107,7 +107,6 @@ from .primitives import (
     cvt_bf16x2,
     f32_bits,
     pack_a_fragment_e4m3,
-    pin_registers,
     quad_transpose4,
     select,
     st_global_v4,
@@ -185,10 +184,6 @@ class FwdConfig:
     # cu_seqlens_k and run the query tiles of schedules.varlen_tiles.cross_tile (separate_keys).
     causal: bool = True
     cross_length: bool = False
-    # Experiment: the overlapped step adds the landed P V of tile n-2 into O while S of tile n runs,
-    # then issues P V of tile n-1 (the same operations in the same order; the O update leaves the
-    # chain after the P V wait). Block-scaled builds only.
-    o_under_s: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -215,10 +210,6 @@ class FwdConfig:
             bad("cross_length", "is for causal=True (the non-causal build takes cu_seqlens_k in any case)")
         if self.short_pairs and self.separate_keys:
             bad("short_pairs", "pairs self-attention documents only (not with cross_length or causal=False)")
-        if not isinstance(self.o_under_s, bool):
-            bad("o_under_s", "must be a bool")
-        if self.o_under_s and not self.intra_wg_overlap:
-            bad("o_under_s", "needs the overlapped schedule (diagonal_copy=True)")
         for name in ("tile_order", "short_pairs"):
             if getattr(self, name) != getattr(FwdConfig, name) and not self.persistent:
                 bad(name, "needs persistent=True (per_tile_fallback drops it)")
@@ -272,7 +263,6 @@ class FlamiaFwdSm90:
         self.regs_consumer = 240
         self.pingpong = config.pingpong
         self.overlap = config.intra_wg_overlap
-        self.o_under_s = config.o_under_s
         self.persistent = config.persistent
         self.q_stages = config.q_stages
         self.short_pairs = config.short_pairs
@@ -880,8 +870,7 @@ class FlamiaFwdSm90:
         l_run = cute.make_rmem_tensor(cute.make_layout(2), Float32)  # per-thread partial row sum
         # V-scale fold reference of the last kept tile; negative while the current tile is dropped
         r_run = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-        # overlap: deferred O rescale (0, 1); o_under_s: also the factor of the landed tile accumulator (2, 3)
-        c_pend = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        c_pend = cute.make_rmem_tensor(cute.make_layout(2), Float32)  # overlap: deferred O rescale
         rowst = (rs, m_run, l_run, r_run, c_pend)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
@@ -968,11 +957,6 @@ class FlamiaFwdSm90:
                 True, m_block, frags, rowst, qk_mma, sScale, pipe_k, pipe_s, k_state, s_state, doc_len, wg, q_slot,
                 key_lo,
             )
-            if cutlass.const_expr(self.o_under_s):
-                # nothing landed yet: O = O * 1 + 0 is exact (O is 0 here)
-                frags[4].fill(0.0)
-                rowst[4][2] = Float32(1.0)
-                rowst[4][3] = Float32(1.0)
             for i in cutlass.range(1, n_tiles, unroll=1):
                 # the MMA atoms carry their ACCUMULATE field as staged state: rebinding them here
                 # makes them loop-carried, so the epilogue's GEMM may use them after the loop
@@ -1313,49 +1297,32 @@ class FlamiaFwdSm90:
         """Overlap schedule, off-diagonal tile n: issue S_n and P_prev V_prev, softmax of S_n
         while P V runs, then O = O * c_prev + O_tile(prev) and P_n."""
         rs, m_run, l_run, r_run, c_pend = rowst
-        k_state = self.issue_s_with_pv(qk_mma, pv_mma, frags, rowst, pipe_k, pipe_v, pipe_s, k_state, v_state, s_state,
-                                       wg, q_slot)
+        k_state = self.issue_s_with_pv(qk_mma, pv_mma, frags, pipe_k, pipe_v, pipe_s, k_state, v_state, s_state, wg,
+                                       q_slot)
         c_prev = [c_pend[0], c_pend[1]]  # the factor of the tile whose P V is in flight
         # reads and writes acc_s only (and the row statistics): P V reads tOrP, writes acc_t
         self.softmax(False, n, frags, rowst, sScale, s_state, doc_len, wg)
         pipe_s.consumer_release(s_state)
         s_state.advance()
         warpgroup.wait_group(0)
-        # P's registers are the in-flight P V's A operand: keep them live up to the wait, or at d128
-        # ptxas reuses them for the softmax and hoists the wait above it (no overlap left). d64 has
-        # registers to spare, and its wait lands where ptxas's latency model puts it either way.
-        if cutlass.const_expr(self.D == 128):
-            pin_registers(frags[7])
         pipe_v.consumer_release(v_state)
         v_state.advance()
-        if cutlass.const_expr(self.o_under_s):
-            c_pend[2] = c_prev[0]  # added into O under the next S
-            c_pend[3] = c_prev[1]
-        else:
-            # the serial schedule's operation for the previous tile: O = O * c_prev + O_tile
-            self.accumulate_o(frags, c_prev)
+        # the serial schedule's operation for the previous tile: O = O * c_prev + O_tile
+        self.accumulate_o(frags, c_prev)
         self.convert_p(frags, r_run, self.diag_copy)
         return k_state, v_state, s_state, qk_mma, pv_mma
 
     @cute.jit
-    def issue_s_with_pv(self, qk_mma, pv_mma, frags, rowst, pipe_k, pipe_v, pipe_s, k_state, v_state, s_state, wg,
-                        q_slot):
+    def issue_s_with_pv(self, qk_mma, pv_mma, frags, pipe_k, pipe_v, pipe_s, k_state, v_state, s_state, wg, q_slot):
         """Overlap schedule: issue S for the K tile in k_state and P V of the previous tile (its P in
         the A registers) back to back, wait for S alone (groups retire in order; P V may still run)
-        and for the tile's scales. o_under_s: between the two, O = O * c + O_tile of the tile
-        accumulator that landed in the previous step. Returns the advanced K state."""
+        and for the tile's scales. Returns the advanced K state."""
         pipe_k.consumer_wait(k_state)
-        if cutlass.const_expr(not self.o_under_s):
-            pipe_v.consumer_wait(v_state)
+        pipe_v.consumer_wait(v_state)
         self.wait_turn(wg)
         warpgroup.fence()
         self.gemm_qk(qk_mma, frags, k_state, q_slot)
         warpgroup.commit_group()
-        if cutlass.const_expr(self.o_under_s):
-            c_pend = rowst[4]
-            self.accumulate_o(frags, [c_pend[2], c_pend[3]])
-            pipe_v.consumer_wait(v_state)
-            warpgroup.fence()  # the tile accumulator was read above; P V overwrites it
         self.gemm_pv(pv_mma, frags, v_state)
         warpgroup.commit_group()
         self.pass_turn(wg)
@@ -1367,10 +1334,7 @@ class FlamiaFwdSm90:
 
     @cute.jit
     def overlap_epilogue(self, frags, rowst, pv_mma, pipe_v, v_state, wg):
-        """Overlap schedule: P V of the last tile, O = O * c_last + O_tile (o_under_s: the landed
-        tile accumulator first)."""
-        if cutlass.const_expr(self.o_under_s):
-            self.accumulate_o(frags, [rowst[4][2], rowst[4][3]])
+        """Overlap schedule: P V of the last tile, O = O * c_last + O_tile."""
         pipe_v.consumer_wait(v_state)
         self.wait_turn(wg)
         warpgroup.fence()

@@ -168,13 +168,6 @@ def pack_a_fragment_e4m3(acc, out32):
         out32[reg] = cvt_e4m3x4(acc[a], acc[b], acc[c], acc[d])
 
 
-def pin_registers(regs32):
-    """An empty asm that reads and rewrites each 32-bit register: the values stay live (and in place)
-    up to this point, in program order with the other side-effecting statements (a wgmma wait)."""
-    for i in range(cute.size(regs32)):
-        regs32[i] = ptx("", "=r,0", [regs32[i]], side_effects=True)
-
-
 def cvt_bf16x2(lo, hi):
     """Two fp32 -> two bf16 (RNE) packed in a u32, `lo` in the low half (the lower address)."""
     return ptx("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", [Float32(hi), Float32(lo)])

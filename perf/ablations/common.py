@@ -257,9 +257,6 @@ def sass_counts(art) -> dict:
         return out
     for label, pat in SASS_COUNTS.items():
         out[label] = len(re.findall(pat, art.sass))
-    from flamia_cute.kernels import ex2_under_async_mma
-
-    out["ex2 under wgmma"] = ex2_under_async_mma(art.sass)
     return out
 
 

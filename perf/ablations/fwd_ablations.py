@@ -15,12 +15,6 @@ Ablations (each against the full kernel in the same run):
   no O update    O = O * c + O_tile (64 FFMA per tile: the promotion) -> one FADD of element 0, which keeps
                  P V's result live (with no use of it, ptxas drops the P V wgmmas as dead code)
   skeleton       all three: GEMMs, pipelines, barriers and the rest of the softmax
-  unpinned       P's registers not pinned to the P V wait (the build before the pin: ptxas reuses them for
-                 the softmax and hoists the wait for P V above it); O is exact, bit-identical to full
-  pingpong       the warpgroups' GEMM-issue barrier on (off by default at d128 block-scaled); O exact
-  o under s      FwdConfig(o_under_s=True): the landed P V added into O while the next S runs, then P V
-                 issued (the O update off the chain after the P V wait); O exact
-  o under s pp   the same with the ping-pong barrier
   third product  one more FP8 GEMM per tile step of S = Q K^T's shape (64 x 128 x D per warpgroup):
                  gemm_qk issues S's wgmmas twice, the second pass accumulating onto the first (S' = 2S:
                  its result feeds the softmax, so nothing is dead code, and no accumulator registers are
@@ -29,7 +23,6 @@ Ablations (each against the full kernel in the same run):
                  <= 0.40 of today's full backward kernel on the same workload (--go times both).
 """
 
-import dataclasses
 import os
 import sys
 
@@ -50,10 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 F = fwd.FlamiaFwdSm90
-REAL = {"exp2": cute.math.exp2, "fmax_chains": softmax.fmax_chains, "acc": F.accumulate_o, "gemm_qk": F.gemm_qk,
-        "pin": fwd.pin_registers, "pingpong": fwd.FwdConfig.pingpong}
-EXACT = ("unpinned", "pingpong", "o under s", "o under s pp")  # builds whose O must equal the full build's bit for bit
-CONFIG = {}  # FwdConfig fields the current ablation sets (patch fills it)
+REAL = {"exp2": cute.math.exp2, "fmax_chains": softmax.fmax_chains, "acc": F.accumulate_o, "gemm_qk": F.gemm_qk}
 SKIPPED = Counter()  # what the patches changed while the last build was traced (compile-only prints it)
 
 
@@ -76,23 +66,14 @@ def _o_one_add(self, frags, c):
     SKIPPED["O update as one FADD"] += 1
 
 
-def _no_pin(regs32):
-    SKIPPED["P registers not pinned"] += 1
-
-
-def patch(no_exp=False, no_max=False, no_o=False, third=False, unpinned=False, pingpong=False, o_under_s=False):
+def patch(no_exp=False, no_max=False, no_o=False, third=False):
     """Install one ablation's patches (none: the real kernel) and clear the compile caches."""
-    fwd.pin_registers = _no_pin if unpinned else REAL["pin"]
-    fwd.FwdConfig.pingpong = property(lambda self: True) if pingpong else REAL["pingpong"]
     cute.math.exp2 = (lambda x, fastmath=True: x * Float32(0.5)) if no_exp else REAL["exp2"]
     softmax.fmax_chains = (lambda vals, chains=4, combine=None: vals[0]) if no_max else REAL["fmax_chains"]
     F.accumulate_o = _o_one_add if no_o else REAL["acc"]
     F.gemm_qk = _gemm_qk_twice if third else REAL["gemm_qk"]
-    CONFIG.clear()
-    if o_under_s:
-        CONFIG["o_under_s"] = True
     SKIPPED.clear()
-    common.set_patched(any((no_exp, no_max, no_o, third, unpinned, pingpong)))
+    common.set_patched(any((no_exp, no_max, no_o, third)))
 
 
 ABLATIONS = {
@@ -102,10 +83,6 @@ ABLATIONS = {
     "no O update": {"no_o": True},
     "skeleton": {"no_exp": True, "no_max": True, "no_o": True},
     "third product": {"third": True},
-    "unpinned": {"unpinned": True},
-    "pingpong": {"pingpong": True},
-    "o under s": {"o_under_s": True},
-    "o under s pp": {"o_under_s": True, "pingpong": True},
 }
 GO = ("full", "third product")
 GO_MAX_RATIO = 0.40  # issue 36: the split dQ kernel (this proxy) at most this fraction of today's backward
@@ -119,26 +96,15 @@ def chosen(names: str | None) -> dict:
     return {k: v for k, v in ABLATIONS.items() if not picked or k in picked or k == "full"}
 
 
-def measure(names, ablations: dict, with_backward: bool, kv_stages: int | None = None) -> list[dict]:
+def measure(names, ablations: dict, with_backward: bool) -> list[dict]:
     """One row per (workload, build): ms, the ratio to the full forward, TFLOP/s, the SM clock over the
     replays, SM cycles per 128x128 tile step; with_backward: also the full backward kernel alone
-    (bwd_ablations' "full") and each build's ratio to it. With exact builds, "full" is timed again last
-    ("full again"): its change is the run's drift, which a verdict must exceed. Each row is printed as
-    it is measured (a killed run keeps what it measured)."""
-    import dataclasses
-    import json
-
-    import torch
-
+    (bwd_ablations' "full") and each build's ratio to it."""
     from flamia_cute.schedules import causal_flops
 
     patch()
     wl = common.workloads()
     inputs = {name: common.Inputs(name, wl[name]) for name in names}  # the real kernels, before any patch
-    if kv_stages is not None:  # every build at this K/V depth; the exact builds compare with its default build
-        for inp in inputs.values():
-            inp.fwd_config = dataclasses.replace(inp.fwd_config, kv_stages=kv_stages)
-            inp.out, inp.lse = inp.forward(inp.fwd_config)
     sampler = common.ClockSampler()
     rows, bwd_ms = [], {}
     try:
@@ -151,21 +117,14 @@ def measure(names, ablations: dict, with_backward: bool, kv_stages: int | None =
                              / (r["ms"] * 1e9),
                              "cycles_per_step": common.cycles_per_step(r["ms"], r.get("sm_mhz"),
                                                                        common.bwd_steps(inp.lengths))})
-        again = any(label in EXACT for label in ablations) and "full" in ablations
-        for label, flags in [*ablations.items(), *([("full again", {})] if again else [])]:
+        for label, flags in ablations.items():
             patch(**flags)
             for name, inp in inputs.items():
-                cfg = dataclasses.replace(inp.fwd_config, **CONFIG)
-                exact = None
-                if label in EXACT:
-                    out, lse = inp.forward(cfg)
-                    exact = bool(torch.equal(out, inp.out) and torch.equal(lse, inp.lse))
-                r = common.timed(lambda inp=inp, cfg=cfg: inp.forward(cfg), sampler)
-                rows.append({"workload": name, "build": label, "exact": exact, **r,
+                r = common.timed(lambda inp=inp: inp.forward(inp.fwd_config), sampler)
+                rows.append({"workload": name, "build": label, **r,
                              "tflops": causal_flops(inp.lengths, common.HEADS, common.HEAD_DIM) / (r["ms"] * 1e9),
                              "cycles_per_step": common.cycles_per_step(r["ms"], r.get("sm_mhz"),
                                                                        common.fwd_steps(inp.lengths))})
-                print(json.dumps({k: v for k, v in rows[-1].items() if not isinstance(v, list)}), flush=True)
     finally:
         patch()
         sampler.stop()
@@ -179,18 +138,13 @@ def measure(names, ablations: dict, with_backward: bool, kv_stages: int | None =
 
 
 COLUMNS = [("workload", "workload"), ("build", "build"), ("ms", "ms"), ("ratio", "vs fwd full"),
-           ("vs_bwd", "vs bwd full"), ("exact", "O, LSE bit-identical"), ("tflops", "TFLOP/s"), ("sm_mhz", "SM MHz"),
+           ("vs_bwd", "vs bwd full"), ("tflops", "TFLOP/s"), ("sm_mhz", "SM MHz"),
            ("cycles_per_step", "SM cycles / step (fwd 128x128, bwd 64x128)")]
 
 
 def compile_only(ablations: dict, config=None) -> dict:
-    base = config or fwd.FwdConfig(common.HEAD_DIM, diagonal_copy=True)
-    out = {}
-    for label, flags in ablations.items():  # one build each: an ablation may also set config fields
-        patch(**flags)
-        cfg = dataclasses.replace(base, **CONFIG)
-        out.update(common.compile_builds(fwd, cfg, {label: flags}, patch, SKIPPED))
-    return out
+    return common.compile_builds(fwd, config or fwd.FwdConfig(common.HEAD_DIM, diagonal_copy=True), ablations, patch,
+                                 SKIPPED)
 
 
 def main():
@@ -198,12 +152,11 @@ def main():
                                 "the verdict")
     ap.add_argument("--ablations", default=None, help="comma list of ablation labels (default: all)")
     ap.add_argument("--with-backward", action="store_true", help="also time the full backward kernel (--go implies it)")
-    ap.add_argument("--kv-stages", type=int, default=None, help="every forward build at this K/V pipeline depth")
     args = ap.parse_args()
     ablations, names = common.selection(args, ABLATIONS, GO, chosen, compile_only)
     if ablations is None:
         return
-    rows = measure(names, ablations, with_backward=args.go or args.with_backward, kv_stages=args.kv_stages)
+    rows = measure(names, ablations, with_backward=args.go or args.with_backward)
     common.print_table(rows, COLUMNS)
     if args.go:
         for r in rows:
@@ -211,55 +164,6 @@ def main():
                 verdict = "GO" if r["vs_bwd"] <= GO_MAX_RATIO else "NO-GO"
                 print(f"{r['workload']}: forward + third product {r['ms']:.3f} ms = {r['vs_bwd']:.3f} of the full "
                       f"backward kernel (go if <= {GO_MAX_RATIO}); {r['ratio']:.3f} of the forward: {verdict}", flush=True)
-    for line in overlap_verdicts(rows):
-        print(line, flush=True)
-
-
-# issue 37's written go/no-go for the overlap builds (the default build is the pinned one)
-PIN_GAIN = 0.03  # the pin: at least 3% faster than the unpinned build on 1x16k
-OUS_GAIN, OUS_WORST = 0.015, 0.01  # o_under_s: at least 1.5% on 1x16k, no workload more than 1% slower
-
-
-def overlap_verdicts(rows: list[dict]) -> list[str]:
-    """GO/NO-GO lines for the pin and o_under_s from a run that timed them (nothing otherwise); a build whose
-    O or LSE is not bit-identical is a NO-GO whatever its time."""
-    by = {(r["workload"], r["build"]): r for r in rows}
-    out = []
-
-    def cost(r):  # cycles per step where the SM clock was sampled (the clock moves between builds), else ms
-        return r["cycles_per_step"] if r.get("cycles_per_step") else r["ms"]
-
-    drift = {w: abs(cost(by[(w, "full again")]) / cost(by[(w, "full")]) - 1) for (w, b) in by if b == "full again"}
-    if drift:
-        out.append("drift of the full build over the run: " + ", ".join(f"{w} {100 * d:.1f}%" for w, d in drift.items())
-                   + " (a gain must exceed it)")
-
-    def verdict(label, build, base, gain, worst=None):
-        pairs = [(w, by[(w, build)], by[(w, base)]) for (w, b) in by if b == build and (w, base) in by]
-        if not pairs:
-            return
-        change = {w: cost(r) / cost(ref) - 1 for w, r, ref in pairs}
-        exact = all(r.get("exact") is not False and ref.get("exact") is not False for _, r, ref in pairs)
-        ok = exact and "1x16k" in change and change["1x16k"] <= -max(gain, drift.get("1x16k", 0.0))
-        if worst is not None:
-            ok = ok and max(change.values()) <= worst
-        table = ", ".join(f"{w} {100 * c:+.1f}%" for w, c in change.items())
-        out.append(f"{label}: {table}; bit-identical {exact}: {'GO' if ok else 'NO-GO'}")
-
-    # the pin: the unpinned build against the default (pinned) one, so the sign flips
-    pairs = [(w, by[(w, "full")], by[(w, "unpinned")]) for (w, b) in by if b == "unpinned" and (w, "full") in by]
-    if pairs:
-        change = {w: cost(full) / cost(unp) - 1 for w, full, unp in pairs}
-        exact = all(unp.get("exact") is not False for _, _, unp in pairs)
-        ok = exact and "1x16k" in change and change["1x16k"] <= -max(PIN_GAIN, drift.get("1x16k", 0.0))
-        table = ", ".join(f"{w} {100 * c:+.1f}%" for w, c in change.items())
-        out.append(f"pin (pinned against unpinned): {table}; bit-identical {exact}: {'GO' if ok else 'NO-GO'} "
-                   f"(go if <= -{100 * PIN_GAIN:.0f}% on 1x16k)")
-    verdict(f"o_under_s (against the pinned build; go if <= -{100 * OUS_GAIN:.1f}% on 1x16k and no workload above "
-            f"+{100 * OUS_WORST:.0f}%)", "o under s", "full", OUS_GAIN, OUS_WORST)
-    verdict("ping-pong (against the pinned build)", "pingpong", "full", 0.0)
-    verdict("o_under_s + ping-pong (against the pinned build)", "o under s pp", "full", 0.0)
-    return out
 
 
 if __name__ == "__main__":
