@@ -270,7 +270,8 @@ def test_kernels_are_finite_where_fp32_attention_and_fa4_are(mag, lengths, defau
     fa4 = _fa4_outputs(q, k, v, cu, scale, do)
     if fa4 is not None:
         _assert_finite_where(got, fa4, f"{mag} against FA4")
-    _assert_convex(got["out"].cpu(), v.cpu(), cu.cpu(), 4 // 2)
+    if s_qk <= 1e3:  # x1e4 (|S| log2 e ~ 2^28.6): finite, but a row's largest P can underflow e4m3 (numerics.md)
+        _assert_convex(got["out"].cpu(), v.cpu(), cu.cpu(), 4 // 2)
     if mag == "1":
         assert rel_l2(got["out"], ref["out"]) < 0.1
 
