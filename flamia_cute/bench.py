@@ -4,6 +4,9 @@ Forward, backward and forward+backward (ours including quantization), medians
 of CUDA-event timings after warm-up, rotating input sets so L2 does not flatter
 anyone, never zeros. Error of O and dQ against an fp32 reference on a causal
 prefix of the first document (a prefix is exact: queries < n see only keys < n).
+--layer adds the "+rope" columns: RoPE then attention, forward and backward, ours with the RoPE
+fused into the quantization, FA4 after a separate RoPE kernel (RopeBaseline); their errors against
+RoPE + attention in fp32, and ratios pair "+rope" columns only.
 """
 
 from __future__ import annotations
@@ -76,10 +79,22 @@ class Impl:
         raise NotImplementedError
 
 
+# --layer: RoPE (theta 10000, half-split, the whole head dim) on Q and K, then attention; "+rope" columns
+LAYER_THETA = 10000.0
+LAYER_SUFFIX = "+rope"
+
+
 class Ours(Impl):
-    def __init__(self, recipe: str, backend: str):
-        self.recipe, self.backend = recipe, backend
-        self.name = f"flamia_{recipe}" + ("" if backend == "cute" else f"[{backend}]")
+    def __init__(self, recipe: str, backend: str, layer: bool = False):
+        self.recipe, self.backend, self.layer = recipe, backend, layer
+        self.name = f"flamia_{recipe}" + ("" if backend == "cute" else f"[{backend}]") + (LAYER_SUFFIX if layer else "")
+        self.rotary = None
+
+    def prepare(self, case):
+        if self.layer:  # the tables a model builds once: the call rotates Q and K in its quantization
+            from .rotary import RotaryConfig
+
+            self.rotary = RotaryConfig(theta=LAYER_THETA).tables(case.max_len, case.head_dim, case.device)
 
     def available(self, case):
         from .interface import pick_backend
@@ -99,20 +114,36 @@ class Ours(Impl):
         from .interface import flamia_attn_varlen_func
 
         return flamia_attn_varlen_func(q, k, v, case.cu, case.cu, case.max_len, case.max_len, case.scale,
-                                       recipe=self.recipe, backend=self.backend)
+                                       recipe=self.recipe, backend=self.backend, rotary=self.rotary)
 
 
 class FA4(Impl):
     name = "fa4_bf16"
+
+    def __init__(self, layer: bool = False):
+        self.layer = layer
+        self.rope = None
+        if layer:
+            self.name = FA4.name + LAYER_SUFFIX
 
     def available(self, case):
         from .baselines.torch_impls import fa4_available
 
         return None if fa4_available() else "flash_attn.cute not importable or no GPU"
 
+    def prepare(self, case):
+        if self.layer:  # RoPE as an FA4 user runs it: a separate (best available) kernel on Q and K
+            from .baselines.torch_impls import RopeBaseline
+            from .rotary import RotaryConfig
+
+            rot = RotaryConfig(theta=LAYER_THETA).tables(case.max_len, case.head_dim, case.device)
+            self.rope = RopeBaseline(rot.cos, rot.sin, case.cu, case.total)
+
     def forward(self, case, q, k, v):
         from .baselines.torch_impls import fa4_varlen
 
+        if self.rope is not None:
+            q, k = self.rope(q, case.max_len), self.rope(k, case.max_len)
         return fa4_varlen(q, k, v, case.cu, case.max_len, case.scale)
 
 
@@ -272,10 +303,11 @@ def _graphed(fn, n_sets, device):
     return lambda i: graphs[i].replay()
 
 
-def _prefix_reference(case: Case, q, k, v, do, prefix: int):
+def _prefix_reference(case: Case, q, k, v, do, prefix: int, layer: bool = False):
     """fp32 O and dQ of the first `prefix` tokens of the longest document, heads 0..1: a pack whose first
-    document is a token or two has a reference dQ of ~0, against which a relative error means nothing."""
-    from .reference import reference_attention
+    document is a token or two has a reference dQ of ~0, against which a relative error means nothing.
+    layer: of RoPE + attention (the prefix starts its document: positions 0 ..)."""
+    from .reference import reference_attention, reference_attention_rotary
 
     group = case.heads_q // case.heads_kv
     hq = min(2, case.heads_q)
@@ -284,8 +316,15 @@ def _prefix_reference(case: Case, q, k, v, do, prefix: int):
     start = sum(case.lengths[:d])
     sl = slice(start, start + prefix)
     cu = torch.tensor([0, prefix], dtype=torch.int32, device=q.device)
-    ref = reference_attention(q[sl, :hq], k[sl, :hk], v[sl, :hk], cu, cu, case.scale, True, do[sl, :hq],
-                              dtype=torch.float32)
+    if layer:
+        from .rotary import RotaryConfig
+
+        rot = RotaryConfig(theta=LAYER_THETA).tables(prefix, case.head_dim, q.device)
+        ref = reference_attention_rotary(q[sl, :hq], k[sl, :hk], v[sl, :hk], cu, case.scale, rot, do[sl, :hq],
+                                         dtype=torch.float32)
+    else:
+        ref = reference_attention(q[sl, :hq], k[sl, :hk], v[sl, :hk], cu, cu, case.scale, True, do[sl, :hq],
+                                  dtype=torch.float32)
     return ref["out"], ref["dq"], (sl, slice(0, hq))
 
 
@@ -316,7 +355,7 @@ def bench_case(case: Case, impl: Impl, modes, reps: int, queue_lead_cycles: int 
     rows = []
     prefix = min(max(case.lengths), 2048)
     q0, k0, v0, do0 = case.sets[0]
-    ref_o, ref_dq, (sl, hs) = _prefix_reference(case, q0, k0, v0, do0, prefix)
+    ref_o, ref_dq, (sl, hs) = _prefix_reference(case, q0, k0, v0, do0, prefix, getattr(impl, "layer", False))
     if isinstance(impl, CudnnFp8):
         def run(i, mode):
             q, k, v, do = case.sets[i]
@@ -394,10 +433,14 @@ def _peak_mb(fn, dev):
     return round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
 
 
-def default_impls(recipe: str, device: str) -> list[Impl]:
-    """Ours for each recipe of the comma-separated `recipe`, then every baseline."""
+def default_impls(recipe: str, device: str, layer: bool = False) -> list[Impl]:
+    """Ours for each recipe of the comma-separated `recipe`, then every baseline; layer: also ours with
+    the fused RoPE and FA4 after a RoPE kernel (the "+rope" columns), timed in the same run."""
     backend = "cute" if device.startswith("cuda") else "emulate"
-    return [Ours(r, backend) for r in recipe.split(",")] + [FA4(), CudnnFp8(), Flex(), SDPA()]
+    impls = [Ours(r, backend) for r in recipe.split(",")] + [FA4(), CudnnFp8(), Flex(), SDPA()]
+    if layer:
+        impls += [Ours(r, backend, layer=True) for r in recipe.split(",")] + [FA4(layer=True)]
+    return impls
 
 
 def _progress(items):
@@ -508,6 +551,8 @@ def speedups(table):
     out = []
     for o in ours:
         for b in base:
+            if o.endswith(LAYER_SUFFIX) != b.endswith(LAYER_SUFFIX):  # layers against layers only
+                continue
             for mode, sub in table.groupby(level="mode"):
                 r = (sub[b] / sub[o]).dropna()
                 if len(r):
@@ -571,7 +616,7 @@ def main_bench(args) -> int:
             print("bench: nothing left to run on the CPU; pass small packs with --workloads (see "
                   "perf/workloads_short.json's format)", file=sys.stderr)
             return 2
-    impls = default_impls(args.recipe, device)
+    impls = default_impls(args.recipe, device, getattr(args, "layer", False))
     if args.impls:
         impls = [i for i in impls if any(i.name.startswith(p) for p in args.impls.split(","))]
     if args.sustain < 0:

@@ -19,7 +19,12 @@ def cmd_accuracy(args) -> int:
     if unknown:
         print(f"--recipes: unknown {unknown}; named recipes: {sorted(NAMED_RECIPES)}", file=sys.stderr)
         return 2
-    rows = accuracy_rows(recipes, device=args.device)
+    rotary = None
+    if args.rotary:
+        from .rotary import RotaryConfig
+
+        rotary = RotaryConfig(theta=args.rotary, interleaved=args.rotary_interleaved)
+    rows = accuracy_rows(recipes, device=args.device, backend=args.backend, rotary=rotary)
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
@@ -109,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("accuracy", help="error of every recipe against fp64 (emulator)")
     a.add_argument("--recipes", default="", help="comma-separated recipe names (default: all)")
     a.add_argument("--device", default="cpu")
+    a.add_argument("--backend", default="emulate", choices=("emulate", "cute", "auto"),
+                   help="the call's backend: 'cute' measures the sm_90a kernels (--device cuda)")
+    a.add_argument("--rotary", type=float, default=0.0, metavar="THETA",
+                   help="apply RoPE with this theta to Q and K, in the call and the fp64 reference")
+    a.add_argument("--rotary-interleaved", action="store_true", help="with --rotary: GPT-J's interleaved pairs")
     a.add_argument("--json", default="", help="also write the rows as JSON here")
     a.set_defaults(func=cmd_accuracy)
     b = sub.add_parser("bench", help="ours against every importable baseline, side by side")
@@ -118,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--recipe", default=DEFAULT_RECIPE, help="comma-separated: one flamia_<recipe> column each")
     b.add_argument("--impls", default="", help="comma-separated name prefixes (flamia, fa4, cudnn, flex, sdpa)")
     b.add_argument("--modes", default="fwd,bwd,fwdbwd")
+    b.add_argument("--layer", action="store_true",
+                   help="also time RoPE + attention ('+rope' columns): ours with the RoPE fused into the "
+                        "quantization against FA4 after the best importable RoPE kernel (flash-attn's "
+                        "rotary, else torch.compile)")
     b.add_argument("--reps", type=int, default=15)
     b.add_argument("--gpu-time", action="store_true",
                    help="time GPU work only (each call queued behind a GPU sleep, as when the host runs ahead); "

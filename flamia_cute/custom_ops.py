@@ -13,8 +13,8 @@ it without running anything:
 - backend "cute": ``[out_bf16, buffer, k_shape]``: the ONE uint8
   allocation the Q/K/V quantization launch wrote every QuantizedTHD field into (Q, K, V and the
   per-token copies of K, V; the views are rebuilt from `quant.output_buffer_plan`: outputs of a
-  custom op must not alias each other, and the views would), and a 0-element (0, Hk, D) tensor
-  that carries K's head count and head dim;
+  custom op must not alias each other, and the views would), and a 0-element (0, Tk, Hk, D) tensor
+  that carries K's token count, head count and head dim;
 - backend "emulate": ``[out_bf16]`` then the EmuOperand fields (along_d, along_t, scale, diag_along_d,
   diag_along_t, diag_scale) of Q, K, V, as derived from the recipe;
 - backend "sm100" (the Blackwell MXFP8 forward, whose backward is the emulator's): the "emulate"
@@ -124,20 +124,20 @@ def _qkv_launch(Hq: int, Hk: int, D: int, recipe: str):
     return forward_only(qkv_config(D, Hq, Hk, 128 if _kernel_scaling(recipe) == "tokenblock" else 1))
 
 
-def _qkv_plan(T: int, num_docs: int, Hq: int, Hk: int, D: int, recipe: str):
-    """The byte plan of a kernel recipe's Q/K/V launch (_qkv_launch)."""
-    from .sm90.quantize import _layout_outputs
+def _qkv_plan(T: int, num_docs: int, Hq: int, Hk: int, D: int, recipe: str, Tk: int | None = None):
+    """The byte plan of a kernel recipe's Q/K/V launch (_qkv_launch); Tk: K and V's tokens (default T)."""
+    from .sm90.quantize import qkv_layout_outputs
 
-    return _layout_outputs(_qkv_launch(Hq, Hk, D, recipe), T, transposed_tokens(T, num_docs))
+    return qkv_layout_outputs(_qkv_launch(Hq, Hk, D, recipe), T, T if Tk is None else Tk, num_docs)
 
 
 def _fake_entry(kind, shape_thd, num_docs, device, k_shape=None, recipe=None):
     T, H, D = shape_thd
     if kind == _QKV_BUFFER:
-        _, nbytes = _qkv_plan(T, num_docs, H, k_shape[1], D, recipe)
+        _, nbytes = _qkv_plan(T, num_docs, H, k_shape[1], D, recipe, k_shape[0])
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     if kind == _K_SHAPE:
-        return torch.empty(0, k_shape[1], k_shape[2], dtype=torch.uint8, device=device)
+        return torch.empty(0, *k_shape, dtype=torch.uint8, device=device)
     if kind == _VALS:
         return torch.empty(T, H, D, dtype=torch.float32, device=device)
     if kind == _SCALE:
@@ -189,7 +189,7 @@ def _pack_kernel(layout, out_bf16, quantized) -> list[torch.Tensor]:
     if any(f is not None and f.untyped_storage().data_ptr() != storage.data_ptr() for f in fields):
         raise RuntimeError("the Q/K/V quantization outputs are expected in one allocation")
     buf = torch.empty(0, dtype=torch.uint8, device=dev).set_(storage)
-    k_shape = torch.empty(0, kq.data_td.shape[1], kq.data_td.shape[2], dtype=torch.uint8, device=dev)
+    k_shape = torch.empty(0, *kq.data_td.shape, dtype=torch.uint8, device=dev)
     return [out_bf16 if layout[0][1] == _OUT else _placeholder(dev), buf, k_shape]
 
 
@@ -197,12 +197,12 @@ def _unpack_kernel(saved, recipe: str, T: int, num_docs: int, Hq: int):
     """The QuantizedTHD views of the saved buffer: (qq, kq, vq, kt, vt); kt, vt None unless the recipe's
     K/V blocks are > 1 token; layouts its launch does not write are None."""
     from .quant import output_views
-    from .sm90.quantize import _runtime_layout, quantized_outputs
+    from .sm90.quantize import quantized_outputs, runtime_qkv_layout
 
     buf, k_shape = saved[1], saved[2]
-    Hk, D = k_shape.shape[1], k_shape.shape[2]
+    Tk, Hk, D = k_shape.shape[1:]
     # memoized (a training step unpacks the same layout on every layer); _qkv_plan serves the fakes
-    plan, nbytes = _runtime_layout(_qkv_launch(Hq, Hk, D, recipe), T, transposed_tokens(T, num_docs))
+    plan, nbytes = runtime_qkv_layout(_qkv_launch(Hq, Hk, D, recipe), T, Tk, num_docs)
     if buf.numel() < nbytes:
         raise RuntimeError(f"saved Q/K/V buffer has {buf.numel()} bytes, its layout needs {nbytes}")
     # the Q/K/V launch that wrote them says which data_dt are in P-fragment order
@@ -213,6 +213,27 @@ def _unpack_kernel(saved, recipe: str, T: int, num_docs: int, Hq: int):
 # ----------------------------------------------------------------------------- the call
 
 
+def _rotary(rope_cos, rope_sin, rope_interleaved: bool):
+    """The call's RoPE tables as a rotary.Rotary (None: no RoPE)."""
+    if rope_cos is None:
+        return None
+    from .rotary import Rotary
+
+    return Rotary(rope_cos, rope_sin, rope_interleaved)
+
+
+def _kernel_plan(recipe: str, q, k_tokens: int, k_heads: int, max_seqlen_q: int, cu_q, cu_k, causal: bool,
+                 rotary=None):
+    """The plan.Plan of a kernel call (q: the queries, or anything of their (T, H, D) shape), causal
+    self-attention or with its own key documents (plan.separate_keys); rotary: the call's rotary.Rotary
+    (causal self-attention only: make_plan refuses it with separate keys, as plan.why_not_kernels does)."""
+    from .plan import make_plan, separate_keys
+
+    sep = separate_keys(causal, q.shape[0], k_tokens, cu_q, cu_k)
+    return make_plan(recipe, q.shape[2], q.shape[1], k_heads, max_seqlen_q, q.shape[0], cu_q.numel() - 1,
+                     causal=causal, separate=sep, rotary=rotary_key(rotary))
+
+
 def _bf16(*xs):
     """fp16 inputs rounded to bf16, on every backend (the kernels quantize bf16), so that the emulator still
     defines the kernels' numerics exactly; results go back in the caller's dtype."""
@@ -220,11 +241,13 @@ def _bf16(*xs):
 
 
 def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-                causal: bool, recipe: str, backend: str, save: bool = True):
+                causal: bool, recipe: str, backend: str, rope_cos=None, rope_sin=None, rope_interleaved: bool = False,
+                save: bool = True):
     """(out in q's dtype, lse (H, T) fp32, the saved list of saved_layout). Checks cu_seqlens' values:
     the public API checks only what it can without reading them (torch.compile traces it).
-    save=False (no backward will run): nothing is packed and the saved list is [] (backend "sm100" also
-    skips decoding its operands)."""
+    rope_cos, rope_sin: the RoPE tables (rotary.resolve_rotary's; None: no RoPE), applied to Q and K
+    in their quantization. save=False (no backward will run): nothing is packed and the saved list
+    is [] (backend "sm100" also skips decoding its operands)."""
     from .validation import check_cu_seqlens_values
 
     check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
@@ -232,15 +255,11 @@ def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     layout = saved_layout(recipe, backend, q.dtype == torch.bfloat16)
     if backend == "cute":
         from . import cute_backend
-        from .plan import make_plan
 
-        if not causal:
-            raise NotImplementedError("backend 'cute': causal=False has no sm_90a kernel")
-        if k.shape[0] != q.shape[0]:  # equal totals with other cu_seqlens_k: plan.why_not_kernels refused the call
-            raise NotImplementedError("backend 'cute': the sm_90a kernels are self-attention only "
-                                      "(cu_seqlens_q == cu_seqlens_k)")
-        plan = make_plan(recipe, q.shape[2], q.shape[1], k.shape[1], max_seqlen_q, q.shape[0], cu_seqlens_q.numel() - 1)
-        out_k, lse, ops = cute_backend.forward(plan, *_bf16(q, k, v), cu_seqlens_q, max_seqlen_q, softmax_scale)
+        rotary = _rotary(rope_cos, rope_sin, rope_interleaved)
+        plan = _kernel_plan(recipe, q, k.shape[0], k.shape[1], max_seqlen_q, cu_seqlens_q, cu_seqlens_k, causal, rotary)
+        out_k, lse, ops = cute_backend.forward(plan, *_bf16(q, k, v), cu_seqlens_q, max_seqlen_q, softmax_scale, rotary,
+                                               cu_seqlens_k)
         out = out_k if out_k.dtype == q.dtype else out_k.to(q.dtype)  # a no-op .to() costs host time too
         return out, lse, _pack_kernel(layout, out_k, ops) if save else []
     if backend == "sm100":
@@ -249,6 +268,8 @@ def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
 
         if not causal:
             raise NotImplementedError("backend 'sm100': causal=False has no sm_100a kernel")
+        if rope_cos is not None or _recipe(recipe).hadamard:
+            raise NotImplementedError("backend 'sm100': the rotations of Q and K have no sm_100a kernel")
         out_k, lse, ops = sm100.forward(*_bf16(q, k, v), cu_seqlens_q, max_seqlen_q, softmax_scale, save)
         out = out_k if out_k.dtype == q.dtype else out_k.to(q.dtype)
         if not save:
@@ -257,14 +278,14 @@ def run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
         return out, lse, _pack_emulated(layout, out_k, ectx)
     from .emulator import emulate_forward
 
-    out_e, lse, ectx = emulate_forward(*_bf16(q, k, v), cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
-                                       _recipe(recipe))
+    out_e, lse, ectx = emulate_forward(*_bf16(q, k, v), cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, _recipe(recipe),
+                                       rotary=_rotary(rope_cos, rope_sin, rope_interleaved))
     # for bf16 q, out IS out_e, and the layout holds a placeholder instead (outputs must not alias)
     return out_e.to(q.dtype), lse, _pack_emulated(layout, out_e, ectx) if save else []
 
 
 def saved_from_inputs(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, recipe: str,
-                      backend: str) -> list[torch.Tensor]:
+                      backend: str, causal: bool = True) -> list[torch.Tensor]:
     """The saved list run_forward(q, k, v, ...) would have returned, from the same inputs and its output: the
     operands are quantized again, which gives the forward's bytes (the quantizers are deterministic functions
     of their inputs). For backward paths that keep the bf16 inputs instead of our saved list (the torch
@@ -274,42 +295,51 @@ def saved_from_inputs(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     out_bf16 = out.to(torch.bfloat16)
     if backend == "cute":
         from . import cute_backend
-        from .plan import make_plan
 
-        plan = make_plan(recipe, q.shape[2], q.shape[1], k.shape[1], max_seqlen_q, q.shape[0], cu_seqlens_q.numel() - 1)
-        return _pack_kernel(layout, out_bf16, cute_backend.quantize(plan, *_bf16(q, k, v), cu_seqlens_q, max_seqlen_q))
+        plan = _kernel_plan(recipe, q, k.shape[0], k.shape[1], max_seqlen_q, cu_seqlens_q, cu_seqlens_k, causal)
+        return _pack_kernel(layout, out_bf16, cute_backend.quantize(plan, *_bf16(q, k, v), cu_seqlens_q, max_seqlen_q,
+                                                                    cu_k=cu_seqlens_k))
     if backend != "emulate":
         raise ValueError(f"saved_from_inputs: backend must be 'cute' or 'emulate', got {backend!r}")
     from types import SimpleNamespace
 
-    from .emulator import quantize_inputs
+    from .emulator import qk_transform, quantize_inputs, transform_inputs
 
-    qo, ko, vo = quantize_inputs(*_bf16(q, k, v), cu_seqlens_q, cu_seqlens_k, _recipe(recipe))
+    rec = _recipe(recipe)
+    q, k, v = _bf16(q, k, v)
+    # the forward quantized Q and K after the recipe's rotations (the Hadamard recipe's; this path has no RoPE)
+    q, k = transform_inputs(q, k, cu_seqlens_q, cu_seqlens_k, qk_transform(rec, None))
+    qo, ko, vo = quantize_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, rec)
     return _pack_emulated(layout, out_bf16, SimpleNamespace(q=qo, k=ko, v=vo))
 
 
 def run_backward(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                 softmax_scale: float, causal: bool, recipe: str, backend: str):
-    """dq, dk, dv in out's dtype from the forward's saved list."""
+                 softmax_scale: float, causal: bool, recipe: str, backend: str, rope_cos=None, rope_sin=None,
+                 rope_interleaved: bool = False):
+    """dq, dk, dv in out's dtype from the forward's saved list; dq and dk in the caller's frame (the
+    inverse rotations applied where they are written)."""
     dt = out.dtype
     layout = saved_layout(recipe, backend, dt == torch.bfloat16)
     out_bf16 = saved[0] if layout[0][1] == _OUT else out
     dout = dout.contiguous()
     if backend == "cute":
         from . import cute_backend
-        from .plan import make_plan
 
         T, H = out.shape[0], out.shape[1]
         qq, kq, vq, kt, vt = _unpack_kernel(saved, recipe, T, cu_seqlens_q.shape[0] - 1, H)
         ops = (qq, (kq, kt), (vq, vt))
-        plan = make_plan(recipe, out.shape[2], H, kq.data_td.shape[1], max_seqlen_q, T, cu_seqlens_q.numel() - 1)
-        grads = cute_backend.backward(plan, *_bf16(dout), out_bf16, lse, ops, cu_seqlens_q, max_seqlen_q, softmax_scale)
+        rotary = _rotary(rope_cos, rope_sin, rope_interleaved)
+        plan = _kernel_plan(recipe, out, kq.data_td.shape[0], kq.data_td.shape[1], max_seqlen_q, cu_seqlens_q,
+                            cu_seqlens_k, causal, rotary)
+        grads = cute_backend.backward(plan, *_bf16(dout), out_bf16, lse, ops, cu_seqlens_q, max_seqlen_q, softmax_scale,
+                                      rotary, cu_seqlens_k, max_seqlen_k)
     else:  # "emulate", and "sm100": the emulator's backward on the operands its kernel forward read
-        from .emulator import EmulatorContext, emulate_backward
+        from .emulator import EmulatorContext, emulate_backward, qk_transform
 
         rec = _recipe(recipe)
         qo, ko, vo = _unpack_emulated(layout, saved, rec)
-        ectx = EmulatorContext(rec, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, qo, ko, vo, out_bf16, lse)
+        ectx = EmulatorContext(rec, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, qo, ko, vo, out_bf16, lse,
+                               qk_transform(rec, _rotary(rope_cos, rope_sin, rope_interleaved)))
         grads = emulate_backward(*_bf16(dout), ectx)
     return tuple(g if g.dtype == dt else g.to(dt) for g in grads)
 
@@ -318,18 +348,21 @@ class Attention(torch.autograd.Function):
     """The eager path: run_forward / run_backward without the custom ops' dispatch."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend):
-        out, lse, saved = run_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend)
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend, rope_cos=None, rope_sin=None,
+                rope_interleaved=False):
+        out, lse, saved = run_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend, rope_cos,
+                                      rope_sin, rope_interleaved)
         ctx.mark_non_differentiable(lse)
-        ctx.save_for_backward(out, lse, cu_q, cu_k, *saved)
+        ctx.save_for_backward(out, lse, cu_q, cu_k, rope_cos, rope_sin, *saved)
         ctx.static = (max_q, max_k, scale, causal, recipe, backend)
+        ctx.rope_interleaved = rope_interleaved
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        out, lse, cu_q, cu_k, *saved = ctx.saved_tensors
-        grads = run_backward(dout, out, lse, saved, cu_q, cu_k, *ctx.static)
-        return (*grads, None, None, None, None, None, None, None, None)
+        out, lse, cu_q, cu_k, rope_cos, rope_sin, *saved = ctx.saved_tensors
+        grads = run_backward(dout, out, lse, saved, cu_q, cu_k, *ctx.static, rope_cos, rope_sin, ctx.rope_interleaved)
+        return (*grads, None, None, None, None, None, None, None, None, None, None, None)
 
 
 # ----------------------------------------------------------------------------- the custom ops
@@ -348,21 +381,24 @@ def varlen_fwd(
     causal: bool,
     recipe: str,
     backend: str,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    rope_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """out (T, H, D) in q's dtype, lse (H, T) fp32, and the saved list of `saved_layout`."""
     return run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                       recipe, backend)
+                       recipe, backend, rope_cos, rope_sin, rope_interleaved)
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                     recipe, backend):
+                     recipe, backend, rope_cos=None, rope_sin=None, rope_interleaved=False):
     layout = saved_layout(recipe, backend, q.dtype == torch.bfloat16)
     T, H, D = q.shape
     Tk, Hk, _ = k.shape
     num_docs = cu_seqlens_q.shape[0] - 1
     shapes = {"out": (T, H, D), "q": (T, H, D), "k": (Tk, Hk, D), "v": (Tk, Hk, D), "kt": (Tk, Hk, D),
-              "vt": (Tk, Hk, D), "qkv": (T, H, D)}
+              "vt": (Tk, Hk, D), "qkv": (T, H, D)}  # qkv: the queries' shape, K's from k_shape
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(H, T, dtype=torch.float32, device=q.device)
     kernel_recipe = recipe if backend == "cute" else None
@@ -384,20 +420,22 @@ def varlen_bwd(
     causal: bool,
     recipe: str,
     backend: str,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    rope_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv in out's dtype from the forward's saved operands."""
     return run_backward(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                        causal, recipe, backend)
+                        causal, recipe, backend, rope_cos, rope_sin, rope_interleaved)
 
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                     causal, recipe, backend):
+                     causal, recipe, backend, rope_cos=None, rope_sin=None, rope_interleaved=False):
     layout = saved_layout(recipe, backend, out.dtype == torch.bfloat16)
     k_idx = next(i for i, (name, kind) in enumerate(layout) if name == "k" and kind is not _NONE)
-    Tk, Hk, D = saved[k_idx].shape  # K's values / data_td: (Tk, Hk, D); the cute shape carrier: (0, Hk, D)
-    if layout[k_idx][1] == _K_SHAPE:
-        Tk = out.shape[0]  # the kernels are self-attention only
+    # K's values / data_td: (Tk, Hk, D); the cute shape carrier: (0, Tk, Hk, D)
+    Tk, Hk, D = saved[k_idx].shape[-3:]
     dq = torch.empty_like(out, memory_format=torch.contiguous_format)
     dk = torch.empty(Tk, Hk, D, dtype=out.dtype, device=out.device)
     dv = torch.empty(Tk, Hk, D, dtype=out.dtype, device=out.device)
@@ -406,28 +444,38 @@ def _varlen_bwd_fake(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seql
 
 def _setup_context(ctx, inputs, output):
     out, lse, saved = output
-    (_q, _k, _v, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend) = inputs
+    (_q, _k, _v, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend, rope_cos, rope_sin, rope_interleaved) = inputs
     ctx.mark_non_differentiable(lse, *saved)
-    # Only what the forward op returned (out, LSE, quantized operands) plus the int32 cu_seqlens.
-    ctx.save_for_backward(out, lse, cu_q, cu_k, *saved)
-    ctx.static = (max_q, max_k, scale, causal, recipe, backend)
+    # Only what the forward op returned (out, LSE, quantized operands) plus the int32 cu_seqlens (and
+    # the RoPE tables, inputs the caller holds anyway).
+    ctx.save_for_backward(out, lse, cu_q, cu_k, rope_cos, rope_sin, *saved)
+    ctx.static = (max_q, max_k, scale, causal, recipe, backend, rope_interleaved)
 
 
 def _backward(ctx, dout, _dlse, _dsaved):
-    out, lse, cu_q, cu_k, *saved = ctx.saved_tensors
-    max_q, max_k, scale, causal, recipe, backend = ctx.static
+    out, lse, cu_q, cu_k, rope_cos, rope_sin, *saved = ctx.saved_tensors
+    max_q, max_k, scale, causal, recipe, backend, rope_interleaved = ctx.static
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = varlen_bwd(dout, out, lse, saved, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    dq, dk, dv = varlen_bwd(dout, out, lse, saved, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend, rope_cos,
+                            rope_sin, rope_interleaved)
+    # one gradient per argument the call passed (the RoPE arguments have defaults a call may leave out)
+    return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
 varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-              recipe: str, backend: str):
+              recipe: str, backend: str, rope_cos=None, rope_sin=None, rope_interleaved: bool = False):
     """(out, lse) through the custom ops; recipe by key (recipe_key), backend in OP_BACKENDS."""
     out, lse, _saved = varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                  float(softmax_scale), causal, recipe, backend)
+                                  float(softmax_scale), causal, recipe, backend, rope_cos, rope_sin, rope_interleaved)
     return out, lse
+
+
+def rotary_key(rotary) -> tuple[str, int] | None:
+    """The kernels' view of a call's RoPE: (mode "half" or "interleaved", rotary_dim), or None."""
+    if rotary is None:
+        return None
+    return ("interleaved" if rotary.interleaved else "half", rotary.rotary_dim)

@@ -14,8 +14,8 @@ reduce-scatter of dK and dV) and computes its own queries against their document
   emulator); dK and dV are each rank's partial sums, returned in the inputs' dtype and added over the ranks
   (the reduce-scatter), ~3e-3 relative to world size 1 in bf16;
 - world size 1 is the plain call (cu_seqlens_k is cu_seqlens_q): the kernels run it. Larger worlds need
-  queries that are a sub-range of their keys, which the sm_90a kernels do not have yet: the GPU falls back to
-  the emulator with a warning (interface.choose_backend), the CPU runs it silently.
+  queries that are a sub-range of their keys: the sm_90a kernels' cross-length builds run them (O and LSE
+  bit-identical to the whole document's call); the CPU runs the emulator.
 
     shard = shard_packed_batch(cu_seqlens, world_size, rank)  # host-side plan, once per batch
     q, k, v = (shard.take(t) for t in (q_global, k_global, v_global))  # or build them from shard.take(tokens)

@@ -34,6 +34,7 @@ from flamia_cute.quant.microscaling import pad_to_multiple
 from flamia_cute.quant.quantize import QuantizedTHD
 
 from .recipes import FOLD_DROP, FOLD_REF_MIN, MX_BLOCK, OperandQuant, Recipe
+from .rotary import QKTransform, Rotary, document_positions
 
 
 @dataclass
@@ -236,6 +237,8 @@ class EmulatorContext:
     v: EmuOperand
     out: torch.Tensor
     lse: torch.Tensor
+    # the rotations of Q and K (rotary.QKTransform) whose inverses the backward applies to dQ, dK
+    transform: QKTransform | None = None
 
 
 def quantize_inputs(q, k, v, cu_q, cu_k, recipe: Recipe):
@@ -267,8 +270,39 @@ def _per_pair_scale(op: EmuOperand, mask, s, e, group):
     return w
 
 
-def emulate_forward(q, k, v, cu_q, cu_k, softmax_scale, causal, recipe: Recipe, dtype=torch.float32):
-    """Returns (out bf16 (T, H, D), lse fp32 (H, T), EmulatorContext)."""
+def transform_inputs(q, k, cu_q, cu_k, transform: QKTransform | None):
+    """Q and K as the quantization sees them: through the call's rotations (rotary.QKTransform)."""
+    if transform is None or not transform.active:
+        return q, k
+    return (transform.forward(q, document_positions(cu_q, cu_k, q.shape[0]), "q"),
+            transform.forward(k, document_positions(cu_k, cu_k, k.shape[0]), "k"))
+
+
+def transform_grads(dq, dk, ctx: EmulatorContext):
+    """fp32 dQ, dK of the rotated operands back in the caller's frame (rotary.QKTransform.backward)."""
+    t = ctx.transform
+    if t is None or not t.active:
+        return dq, dk
+    return (t.backward(dq, document_positions(ctx.cu_q, ctx.cu_k, dq.shape[0]), "q"),
+            t.backward(dk, document_positions(ctx.cu_k, ctx.cu_k, dk.shape[0]), "k"))
+
+
+def qk_transform(recipe: Recipe, rotary: Rotary | None) -> QKTransform | None:
+    """The rotations of a call: its RoPE tables and the recipe's Hadamard transform (None: neither)."""
+    if rotary is None and not recipe.hadamard:
+        return None
+    if rotary is None:
+        return QKTransform(hadamard=True)
+    return QKTransform(rotary.cos, rotary.sin, rotary.interleaved, recipe.hadamard)
+
+
+def emulate_forward(q, k, v, cu_q, cu_k, softmax_scale, causal, recipe: Recipe, dtype=torch.float32,
+                    rotary: Rotary | None = None):
+    """Returns (out bf16 (T, H, D), lse fp32 (H, T), EmulatorContext). rotary: RoPE tables
+    (rotary.resolve_rotary's), applied to Q and K before their quantization, with the recipe's
+    Hadamard transform after it."""
+    transform = qk_transform(recipe, rotary)
+    q, k = transform_inputs(q, k, cu_q, cu_k, transform)
     qo, ko, vo = quantize_inputs(q, k, v, cu_q, cu_k, recipe)
     T, H, D = q.shape
     group = H // k.shape[1]
@@ -306,7 +340,8 @@ def emulate_forward(q, k, v, cu_q, cu_k, softmax_scale, causal, recipe: Recipe, 
                 # a row whose reference falls below max(r_run * FOLD_DROP, FOLD_REF_MIN) adds nothing
                 # (recipes.FOLD_DROP: the kernel carries O in units of r, and r_run / r must not overflow)
                 r_tile = torch.where(visp, wt, torch.zeros_like(wt)).amax(-1, keepdim=True)
-                keep = r_tile >= torch.clamp_min(r_run * FOLD_DROP, FOLD_REF_MIN)
+                # (a NaN reference, a non-finite V block, is kept: its NaN reaches the row, as in the kernel)
+                keep = ~(r_tile < torch.clamp_min(r_run * FOLD_DROP, FOLD_REF_MIN))
                 ref = torch.where(keep, r_tile, torch.ones_like(r_tile))  # dropped rows: any finite r
                 pe = torch.where(keep, _fold_cast_to(p, wt, ref.expand_as(p), recipe.p_scale), 0.0)
                 r_run = torch.where(keep, r_tile, r_run)
@@ -324,7 +359,7 @@ def emulate_forward(q, k, v, cu_q, cu_k, softmax_scale, causal, recipe: Recipe, 
         out[g.qs : g.qe] = o.transpose(0, 1).float()
         lse[:, g.qs : g.qe] = torch.where(empty, float("-inf"), m + torch.log(l_sum)).squeeze(-1).float()
     out = out.to(torch.bfloat16)
-    ctx = EmulatorContext(recipe, softmax_scale, causal, cu_q, cu_k, qo, ko, vo, out, lse)
+    ctx = EmulatorContext(recipe, softmax_scale, causal, cu_q, cu_k, qo, ko, vo, out, lse, transform)
     return out, lse, ctx
 
 
@@ -348,7 +383,8 @@ def emulate_backward(dout: torch.Tensor, ctx: EmulatorContext, dtype=torch.float
             continue
         s = _scores(ctx.q, ctx.k, g, group, sm, ctx.causal, recipe, dtype)
         lse = ctx.lse[:, g.qs : g.qe, None].to(dtype)
-        p = torch.where(g.visible & torch.isfinite(lse), torch.exp(s - lse), 0.0)
+        # an empty row (LSE -inf) has P = 0; a NaN LSE (a non-finite input the row saw) gives NaN
+        p = torch.where(g.visible & (lse != float("-inf")), torch.exp(s - lse), 0.0)
         vis = g.visible[None].expand_as(p)
         # dP = dO V^T (reduction over D): scales factor out, values exact in fp32
         vmask = _select(ctx.v, g, ctx.causal, recipe)
@@ -359,7 +395,8 @@ def emulate_backward(dout: torch.Tensor, ctx: EmulatorContext, dtype=torch.float
             v_diag = _expand_kv(_heads_first(ctx.v.diag_along_d, g.ks, g.ke), group).to(dtype)
             dp = torch.where(vmask, do_d @ v_diag.transpose(1, 2), dp)
         o = _heads_first(ctx.out, g.qs, g.qe).float()
-        d_row = (_heads_first(dout, g.qs, g.qe).float() * o).sum(-1, keepdim=True).to(dtype)
+        d_src = doo.along_d if recipe.delta == "quantized" else dout  # recipes.DELTAS
+        d_row = (_heads_first(d_src, g.qs, g.qe).float() * o).sum(-1, keepdim=True).to(dtype)
         ds = torch.where(vis, p * (dp - d_row), 0.0)
         # dV = P^T dO (reduction over queries)
         do_t = _heads_first(doo.along_t, g.qs, g.qe).to(dtype)
@@ -367,8 +404,9 @@ def emulate_backward(dout: torch.Tensor, ctx: EmulatorContext, dtype=torch.float
             pe = p.to(torch.bfloat16).to(dtype)
         elif recipe.p_cast == "e4m3_fold":
             w = doo.scale[:, g.qs : g.qe, None].to(dtype).expand_as(p)
-            if recipe.dv_fold == "document":  # one reference per (KV head group, document)
-                ref = doo.scale[:, g.qs : g.qe].to(dtype).reshape(-1, group, g.qe - g.qs).amax((1, 2))
+            if recipe.dv_fold == "document":  # one reference per (KV head group, document), NaN scales left out
+                sdo = torch.nan_to_num(doo.scale[:, g.qs : g.qe].to(dtype), nan=0.0)
+                ref = sdo.reshape(-1, group, g.qe - g.qs).amax((1, 2))
                 ref = ref.repeat_interleave(group)[:, None, None].clamp_min(FOLD_REF_MIN)
                 pe = _fold_cast_to(p, w, ref.expand_as(p), recipe.p_scale)
             else:
@@ -393,6 +431,7 @@ def emulate_backward(dout: torch.Tensor, ctx: EmulatorContext, dtype=torch.float
         dq[g.qs : g.qe] = dq_h.transpose(0, 1).float()
         dk[g.ks : g.ke] = dk_h.reshape(Hk, group, lk, D).sum(1).transpose(0, 1).float()
         dv[g.ks : g.ke] = dv_h.reshape(Hk, group, lk, D).sum(1).transpose(0, 1).float()
+    dq, dk = transform_grads(dq, dk, ctx)
     return dq.to(torch.bfloat16), dk.to(torch.bfloat16), dv.to(torch.bfloat16)
 
 

@@ -11,6 +11,7 @@ from .cute_backend import _dsl_importable, cute_attention_available
 from .emulator import default_softmax_scale
 from .plan import SM100_RECIPES, why_not_kernels, why_not_sm100
 from .recipes import DEFAULT_RECIPE, Recipe, resolve_recipe
+from .rotary import Rotary, RotaryConfig, kernel_tables, resolve_rotary
 from .validation import check_attention_inputs
 
 BACKENDS = ("auto", "emulate", "cute")
@@ -111,6 +112,7 @@ def flamia_attn_varlen_func(
     recipe: str | Recipe = DEFAULT_RECIPE,
     backend: str = "auto",
     return_lse: bool = False,
+    rotary: Rotary | RotaryConfig | None = None,
 ):
     """FP8 attention over packed variable-length documents (THD layout).
 
@@ -118,6 +120,11 @@ def flamia_attn_varlen_func(
     heads % kv_heads == 0 (GQA). cu_seqlens_*: int32 prefix sums of document
     lengths. Returns out (total_q, heads, head_dim) in q's dtype, and with
     return_lse also lse (heads, total_q) fp32 (natural log).
+
+    rotary: rotary position embedding of q and k, applied inside their quantization (the rotated
+    q and k are never written): Rotary(cos, sin, interleaved) with (positions, rotary_dim // 2)
+    tables, or RotaryConfig(theta, interleaved, rotary_dim). Positions restart at 0 at every
+    document start in cu_seqlens. The gradients of q and k are those of the unrotated inputs.
     """
     # cu_seqlens' values are checked where the call runs (custom_ops.run_forward), once: under
     # torch.compile this function is traced, and reading them here would break the graph.
@@ -128,16 +135,22 @@ def flamia_attn_varlen_func(
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     rec = resolve_recipe(recipe)
     scale = float(softmax_scale) if softmax_scale is not None else default_softmax_scale(q.shape[-1])
+    rot = resolve_rotary(rotary, q.shape[-1], max(max_seqlen_q, max_seqlen_k), q.device)
+    rope = kernel_tables(rot) if rot is not None else (None, None)
+    rope_interleaved = rot.interleaved if rot is not None else False
 
     def why_not_call(kernels):
-        return (why_not_sm100 if kernels == "sm100" else why_not_kernels)(rec, causal, q, k, cu_seqlens_q, cu_seqlens_k)
+        if kernels == "sm100":
+            return why_not_sm100(rec, causal, q, k, cu_seqlens_q, cu_seqlens_k, rot)
+        return why_not_kernels(rec, causal, q, k, cu_seqlens_q, cu_seqlens_k, rot)
 
     chosen, why_not = choose_backend(backend, q.device, why_not_call)
     if why_not and backend == "auto" and _capability(q.device):  # a GPU call on the emulator; CPU: no warning
         _warn_fallback(why_not)
     from .custom_ops import Attention, attention, recipe_key, run_forward
 
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, recipe_key(rec), chosen)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, recipe_key(rec), chosen,
+            *rope, rope_interleaved)
     if torch.compiler.is_compiling():
         out, lse = attention(*args)  # the custom ops: traceable, with fake implementations
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

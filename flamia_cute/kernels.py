@@ -80,6 +80,9 @@ ATTENTION_CONFIGS = {
     "tokenblock_d128": dict(head_dim=128, diagonal_copy=True),
     "tokenblock_d64": dict(head_dim=64, diagonal_copy=True),
     "tokenblock_d128_gqa4": dict(head_dim=128, diagonal_copy=True, qhead_per_kvhead=4),
+    # queries that are the last positions of their document's keys, and causal=False (cu_seqlens_k)
+    "tokenblock_d128_cross": dict(head_dim=128, diagonal_copy=True, cross_length=True),
+    "tokenblock_d128_noncausal": dict(head_dim=128, diagonal_copy=True, causal=False),
 }
 
 # B200 and B300: the Blackwell kernels build for both (the same tcgen05 code; per-CTA limits equal)
@@ -94,13 +97,32 @@ KERNELS = {
             "tokenblock_d64": dict(head_dim=64, num_heads=32, block_tokens=128, emit_token_copy=True),
             "tokenblock_d256": dict(head_dim=256, num_heads=8, block_tokens=128, emit_token_copy=True),
             "dout_delta_d128": dict(head_dim=128, num_heads=16, block_tokens=1, dt_pv_order=True, emit_rowdot=True),
+            # Q/K rotations in the quantization (rotary.py; the Hadamard transform and interleaved RoPE
+            # build at 3 CTAs per SM, sm90/quantize.HADAMARD_MIN_CTAS: tests/test_rotary.py), D from dO's codes
+            "rope_tokenblock_d128": dict(head_dim=128, num_heads=16, block_tokens=128, emit_token_copy=True,
+                                         rotary="half", rotary_dim=128),
+            "rope_tokenblock_d64": dict(head_dim=64, num_heads=32, block_tokens=128, emit_token_copy=True,
+                                        rotary="half", rotary_dim=64),
+            "dout_delta_quantized_d128": dict(head_dim=128, num_heads=16, block_tokens=1, dt_pv_order=True,
+                                              emit_rowdot=True, rowdot_quantized=True),
         }),
         KernelEntry("fwd", ("sm_90a",), "flamia_cute.sm90.attention_fwd", "FwdConfig", ATTENTION_CONFIGS),
         # the backward (bf16 dS: recipe fp8_tokenblock_dsbf16 and its per-token variant)
         KernelEntry("bwd_dsbf16", ("sm_90a",), "flamia_cute.sm90.attention_bwd", "BwdDsBf16Config",
-                    ATTENTION_CONFIGS),
+                    ATTENTION_CONFIGS | {  # the dK epilogue with K's inverse rotations
+                        "rope_hadamard_d128": dict(head_dim=128, diagonal_copy=True, rotary="half", rotary_dim=128,
+                                                   hadamard=3),
+                        # cross-length dQ goes by the ordered atomics only (BwdDsBf16Config.cross_length)
+                        "tokenblock_d128_cross": {**ATTENTION_CONFIGS["tokenblock_d128_cross"],
+                                                  "deterministic": True}}),
+        # the dQ conversion (fp32 -> bf16) with Q's inverse rotations
+        KernelEntry("grad_rotate", ("sm_90a",), "flamia_cute.sm90.rotate", "GradRotateConfig", {
+            "rope_hadamard_d128": dict(head_dim=128, rotary="half", rotary_dim=128, hadamard=4),
+            "interleaved_d64": dict(head_dim=64, rotary="interleaved", rotary_dim=64),
+        }),
         # Q's e4m3 codes as bf16 for the backward's dK operand
-        KernelEntry("codes", ("sm_90a",), "flamia_cute.sm90.codes", "CodesConfig", {"default": {}}),
+        KernelEntry("codes", ("sm_90a",), "flamia_cute.sm90.codes", "CodesConfig",
+                    {"default": {}, "row_scale": dict(row_scale=True)}),
         # Blackwell: the MXFP8 forward on block-scaled tcgen05 (compile-only here: no sm_100 GPU)
         KernelEntry("fwd_mx", BLACKWELL_ARCHES, "flamia_cute.sm100.attention_fwd", "FwdSm100Config", {
             "mxfp8_d128": {}, "mxfp8_d128_gqa4": dict(qhead_per_kvhead=4),

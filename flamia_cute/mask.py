@@ -18,6 +18,12 @@ path of such a leak, so the rule covers scales as well as scores:
   share scales inside the tile, runs the pairs of the query's own 32-key block in bf16 instead and
   masks the keys after the query (hide_future).
 
+Cross-length causal attention (queries at key positions p = i + Lk - Lq) keeps these rules unchanged: the
+forward's query tiles are 128-position blocks of the key axis (schedules.varlen_tiles.cross_tile), so a tile's
+row and key coordinates are key positions, its first key tile is the rows' own block (masked and per-token) and
+every other tile lies wholly before it. Non-causal attention masks the document's end alone (causal=False) and
+reads no per-token copy (no key is in a query's future).
+
 Where each kernel calls it:
 - sm90/attention_fwd.py: FlamiaFwdSm90.softmax (hide_invisible on the diagonal tile, diagonal_key_end;
   short pairs: consume_tile's key_lo), stage_key_scales and diagonal_half_scales (step_key_scales);
@@ -49,12 +55,14 @@ def diagonal_key_end(doc_len, key0):
 
 
 @cute.jit
-def hide_invisible(values, fills, key, query, key_end, key_lo=None):
+def hide_invisible(values, fills, key, query, key_end, key_lo=None, causal: cutlass.Constexpr = True):
     """values (a tuple) where key is visible from query on a diagonal tile, else fills: key after
     the query (causal), key at or past key_end (the document end, diagonal_key_end), or below key_lo
-    (a short pair's other document). key, query: positions in the same tile coordinates."""
-    if key > query:
-        values = fills
+    (a short pair's other document). key, query: positions in the same tile coordinates.
+    causal=False (the non-causal forward's first tile, the document's last keys): the end alone."""
+    if cutlass.const_expr(causal):
+        if key > query:
+            values = fills
     if key >= key_end:
         values = fills
     if cutlass.const_expr(key_lo is not None):

@@ -22,7 +22,7 @@ from .recipes import NAMED_RECIPES, Recipe
 # "token" (per token), "tensor" (one scale per tensor, quantized by torch into the per-token layouts:
 # the leaky control, run on the kernels so that the kernel path's leakage tests have a control).
 KERNEL_SCALINGS = {"fp8_tokenblock_dsbf16": "tokenblock", "fp8_tokenblock": "tokenblock", "fp8_token": "token",
-                   "fp8_tensor_current": "tensor"}
+                   "fp8_tensor_current": "tensor", "fp8_tokenblock_hadamard": "tokenblock"}
 KERNEL_HEAD_DIMS = (64, 128)
 
 
@@ -40,15 +40,17 @@ def has_backward_kernel(recipe: Recipe) -> bool:
     return recipe.ds_cast == "bf16" and recipe.dv_fold == "document"
 
 
-def _why_not_call(arch: str, kernels, has_kernel: bool, head_dims, recipe: Recipe, causal: bool, q, k, cu_q, cu_k):
+def _why_not_call(arch: str, kernels, has_kernel: bool, head_dims, recipe: Recipe, causal: bool, q, k, cu_q, cu_k,
+                  any_keys: bool = False):
     """The reasons both architectures' kernels share: recipe, causal, self-attention, head dim. The emulator runs
-    every call: non-causal attention and queries that are a sub-range of their document's keys (cross-length,
-    causal aligned to the end of each query range) are its alone for now (docs/integration.md)."""
+    every call. any_keys: the kernels also run non-causal attention and queries that are a sub-range of their
+    document's keys (cross-length, causal aligned to the end of each query range; docs/integration.md), else
+    those are the emulator's."""
     if not has_kernel:
         return f"recipe {recipe.name!r} has no {arch} kernel (kernels: {kernels})"
-    if not causal:
+    if not causal and not any_keys:
         return f"causal=False has no {arch} kernel"
-    if q.shape[0] != k.shape[0] or not same_documents(cu_q, cu_k):
+    if not any_keys and (q.shape[0] != k.shape[0] or not same_documents(cu_q, cu_k)):
         return (f"queries that are a sub-range of their document's keys (cu_seqlens_q != cu_seqlens_k) have no "
                 f"{arch} kernel: the {arch} kernels are self-attention only")
     if q.shape[-1] not in head_dims:
@@ -75,10 +77,47 @@ def same_documents(cu_q: torch.Tensor, cu_k: torch.Tensor) -> bool:
     return same
 
 
-def why_not_kernels(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | None:
-    """Why the sm_90a kernels cannot run this call (None: they can)."""
-    return _why_not_call("sm_90a", sorted(KERNEL_SCALINGS), kernel_scaling(recipe) is not None, KERNEL_HEAD_DIMS,
-                         recipe, causal, q, k, cu_q, cu_k)
+def why_not_rotary(rotary) -> str | None:
+    """Why the sm_90a kernels cannot apply this RoPE (rotary.Rotary; None: they can): a lane pairs whole
+    16-channel slices (half-split: rotary_dim a multiple of 32; interleaved: of 16)."""
+    if rotary is None:
+        return None
+    align = 16 if rotary.interleaved else 32
+    if rotary.rotary_dim % align:
+        return (f"rotary_dim {rotary.rotary_dim} has no sm_90a kernel ({'interleaved' if rotary.interleaved else 'half-split'} "
+                f"RoPE: a multiple of {align})")
+    return None
+
+
+def why_not_rotations(recipe: Recipe, rotary, separate: bool) -> str | None:
+    """Why the sm_90a kernels cannot rotate this call's Q and K (None: they can): the rotations (RoPE, a
+    Hadamard recipe's transform) and their inverses in the backward (the dK epilogue at self-attention
+    positions, the dQ conversion over cu_seqlens_q) are for causal self-attention builds only."""
+    if not separate or (rotary is None and not recipe.hadamard):
+        return None
+    what = "RoPE" if rotary is not None else f"recipe {recipe.name!r} (a Hadamard transform)"
+    return (f"{what} with cross-length or non-causal attention has no sm_90a kernel (the kernels' rotations are "
+            "for causal self-attention: cu_seqlens_q == cu_seqlens_k)")
+
+
+def why_not_kernels(recipe: Recipe, causal: bool, q, k, cu_q, cu_k, rotary=None) -> str | None:
+    """Why the sm_90a kernels cannot run this call (None: they can). They run causal self-attention, cross-length
+    causal and non-causal attention (separate_keys: the kernels' cross-length and non-causal builds); RoPE and
+    the Hadamard recipes with causal self-attention only (why_not_rotations)."""
+    why = _why_not_call("sm_90a", sorted(KERNEL_SCALINGS), kernel_scaling(recipe) is not None, KERNEL_HEAD_DIMS,
+                        recipe, causal, q, k, cu_q, cu_k, any_keys=True)
+    if why is None:
+        why = why_not_rotary(rotary)
+    if why is None:
+        why = why_not_rotations(recipe, rotary, separate_keys(causal, q.shape[0], k.shape[0], cu_q, cu_k))
+    return why
+
+
+def separate_keys(causal: bool, q_tokens: int, k_tokens: int, cu_q, cu_k) -> bool:
+    """Whether a kernel call takes its own key documents (the builds with cross_length or causal=False) instead
+    of running causal self-attention: non-causal, or other key documents (same_documents, which the dispatch
+    has already asked for these tensors: its memo answers)."""
+    return not causal or q_tokens != k_tokens or not same_documents(cu_q, cu_k)
 
 
 # The named recipes whose forward the sm_100a kernels run (never yet on hardware; opt-in only, see
@@ -87,12 +126,14 @@ SM100_RECIPES = ("mxfp8",)
 SM100_HEAD_DIMS = (128,)
 
 
-def why_not_sm100(recipe: Recipe, causal: bool, q, k, cu_q, cu_k) -> str | None:
+def why_not_sm100(recipe: Recipe, causal: bool, q, k, cu_q, cu_k, rotary=None) -> str | None:
     """Why the sm_100a MXFP8 forward cannot run this call (None: it can)."""
     has = recipe.name in SM100_RECIPES and NAMED_RECIPES[recipe.name] == recipe
     why = _why_not_call("sm_100a", list(SM100_RECIPES), has, SM100_HEAD_DIMS, recipe, causal, q, k, cu_q, cu_k)
     if why is not None:
         return why
+    if rotary is not None:
+        return "rotary has no sm_100a kernel"
     if q.dtype != torch.bfloat16:
         return f"the sm_100a kernels take bfloat16 inputs, got {q.dtype}"
     return None
@@ -115,26 +156,40 @@ class Plan:
     fwd: object  # sm90.attention_fwd.FwdConfig
     qkv: object  # sm90.quantize.MultiQuantizeConfig: the layouts the forward and either backward read
     bwd: object | None  # sm90.attention_bwd.BwdDsBf16Config; None: the emulator's backward
+    # sm90.rotate.GradRotateConfig: the dQ conversion with the inverse rotations of Q (RoPE, the
+    # recipe's Hadamard transform); None: a plain cast (no rotations, or the emulator's backward)
+    dq_convert: object | None = None
 
     @property
     def block(self) -> int:
         """K/V token-block size of the quantized layouts."""
         return 128 if self.scaling == "tokenblock" else 1
 
+    @property
+    def separate_keys(self) -> bool:
+        """The call's K and V have their own documents (cu_seqlens_k): quantized over them, the forward's
+        cross-length or non-causal build."""
+        return self.fwd.separate_keys
+
 
 def make_plan(recipe: str, head_dim: int, heads_q: int, heads_kv: int, max_seqlen: int, total_tokens: int,
-              num_docs: int) -> Plan:
-    """The Plan of a call (recipe: a name in KERNEL_SCALINGS), memoized per signature while the tuned
-    records stay loaded (tuned.derived_memo): building and tuning configs costs host time that every
-    layer of every step would pay again."""
+              num_docs: int, causal: bool = True, separate: bool = False,
+              rotary: tuple[str, int] | None = None) -> Plan:
+    """The Plan of a call (recipe: a name in KERNEL_SCALINGS; rotary: custom_ops.rotary_key, the RoPE mode
+    and width, or None), memoized per signature while the tuned records stay loaded (tuned.derived_memo):
+    building and tuning configs costs host time that every layer of every step would pay again.
+    separate (separate_keys): K and V have their own documents, as cross-length causal (causal) or
+    non-causal attention; max_seqlen and total_tokens are the queries'. Rotations (rotary, a Hadamard
+    recipe) are for causal self-attention only (why_not_kernels)."""
     from .tuned import derived_memo
 
-    key = ("plan", recipe, head_dim, heads_q, heads_kv, int(max_seqlen), total_tokens, num_docs,
-           deterministic_backward(), os.environ.get("FLAMIA_CUTE_NO_TUNING"))
+    key = ("plan", recipe, head_dim, heads_q, heads_kv, int(max_seqlen), total_tokens, num_docs, rotary,
+           deterministic_backward(), os.environ.get("FLAMIA_CUTE_NO_TUNING"), causal, separate or not causal)
     memo = derived_memo()
     plan = memo.get(key)
     if plan is None:
-        plan = memo[key] = _build_plan(recipe, head_dim, heads_q, heads_kv, int(max_seqlen), total_tokens, num_docs)
+        plan = memo[key] = _build_plan(recipe, head_dim, heads_q, heads_kv, int(max_seqlen), total_tokens, num_docs,
+                                       causal, separate or not causal, rotary)
     return plan
 
 
@@ -152,32 +207,57 @@ def qkv_launch(head_dim: int, heads_q: int, heads_kv: int, block: int, max_seqle
     return forward_only(qkv)
 
 
-def _build_plan(recipe, head_dim, heads_q, heads_kv, max_seqlen, total_tokens, num_docs) -> Plan:
+def _build_plan(recipe, head_dim, heads_q, heads_kv, max_seqlen, total_tokens, num_docs, causal=True,
+                separate=False, rotary=None) -> Plan:
     from dataclasses import replace
 
+    from .rotary import hadamard_shift
     from .schedules.varlen_tiles import short_pairs_worth
     from .sm90.attention_bwd import BwdDsBf16Config, auto_head_window, short_pairs_supported
     from .sm90.attention_fwd import FwdConfig, short_pairs_default
+    from .sm90.quantize import with_rotations
+    from .sm90.rotate import GradRotateConfig
     from .tuned import tuned_bwd_dsbf16_config, tuned_fwd_config
 
     scaling = KERNEL_SCALINGS[recipe]
+    hadamard = NAMED_RECIPES[recipe].hadamard
+    why = why_not_rotations(NAMED_RECIPES[recipe], rotary, separate)
+    if why is not None:  # the dispatch asked why_not_kernels first
+        raise ValueError(why)
+    rot_mode, rot_dim = rotary if rotary is not None else ("none", 0)
+    rotations = dict(rotary=rot_mode, rotary_dim=rot_dim)
     block_copy = scaling == "tokenblock"
     group = heads_q // heads_kv
     fwd = tuned_fwd_config(FwdConfig(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=block_copy,
                                      short_pairs=short_pairs_default(total_tokens, num_docs)),
                            max_seqlen, total_tokens, num_docs)
+    if separate:  # self-attention's tuned schedule, without short pairs (self-attention documents only)
+        fwd = replace(fwd, short_pairs=False, causal=causal, cross_length=causal)
     # the control is quantized by torch: no launch to tune
     qkv = qkv_launch(head_dim, heads_q, heads_kv, 128 if block_copy else 1, max_seqlen, total_tokens, num_docs,
                      tuned=scaling != "tensor")
+    if rotary is not None or hadamard:
+        qkv = with_rotations(qkv, rot_mode, rot_dim, hadamard)
     bwd = None
+    dq_convert = None
     if has_backward_kernel(NAMED_RECIPES[recipe]):
+        # the dK epilogue applies K's inverse rotations; the dQ conversion Q's
+        k_rot = dict(rotations, hadamard=hadamard_shift(head_dim, "k") if hadamard else 0)
         if deterministic_backward():  # the ordered atomics path, untuned
             bwd = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=block_copy,
-                                  deterministic=True)
+                                  deterministic=True, **k_rot)
         else:
             bwd = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=block_copy,
-                                  head_window=auto_head_window(heads_kv, max_seqlen))
+                                  head_window=auto_head_window(heads_kv, max_seqlen), **k_rot)
             if short_pairs_worth(total_tokens, num_docs) and short_pairs_supported(bwd):
                 bwd = replace(bwd, short_pairs=True)
             bwd = tuned_bwd_dsbf16_config(bwd, max_seqlen, total_tokens, num_docs)
-    return Plan(recipe, scaling, fwd, qkv, bwd)
+        if separate and causal:  # cross-length causal: dQ by the ordered atomics (BwdDsBf16Config.cross_length)
+            bwd = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=block_copy,
+                                  deterministic=True, causal=True, cross_length=True, **k_rot)
+        elif separate:  # self-attention's tuned schedule, without short pairs
+            bwd = replace(bwd, short_pairs=False, causal=causal, cross_length=causal)
+        if rotary is not None or hadamard:
+            dq_convert = GradRotateConfig(head_dim, hadamard=hadamard_shift(head_dim, "q") if hadamard else 0,
+                                          **rotations)
+    return Plan(recipe, scaling, fwd, qkv, bwd, dq_convert)

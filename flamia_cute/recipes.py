@@ -17,6 +17,10 @@ P_CASTS = ("bf16", "e4m3_fold", "mx")
 # shared scale): a control for the leakage tests
 DS_CASTS = ("bf16", "e4m3_rowtile", "e5m2_rowtile", "e4m3_tile", "mx")
 DV_FOLDS = ("tile", "document")
+# D = rowsum(dO * O) of the backward's dS = P (dP - D): from dO as given ("input"), or from dO's e4m3
+# values, the dO that dP = dO V^T reads ("quantized"): then sum_j dS_ij stays ~0 under dO's rounding,
+# so a large mean of K over the keys (a bias channel) cancels out of dQ = dS K as it does exactly
+DELTAS = ("input", "quantized")
 MX_BLOCK = 32  # Blackwell block-scaled MMA: one E8M0 scale per 32 elements
 # P's e4m3_fold cast divides by a fold reference r (the max of the other operand's scales over the
 # visible entries of a tile): r never goes below FOLD_REF_MIN, so that p_scale / r stays finite in
@@ -88,6 +92,10 @@ class Recipe:
     # group, document), the max dO scale there: the same for every tile, so a kernel can accumulate
     # dV in the MMA itself
     dv_fold: str = "tile"
+    # Q and K through a Walsh-Hadamard transform over the head dimension (rotary.py) before their
+    # quantization: S is unchanged exactly, outlier channels are spread over all channels
+    hadamard: bool = False
+    delta: str = "input"  # DELTAS
 
     def __post_init__(self):
         if self.p_cast not in P_CASTS:
@@ -96,6 +104,10 @@ class Recipe:
             raise ValueError(f"Recipe.ds_cast must be one of {DS_CASTS}, got {self.ds_cast!r}")
         if self.dv_fold not in DV_FOLDS:
             raise ValueError(f"Recipe.dv_fold must be one of {DV_FOLDS}, got {self.dv_fold!r}")
+        if self.delta not in DELTAS:
+            raise ValueError(f"Recipe.delta must be one of {DELTAS}, got {self.delta!r}")
+        if not isinstance(self.hadamard, bool):
+            raise ValueError(f"Recipe.hadamard must be a bool, got {self.hadamard!r}")
         if self.dv_fold != "tile" and self.p_cast != "e4m3_fold":
             raise ValueError("Recipe.dv_fold 'document' applies to p_cast 'e4m3_fold' only")
         for tile_name in ("key_tile", "query_tile"):
@@ -162,6 +174,10 @@ NAMED_RECIPES: dict[str, Recipe] = {
         # The default: S, P V, dP and dV in FP8 with dV's dO scale folded per document, dS in bf16
         # for dK and dQ (the sm_90a backward kernel, sm90/attention_bwd.py)
         Recipe("fp8_tokenblock_dsbf16", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, ds_cast="bf16", dv_fold="document"),
+        # The default with Q and K through a Walsh-Hadamard transform over the head dimension, and D
+        # from dO's e4m3 values: the recipe for heads with outlier channels (docs/rotations.md)
+        Recipe("fp8_tokenblock_hadamard", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, ds_cast="bf16", dv_fold="document",
+               hadamard=True, delta="quantized"),
         # One dS scale per 64-query x 128-key tile for both products (e4m3_tile). Leaks through dQ:
         # the control that shows the leakage tests see scales shared across queries in dS
         Recipe("fp8_tokenblock_dstile_unsafe", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, ds_cast="e4m3_tile",

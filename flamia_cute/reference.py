@@ -38,3 +38,20 @@ def reference_attention(q, k, v, cu_q, cu_k, softmax_scale, causal=True, dout=No
         dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), dout.to(dtype), allow_unused=True)
         res.update(dq=dq, dk=dk, dv=dv)
     return res
+
+
+def reference_attention_rotary(q, k, v, cu, softmax_scale, rotary, dout=None, dtype=torch.float64):
+    """reference_attention of self-attention with RoPE (a rotary.Rotary) applied to q and k in `dtype`
+    (positions restart at every document start); dq, dk of the unrotated inputs, by autograd through
+    the rotation (not through rotary's inverse, which the code under test uses)."""
+    from .rotary import document_positions, rope
+
+    pos = document_positions(cu, cu, q.shape[0])
+    q0, k0 = (t.detach().to(dtype).requires_grad_(dout is not None) for t in (q, k))
+    with torch.enable_grad():
+        qr = rope(q0, rotary.cos, rotary.sin, pos, rotary.interleaved)
+        kr = rope(k0, rotary.cos, rotary.sin, pos, rotary.interleaved)
+    res = reference_attention(qr.detach(), kr.detach(), v, cu, cu, softmax_scale, True, dout, dtype)
+    if dout is not None:
+        res["dq"], res["dk"] = torch.autograd.grad((qr, kr), (q0, k0), (res["dq"], res["dk"]))
+    return res

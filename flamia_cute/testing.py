@@ -208,10 +208,11 @@ def check_leakage_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, dout=None, doc
     return rep
 
 
-def attention_fn_for(recipe, softmax_scale=None, causal=True, backend="emulate") -> AttentionFn:
+def attention_fn_for(recipe, softmax_scale=None, causal=True, backend="emulate", rotary=None) -> AttentionFn:
     """Adapter: flamia_attn_varlen_func as an AttentionFn (forward, and backward when dout is given).
     fn(q, k, v, cu, dout) is self-attention; fn.varlen(q, k, v, cu_q, cu_k, dout) takes both cu_seqlens
-    (check_leakage_varlen's form)."""
+    (check_leakage_varlen's form). rotary: its rotary argument (a RotaryConfig, or a Rotary with tables for
+    every length used)."""
     from .interface import flamia_attn_varlen_func
 
     def varlen(q, k, v, cu_q, cu_k, dout=None):
@@ -220,7 +221,7 @@ def attention_fn_for(recipe, softmax_scale=None, causal=True, backend="emulate")
 
         qq, kk, vv = (t.detach().clone().requires_grad_(dout is not None) for t in (q, k, v))
         out, lse = flamia_attn_varlen_func(qq, kk, vv, cu_q, cu_k, longest(cu_q), longest(cu_k), softmax_scale, causal,
-                                           recipe=recipe, backend=backend, return_lse=True)
+                                           recipe=recipe, backend=backend, return_lse=True, rotary=rotary)
         res = {"out": out.detach(), "lse": lse.detach()}
         if dout is not None:
             dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), dout)
@@ -232,3 +233,163 @@ def attention_fn_for(recipe, softmax_scale=None, causal=True, backend="emulate")
 
     fn.varlen = varlen
     return fn
+
+
+# ----------------------------------------------------------------------------- non-finite inputs
+
+NONFINITE = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
+POISON_INPUTS = ("q", "k", "v", "do")
+
+
+def poison(x: torch.Tensor, token: int, head: int, value: float, channel: int = 5) -> torch.Tensor:
+    """A copy of x (T, heads, D) with one element replaced by value."""
+    y = x.clone()
+    y[token, head, channel] = value
+    return y
+
+
+def check_nonfinite_input(fn: AttentionFn, q, k, v, cu_seqlens, dout, which: str, doc: int, pos: int,
+                          value: float, head: int = 0, base: dict | None = None, dq_tol: float = 0.0,
+                          tiles: bool = False) -> list[str]:
+    """One non-finite value at position pos of document doc (head `head` of input `which`: q, k, v or
+    do); returns what is wrong (empty: nothing). base: fn's result on the clean inputs.
+
+    1. every other document's O, LSE, dQ, dK and dV equal the clean run's, bitwise (dQ within
+       dq_tol, relative, when its fp32 reduce-adds land in any order);
+    2. inside the poisoned document, every output that depends on the bad value in exact attention
+       is non-finite, each element of its row: a row of O, LSE and dQ that sees it, the dK and dV of
+       the keys such a row sees (the dV of a bad V's keys excepted: dV never reads V);
+    3. what exact attention computes without the bad value equals the clean run bitwise: LSE for a
+       bad V or dO, O for a bad dO, dV for a bad V (every document); O and LSE of the other query
+       rows for a bad Q, of the rows before it for a bad K; dQ of the other rows for a bad Q or dO;
+    4. tiles=True (the kernels, whose products read whole 128-token tiles): also O and LSE of the
+       rows before the bad position's 128-token block for a bad V, dQ of the rows before that block
+       for a bad K or V, and dK, dV of the keys after it for a bad Q or dO.
+    """
+    if which not in POISON_INPUTS:
+        raise ValueError(f"which must be one of {POISON_INPUTS}, got {which!r}")
+    cu = cu_seqlens.tolist()
+    s, e = cu[doc], cu[doc + 1]
+    if not 0 <= pos < e - s:
+        raise ValueError(f"pos {pos} lies outside document {doc} (length {e - s})")
+    t = s + pos
+    group = q.shape[1] // k.shape[1]
+    ins = {"q": q, "k": k, "v": v, "do": dout}
+    ins[which] = poison(ins[which], t, head, value)
+    if base is None:
+        base = fn(q, k, v, cu_seqlens, dout)
+    res = fn(ins["q"], ins["k"], ins["v"], cu_seqlens, ins["do"])
+    bad: list[str] = []
+    T = cu[-1]
+
+    def rows_of(name, sel):  # sel: token index tensor or slice; lse is (H, T)
+        return (lambda x: x[:, sel]) if name == "lse" else (lambda x: x[sel])
+
+    def equal(name, sel, heads=None, tol=0.0, what=""):
+        a, b = res[name], base[name]
+        if heads is not None:
+            a, b = (a[heads] if name == "lse" else a[:, heads]), (b[heads] if name == "lse" else b[:, heads])
+        a, b = rows_of(name, sel)(a), rows_of(name, sel)(b)
+        if a.numel() == 0:
+            return
+        ok = _same(a, b, tol) if tol == 0 else bool(torch.isfinite(a.float()).all()) and _same(a, b, tol)
+        if not ok:
+            nf = int((~torch.isfinite(a.float())).sum())
+            bad.append(f"{which}={value} at doc {doc} pos {pos}: {name} {what} changed ({nf} non-finite)")
+
+    def nonfinite(name, sel, heads, what):
+        x = res[name]
+        x = x[heads] if name == "lse" else x[:, heads]
+        x = rows_of(name, sel)(x).float()
+        if x.numel() and bool(torch.isfinite(x).any()):
+            bad.append(f"{which}={value} at doc {doc} pos {pos}: {name} {what} has "
+                       f"{int(torch.isfinite(x).sum())} finite elements where the bad value reaches")
+
+    # 1. the other documents
+    others = torch.ones(T, dtype=torch.bool)
+    others[s:e] = False
+    idx = others.nonzero().squeeze(1)
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        equal(name, idx, tol=dq_tol if name == "dq" else 0.0, what="of another document")
+    # 2. and 3. inside the poisoned document
+    hk = head // group if which in ("q", "do") else head
+    qheads = [head] if which in ("q", "do") else list(range(hk * group, (hk + 1) * group))
+    here, upto, after = slice(t, t + 1), slice(s, t + 1), slice(t, e)
+    block = s + (pos // 128) * 128  # first token of the bad position's 128-token block
+    block_end = min(e, block + 128)
+    other_rows = torch.cat([torch.arange(s, t), torch.arange(t + 1, e)])
+    if which == "q":
+        for name in ("out", "lse", "dq"):
+            nonfinite(name, here, qheads, "at the bad query")
+            equal(name, other_rows, qheads, dq_tol if name == "dq" else 0.0, "of the other queries")
+        for name in ("dk", "dv"):
+            nonfinite(name, upto, [hk], "of the keys the bad query sees")
+    elif which == "k" or which == "v":
+        for name in ("out", "dq") + (("lse",) if which == "k" else ()):
+            nonfinite(name, after, qheads, "of the queries that see the bad key")
+        for name in ("dk",) + (("dv",) if which == "k" else ()):
+            nonfinite(name, slice(s, e), [hk], "of the keys that share a query with the bad key")
+        if which == "k":
+            for name in ("out", "lse"):
+                equal(name, slice(s, t), qheads, what="of the queries before the bad key")
+        else:
+            equal("lse", slice(0, T), what="(V does not enter it)")
+            equal("dv", slice(0, T), what="(V does not enter it)")
+        if tiles:
+            equal("dq", slice(s, block), qheads, dq_tol, "of the queries before the bad key's block")
+            if which == "v":
+                for name in ("out", "lse"):
+                    equal(name, slice(s, block), qheads, what="of the queries before the bad key's block")
+    else:  # do
+        nonfinite("dq", here, qheads, "at the bad dO row")
+        for name in ("dk", "dv"):
+            nonfinite(name, upto, [hk], "of the keys the bad dO row sees")
+        for name in ("out", "lse"):
+            equal(name, slice(0, T), what="(the forward does not read dO)")
+        equal("dq", other_rows, qheads, dq_tol, "of the other queries")
+    if tiles and which in ("q", "do"):
+        for name in ("dk", "dv"):
+            equal(name, slice(block_end, e), [hk], what="of the keys after the bad query's block")
+    return bad
+
+
+def check_nonfinite_isolation_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, dout, which: str, doc: int,
+                                     pos: int, value: float, head: int = 0, base: dict | None = None,
+                                     dq_tol: float = 0.0) -> list[str]:
+    """check_nonfinite_input's isolation part for separate query and key ranges (cross-length causal,
+    causal=False): fn(q, k, v, cu_q, cu_k, dout) as attention_fn_for(...).varlen. One non-finite value
+    at position pos of document doc (a query row for q and do, a key row for k and v). Every other
+    document's O, LSE, dQ (query rows) and dK, dV (key rows) equal the clean run's bitwise (dQ within
+    dq_tol); the poisoned document shows it somewhere (a non-finite O, dQ, dK or dV element), never
+    silently finite. Returns what is wrong (empty: nothing)."""
+    if which not in POISON_INPUTS:
+        raise ValueError(f"which must be one of {POISON_INPUTS}, got {which!r}")
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    cu = cq if which in ("q", "do") else ck
+    if not 0 <= pos < cu[doc + 1] - cu[doc]:
+        raise ValueError(f"pos {pos} lies outside document {doc} (length {cu[doc + 1] - cu[doc]})")
+    ins = {"q": q, "k": k, "v": v, "do": dout}
+    ins[which] = poison(ins[which], cu[doc] + pos, head, value)
+    if base is None:
+        base = fn(q, k, v, cu_seqlens_q, cu_seqlens_k, dout)
+    res = fn(ins["q"], ins["k"], ins["v"], cu_seqlens_q, cu_seqlens_k, ins["do"])
+    bad: list[str] = []
+
+    def outside(c):
+        keep = torch.ones(c[-1], dtype=torch.bool)
+        keep[c[doc]:c[doc + 1]] = False
+        return keep.nonzero().squeeze(1)
+
+    rows = {"out": outside(cq), "lse": outside(cq), "dq": outside(cq), "dk": outside(ck), "dv": outside(ck)}
+    for name, idx in rows.items():
+        a, b = res[name], base[name]
+        a, b = (a[:, idx], b[:, idx]) if name == "lse" else (a[idx], b[idx])
+        tol = dq_tol if name == "dq" else 0.0
+        if a.numel() and not (_same(a, b, tol) and (tol == 0 or bool(torch.isfinite(a.float()).all()))):
+            nf = int((~torch.isfinite(a.float())).sum())
+            bad.append(f"{which}={value} at doc {doc} pos {pos}: {name} of another document changed ({nf} non-finite)")
+    inside = {"out": slice(cq[doc], cq[doc + 1]), "dq": slice(cq[doc], cq[doc + 1]),
+              "dk": slice(ck[doc], ck[doc + 1]), "dv": slice(ck[doc], ck[doc + 1])}
+    if all(bool(torch.isfinite(res[name][sel].float()).all()) for name, sel in inside.items()):
+        bad.append(f"{which}={value} at doc {doc} pos {pos}: every output of the poisoned document is finite")
+    return bad

@@ -21,8 +21,8 @@ import cutlass.pipeline as pipeline
 from cutlass import Boolean, Int32
 
 from .quant import quantize as _quant_layout
-from .schedules.varlen_tiles import SHORT_PAIR_ROWS
-from .sm90.primitives import group_scan_up, select
+from .schedules.varlen_tiles import SHORT_PAIR_ROWS, cross_query_tiles
+from .sm90.primitives import group_scan_up, select, select_i32
 
 # The persistent forward's tile hand-off ring depth: the next tile is published while this one runs
 SCHED_STAGES = 2
@@ -30,7 +30,8 @@ SCHED_STAGES = 2
 
 @cute.jit
 def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Tensor, sWarp: cute.Tensor, tid,
-                     threads: cutlass.Constexpr, barrier_id: cutlass.Constexpr, tile: cutlass.Constexpr, sPair=None):
+                     threads: cutlass.Constexpr, barrier_id: cutlass.Constexpr, tile: cutlass.Constexpr, sPair=None,
+                     mCuK=None, causal: cutlass.Constexpr = True):
     """Per-document tables in shared memory, for d in 0..num_docs: sCum[d] = sum over documents
     b < d of ceil(len_b / tile) (chunks), sDt[d] = document d's first data_dt column (the same sum
     of lengths rounded up to DT_DOC_ALIGN: quant.dt_cu_seqlens; sDt None: chunks only).
@@ -41,6 +42,8 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
     2 per warp).
     sPair (the forward's short pairs): sPair[d] = short_pair_len(d) (the length of document d + 1 when
     it shares d's query tile, else 0), and such a document d + 1 counts 0 chunks.
+    mCuK (the cross-length and non-causal forward): mCu holds the query documents and mCuK the key
+    documents; chunks are schedules.varlen_tiles.cross_query_tiles, columns the key documents'.
     """
     short_pairs = sPair is not None
     k = (num_docs + threads - 1) // threads
@@ -50,7 +53,7 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
     for i in cutlass.range(k, unroll=1):
         b = d0 + i
         if b < num_docs:
-            c, p = _doc_chunks_and_columns(mCu, b, tile, num_docs, short_pairs)
+            c, p = _doc_chunks_and_columns(mCu, b, tile, num_docs, short_pairs, mCuK, causal)
             my_c = my_c + c
             my_p = my_p + p
     run_c, run_p = group_scan_up(tid, sWarp, threads, barrier_id, True, my_c, my_p)
@@ -61,7 +64,7 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
     for i in cutlass.range(k, unroll=1):
         b = d0 + i
         if b < num_docs:
-            c, p = _doc_chunks_and_columns(mCu, b, tile, num_docs, short_pairs)
+            c, p = _doc_chunks_and_columns(mCu, b, tile, num_docs, short_pairs, mCuK, causal)
             run_c = run_c + c
             run_p = run_p + p
             sCum[b + 1] = run_c
@@ -73,12 +76,18 @@ def doc_chunk_cumsum(mCu: cute.Tensor, num_docs, sCum: cute.Tensor, sDt: cute.Te
 
 @cute.jit
 def _doc_chunks_and_columns(mCu: cute.Tensor, b, tile: cutlass.Constexpr, num_docs=None,
-                            short_pairs: cutlass.Constexpr = False):
+                            short_pairs: cutlass.Constexpr = False, mCuK=None, causal: cutlass.Constexpr = True):
     """Document b's chunks of `tile` tokens and its data_dt columns (length rounded up to DT_DOC_ALIGN);
-    short_pairs: 0 chunks when b shares its predecessor's tile."""
+    short_pairs: 0 chunks when b shares its predecessor's tile; mCuK: the cross-length forward's query
+    tiles (cross_query_tiles) and the key document's columns."""
     align = _quant_layout.DT_DOC_ALIGN
     n = mCu[b + 1] - mCu[b]
-    c = (n + (tile - 1)) // tile
+    if cutlass.const_expr(mCuK is not None):
+        n_k = mCuK[b + 1] - mCuK[b]
+        c = cross_query_tiles(n, n_k, causal, select_i32)
+        n = n_k
+    else:
+        c = (n + (tile - 1)) // tile
     if cutlass.const_expr(short_pairs):
         if short_pair_follower(mCu, b, num_docs):
             c = Int32(0)
@@ -267,6 +276,18 @@ def for_each_published_tile(pipe_t, sSched, state, step, short_pairs: cutlass.Co
         while m_block >= 0:
             state = step(state, head, start, length, m_block)
             m_block, head, doc, start, length, t_state = read_tile(pipe_t, sSched, t_state, True)
+    return state
+
+
+@cute.jit
+def for_each_published_cross_tile(pipe_t, sSched, state, step):
+    """for_each_published_tile of the separate-keys forward, whose ring carries the five
+    cross_tile_bounds words: state = step(state, head, m_block, bounds) per tile."""
+    t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
+    m_block, head, doc, q_base, q_lo, q_hi, k_start, k_len, t_state = read_tile(pipe_t, sSched, t_state, 5)
+    while m_block >= 0:
+        state = step(state, head, m_block, (q_base, q_lo, q_hi, k_start, k_len))
+        m_block, head, doc, q_base, q_lo, q_hi, k_start, k_len, t_state = read_tile(pipe_t, sSched, t_state, 5)
     return state
 
 

@@ -12,7 +12,7 @@ What we cannot run goes to the kernel that was registered before us, with one wa
 head dims other than 64 and 128, an attention mask (SDPA on CUDA never sends a masked call to the flash path,
 so such calls never reach us there), sliding windows, paged or cached K/V, non-bf16/fp16 inputs, SDPA's
 top-left `is_causal` with different query and key lengths, and on a GPU every call the sm_90a kernels lack
-(plan.why_not_kernels: non-causal, cross-length, other GPUs).
+(plan.why_not_kernels: other recipes and head dims, other GPUs).
 
 The aten backward ops receive the bf16 inputs, not our saved FP8 operands. They quantize Q, K and V again
 (custom_ops.saved_from_inputs): the quantizers are deterministic functions of their inputs, so the backward
@@ -207,7 +207,7 @@ class _Call:
 
     def backward(self, dout, out, lse):
         saved = saved_from_inputs(self.q, self.k, self.v, out.contiguous(), self.cu_q, self.cu_k, self.max_q,
-                                  self.max_k, self.recipe, self.backend)
+                                  self.max_k, self.recipe, self.backend, self.causal)
         return run_backward(dout, out.contiguous(), lse.contiguous(), saved, self.cu_q, self.cu_k, self.max_q,
                             self.max_k, self.scale, self.causal, self.recipe, self.backend)
 

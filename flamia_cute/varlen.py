@@ -19,7 +19,8 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from .quant import quantize as _quant_layout
-from .schedules.varlen_tiles import SHORT_PAIR_ROWS
+from .schedules.varlen_tiles import SHORT_PAIR_ROWS, cross_query_tiles, cross_tile
+from .sm90.primitives import select_i32
 
 
 @cute.jit
@@ -27,6 +28,23 @@ def document_bounds(mCu: cute.Tensor, doc):
     """(first token, length) of document doc from cu_seqlens."""
     doc_start = mCu[doc]
     return doc_start, mCu[doc + 1] - doc_start
+
+
+@cute.jit
+def cross_tile_bounds(mCu: cute.Tensor, mCuK: cute.Tensor, doc, block, causal: cutlass.Constexpr):
+    """Query tile `block` of document doc in the cross-length (causal) or non-causal forward
+    (schedules.varlen_tiles.cross_tile, whose CPU twin the tests replay): (m_block, (q_base, q_lo, q_hi,
+    k_start, k_len)), the bounds words the persistent ring carries."""
+    q_start, q_end = mCu[doc], mCu[doc + 1]
+    k_start, k_end = mCuK[doc], mCuK[doc + 1]
+    m_block, q_base, q_lo, q_hi, k_len = cross_tile(q_start, q_end, k_start, k_end, block, causal, select_i32)
+    return m_block, (q_base, q_lo, q_hi, k_start, k_len)
+
+
+@cute.jit
+def cross_document_tiles(mCu: cute.Tensor, mCuK: cute.Tensor, doc, causal: cutlass.Constexpr):
+    """Query tiles of document doc in the cross-length or non-causal forward (cross_query_tiles)."""
+    return cross_query_tiles(mCu[doc + 1] - mCu[doc], mCuK[doc + 1] - mCuK[doc], causal, select_i32)
 
 
 def document_tiles(atom, t, head, s, tile, offset, token_mode: int):

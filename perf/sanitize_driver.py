@@ -41,7 +41,8 @@ HEADS = {"h2_d128": (2, 2, 128), "gqa2x1_d128": (2, 1, 128), "gqa4x1_d64": (4, 1
 SMALL_HEADS = ("gqa2x1_d128", "gqa4x1_d64")  # d128 and d64, both GQA
 # every recipe with a kernel (plan.KERNEL_SCALINGS) except fp8_tokenblock, which shares the default's
 # forward build and the emulator's backward with fp8_token
-RECIPES = ("fp8_tokenblock_dsbf16", "fp8_token", "fp8_tensor_current")
+RECIPES = ("fp8_tokenblock_dsbf16", "fp8_token", "fp8_tensor_current", "fp8_tokenblock_hadamard")
+ROTARY = ("half", "interleaved")  # RoPE inside the quantization (rotary=), on the default recipe
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,11 @@ class Case:
     heads: str
     pack: str
     deterministic: bool = False
+    rotary: str = ""  # "", or one of ROTARY
 
     def label(self) -> str:
-        return f"{self.recipe} {self.heads} {self.pack}" + (" deterministic" if self.deterministic else "")
+        return (f"{self.recipe} {self.heads} {self.pack}" + (" deterministic" if self.deterministic else "")
+                + (f" rope-{self.rotary}" if self.rotary else ""))
 
 
 def cases(which: str) -> list[Case]:
@@ -61,13 +64,14 @@ def cases(which: str) -> list[Case]:
     packs, heads = (list(PACKS), list(HEADS)) if which == "full" else (list(SMALL_PACKS), list(SMALL_HEADS))
     out = [Case(r, h, p) for r in RECIPES for h in heads for p in packs]
     out += [Case(RECIPES[0], h, p, deterministic=True) for h in heads for p in packs if p in SMALL_PACKS]
+    out += [Case(RECIPES[0], h, p, rotary=r) for r in ROTARY for h in heads for p in packs if p in SMALL_PACKS]
     return out
 
 
 def run_case(case: Case, seed: int = 0) -> None:
     import torch
 
-    from flamia_cute import flamia_attn_varlen_func
+    from flamia_cute import RotaryConfig, flamia_attn_varlen_func
     from flamia_cute.plan import has_backward_kernel
     from flamia_cute.recipes import resolve_recipe
     from flamia_cute.testing import make_inputs
@@ -81,7 +85,9 @@ def run_case(case: Case, seed: int = 0) -> None:
     was = os.environ.get("FLAMIA_CUTE_DETERMINISTIC")
     os.environ["FLAMIA_CUTE_DETERMINISTIC"] = "1" if case.deterministic else "0"
     try:
-        out = flamia_attn_varlen_func(*leaves, cu, cu, mx, mx, scale, recipe=case.recipe, backend="cute")
+        rotary = RotaryConfig(theta=10000.0, interleaved=case.rotary == "interleaved") if case.rotary else None
+        out = flamia_attn_varlen_func(*leaves, cu, cu, mx, mx, scale, recipe=case.recipe, backend="cute",
+                                      rotary=rotary)
         grads = torch.autograd.grad(out, leaves, do) if train else ()
     finally:
         if was is None:

@@ -31,7 +31,7 @@ BF16 = FloatFormat("bf16", torch.bfloat16, float(torch.finfo(torch.bfloat16).max
 FORMATS = {f.name: f for f in (E4M3, E5M2, E2M1, BF16)}
 
 SCALE_EXP_MIN = -126  # smallest scale 2**-126: finite and normal in fp32
-SCALE_EXP_MAX = 127
+SCALE_EXP_MAX = 127  # minus the format's emax: the largest code times the scale stays below 2**128
 
 
 def format_by_name(name: str) -> FloatFormat:
@@ -55,11 +55,15 @@ def pow2_scale_from_amax_bits(amax_bits: torch.Tensor, fmt: FloatFormat) -> torc
 
     Exact integer rule on the bits of amax (= 1.M * 2**e): fmt.max_value is
     1.75 * 2**8 for e4m3 and 1.75 * 2**15 for e5m2, so k = e - emax when
-    1.M <= 1.75, else e - emax + 1, clamped to [2**-126, 2**127]. amax == 0
-    gives the smallest scale 2**-126: finite, and never the largest scale of
-    a tile, so an all-zero token (the last token of every document has a zero
-    dO row) cannot dominate a scale fold. A non-finite amax gives a NaN scale
-    (documented: a non-finite input poisons its block).
+    1.M <= 1.75, else e - emax + 1, clamped to [2**-126, 2**(127 - emax)]. The
+    upper clamp keeps every code's value finite: with 2**(128 - emax) an amax
+    above 1.9375 * 2**127 (the top of bf16's range) would round up to 2**128,
+    fp32's infinity; clamped, values above 1.75 * 2**127 saturate at that value
+    instead. amax == 0 gives the smallest scale 2**-126: finite, and never the
+    largest scale of a tile, so an all-zero token (the last token of every
+    document has a zero dO row) cannot dominate a scale fold. A non-finite amax
+    gives a NaN scale: a non-finite input poisons its block (its codes are 0,
+    quant.quantize.quantize_with_scale), and only through that scale.
     """
     if fmt.name not in ("e4m3", "e5m2"):
         raise ValueError(f"pow2 scale rule is defined for e4m3/e5m2, not {fmt.name}")
@@ -68,7 +72,7 @@ def pow2_scale_from_amax_bits(amax_bits: torch.Tensor, fmt: FloatFormat) -> torc
     biased = (bits >> 23) & 0xFF
     mant = bits & 0x7FFFFF
     k = biased - 127 - emax + (mant > 0x600000).to(torch.int32)
-    k = k.clamp(SCALE_EXP_MIN, SCALE_EXP_MAX)
+    k = k.clamp(SCALE_EXP_MIN, SCALE_EXP_MAX - emax)
     scale_bits = (k + 127) << 23
     scale = scale_bits.view(torch.float32).clone()
     scale = torch.where(biased == 255, torch.full_like(scale, float("nan")), scale)

@@ -110,9 +110,17 @@ def block_amax_bits(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int
 
 
 def quantize_with_scale(x: torch.Tensor, scale_ht: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """x (T, H, D) / scale (H, T), rounded to fmt; returned as the fmt dtype."""
-    inv = torch.reciprocal(scale_ht).t().unsqueeze(-1)  # exact: scales are powers of two
-    return (x.float() * inv).to(fmt.torch_dtype)
+    """x (T, H, D) / scale (H, T), rounded to fmt; returned as the fmt dtype.
+
+    A block whose scale is NaN (a non-finite input) gets the code 0 throughout: the products
+    never meet a NaN code, so a masked zero cannot turn into NaN where a tile spans another
+    document, and the bad value still reaches its own document through the scale. Codes saturate
+    at the format's max (cvt.rn.satfinite; torch's CUDA cast would give NaN): only values above
+    1.75 * 2^127, whose scale is clamped (quant.formats), get there."""
+    scale_t = scale_ht.t().unsqueeze(-1)
+    inv = torch.reciprocal(scale_t)  # exact: scales are powers of two
+    y = (x.float() * inv).masked_fill(torch.isnan(scale_t), 0.0)
+    return y.clamp(-fmt.max_value, fmt.max_value).to(fmt.torch_dtype)
 
 
 def quantize_thd(

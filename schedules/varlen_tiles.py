@@ -167,3 +167,139 @@ def locate_tile_model(t: int, cum: list[int], heads: int) -> tuple[int, int, int
     local = t - heads * cum[d]
     head = local // nblk
     return d, head, nblk - 1 - (local - head * nblk)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross-length and non-causal forward tiles (FwdConfig.cross_length, FwdConfig.causal=False)
+# ----------------------------------------------------------------------------------------------
+# Document b has Lq queries (cu_seqlens_q) and Lk keys (cu_seqlens_k). Causal: query i sits at key
+# position p = i + Lk - Lq (the queries are the last Lq positions of the keys). The query tiles are
+# 128-position blocks of the KEY axis: tile j holds the queries at positions 128 j .. 128 j + 127,
+# so its last key tile is tile j, masked exactly as self-attention's diagonal tile, every earlier
+# key tile is wholly visible, and every row of the tile has its own position in key block j: the
+# per-token K/V copies serve tile j alone and every other tile reads the block scales (the diagonal
+# safeguard unchanged). Rows outside the document's queries (the partial first and last tiles) are
+# computed on whatever TMA brings and never stored. Queries at negative positions (Lq > Lk) see no
+# key: their tiles (j < 0) run one key tile with every key masked (O = 0, LSE = -inf).
+# Non-causal: query tiles of 128 queries from the document's first; every key tile, the last
+# (processed first, the emulator's order) masked at the document's end, none per-token.
+# These functions are plain integer math over Python or DSL integers (select: a 3-way choice that
+# works on both); the kernel calls them while tracing, the CPU tests replay them.
+
+
+def py_select(cond, a, b):
+    return a if cond else b
+
+
+def floor_tiles(x, select=py_select):
+    """floor(x / 128) of any integer x, from shifts of non-negative values only (no signed division
+    in the kernel)."""
+    return select(x >= 0, x >> 7, -((127 - x) >> 7))
+
+
+def cross_query_tiles(len_q, len_k, causal: bool, select=py_select):
+    """Query tiles of one document. Causal: the 128-position blocks of the key axis that the query
+    positions [Lk - Lq, Lk) meet, ceil(Lk / 128) - floor((Lk - Lq) / 128) (0 without queries).
+    Non-causal: ceil(Lq / 128)."""
+    if not causal:
+        return (len_q + 127) >> 7
+    n = ((len_k + 127) >> 7) - floor_tiles(len_k - len_q, select)
+    return select(len_q > 0, n, 0 * n)
+
+
+def cross_tile(q_start, q_end, k_start, k_end, block, causal: bool, select=py_select):
+    """Query tile `block` (0 .. cross_query_tiles - 1, the last one the longest) of a document whose
+    queries are rows q_start .. q_end - 1 and keys k_start .. k_end - 1, as the kernel's
+    self-attention code paths take it: (m_block, q_base, q_lo, q_hi, k_len).
+
+    m_block: the key tile processed first (the masked one; key tiles m_block .. 0 run). A tile row r
+    (0 .. 127) has the tile coordinate 128 m_block + r: its query row is q_base + that, stored when
+    q_lo <= it < q_hi. k_len: the keys the document has for this tile (0: every key masked)."""
+    len_q, len_k = q_end - q_start, k_end - k_start
+    if causal:
+        off = len_k - len_q  # the key position of the document's first query
+        j = block + floor_tiles(off, select)  # the 128-position block of this tile's rows
+        m_block = select(j > 0, j, 0 * j)
+        q_base = q_start - off + 128 * (j - m_block)
+        k_len = select(j >= 0, len_k, 0 * len_k)
+    else:
+        last = ((len_k + 127) >> 7) - 1
+        m_block = select(last > 0, last, 0 * last)
+        q_base = q_start + 128 * (block - m_block)
+        k_len = len_k
+    return m_block, q_base, q_start - q_base, q_end - q_base, k_len
+
+
+def cross_tiles_model(cu_q, cu_k, causal: bool, heads: int = 1):
+    """(document, head, block, cross_tile(...)) of every query tile, documents in order, then heads,
+    then blocks from the last (the persistent forward's "documents" order)."""
+    out = []
+    for d in range(len(cu_q) - 1):
+        n = cross_query_tiles(cu_q[d + 1] - cu_q[d], cu_k[d + 1] - cu_k[d], causal)
+        for h in range(heads):
+            for b in reversed(range(n)):
+                out.append((d, h, b, cross_tile(cu_q[d], cu_q[d + 1], cu_k[d], cu_k[d + 1], b, causal)))
+    return out
+
+
+def cross_chunk_table(lengths_q, lengths_k, causal: bool) -> list[int]:
+    """chunk_table of the cross-length forward: cum[d] = query tiles of documents before d."""
+    cum = [0]
+    for lq, lk in zip(lengths_q, lengths_k, strict=True):
+        cum.append(cum[-1] + cross_query_tiles(lq, lk, causal))
+    return cum
+
+
+# The backward of the same modes (BwdDsBf16Config.cross_length, causal=False): one CTA per (KV head, document,
+# 128-key block n of the key document). Causal: 64-query tiles are 64-position blocks of the key axis (tile m:
+# positions 64 m .. 64 m + 63), so tiles 2n and 2n + 1 are key block n's diagonal (masked, per-token K/V: every
+# row's own block is n) and tiles from 2n + 2 see the whole block (block scales), self-attention's structure;
+# tiles before the first query (m < m_lo) are skipped, so a key block wholly before every query has no diagonal
+# tile (n_diag = 0). Queries at negative positions see no key and are in no tile. Non-causal: 64-query tiles
+# from the document's first query, every tile seen by every key block; the last key block's tiles are masked at
+# the document's end (its "diagonal" tiles), the others' not. dO^T's tile m starts at column dot_start + 64 (m -
+# m_lo) of the document's dO^T columns (backward_dot_columns).
+
+
+def backward_cross_item(q_start, q_end, k_start, k_end, n_blk, causal: bool, select=py_select):
+    """Key block n_blk of a document with queries q_start .. q_end - 1 and keys k_start .. k_end - 1:
+    (live, q_base, q_lo, q_hi, m_lo, d0, n_diag, p0, per). Tile row r of query tile m has the coordinate
+    64 m + r: its query row is q_base + that, a query when q_lo <= it < q_hi (else P = 0 there). The masked
+    tiles are d0 .. d0 + n_diag - 1, the unmasked ones p0 .. p0 + per - 1 (per <= 0: none); m_lo is the first
+    query tile (its dO^T columns start the document's). live: the CTA has work (a query and key block n)."""
+    len_q, len_k = q_end - q_start, k_end - k_start
+    live = (len_q > 0) & (128 * n_blk < len_k)
+    if causal:
+        off = len_k - len_q
+        q_base = q_start - off
+        m_lo = select(off > 0, off >> 6, 0 * off)  # the first tile holding a query
+        n_q = (len_k + 63) >> 6  # tiles 0 .. n_q - 1 cover the key positions
+        d0 = select(2 * n_blk > m_lo, 2 * n_blk, m_lo)
+        d_end = select(2 * n_blk + 2 < n_q, 2 * n_blk + 2, n_q)
+        n_diag = select(d_end > d0, d_end - d0, 0 * d0)
+        p0 = select(2 * n_blk + 2 > m_lo, 2 * n_blk + 2, m_lo)
+        per = n_q - p0
+    else:
+        q_base = q_start
+        m_lo = 0 * q_start
+        n_q = (len_q + 63) >> 6
+        last = 128 * n_blk + 128 >= len_k  # the block the document's keys end in: masked
+        d0 = 0 * q_start
+        n_diag = select(last, n_q, 0 * n_q)
+        p0 = 0 * q_start
+        per = select(last, 0 * n_q, n_q)
+    return live, q_base, q_start - q_base, q_end - q_base, m_lo, d0, n_diag, p0, per
+
+
+def backward_tile_rows(lengths_q, lengths_k, causal: bool):
+    """The backward's per-document dO^T column counts of the separate-keys modes: causal, the key positions
+    from the first query tile's (64 m_lo) to Lk (0 without queries); non-causal, the queries (quant's
+    dt_cu_seqlens layout). backward_dot_columns rounds each up to DT_DOC_ALIGN."""
+    out = []
+    for lq, lk in zip(lengths_q, lengths_k, strict=True):
+        if not causal or lq == 0:
+            out.append(lq)
+        else:
+            off = lk - lq
+            out.append(lk - 64 * max(off >> 6, 0) if off > 0 else lk)
+    return out

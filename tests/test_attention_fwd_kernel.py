@@ -124,7 +124,8 @@ def test_config_derives_the_schedule():
     overlap for the block-scaled recipes (the per-token one spills with it), the ping-pong except for
     the block-scaled D=128 build, two Q stages when persistent."""
     assert [f.name for f in dataclasses.fields(FwdConfig)] == [
-        "head_dim", "qhead_per_kvhead", "diagonal_copy", "kv_stages", "persistent", "tile_order", "short_pairs"]
+        "head_dim", "qhead_per_kvhead", "diagonal_copy", "kv_stages", "persistent", "tile_order", "short_pairs",
+        "causal", "cross_length"]
     for d in (64, 128):
         for dc in (False, True):
             cfg = FwdConfig(head_dim=d, diagonal_copy=dc)
@@ -857,9 +858,9 @@ def test_tvm_ffi_launcher_disk_cache(tmp_path, monkeypatch):
         launch(1, 2, 3)  # arity is checked before anything reaches CUDA
     if not torch.cuda.is_available():
         # no driver here: the raw arguments decode, and the call fails in the CUDA runtime only
-        n_ptr = sum(kind[0] == "ptr" for kind in ARG_KINDS)
-        raw = [0x10000 * (i + 1) for i in range(n_ptr)] + [128, 256, 1, 1, 1, 0.125, 0]
-        assert len(raw) == len(ARG_KINDS)
+        ints = iter([128, 256, 1, 1, 1, 0.125, 128, 0])  # T, T_dt, Hk, docs, grid, scale, T_k, stream
+        raw = [0x10000 * (i + 1) if kind[0] == "ptr" else next(ints) for i, kind in enumerate(ARG_KINDS)]
+        assert next(ints, None) is None
         with pytest.raises(Exception, match="(?i)cuda"):
             launch(*raw)
     cc.clear_memory_cache()

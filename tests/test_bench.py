@@ -159,3 +159,42 @@ def test_error_check_runs_on_the_longest_document_and_never_divides_by_zero():
     zero = torch.zeros(4, 4)
     assert _error(zero + 1e-3, zero) == pytest.approx(1e-3) and _error(zero, zero) == 0.0
     assert _error(ref_o * 1.01, ref_o) == pytest.approx(0.01, rel=1e-3)
+
+
+def test_layer_flag_adds_rope_columns_timed_against_rope_columns(tmp_path, capsys):
+    """--layer: ours with RoPE fused ("+rope") beside ours plain, in one run; errors against RoPE +
+    attention in fp32 (a reference without the rotation would put them near 1); the speedups pair
+    "+rope" columns with "+rope" baselines only."""
+    from flamia_cute.bench import speedups
+
+    wl = {"head_configs": {"tiny": {"heads_q": 2, "heads_kv": 1, "head_dim": 64}}, "workloads": {"mix": [100, 1, 27]}}
+    path = tmp_path / "wl.json"
+    path.write_text(json.dumps(wl))
+    assert main(["bench", "--workloads", str(path), "--heads", "tiny", "--reps", "1", "--device", "cpu", "--layer",
+                 "--impls", "flamia,fa4,sdpa", "--modes", "fwd,fwdbwd", "--out", str(tmp_path)]) == 0
+    df = pd.read_csv(tmp_path / "bench_tiny.csv")
+    timed = df[df["ms"].notna()]
+    ours = f"flamia_{DEFAULT_RECIPE}[emulate]"
+    assert set(timed["impl"]) == {ours, ours + "+rope", "sdpa_per_doc"}
+    assert (timed["err_o"] < 0.1).all() and (timed[timed["mode"] == "fwdbwd"]["err_dq"] < 0.15).all()
+    assert set(df[df["skipped"].notna()]["impl"]) >= {"fa4_bf16", "fa4_bf16+rope"}  # no GPU here
+    table = pd.DataFrame({"workload": ["a"], "mode": ["fwdbwd"], "flamia_x": [1.0], "flamia_x+rope": [1.0],
+                          "fa4_bf16": [2.0], "fa4_bf16+rope": [3.0]}).set_index(["workload", "mode"])
+    pairs = set(speedups(table).index.droplevel("mode"))
+    assert pairs == {("flamia_x", "fa4_bf16"), ("flamia_x+rope", "fa4_bf16+rope")}
+
+
+def test_rope_baseline_is_the_rotation_of_the_fused_call():
+    """FA4's RoPE in the layer bench (flash-attn's kernel, else torch.compile of the fp32 formula over
+    per-token tables) rotates as rotary= does: the same bf16 values (compiled on the CPU here)."""
+    from flamia_cute.baselines.torch_impls import RopeBaseline
+    from flamia_cute.rotary import RotaryConfig, apply_rotary
+    from flamia_cute.testing import cu_seqlens_from_lengths
+
+    cu = cu_seqlens_from_lengths([100, 0, 37, 5])
+    x = torch.randn(142, 2, 64).to(torch.bfloat16)
+    for interleaved in (False, True):
+        rot = RotaryConfig(interleaved=interleaved).tables(100, 64, "cpu")
+        got = RopeBaseline(rot.cos, rot.sin, cu, 142, interleaved)(x, 100)
+        want = apply_rotary(x, cu, rot)
+        assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()  # an FMA's ulp

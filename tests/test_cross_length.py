@@ -156,7 +156,7 @@ def test_non_causal_isolation(recipe, problem):
         assert rep.ok, str(rep)
 
 
-def test_cpu_runs_the_new_modes_silently_and_the_kernels_name_the_reason(problem):
+def test_cpu_runs_the_new_modes_silently_and_the_kernels_take_them(problem):
     import warnings
 
     from flamia_cute.plan import why_not_kernels
@@ -169,6 +169,8 @@ def test_cpu_runs_the_new_modes_silently_and_the_kernels_name_the_reason(problem
         flamia_attn_varlen_func(q, k, v, cu_q.new_tensor([0, q.shape[0]]), cu_q.new_tensor([0, k.shape[0]]),
                                 q.shape[0], k.shape[0], causal=False)
     rec = NAMED_RECIPES["fp8_tokenblock_dsbf16"]
-    assert "sub-range of" in why_not_kernels(rec, True, q[qr], k[kr], cu_q, cu_k)
-    assert "causal=False" in why_not_kernels(rec, False, q, k, cu_k, cu_k)
+    # the sm_90a forward runs both modes (FwdConfig.cross_length, causal=False); mxfp8 names its recipe
+    assert why_not_kernels(rec, True, q[qr], k[kr], cu_q, cu_k) is None
+    assert why_not_kernels(rec, False, q, k, cu_k, cu_k) is None
     assert why_not_kernels(rec, True, q, k, cu_k, cu_k.clone()) is None
+    assert "mxfp8" in why_not_kernels(NAMED_RECIPES["mxfp8"], True, q[qr], k[kr], cu_q, cu_k)

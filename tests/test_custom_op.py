@@ -1,6 +1,8 @@
 """flamia_cute::varlen_fwd / varlen_bwd: torch.library custom ops with fake implementations, so
 torch.compile(fullgraph=True) traces models that call flamia_attn_varlen_func."""
 
+import math
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -62,10 +64,10 @@ def test_kernel_layout_fake(recipe):
         tdt = transposed_tokens(Tk, len(LENGTHS))
         dq, dk, dv = varlen_bwd(out, out, lse, saved, *fargs[3:])
     assert (out.shape, out.dtype, lse.shape) == ((T, H, D), torch.bfloat16, (H, T))
-    # [out placeholder, the one Q/K/V buffer, K's (0, Hk, D) shape carrier]: no two outputs alias
+    # [out placeholder, the one Q/K/V buffer, K's (0, Tk, Hk, D) shape carrier]: no two outputs alias
     assert len(saved) == 3 and saved[0].numel() == 0
     buf, k_shape = saved[1], saved[2]
-    assert buf.dtype == torch.uint8 and buf.dim() == 1 and k_shape.shape == (0, Hk, D)
+    assert buf.dtype == torch.uint8 and buf.dim() == 1 and k_shape.shape == (0, Tk, Hk, D)
     sets = 1 if recipe == "fp8_token" else 2
     # the forward's layouts, all that either backward reads: Q and K token-major, V transposed only (the
     # per-token copies too when block > 1); no Q^T, K^T or token-major V
@@ -107,7 +109,7 @@ def test_kernel_pack_unpack_round_trip(recipe, block):
     # the size the fake implementation promises (torch.compile checks real outputs against it)
     from flamia_cute.custom_ops import _qkv_plan
 
-    assert saved[1].shape == (_qkv_plan(T, docs, Hq, Hk, D, recipe)[1],) and saved[2].shape == (0, Hk, D)
+    assert saved[1].shape == (_qkv_plan(T, docs, Hq, Hk, D, recipe)[1],) and saved[2].shape == (0, T, Hk, D)
     ptrs = [t.untyped_storage().data_ptr() for t in saved if t.numel()]
     assert len(ptrs) == len(set(ptrs)), "saved outputs alias each other"
     got = _unpack_kernel(saved, recipe, T, docs, Hq)
@@ -128,6 +130,56 @@ def test_kernel_pack_unpack_round_trip(recipe, block):
     # a buffer too small for the layout is refused, not read out of bounds
     with pytest.raises(RuntimeError, match="layout needs"):
         _unpack_kernel([saved[0], saved[1][:100], saved[2]], recipe, T, docs, Hq)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16", "fp8_token"])
+@pytest.mark.parametrize("Tq, Tk", [(300, 300), (200, 457), (457, 200), (0, 90)])
+def test_separate_keys_layout(recipe, Tq, Tk):
+    """K and V with their own documents (cross-length, non-causal): Q's outputs for Tq tokens, then K's and V's
+    for Tk (their transposed copies over the key documents), in one buffer the fake implementations size from the
+    shapes alone; with Tq == Tk the one-launch plan (same offsets), so the layout never depends on cu_seqlens'
+    values. The backward unpacks the views from the buffer and the (0, Tk, Hk, D) carrier."""
+    pytest.importorskip("cutlass")
+    from flamia_cute.custom_ops import _pack_kernel, _qkv_launch, _qkv_plan, _unpack_kernel
+    from flamia_cute.quant import output_views
+    from flamia_cute.sm90.quantize import _layout_outputs, qkv_layout_outputs, quantized_outputs
+
+    docs, Hq, Hk, D = 3, 4, 2, 64
+    cfg = _qkv_launch(Hq, Hk, D, recipe)
+    plan, nbytes = qkv_layout_outputs(cfg, Tq, Tk, docs)
+    assert (plan, nbytes) == _qkv_plan(Tq, docs, Hq, Hk, D, recipe, Tk)
+    if Tq == Tk:
+        assert (plan, nbytes) == _layout_outputs(cfg, Tq, transposed_tokens(Tq, docs))
+    ends = []
+    for part, T in zip(plan, (Tq, Tk, Tk), strict=True):
+        for st in part:
+            for e in st:
+                if e is not None:
+                    assert e[1][0] == T or e[1][-1] in (T, transposed_tokens(T, docs)), e
+                    ends.append((e[3], e[3] + math.prod(e[1]) * (1 if e[0] == "f8" else 4)))
+    ends.sort()
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:], strict=False)) and ends[-1][1] <= nbytes  # no overlap
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    quantized = quantized_outputs(cfg, output_views(buf, plan))
+    (qq, _), (kq, kt), (vq, vt) = quantized
+    saved = _pack_kernel(saved_layout(recipe, "cute", True), torch.zeros(Tq, Hq, D, dtype=torch.bfloat16),
+                         (qq, (kq, kt), (vq, vt)))
+    assert saved[2].shape == (0, Tk, Hk, D)
+    got = _unpack_kernel(saved, recipe, Tq, docs, Hq)
+    for g, w in zip(got, (qq, kq, vq, kt, vt), strict=True):
+        assert (g is None) == (w is None)
+        for f in ("data_td", "data_dt", "scale") if w is not None else ():
+            a, b = getattr(g, f), getattr(w, f)
+            assert (a is None and b is None) or (a.shape == b.shape and a.data_ptr() == b.data_ptr())
+    args = (torch.zeros(Tq, Hq, D, dtype=torch.bfloat16), torch.zeros(Tk, Hk, D, dtype=torch.bfloat16),
+            torch.zeros(Tk, Hk, D, dtype=torch.bfloat16), torch.tensor([0, Tq, Tq, Tq], dtype=torch.int32),
+            torch.tensor([0, 0, Tk, Tk], dtype=torch.int32), Tq, Tk, 0.125, False, recipe, "cute")
+    with FakeTensorMode() as mode:
+        fargs = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+        out, lse, fsaved = varlen_fwd(*fargs)
+        dq, dk, dv = varlen_bwd(out, out, lse, fsaved, *fargs[3:])
+    assert fsaved[1].shape == (nbytes,) and fsaved[2].shape == (0, Tk, Hk, D)
+    assert (dq.shape, dk.shape, dv.shape) == ((Tq, Hq, D), (Tk, Hk, D), (Tk, Hk, D))
 
 
 @pytest.mark.parametrize("recipe", ["fp8_tokenblock", "fp8_token", "bf16", "mxfp8", "nvfp4_fp8"])
@@ -178,10 +230,24 @@ def test_custom_recipes_take_the_same_path_by_key():
     assert not torch.equal(*grads)  # bf16 dS against e4m3 dS
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_opcheck_with_rope_tables(interleaved):
+    from flamia_cute.rotary import RotaryConfig
+
+    args, do = _args("fp8_tokenblock_hadamard")
+    rot = RotaryConfig(interleaved=interleaved).tables(max(LENGTHS), 64, "cpu")
+    torch.library.opcheck(varlen_fwd, (*args, rot.cos, rot.sin, interleaved))
+    out, lse, saved = varlen_fwd(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args), rot.cos, rot.sin,
+                                 interleaved)
+    q, k, v, cu_q, cu_k, mq, mk, scale, causal, name, backend = args
+    torch.library.opcheck(varlen_bwd, (do, out, lse, saved, cu_q, cu_k, mq, mk, scale, causal, name, backend, rot.cos,
+                                       rot.sin, interleaved))
+
+
 class _Tiny(torch.nn.Module):
-    def __init__(self, dim=64, heads=2, recipe="fp8_tokenblock", backend="emulate"):
+    def __init__(self, dim=64, heads=2, recipe="fp8_tokenblock", backend="emulate", rotary=None):
         super().__init__()
-        self.heads, self.recipe, self.backend = heads, recipe, backend
+        self.heads, self.recipe, self.backend, self.rotary = heads, recipe, backend, rotary
         self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
         self.proj = torch.nn.Linear(dim, dim, bias=False)
 
@@ -189,13 +255,14 @@ class _Tiny(torch.nn.Module):
         T, dim = x.shape
         q, k, v = self.qkv(x).view(T, 3, self.heads, dim // self.heads).unbind(1)
         o = flamia_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, recipe=self.recipe,
-                                    backend=self.backend)
+                                    backend=self.backend, rotary=self.rotary)
         return self.proj(o.reshape(T, dim))
 
 
-def _compiled_matches_eager(backend, device, attn_backend, recipe="fp8_tokenblock"):
+def _compiled_matches_eager(backend, device, attn_backend, recipe="fp8_tokenblock", rotary=None):
     torch.manual_seed(0)
-    model = _Tiny(dim=256, heads=2, recipe=recipe, backend=attn_backend).to(device=device, dtype=torch.bfloat16)
+    model = _Tiny(dim=256, heads=2, recipe=recipe, backend=attn_backend, rotary=rotary).to(device=device,
+                                                                                          dtype=torch.bfloat16)
     lengths = [3, 150, 0, 40]
     cu = torch.tensor([0, 3, 153, 153, 193], dtype=torch.int32, device=device)
     x = torch.randn(sum(lengths), 256, device=device, dtype=torch.bfloat16)
@@ -216,6 +283,34 @@ def test_compile_fullgraph_aot_eager_matches_eager():
     assert torch.equal(eager, compiled)
     for a, b in zip(g_eager, g_compiled, strict=True):
         assert torch.equal(a, b)
+
+
+def test_compile_fullgraph_aot_eager_with_rotary():
+    """rotary= traces with torch.compile(fullgraph=True): a RotaryConfig's tables are built in the graph,
+    a Rotary's are graph inputs; the result is the eager call's (the tables are the same values)."""
+    from flamia_cute.rotary import Rotary, RotaryConfig
+
+    tabs = RotaryConfig(interleaved=True).tables(150, 128, "cpu")
+    for rotary in (RotaryConfig(theta=100.0), Rotary(tabs.cos, tabs.sin, interleaved=True)):
+        torch._dynamo.reset()
+        (eager, compiled), (g_eager, g_compiled) = _compiled_matches_eager("aot_eager", "cpu", "emulate",
+                                                                          "fp8_tokenblock_hadamard", rotary)
+        assert torch.equal(eager, compiled)
+        for a, b in zip(g_eager, g_compiled, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16", "fp8_tokenblock_hadamard"])
+def test_compile_fullgraph_inductor_cute_with_rotary(recipe):
+    from flamia_cute.rotary import RotaryConfig
+
+    torch._dynamo.reset()
+    (eager, compiled), (g_eager, g_compiled) = _compiled_matches_eager("inductor", "cuda", "cute", recipe,
+                                                                      RotaryConfig())
+    torch.testing.assert_close(compiled.float(), eager.float(), rtol=2e-2, atol=2e-2)
+    for a, b in zip(g_eager, g_compiled, strict=True):
+        torch.testing.assert_close(b.float(), a.float(), rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.gpu

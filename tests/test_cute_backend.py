@@ -24,9 +24,11 @@ def test_kernel_recipes_and_reasons():
     assert why_not_kernels(NAMED_RECIPES["fp8_tokenblock"], True, q, k, cu, cu) is None
     assert why_not_kernels(NAMED_RECIPES["fp8_tensor_current"], True, q, k, cu, cu) is None
     assert "mxfp8" in why_not_kernels(NAMED_RECIPES["mxfp8"], True, q, k, cu, cu)
-    assert "causal" in why_not_kernels(NAMED_RECIPES["fp8_token"], False, q, k, cu, cu)
+    # non-causal and cross-length calls run the forward kernel's separate-keys builds
     other = torch.tensor([0, 6, 12], dtype=torch.int32)
-    assert "self-attention" in why_not_kernels(NAMED_RECIPES["fp8_token"], True, q, k, cu, other)
+    assert why_not_kernels(NAMED_RECIPES["fp8_token"], False, q, k, cu, cu) is None
+    assert why_not_kernels(NAMED_RECIPES["fp8_token"], True, q, k, cu, other) is None
+    assert "head_dim" in why_not_kernels(NAMED_RECIPES["fp8_token"], False, *make_inputs([5, 7], 2, 2, 256)[:2], cu, cu)
 
 
 def test_auto_falls_back_to_the_emulator_without_a_gpu():

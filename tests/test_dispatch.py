@@ -87,13 +87,14 @@ def test_sm90_fallbacks_warn_once_per_reason(monkeypatch):
         warnings.simplefilter("always")
         for _ in range(2):
             call(q, k, v, cu, "fp8_tokenblock")
-            call(q2, k2, v2, cu, "fp8_tokenblock", causal=False)
-            call(q2, k2, v2, cu, "fp8_tokenblock", backend="emulate", causal=False)  # asked for: no warning
-    assert seen == ["emulate"] * 6
+            call(q2, k2, v2, cu, "mxfp8", causal=False)
+            call(q2, k2, v2, cu, "mxfp8", backend="emulate", causal=False)  # asked for: no warning
+            call(q2, k2, v2, cu, "fp8_tokenblock", causal=False)  # the forward kernel's non-causal build
+    assert seen == ["emulate", "emulate", "emulate", "cute"] * 2
     msgs = fallback_warnings(rec)
     assert len(msgs) == 2, msgs
     assert "head_dim 256 has no sm_90a kernel" in msgs[0] and "slow" in msgs[0]
-    assert "causal=False has no sm_90a kernel" in msgs[1]
+    assert "recipe 'mxfp8' has no sm_90a kernel" in msgs[1]
 
 
 def test_cpu_calls_never_warn(monkeypatch):
@@ -264,3 +265,34 @@ def test_bench_column_says_when_the_gpu_has_no_kernel_for_its_recipe(monkeypatch
     monkeypatch.setenv(interface.SM100_ENV, "1")
     assert Ours("mxfp8", "cute").available(case) is None
     assert "no kernel" in Ours("fp8_tokenblock", "cute").available(case)
+
+
+def test_sm90_rotations_with_cross_length_or_non_causal_fall_back_saying_why(monkeypatch):
+    """RoPE and the Hadamard recipe are the kernels' for causal self-attention only (the backward's inverse
+    rotations take self-attention positions): with cu_seqlens_k or causal=False the emulator runs them, and
+    a plan asked for directly refuses them by name."""
+    from flamia_cute.plan import make_plan
+    from flamia_cute.rotary import RotaryConfig
+    from flamia_cute.sm90.attention_bwd import BwdDsBf16Config
+
+    fake_gpu(monkeypatch, 90)
+    seen = record_backends(monkeypatch)
+    q, k, v, _, cu, _ = make_inputs(LENGTHS, 2, 2, 128)
+    cu_q = torch.tensor([0, 30, 31, 31, 60], dtype=torch.int32)  # each document's last queries
+    L = int((cu[1:] - cu[:-1]).max())
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        flamia_attn_varlen_func(q, k, v, cu, cu, L, L, recipe="fp8_tokenblock_dsbf16", rotary=RotaryConfig())
+        flamia_attn_varlen_func(q, k, v, cu, cu, L, L, causal=False, recipe="fp8_tokenblock_dsbf16",
+                                rotary=RotaryConfig())
+        flamia_attn_varlen_func(q[:60], k, v, cu_q, cu, 30, L, recipe="fp8_tokenblock_hadamard")
+        flamia_attn_varlen_func(q[:60], k, v, cu_q, cu, 30, L, recipe="fp8_tokenblock_dsbf16")
+    assert seen == ["cute", "emulate", "emulate", "cute"]
+    msgs = fallback_warnings(rec)
+    assert len(msgs) == 2, msgs
+    assert "RoPE with cross-length or non-causal attention has no sm_90a kernel" in msgs[0]
+    assert "'fp8_tokenblock_hadamard' (a Hadamard transform) with cross-length" in msgs[1]
+    with pytest.raises(ValueError, match="RoPE with cross-length"):
+        make_plan("fp8_tokenblock_dsbf16", 128, 4, 2, 300, 435, 4, causal=False, separate=True, rotary=("half", 128))
+    with pytest.raises(ValueError, match="BwdDsBf16Config.rotary"):
+        BwdDsBf16Config(head_dim=128, cross_length=True, deterministic=True, rotary="half", rotary_dim=128)

@@ -113,6 +113,7 @@ def test_sanitize_cases_cover_every_shipping_kernel_on_odd_packs():
     assert any(f.diagonal_copy for f in fwds) and any(not f.diagonal_copy for f in fwds)
     assert any(b.short_pairs for b in bwds) and any(b.deterministic for b in bwds)
     assert any(c.deterministic for c in small)
+    assert {c.rotary for c in full} == {"", *sanitize_driver.ROTARY} == {c.rotary for c in small}
 
 
 def test_sanitize_driver_lists_without_a_gpu(capsys):

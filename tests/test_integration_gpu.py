@@ -73,7 +73,7 @@ def test_varlen_attn_runs_the_kernels_bit_for_bit(active, deterministic):
         assert torch.equal(a, b)
 
 
-def test_sdpa_runs_the_kernels_bit_for_bit_and_falls_through_saying_why(active, deterministic):
+def test_sdpa_runs_the_kernels_bit_for_bit_causal_and_not(active, deterministic):
     B, H, L, D = 2, 8, 2048, 128
     q, k, v, do = (_rand(B, H, L, D, seed=s) for s in (5, 6, 7, 8))
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -88,11 +88,17 @@ def test_sdpa_runs_the_kernels_bit_for_bit_and_falls_through_saying_why(active, 
     for a, b in zip((out, *grads), [r for i, r in enumerate(_direct(*map(thd, (q, k, v)), cu, L, thd(do))) if i != 1],
                     strict=True):
         assert torch.equal(thd(a), b)
-    with warnings.catch_warnings(record=True) as w:  # non-causal has no sm_90a kernel: FA2 runs it
+    with warnings.catch_warnings(record=True) as w:  # non-causal: the kernels' non-causal builds
         warnings.simplefilter("always")
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         with FLASH():
-            F.scaled_dot_product_attention(q, k, v, is_causal=False)
-    assert any("causal=False" in str(m.message) for m in w)
+            out = F.scaled_dot_product_attention(*leaves, is_causal=False)
+        grads = torch.autograd.grad(out, leaves, do)
+    assert not [m for m in w if "FLAMIA_FP8" in str(m.message) or "emulator" in str(m.message)]
+    direct = [t.detach().clone().requires_grad_() for t in map(thd, (q, k, v))]
+    o = flamia_attn_varlen_func(*direct, cu, cu, L, L, causal=False)
+    for a, b in zip((out, *grads), (o, *torch.autograd.grad(o, direct, thd(do))), strict=True):
+        assert torch.equal(thd(a), b)
 
 
 def test_hf_llama_runs_the_kernels_and_matches_sdpa(monkeypatch):

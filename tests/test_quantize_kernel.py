@@ -797,7 +797,8 @@ def test_future_perturbation(c):
 @gpu
 @needs_sm90
 def test_nan_poisons_only_its_block():
-    """Documented behaviour: a non-finite input gives a NaN scale for its block (all of D, one head)."""
+    """Documented behaviour: a non-finite input gives a NaN scale for its block (all of D, one head) and
+    the code 0 there (quant.quantize_with_scale), bit-exact with the reference everywhere."""
     lengths = [200, 100]
     x, cu = _input(lengths, 2, 128, seed=5)
     x[150, 1, 7] = float("nan")  # doc 0, block 1 (tokens 128..199), head 1
@@ -807,11 +808,11 @@ def test_nan_poisons_only_its_block():
     nan1 = torch.isnan(out1.scale.cpu())
     assert nan1[1, 150] and nan1.sum() == 1
     ref0, ref1 = quantize_thd(x.cpu(), cu.cpu(), 128), quantize_thd(x.cpu(), cu.cpu(), 1)
-    ok0 = ~nan0.t()  # (T, H): bit-exact everywhere outside the poisoned block
-    assert torch.equal(out0.data_td.cpu()[ok0].view(torch.uint8), ref0.data_td[ok0].view(torch.uint8))
-    ok1 = ~nan1.t()
-    assert torch.equal(out1.data_td.cpu()[ok1].view(torch.uint8), ref1.data_td[ok1].view(torch.uint8))
-    assert ((out0.data_td.cpu()[128:200, 1].view(torch.uint8) & 0x7F) == 0x7F).all()
+    for out, ref in ((out0, ref0), (out1, ref1)):
+        assert torch.equal(out.data_td.cpu().view(torch.uint8), ref.data_td.view(torch.uint8))
+        assert torch.equal(out.data_dt.cpu().view(torch.uint8), ref.data_dt.view(torch.uint8))
+    assert not out0.data_td.cpu()[128:200, 1].view(torch.uint8).any() and not out1.data_td.cpu()[150, 1].view(
+        torch.uint8).any()
 
 
 @gpu
@@ -1082,3 +1083,59 @@ def test_forward_only_launch_matches_reference(lengths, hq, hkv, block):
         same(vt, rvt, "V copy", False, True)
     else:
         assert kt is None and vt is None
+
+
+@gpu
+@needs_sm90
+@needs_dsl
+@pytest.mark.parametrize("block", [1, 128])
+def test_nonfinite_and_huge_inputs_quantize_as_the_reference(block):
+    """NaN, +inf and -inf in Q, K and V (a 1-token document, a block's last and first token) give their
+    block a NaN scale and the code 0 (no product meets a NaN code); values at the top of bf16's range
+    saturate at 448 * 2^119 instead of rounding up to 2^128: bit-exact with quantize_attention_operands
+    in every layout of the forward's launch."""
+    lengths = [1, 300, 129, 40]
+    q, k, v, cu = _qkv_inputs(lengths, 8, 4, 128, seed=12)
+    for x, (token, value) in zip((q, k, v), ((0, float("nan")), (128, float("inf")), (429, float("-inf"))),
+                                 strict=True):
+        x[token, 1, 3] = value
+    k[200, 2] = 3.3895e38  # bf16's largest finite value
+    (qq, _), (kq, kt), (vq, vt) = fused_quantize_multi_sm90((q, k, v), cu, forward_only(qkv_config(128, 8, 4, block)),
+                                                            debug_fill=POISON)
+    torch.cuda.synchronize()
+    rq, (rk, rkt), (rv, rvt) = quantize_attention_operands(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), block)
+    pairs = [(qq, rq), (kq, rk), (vq, rv)] + ([(kt, rkt), (vt, rvt)] if block > 1 else [])
+    for got, ref in pairs:
+        assert torch.equal(got.scale.view(torch.int32).cpu(), ref.scale.view(torch.int32).cpu())
+        for f in ("data_td", "data_dt"):
+            g, r = getattr(got, f), getattr(ref, f)
+            if g is not None:
+                assert torch.equal(g.view(torch.uint8).cpu(), r.view(torch.uint8).cpu()), f
+                assert torch.isfinite(g.float()).all(), f"a NaN code in {f}"
+    assert torch.isnan(qq.scale[1, 0]) and torch.isnan(kq.scale[1, 128]) and torch.isnan(vq.scale[1, 429])
+    assert rk.dequantize()[200, 2].abs().max() == 448 * 2.0**119
+
+
+@gpu
+@needs_sm90
+@needs_dsl
+def test_dv_fold_references_leave_out_nonfinite_do_rows():
+    """A non-finite dO row (NaN scale) does not raise its document's dV fold reference: the launch's
+    references equal dv_fold_reference's, which takes the max over the finite scales."""
+    from flamia_cute.sm90.attention_bwd import dv_fold_reference
+    from flamia_cute.sm90.bwd_preprocess import preprocess_bwd
+
+    lengths, H, group = [300, 1, 129], 8, 2
+    do, cu = _input(lengths, H, 128, seed=4)
+    o, _ = _input(lengths, H, 128, seed=5)
+    clean = preprocess_bwd(do, o, cu, dv_ref_group=group)[2]
+    do[10, 1, 7] = float("nan")
+    do[300, 0, 0] = float("inf")  # the 1-token document's only row
+    do[330, 3, 9] = float("-inf")
+    _, doq, ref = preprocess_bwd(do, o, cu, dv_ref_group=group)
+    torch.cuda.synchronize()
+    assert torch.equal(ref, dv_fold_reference(doq.scale, cu, group))
+    assert torch.isfinite(ref).all()
+    # the 1-token document's first group keeps its other head's scale; no reference grows
+    assert ref[0, 1] == doq.scale[1, 300].clamp_min(2.0**-119) and (ref <= clean).all()
+    assert torch.equal(ref[1:, 1], clean[1:, 1])

@@ -186,7 +186,8 @@ def test_compiles_fullgraph_and_matches_eager(active, what):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16", "fp8_tokenblock", "mxfp8", "fp8_tensor_current"])
+@pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16", "fp8_tokenblock", "mxfp8", "fp8_tensor_current",
+                                    "fp8_tokenblock_hadamard"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_saved_from_inputs_is_the_forward_saved_list(recipe, dtype):
     """Quantizing again gives the forward's saved operands byte for byte: the torch backend's backward premise."""

@@ -3,7 +3,9 @@
 RMSNorm, rotary embeddings whose positions restart at 0 at every document start,
 SwiGLU MLP, head dim 128, optional GQA. Attention is pluggable (AttentionSpec):
 flamia_attn_varlen_func with a recipe, FA4 bf16 (GPU control), or plain per-document
-SDPA (CPU reference).
+SDPA (CPU reference). With flamia the rotary embedding runs inside its quantization
+(rotary=): the same fp32 rotation of the bf16 Q and K (on the CPU the fp32 model casts them first), no
+separate pass over Q and K.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from flamia_cute import flamia_attn_varlen_func
 from flamia_cute.recipes import resolve_recipe
+from flamia_cute.rotary import Rotary
 
 ATTENTION_KINDS = ("flamia", "fa4", "sdpa")
 
@@ -169,8 +172,20 @@ def sdpa_varlen(q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def attention_varlen(q, k, v, cu_seqlens, max_seqlen: int, spec: AttentionSpec, timer: AttentionTimer | None = None):
-    """Causal attention over packed documents. q: (T, H, D); k, v: (T, Hkv, D). Returns (T, H, D) in q's dtype."""
+@dataclass
+class RopeTables:
+    """A batch's rotary tables: per token (cos, sin (T, D/2): the unfused rotation) and per position
+    (Rotary, (max_seqlen, D/2): flamia's fused one); rows of equal position hold the same values."""
+
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    by_position: Rotary | None
+
+
+def attention_varlen(q, k, v, cu_seqlens, max_seqlen: int, spec: AttentionSpec, timer: AttentionTimer | None = None,
+                     rotary: Rotary | None = None):
+    """Causal attention over packed documents. q: (T, H, D); k, v: (T, Hkv, D). Returns (T, H, D) in q's dtype.
+    rotary (flamia only): RoPE of q and k inside the attention's quantization."""
     timing_backward = timer is not None and torch.is_grad_enabled()
     if timing_backward:
         pending = []
@@ -180,8 +195,10 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen: int, spec: AttentionSpec, 
         bf = torch.bfloat16  # the FP8 recipes take bf16 inputs; on the CPU the model runs in fp32
         out = flamia_attn_varlen_func(
             q.to(bf), k.to(bf), v.to(bf), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-            causal=True, recipe=spec.recipe, backend=spec.backend,
+            causal=True, recipe=spec.recipe, backend=spec.backend, rotary=rotary,
         ).to(q.dtype)
+    elif rotary is not None:
+        raise ValueError(f"attention_varlen: rotary= is flamia's fused RoPE; attention {spec.kind!r} takes rotated q, k")
     elif spec.kind == "fa4":
         res = _fa4_varlen_func()(
             q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
@@ -218,12 +235,16 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.d_model, bias=False)
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, timer):
+    def forward(self, x, rope: RopeTables, cu_seqlens, max_seqlen, timer):
         t, hd = x.shape[0], self.cfg.head_dim
-        q = apply_rotary(self.wq(x).view(t, self.cfg.n_heads, hd), cos, sin)
-        k = apply_rotary(self.wk(x).view(t, self.cfg.n_kv_heads, hd), cos, sin)
+        q = self.wq(x).view(t, self.cfg.n_heads, hd)
+        k = self.wk(x).view(t, self.cfg.n_kv_heads, hd)
         v = self.wv(x).view(t, self.cfg.n_kv_heads, hd)
-        out = attention_varlen(q, k, v, cu_seqlens, max_seqlen, self.spec, timer)
+        if self.spec.kind == "flamia":  # rotated inside the attention's quantization
+            out = attention_varlen(q, k, v, cu_seqlens, max_seqlen, self.spec, timer, rotary=rope.by_position)
+        else:
+            q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
+            out = attention_varlen(q, k, v, cu_seqlens, max_seqlen, self.spec, timer)
         return self.wo(out.reshape(t, -1))
 
 
@@ -246,8 +267,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, timer):
-        x = x + self.attn(self.attn_norm(x), cos, sin, cu_seqlens, max_seqlen, timer)
+    def forward(self, x, rope, cu_seqlens, max_seqlen, timer):
+        x = x + self.attn(self.attn_norm(x), rope, cu_seqlens, max_seqlen, timer)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -281,9 +302,19 @@ class Decoder(nn.Module):
 
     def forward(self, tokens, cu_seqlens, max_seqlen: int, timer: AttentionTimer | None = None):
         """tokens: (T,) int64 packed documents; returns logits (T, vocab)."""
-        positions = positions_in_documents(cu_seqlens, tokens.shape[0])
-        cos, sin = rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed(tokens)
+        rope = self.rope_tables(cu_seqlens, tokens.shape[0], max_seqlen, x.device)
         for block in self.blocks:
-            x = block(x, cos, sin, cu_seqlens, max_seqlen, timer)
+            x = block(x, rope, cu_seqlens, max_seqlen, timer)
         return self.lm_head(self.final_norm(x))
+
+    def rope_tables(self, cu_seqlens, total: int, max_seqlen: int, device) -> RopeTables:
+        """The batch's rotary tables: by position for flamia's fused RoPE (rotary_tables of positions
+        0 .. max_seqlen - 1, the same fp32 values as the per-token ones), per token for the others."""
+        if self.spec.kind == "flamia":
+            cos, sin = rotary_tables(torch.arange(max(int(max_seqlen), 1), device=device), self.cfg.head_dim,
+                                     self.cfg.rope_theta)
+            return RopeTables(None, None, Rotary(cos, sin))
+        positions = positions_in_documents(cu_seqlens, total)
+        cos, sin = rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        return RopeTables(cos, sin, None)

@@ -62,3 +62,42 @@ def sdpa_per_document(q, k, v, cu_list, scale):
         o = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
         outs.append(o.squeeze(0).transpose(0, 1))
     return torch.cat(outs, 0)
+
+
+def _rope_formula(x, cos_tok, sin_tok, interleaved: bool):
+    """RoPE of x (T, H, D) with per-token tables (T, rotary_dim / 2), in fp32, back in x's dtype."""
+    xf = x.float()
+    half = cos_tok.shape[1]
+    c, s = cos_tok[:, None, :], sin_tok[:, None, :]
+    if interleaved:
+        x1, x2 = xf[..., 0 : 2 * half : 2], xf[..., 1 : 2 * half : 2]
+        rot = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), -1).flatten(-2)
+    else:
+        x1, x2 = xf[..., :half], xf[..., half : 2 * half]
+        rot = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+    return torch.cat((rot, xf[..., 2 * half :]), -1).to(x.dtype)
+
+
+class RopeBaseline:
+    """RoPE as an FA4 user applies it before attention, the best kernel importable: flash-attn's Triton
+    rotary (varlen: positions restart at each cu_seqlens start), else torch.compile of the fp32 formula
+    over per-token tables gathered once per batch (as train/model.py does). Differentiable."""
+
+    def __init__(self, cos, sin, cu, total: int, interleaved: bool = False):
+        self.cos, self.sin, self.cu, self.interleaved = cos, sin, cu, interleaved
+        try:
+            from flash_attn.layers.rotary import apply_rotary_emb
+
+            self.kind, self._fa = "flash_attn", apply_rotary_emb
+        except Exception:
+            from ..rotary import document_positions
+
+            pos = document_positions(cu, cu, total)
+            self.cos_tok, self.sin_tok = cos[pos].contiguous(), sin[pos].contiguous()
+            self.kind, self._fn = "compile", torch.compile(_rope_formula, dynamic=False)
+
+    def __call__(self, x, max_len: int):
+        if self.kind == "flash_attn":
+            return self._fa(x, self.cos, self.sin, interleaved=self.interleaved, cu_seqlens=self.cu,
+                            max_seqlen=max_len)
+        return self._fn(x, self.cos_tok, self.sin_tok, self.interleaved)

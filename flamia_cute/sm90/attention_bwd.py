@@ -51,6 +51,9 @@ Tile order inside a CTA: the diagonal tiles (query tiles 2n and 2n + 1, the seco
 holds queries) of every head first, then every head's off-diagonal tiles. Only diagonal tiles
 need masks. `deterministic=True` orders the dQ additions per (query head, document, 64-query
 tile) by key block.
+
+`cross_length` and `causal=False` (separate_keys) take cu_seqlens_k: cross_item, load_tma_cross and
+consume_cross run schedules.varlen_tiles.backward_cross_item's tiles (docs/backward.md).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ import contextlib
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -78,6 +82,8 @@ from ..compile_cache import compile_entry, launch_on_device
 from ..mask import diagonal_key_end, diagonal_source, hide_invisible, pair_key_end
 from ..quant import PV_ORDER16, transposed_tokens
 from ..recipes import FOLD_REF_MIN
+from ..schedules import varlen_tiles as _varlen_tiles
+from ..schedules.varlen_tiles import SHORT_PAIR_ROWS, backward_cross_item
 from ..softmax import LOG2E, P_SCALE, dv_fold_factor, recompute_p
 from ..tile_scheduler import backward_grid, backward_work_item, short_pair_follower, short_pair_len
 from ..validation import check_kernel_tensors, int32_cu_seqlens
@@ -101,6 +107,7 @@ from .primitives import (
     e4m3x2_to_bf16x2,
     pack_a_fragment_e4m3,
     select,
+    select_i32,
     smem_word_index,
     st_shared_v4,
     tma_pipeline,
@@ -108,17 +115,23 @@ from .primitives import (
     word_walk,
     xor_walk,
 )
+from .rotate import ARG_F32_16, DeviceOps, check_rotation_fields, has_rotation, inverse_rotate_fragment_row
 
 SOURCE_FILES = (
     Path(__file__).resolve(),
     Path(__file__).resolve().with_name("bwd_device.py"),
+    Path(__file__).resolve().with_name("rotate.py"),
     Path(_recipes.__file__).resolve(),
-    *(Path(m.__file__).resolve() for m in (_mask, _softmax, _tile_scheduler, _varlen)),
+    *(Path(m.__file__).resolve() for m in (_mask, _softmax, _tile_scheduler, _varlen, _varlen_tiles)),
     *SHARED_SOURCE_FILES,
 )
 
 SMEM_LIMIT = 232448  # sm_90 dynamic shared memory per CTA (227 KB)
 N_VEC = 5  # per-query vectors per tile in shared memory (see load_vectors)
+# short_pairs: two more rows of zeros per stage, read as D and dO's scale by a warpgroup whose keys are
+# the other document's (cross_vectors): a paired tile's masked P is 0, and 0 * D or 0 * sdo must not
+# become NaN where the other document holds a non-finite value
+PAIR_ZERO_ROW = N_VEC
 KEY_BLOCK = 128
 QUERY_TILE = 64
 # query-tile stages of both pipelines: a third does not fit beside Q's bf16 copy and the dQ tile at d128
@@ -155,6 +168,17 @@ class BwdDsBf16Config:
     # 64 back), the first masks tile 1. The second document's CTA exits at once. Gradients
     # bit-identical (a masked P is 0, so the other document's keys and queries add exact zeros).
     short_pairs: bool = False
+    # K's rotations (sm90/rotate.py), whose inverses the dK epilogue applies before its bf16 store: RoPE
+    # ("none", "half", "interleaved") on the first rotary_dim channels at each key's position in its
+    # document (the launch's fp32 cos/sin tables), after the Walsh-Hadamard transform times
+    # 2^-hadamard when hadamard > 0. Self-attention builds only (not with separate_keys)
+    rotary: str = "none"
+    rotary_dim: int = 0
+    hadamard: int = 0
+    # causal=False, or cross_length (causal; a document's queries are the last positions of its keys): the
+    # forward's modes, with cu_seqlens_k (separate_keys): schedules.varlen_tiles.backward_cross_item's tiles
+    causal: bool = True
+    cross_length: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -164,9 +188,17 @@ class BwdDsBf16Config:
             bad("head_dim", "must be 64 or 128")
         if not isinstance(self.qhead_per_kvhead, int) or self.qhead_per_kvhead < 1:
             bad("qhead_per_kvhead", "must be an int >= 1")
-        for name in ("diagonal_copy", "deterministic", "short_pairs"):
+        for name in ("diagonal_copy", "deterministic", "short_pairs", "causal", "cross_length"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
+        if self.cross_length and not self.causal:
+            bad("cross_length", "is for causal=True (the non-causal build takes cu_seqlens_k in any case)")
+        if self.cross_length and not self.deterministic:
+            # the TMA reduce-add of a dQ tile whose queries start off a 64-row boundary of their keys stops
+            # the kernel on the H200 (cudaErrorIllegalInstruction): dQ by the ordered atomics
+            bad("cross_length", "needs deterministic=True (its dQ goes by the ordered atomics)")
+        if self.short_pairs and self.separate_keys:
+            bad("short_pairs", "pairs self-attention documents only (not with cross_length or causal=False)")
         if self.vec_stages not in (2, 3):
             bad("vec_stages", "must be 2 or 3")
         if type(self.head_window) is not int or self.head_window not in HEAD_WINDOWS:
@@ -175,6 +207,15 @@ class BwdDsBf16Config:
             bad("head_window", "windows the 'blocks' CTA order only (not the deterministic mode's)")
         if self.short_pairs and not short_pairs_supported(self):
             bad("short_pairs", "needs the dQ warp (not deterministic) and no S^T/dP^T prefetch (d64)")
+        check_rotation_fields("BwdDsBf16Config", self.head_dim, self.rotary, self.rotary_dim, self.hadamard)
+        if self.separate_keys and has_rotation(self):
+            # the dK epilogue's inverse RoPE takes self-attention positions (consume_cross has none)
+            bad("rotary", "and hadamard are for self-attention builds (not with cross_length or causal=False)")
+
+    @property
+    def separate_keys(self) -> bool:
+        """The build takes cu_seqlens_k (cross_length, or causal=False)."""
+        return self.cross_length or not self.causal
 
     @property
     def prefetch_sdp(self) -> bool:
@@ -211,10 +252,15 @@ def smem_bytes(cfg: BwdDsBf16Config) -> int:
     kv = 2 * KEY_BLOCK * D + 2 * KEY_BLOCK * D  # K, V e4m3 + K bf16 (converted in the kernel)
     per_stage = 2 * tq * D + tq * D + 2 * tq * D  # Q, dO e4m3 | dO^T e4m3, Q bf16
     ds = 2 * 2 * tq * KEY_BLOCK  # bf16 dS [q, key], two buffers
-    vec = N_VEC * tq * 4 * cfg.vec_stages + KEY_BLOCK * 4  # + the phase's key scales
+    vec = vec_rows(cfg) * tq * 4 * cfg.vec_stages + KEY_BLOCK * 4  # + the phase's key scales
     bars = 8 * 2 * (1 + 2 * Q_STAGES + cfg.vec_stages)
     dq = tq * D * 4 + 1024 if cfg.dq_tma_reduce else 0  # the fp32 dQ tile
     return kv + per_stage * Q_STAGES + ds + vec + bars + dq + 9 * 1024
+
+
+def vec_rows(cfg: BwdDsBf16Config) -> int:
+    """Rows of a per-query vector stage: N_VEC, and with short_pairs two rows of zeros (PAIR_ZERO_ROW)."""
+    return N_VEC + (2 if cfg.short_pairs else 0)
 
 
 def _pv_order_key(m, b: int):
@@ -305,14 +351,17 @@ def dv_fold_reference(sdo: torch.Tensor, cu_seqlens: torch.Tensor, group: int) -
     at least FOLD_REF_MIN. On the GPU without a host sync and without atomics (a scatter-max into
     one slot per document serialized on its atomics: 0.7-3 ms): the scales are positive powers of
     two, so (document << 8 | exponent) orders them within a document and puts every document above
-    the ones before; a running max along the tokens read at each document's last token is its max."""
+    the ones before; a running max along the tokens read at each document's last token is its max.
+    A NaN scale (a non-finite dO row) is left out: that row poisons its own P folds, not the
+    reference of the whole document."""
     H, T = sdo.shape
     num_docs = cu_seqlens.numel() - 1
     hk = H // group
     ref = torch.full((hk, num_docs), FOLD_REF_MIN, dtype=torch.float32, device=sdo.device)
     if T == 0 or num_docs == 0:
         return ref
-    per_kv = sdo.float().view(hk, group, T).amax(1) if group > 1 else sdo.float().contiguous()
+    sdo = torch.nan_to_num(sdo.float(), nan=0.0)
+    per_kv = sdo.view(hk, group, T).amax(1) if group > 1 else sdo.contiguous()
     ends = cu_seqlens[1:].to(torch.int64)
     doc_of_token = torch.searchsorted(ends, torch.arange(T, device=sdo.device), right=True).to(torch.int32)
     key = (doc_of_token << 8) | ((per_kv.view(torch.int32) >> 23) & 0xFF)
@@ -320,6 +369,12 @@ def dv_fold_reference(sdo: torch.Tensor, cu_seqlens: torch.Tensor, group: int) -
     doc_max = ((at_end & 0xFF) << 23).view(torch.float32)
     nonempty = ends > cu_seqlens[:-1].to(torch.int64)
     return torch.where(nonempty, doc_max, ref).clamp_min(FOLD_REF_MIN)
+
+
+def _advanced(state):
+    """A pipeline state, advanced (assigned back where a runtime branch advances it)."""
+    state.advance()
+    return state
 
 
 # ----------------------------------------------------------------------------------------------
@@ -344,6 +399,11 @@ class FlamiaBwdDsBf16Sm90:
         self.regs_consumer = 240
         self.prefetch = config.prefetch_sdp
         self.dq_tma = config.dq_tma_reduce
+        self.causal = config.causal
+        self.cross = config.separate_keys  # cu_seqlens_k: backward_cross_item's tiles
+        # the diagonal tiles from the per-token copies: block-scaled and causal (the non-causal build masks
+        # its last key block at the document's end, every tile with the block scales)
+        self.diag_first = config.diagonal_copy and config.causal
         # S^T and dP^T in separate commit groups, waited for one by one, so that P^T's exp2 runs while
         # dP^T is on the tensor cores (FA4's order). With the prefetch (S^T, dP^T in flight across the
         # loop) ptxas serializes every wgmma of the split build: one group there
@@ -356,7 +416,7 @@ class FlamiaBwdDsBf16Sm90:
         # copies load under the rest of that tile, and their row scales loaded at the CTA's start
         # (4 registers through the diagonal tiles), off the phase change's path. Not beside the
         # prefetch, whose dummy S^T, dP^T after the phase's last tile reads the stage
-        self.early_phase = self.diag_copy and not self.prefetch
+        self.early_phase = self.diag_first and not self.prefetch
         # the e4m3 -> bf16 conversion walks (_conversion_plans): 4-code words per row, and rows per
         # step of the 256 consumer threads
         self.walk_wpr = self.D // 4
@@ -418,12 +478,19 @@ class FlamiaBwdDsBf16Sm90:
         dk_ptr: cute.Pointer,  # (T, Hk, D) bf16
         dv_ptr: cute.Pointer,  # (T, Hk, D) bf16
         sem_ptr: cute.Pointer,  # int32 zeros: (H, docs, 2 max_n_blocks) when deterministic, else unused
+        cos_ptr: cute.Pointer,  # (table_rows, rotary_dim / 2) f32 when rotary, else unused
+        sin_ptr: cute.Pointer,
         T: Int32,
         T_dt: Int32,
         num_kv_heads: Int32,
         num_docs: Int32,
         max_n_blocks: Int32,
+        table_rows: Int32,
         softmax_scale: Float32,
+        cu_k_ptr: cute.Pointer,
+        dot_cu_ptr: cute.Pointer,
+        T_k: Int32,
+        T_dt_o: Int32,
         stream: cuda.CUstream,
     ):
         D, wm, tq, kb = self.D, self.wm, self.tq, self.kb
@@ -436,17 +503,24 @@ class FlamiaBwdDsBf16Sm90:
         def dt_layout(heads):  # transposed [d, t] e4m3 of dO (H heads) and V (Hk)
             return cute.make_layout((D, tdt, heads), stride=(tdt, 1, dtl_stride))
 
+        # separate keys: K, V and their gradients have T_k tokens (V^T T_dt columns), dO^T its own T_dt_o
+        # columns (cu_k_ptr, dot_cu_ptr, T_k and T_dt_o are unused otherwise)
+        Tk = T_k if cutlass.const_expr(self.cross) else T
+        dot_layout = dt_layout(H)
+        if cutlass.const_expr(self.cross):
+            tdto = cute.assume(T_dt_o, divby=128)
+            dot_layout = cute.make_layout((D, tdto, H), stride=(tdto, 1, cute.assume(D * tdto, divby=128)))
         td = cute.make_layout((T, D, H), stride=(hd, 1, D))  # token-major e4m3 [t, d]
-        ktd = cute.make_layout((T, D, num_kv_heads), stride=(khd, 1, D))
+        ktd = cute.make_layout((Tk, D, num_kv_heads), stride=(khd, 1, D))
         mQ = cute.make_tensor(q_ptr, td)
         mdO = cute.make_tensor(do_ptr, td)
-        mdOt = cute.make_tensor(dot_ptr, dt_layout(H))
+        mdOt = cute.make_tensor(dot_ptr, dot_layout)
         mK = cute.make_tensor(k_ptr, ktd)
         mKtok = cute.make_tensor(ktok_ptr, ktd)
         mV = cute.make_tensor(v_ptr, dt_layout(num_kv_heads))
         mVtok = cute.make_tensor(vtok_ptr, dt_layout(num_kv_heads))
         sl = cute.make_layout((T, H), stride=(1, T))
-        skl = cute.make_layout((T, num_kv_heads), stride=(1, T))
+        skl = cute.make_layout((Tk, num_kv_heads), stride=(1, Tk))
         mSQ = cute.make_tensor(sq_ptr, sl)
         mSdO = cute.make_tensor(sdo_ptr, sl)
         mLSE = cute.make_tensor(lse_ptr, sl)
@@ -463,6 +537,16 @@ class FlamiaBwdDsBf16Sm90:
             mSem = cute.make_tensor(sem_ptr, cute.make_layout(H * num_docs * 2 * max_n_blocks))
         mdK = cute.make_tensor(dk_ptr, ktd)
         mdV = cute.make_tensor(dv_ptr, ktd)
+        mCos, mSin = None, None
+        if cutlass.const_expr(self.cfg.rotary != "none"):
+            half = self.cfg.rotary_dim // 2
+            mCos = cute.make_tensor(cos_ptr, cute.make_layout((table_rows, half), stride=(half, 1)))
+            mSin = cute.make_tensor(sin_ptr, cute.make_layout((table_rows, half), stride=(half, 1)))
+        mCuK = None  # separate keys: the key documents and the documents' first dO^T columns
+        mDotCu = None
+        if cutlass.const_expr(self.cross):
+            mCuK = cute.make_tensor(cu_k_ptr, cute.make_layout(num_docs + 1))
+            mDotCu = cute.make_tensor(dot_cu_ptr, cute.make_layout(num_docs + 1))
 
         mmas = self._make_mmas()
         L = self._smem_layouts()
@@ -502,7 +586,7 @@ class FlamiaBwdDsBf16Sm90:
             a_mbar: cute.struct.MemRange[cutlass.Int64, 2 * st]
             b_mbar: cute.struct.MemRange[cutlass.Int64, 2 * st]
             v_mbar: cute.struct.MemRange[cutlass.Int64, 2 * sv]
-            sVec: cute.struct.Align[cute.struct.MemRange[Float32, N_VEC * tq * sv], 16]
+            sVec: cute.struct.Align[cute.struct.MemRange[Float32, vec_rows(self.cfg) * tq * sv], 16]
             sKs: cute.struct.Align[cute.struct.MemRange[Float32, kb], 16]  # the phase's key scales
             sK: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["K"])], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["K"])], 1024]
@@ -518,8 +602,8 @@ class FlamiaBwdDsBf16Sm90:
         tmas = (tma_k, tK, tma_v, tV, tma_ktok, tKtok, tma_vtok, tVtok, tma_q, tQ, tma_do, tdO, tma_dot, tdOt, tma_dq,
                 tdQ, sdQ_layout, tma_qb, tQb)
         self.kernel(
-            mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV, mSem,
-            L["K"], L["Q"], L["dOt"], L["Qb"], L["Kb"], L["dS"], L["Vt"], softmax_scale,
+            mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV, mSem, mCos, mSin,
+            L["K"], L["Q"], L["dOt"], L["Qb"], L["Kb"], L["dS"], L["Vt"], softmax_scale, mCuK, mDotCu,
         ).launch(
             grid=backward_grid(self.cfg.raster, num_kv_heads, num_docs, max_n_blocks, self.cfg.head_window),
             block=[self.num_threads, 1, 1],
@@ -546,6 +630,8 @@ class FlamiaBwdDsBf16Sm90:
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mSem: cute.Tensor,
+        mCos: cute.Tensor,
+        mSin: cute.Tensor,
         sK_layout: cute.ComposedLayout,
         sQ_layout: cute.ComposedLayout,
         sdOt_layout: cute.ComposedLayout,
@@ -554,9 +640,15 @@ class FlamiaBwdDsBf16Sm90:
         sdS_layout: cute.ComposedLayout,
         sVt_layout: cute.ComposedLayout,
         softmax_scale: Float32,
+        mCuK: Optional[cute.Tensor],  # noqa: UP045 - the DSL reads the annotation
+        mDotCu: Optional[cute.Tensor],  # noqa: UP045
     ):
         """One CTA per (document, KV head, key block) of backward_grid."""
         layouts = (sK_layout, sQ_layout, sdOt_layout, sQb_layout, sKb_layout, sdS_layout, sVt_layout)
+        if cutlass.const_expr(self.cross):
+            self.cross_item(mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mCuK, mDotCu,
+                            mdQ, mdK, mdV, mSem, layouts, softmax_scale)
+            return
         tidx, _, _ = cute.arch.thread_idx()
         kv_head, doc, n_blk = backward_work_item(self.cfg.raster, cute.arch.block_idx(), self.cfg.head_window)
         doc_start, doc_len = document_bounds(mCu, doc)
@@ -606,18 +698,64 @@ class FlamiaBwdDsBf16Sm90:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
                 # the warpgroup's keys' document: with a pair, warpgroup 1's is the second (shifted 64 back),
                 # and warpgroup 0 masks the second's query tile
-                w_start, w_len, w_doc, pair_first = doc_start, doc_len, doc, None
+                w_start, w_len, w_doc, pair_first, pair_second = doc_start, doc_len, doc, None, None
+                # key index 0's position in its document (RoPE): a pair's second document starts at key 64
+                pos0 = Int32(0)
                 if cutlass.const_expr(pairs):
                     pair_first = Boolean(False)
+                    pair_second = Boolean(False)
                     if pair_len > 0:
                         if wg_idx == 2:
                             w_start, w_len, w_doc = hi_start, hi_len, doc + 1
+                            pair_second = Boolean(True)
+                            pos0 = Int32(-SHORT_PAIR_ROWS)
                         else:
                             pair_first = Boolean(True)
                 self.consume(
                     mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok,
                     mRef[kv_head, w_doc], (mdQ, mSem, doc, sdQ_words, dq_plan), mdK, mdV, kv_head,
-                    w_start, w_len, sched, softmax_scale, wg_idx - 1, pair_first,
+                    w_start, w_len, sched, softmax_scale, wg_idx - 1, pair_first, pair_second, (mCos, mSin, pos0),
+                )
+
+    @cute.jit
+    def cross_item(self, mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mCuK, mDotCu,
+                   mdQ, mdK, mdV, mSem, layouts, softmax_scale):
+        """kernel()'s CTA with separate keys: key block n_blk of the key document, the query tiles of
+        schedules.varlen_tiles.backward_cross_item (the warp roles as kernel()'s, without short pairs).
+        xq = (q_base, q_lo, q_hi, dO^T's column of tile 0) are the query side's bounds, the key side's
+        (k_start, k_len, V^T's first column) as self-attention's document bounds."""
+        tidx, _, _ = cute.arch.thread_idx()
+        kv_head, doc, n_blk = backward_work_item(self.cfg.raster, cute.arch.block_idx(), self.cfg.head_window)
+        k_start, k_len = document_bounds(mCuK, doc)
+        dt_start = document_dt_start(mCuK, doc, 4)
+        live, q_base, q_lo, q_hi, m_lo, d0, n_diag, p0, per = backward_cross_item(
+            mCu[doc], mCu[doc + 1], k_start, k_start + k_len, n_blk, self.causal, select_i32)
+        xq = (q_base, q_lo, q_hi, mDotCu[doc] - m_lo * self.tq)
+        if live:
+            sched = (n_blk, n_diag, per, d0, p0)
+            bufs, sVec, sdQ, sdQ_words, dq_plan, pipes = self.shared_buffers(layouts, tmas)
+            pipe_kv, pipe_a, pipe_b, pipe_v = pipes
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+            if wg_idx == 0:
+                cute.arch.setmaxregister_decrease(self.regs_producer)
+                if warp_idx == 0:
+                    self.load_tma_cross(tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, k_start, dt_start, xq, sched)
+                if warp_idx == 1:
+                    self.load_vectors(mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, kv_head, q_base, q_hi, sched,
+                                      softmax_scale, q_lo=q_lo)
+                if cutlass.const_expr(self.dq_tma):
+                    if warp_idx == 2:
+                        self.reduce_dq(tmas[14], tmas[15], sdQ, kv_head, q_base, sched)
+            else:
+                cute.arch.setmaxregister_increase(self.regs_consumer)
+                self.consume_cross(
+                    mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok,
+                    mRef[kv_head, doc], (mdQ, mSem, doc, sdQ_words, dq_plan), mdK, mdV, kv_head,
+                    k_start, k_len, sched, softmax_scale, wg_idx - 1, xq,
                 )
 
     @cute.jit
@@ -646,7 +784,7 @@ class FlamiaBwdDsBf16Sm90:
             storage.sV.get_tensor(cute.make_layout(cute.cosize(sK_layout) // 4), dtype=Uint32),
             sVt_layout,
         )
-        sVec = storage.sVec.get_tensor(cute.make_layout((self.tq, N_VEC, self.sv)))
+        sVec = storage.sVec.get_tensor(cute.make_layout((self.tq, vec_rows(self.cfg), self.sv)))
         sdQ, sdQ_words, dq_plan = None, None, None
         if cutlass.const_expr(self.dq_tma):
             sdQ = buf(storage.sdQ, tmas[16])  # the TMA's view
@@ -728,6 +866,39 @@ class FlamiaBwdDsBf16Sm90:
                                                 doc_start, dt_start)
 
     @cute.jit
+    def load_tma_cross(self, tmas, bufs, pipe_kv, pipe_a, pipe_b, kv_head, k_start, dt_start, xq, sched):
+        """load_tma with separate keys: K and V^T from the key document (k_start, its V^T column dt_start),
+        query tile m's Q, dO and Q bf16 at rows q_base + 64 m and dO^T at column xq[3] + 64 m; the phases'
+        tiles from backward_cross_item (sched = (n_blk, n_diag, per, d0, p0)). A phase without tiles loads
+        no K/V: the block-scaled K/V load once, for phase 1, when phase 0 has none or reads them too."""
+        n_blk, n_diag, per, d0, p0 = sched
+        q_base, dot_base = xq[0], xq[3]
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        a_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        b_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        if n_diag > 0:
+            kv_state = self._load_kv(diagonal_source(self.diag_first, tmas[0:4], tmas[4:8]), bufs, pipe_kv,
+                                     kv_state, kv_head, k_start, dt_start, n_blk)
+            for i in cutlass.range(self.group * n_diag, unroll=1):
+                a_state, b_state = self._load_q(tmas, bufs, pipe_a, pipe_b, a_state, b_state,
+                                                kv_head * self.group + i // n_diag, d0 + i % n_diag, q_base, dot_base)
+        if per > 0:
+            if self._phase1_loads_kv(n_diag):
+                kv_state = self._load_kv(tmas[0:4], bufs, pipe_kv, kv_state, kv_head, k_start, dt_start, n_blk)
+            for j in cutlass.range(self.group * per, unroll=1):
+                a_state, b_state = self._load_q(tmas, bufs, pipe_a, pipe_b, a_state, b_state,
+                                                kv_head * self.group + j // per, p0 + j % per, q_base, dot_base)
+
+    @cute.jit
+    def _phase1_loads_kv(self, n_diag):
+        """Separate keys: phase 1 has its own K/V load (the block-scaled copies after the per-token ones, or
+        the only load when phase 0 has no tile)."""
+        loads = n_diag == 0
+        if cutlass.const_expr(self.diag_first):
+            loads = Boolean(True)
+        return loads
+
+    @cute.jit
     def _item_sched(self, n_blk, doc_len):
         """(key block, its diagonal 64-query tiles per head, its off-diagonal ones per head: may be
         <= 0) of a CTA's item in a document of doc_len tokens."""
@@ -744,9 +915,22 @@ class FlamiaBwdDsBf16Sm90:
         return total
 
     @cute.jit
-    def _tile_of(self, i, n_blk, n_diag, per):
+    def _tile_of(self, i, n_blk, n_diag, per, cross=()):
         """(query-head index in the group, 64-query tile) of tile i: tile_schedule on DSL integers
-        (the producer warps' loops; the consumers' loops run the two phases separately)."""
+        (the producer warps' loops; the consumers' loops run the two phases separately). cross
+        (separate keys): (d0, p0), the phases' first tiles (backward_cross_item; n_diag may be 0)."""
+        if cutlass.const_expr(len(cross) > 0):
+            d0, p0 = cross
+            hi = Int32(0)
+            m = Int32(0)
+            if i < self.group * n_diag:
+                hi = i // n_diag
+                m = d0 + i % n_diag
+            else:
+                j = i - self.group * n_diag
+                hi = j // per
+                m = p0 + j % per
+            return hi, m
         hi = i // n_diag
         m = 2 * n_blk + i % n_diag
         if i >= self.group * n_diag:
@@ -764,11 +948,11 @@ class FlamiaBwdDsBf16Sm90:
         (P = 0 there) and rows past T are clipped by the TMA, so whole 64-row tiles are added.
 
         hi_start (short_pairs): the token start of tiles m >= 1 (a pair's second document, 64 back)."""
-        n_blk, n_diag, per = sched
+        n_blk, n_diag, per = sched[:3]
         total = self._tile_count(n_diag, per)
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)  # the buffer starts free
         for i in cutlass.range(total, unroll=1):
-            hi, m = self._tile_of(i, n_blk, n_diag, per)
+            hi, m = self._tile_of(i, n_blk, n_diag, per, sched[3:])
             cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=288)
             # the whole warp: a TMA copy elects its issuing lane with a full-mask elect.sync, so calling
             # it from one lane deadlocks
@@ -786,16 +970,24 @@ class FlamiaBwdDsBf16Sm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def load_vectors(self, mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, kv_head, doc_start, doc_len, sched,
-                     softmax_scale, hi_start=None, hi_len=None):
+                     softmax_scale, hi_start=None, hi_len=None, q_lo=None):
         """Warp 1: per query tile of the CTA, the five per-query vectors (store_query_vectors; hi_start,
-        hi_len: short_pairs, the bounds of tiles m >= 1)."""
-        n_blk, n_diag, per = sched
+        hi_len: short_pairs, the bounds of tiles m >= 1; q_lo: separate keys, the first query's row from
+        doc_start, and doc_len the end's)."""
+        n_blk, n_diag, per = sched[:3]
         lane = cute.arch.lane_idx()
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sv)
+        # (in fp32 from the fp32 softmax_scale: softmax.scale_log2_f32, the forward's number)
         scale_log2 = softmax_scale * Float32(LOG2E)
+        if cutlass.const_expr(self.cfg.short_pairs):
+            # the zero rows (cross_vectors), before any stage's first commit publishes them
+            for st in cutlass.range_constexpr(self.sv):
+                for r in cutlass.range_constexpr(PAIR_ZERO_ROW, PAIR_ZERO_ROW + 2):
+                    for c in cutlass.range_constexpr(self.tq // 32):
+                        sVec[lane + 32 * c, r, st] = Float32(0.0)
         total = self._tile_count(n_diag, per)
         for i in cutlass.range(total, unroll=1):
-            hi, m = self._tile_of(i, n_blk, n_diag, per)
+            hi, m = self._tile_of(i, n_blk, n_diag, per, sched[3:])
             hq = kv_head * self.group + hi
             pipe_v.producer_acquire(v_state)
             st = v_state.index
@@ -806,7 +998,7 @@ class FlamiaBwdDsBf16Sm90:
             for c in cutlass.range_constexpr(self.tq // 32):
                 col = lane + 32 * c
                 store_query_vectors(sVec, col, st, m * self.tq + col, start, length, hq, mSQ, mLSE, mDelta, mSdO,
-                                    scale_log2)
+                                    scale_log2, q_lo)
             pipe_v.producer_commit(v_state)
             v_state.advance()
 
@@ -856,12 +1048,13 @@ class FlamiaBwdDsBf16Sm90:
     @cute.jit
     def consume(
         self, mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok, dv_ref, dq_out, mdK,
-        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, pair_first=None,
+        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, pair_first=None, pair_second=None, rope=None,
     ):
         """Consumer warpgroup wg: the CTA's item (key block n_blk of KV head kv_head in the document),
         both phases' tiles, then dK and dV to global memory. pair_first (short_pairs): this warpgroup
         holds a pair's first document, so the second diagonal tile (the second document's queries) is
-        masked whole."""
+        masked whole; pair_second: it holds the second, and the first tile is the other document's
+        (cross_vectors)."""
         frags, krow = self.consumer_fragments(mmas, bufs, wg)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         a_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -905,6 +1098,7 @@ class FlamiaBwdDsBf16Sm90:
                 2 * n_blk + i % n_diag, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state,
                 v_state, dq_out, doc_start, doc_len, lim_i, n_blk, softmax_scale, wg,
                 (pipe_kv, kv_state, last_diag) if early else None,
+                self.cross_vectors(pair_first, pair_second, i, n_diag),
             )
         if cutlass.const_expr(self.prefetch and self.dq_tma):
             warpgroup.wait_group(0)  # the dummy S^T, dP^T issued after the phase's last tile
@@ -940,6 +1134,112 @@ class FlamiaBwdDsBf16Sm90:
         if cutlass.const_expr(self.prefetch and self.dq_tma):
             warpgroup.wait_group(0)  # the dummy after phase 1's last tile
         # ---- epilogue: dV * r / 256 and dK * softmax_scale to bf16
+        rfac = r / Float32(P_SCALE)
+        store_key_rows_bf16(mdV, lambda i0: (acc_dv[i0] * rfac, acc_dv[i0 + 1] * rfac), krow, n_blk * kb,
+                            doc_start, doc_len, kv_head, D, cute.size(acc_dv))
+        if cutlass.const_expr(has_rotation(self.cfg)):
+            # dK back in the caller's frame: K's inverse rotations on each key row's fp32 values
+            # (sm90/rotate.py), the row's 4 quad lanes holding it whole
+            mCos, mSin, pos0 = rope
+            quad = cute.arch.lane_idx() % 4
+            n_acc = cute.size(acc_dk)
+            for v1 in cutlass.range_constexpr(2):
+                key = n_blk * kb + krow[v1]
+                ok = key < doc_len
+                pos = select(ok, pos0 + key, Int32(0))
+                idx = [2 * v1 + 4 * n8 + e for n8 in range(n_acc // 4) for e in range(2)]
+                vals = inverse_rotate_fragment_row(DeviceOps, [acc_dk[i] * softmax_scale for i in idx], quad, D,
+                                                   self.cfg, mCos, mSin, pos, ok)
+                for i, x in zip(idx, vals, strict=True):
+                    acc_dk[i] = x
+            store_key_rows_bf16(mdK, lambda i0: (acc_dk[i0], acc_dk[i0 + 1]), krow, n_blk * kb, doc_start, doc_len,
+                                kv_head, D, cute.size(acc_dk))
+        else:
+            store_key_rows_bf16(mdK, lambda i0: (acc_dk[i0] * softmax_scale, acc_dk[i0 + 1] * softmax_scale), krow,
+                                n_blk * kb, doc_start, doc_len, kv_head, D, cute.size(acc_dk))
+
+    @cute.jit
+    def consume_cross(
+        self, mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok, dv_ref, dq_out, mdK,
+        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, xq,
+    ):
+        """consume with separate keys: doc_start, doc_len are the key document's; xq = (q_base, q_lo, q_hi, _)
+        the query side's (cross_item); sched = (n_blk, n_diag, per, d0, p0). Either phase may have no tile
+        (n_diag = 0: a key block wholly before every query; per <= 0): a phase without tiles has no K/V of
+        its own (load_tma_cross loads as _phase1_loads_kv says)."""
+        frags, krow = self.consumer_fragments(mmas, bufs, wg)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        a_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        b_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sv)
+        n_blk, n_diag, per, d0, p0 = sched
+        q_base, q_lo, q_hi = xq[0], xq[1], xq[2]
+        kb = self.kb
+        D = self.D
+        sKs = bufs[13]
+        acc_dv, acc_dk = frags[10], frags[11]
+        acc_dv.fill(0.0)
+        acc_dk.fill(0.0)
+        r, cf = dv_fold_factor(dv_ref)
+
+        lim = diagonal_key_end(doc_len, n_blk * kb)  # keys >= lim lie past the document end
+        rsc = cute.make_rmem_tensor(cute.make_layout(4), Float32)  # sk(row 0), sk(row 1), sv(row 0), sv(row 1)
+        load_row_scales(rsc, krow, *diagonal_source(self.diag_first, (mSK, mSV), (mSKtok, mSVtok)), kv_head,
+                        doc_start, doc_len, n_blk * kb)
+        early = self.early_phase
+        rsc_blk = None
+        if cutlass.const_expr(early):
+            rsc_blk = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            load_row_scales(rsc_blk, krow, mSK, mSV, kv_head, doc_start, doc_len, n_blk * kb)
+
+        # ---- phase 0: the masked tiles (causal: the diagonal, per-token K/V when diag_first)
+        if n_diag > 0:
+            self.share_key_scales(sKs, rsc, krow)
+            cute.arch.barrier(barrier_id=2, number_of_threads=256)
+            pipe_kv.consumer_wait(kv_state)
+            self.convert_k(bufs, sKs)
+            self.transpose_v(bufs, wg)
+            if cutlass.const_expr(self.prefetch):
+                self.issue_sdp(frags, pipe_a, a_state, wg)
+            for i in cutlass.range(self.group * n_diag, unroll=1):
+                last_diag = i + 1 == self.group * n_diag
+                a_state, b_state, v_state = self.tile_step(
+                    True, i, i + 1 < self.group * n_diag, kv_head * self.group + i // n_diag, d0 + i % n_diag,
+                    frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out,
+                    q_base, q_hi, lim, n_blk, softmax_scale, wg, (pipe_kv, kv_state, last_diag) if early else None,
+                    q_lo=q_lo,
+                )
+            if cutlass.const_expr(self.prefetch and self.dq_tma):
+                warpgroup.wait_group(0)
+            if cutlass.const_expr(self.diag_first):
+                if cutlass.const_expr(not early):
+                    pipe_kv.consumer_release(kv_state)
+                kv_state = _advanced(kv_state)
+        # ---- phase 1: the unmasked tiles, block-scaled K/V
+        if per > 0:
+            if self._phase1_loads_kv(n_diag):
+                if cutlass.const_expr(self.diag_first):
+                    if cutlass.const_expr(early):
+                        for v in cutlass.range_constexpr(4):
+                            rsc[v] = rsc_blk[v]
+                    else:
+                        load_row_scales(rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, n_blk * kb)
+                self.share_key_scales(sKs, rsc, krow)
+                cute.arch.barrier(barrier_id=2, number_of_threads=256)
+                pipe_kv.consumer_wait(kv_state)
+                self.convert_k(bufs, sKs)
+                self.transpose_v(bufs, wg)
+            if cutlass.const_expr(self.prefetch):
+                self.issue_sdp(frags, pipe_a, a_state, wg)
+            for j in cutlass.range(self.group * per, unroll=1):
+                a_state, b_state, v_state = self.tile_step(
+                    False, self.group * n_diag + j, j + 1 < self.group * per, kv_head * self.group + j // per,
+                    p0 + j % per, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state,
+                    v_state, dq_out, q_base, q_hi, lim, n_blk, softmax_scale, wg, q_lo=q_lo,
+                )
+
+        if cutlass.const_expr(self.prefetch and self.dq_tma):
+            warpgroup.wait_group(0)
         rfac = r / Float32(P_SCALE)
         store_key_rows_bf16(mdV, lambda i0: (acc_dv[i0] * rfac, acc_dv[i0 + 1] * rfac), krow, n_blk * kb,
                             doc_start, doc_len, kv_head, D, cute.size(acc_dv))
@@ -1079,14 +1379,28 @@ class FlamiaBwdDsBf16Sm90:
         warpgroup.commit_group()
 
     @cute.jit
+    def cross_vectors(self, pair_first, pair_second, i, n_diag):
+        """The row offset of D and dO's scale in diagonal tile i's per-query vectors: 0, or (short_pairs)
+        PAIR_ZERO_ROW - 2 where the tile's queries are the other document's (the first warpgroup's second
+        tile, the second warpgroup's first): there they read zeros, so this warpgroup's dS^T and dV fold
+        are exact zeros whatever the other document holds (P is masked to 0 there). None: no pairs."""
+        off = None
+        if cutlass.const_expr(pair_first is not None):
+            cross = (pair_first & (i % n_diag == 1)) | (pair_second & (i % n_diag == 0))
+            off = select(cross, Int32(PAIR_ZERO_ROW - 2), Int32(0))
+        return off
+
+    @cute.jit
     def tile_step(
         self, diag: cutlass.Constexpr, i, has_next, hq, m, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v,
         a_state, b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg, release_kv=None,
+        vec_off=None, q_lo=None,
     ):
-        """One 64-query tile m of query head hq (tile number i of the CTA). diag: m in {2n, 2n+1}.
+        """One 64-query tile m of query head hq (tile number i of the CTA). diag: m in {2n, 2n+1} (separate
+        keys: a masked tile; q_lo: the first query's row from doc_start, doc_len the end's).
         release_kv (pipe_kv, its state, a runtime flag): when the flag is set, the K/V stage is released
         as soon as this tile's S^T and dP^T have read it (the phase's last tile: the next phase's copies
-        load under the rest of the tile).
+        load under the rest of the tile). vec_off (short_pairs): cross_vectors' offset.
 
         With prefetch, its S^T and dP^T were issued before (issue_sdp: by the previous tile of the
         phase, or before the phase) and has_next issues the next tile's after this tile's dQ
@@ -1117,7 +1431,7 @@ class FlamiaBwdDsBf16Sm90:
             for a, v1 in rows:
                 p = recompute_p(acc_s[a], rsc[v1], ca, cb)
                 if cutlass.const_expr(diag):  # the leakage-safe mask (mask.py)
-                    (p,) = hide_invisible((p,), (Float32(0.0),), krow[v1], qoff + col, lim)
+                    (p,) = hide_invisible((p,), (Float32(0.0),), krow[v1], qoff + col, lim, None, self.causal)
                 acc_s[a] = p
         # ---- once dP^T is done the Q/dO stage can go
         if cutlass.const_expr(self.sdp_groups == 2):
@@ -1130,14 +1444,19 @@ class FlamiaBwdDsBf16Sm90:
                 pipe_kv.consumer_release(kv_state)
 
         # ---- dS^T = P^T (dP^T sv sdo - D) into acc_dp, the dV fold of P^T into acc_s
+        vo = 0
+        if cutlass.const_expr(vec_off is not None):
+            vo = vec_off
         for c, rows in walk:
             col = tScS[c][1]
-            cd = sVec[col, 2, vs]
-            cw = sVec[col, 3, vs]
+            cd = sVec[col, 2 + vo, vs]
+            cw = sVec[col, 3 + vo, vs]
             cwf = cw * cf  # sdo * 256 / r: powers of two, so (p * sdo) * (256 / r) exactly
             for a, v1 in rows:
                 p = acc_s[a]
-                acc_dp[a] = p * (acc_dp[a] * rsc[2 + v1] * cw - cd)
+                # cw * sv first (exact: powers of two): a query column outside the document (cw = 0)
+                # stays 0 even where dP * sv alone would overflow (a V scale near the top)
+                acc_dp[a] = p * (acc_dp[a] * (cw * rsc[2 + v1]) - cd)
                 acc_s[a] = p * cwf  # <= 256: sdo <= r
         pipe_v.consumer_release(v_state)
         v_state.advance()
@@ -1220,7 +1539,7 @@ class FlamiaBwdDsBf16Sm90:
             sem_addr = Int64(0)
             if cutlass.const_expr(self.deterministic):
                 sem_addr = dq_turn_wait(mSem, hq, doc, m, n_blk, tidx, 2)  # two 64-query tiles per key block
-            add_dq_tile(mdQ, acc_dq, tScQ, m * tq, 0, doc_start, doc_len, hq, D, lambda qr: softmax_scale)
+            add_dq_tile(mdQ, acc_dq, tScQ, m * tq, 0, doc_start, doc_len, hq, D, lambda qr: softmax_scale, q_lo)
             if cutlass.const_expr(self.deterministic):
                 dq_turn_pass(sem_addr, tidx)
         return a_state, b_state, v_state
@@ -1260,7 +1579,10 @@ ARG_KINDS = (
     ARG_F32, ARG_F32, ARG_F32,  # lse, delta, dV fold reference
     ARG_I32,  # cu_seqlens
     ("ptr", Float32, 16), ARG_BF16, ARG_BF16, ARG_I32,  # dq accumulator, dk, dv, dQ semaphores
-    ("i32",), ("i32",), ("i32",), ("i32",), ("i32",), ("f32",),  # T, T_dt, Hk, num_docs, max_n_blocks, scale
+    ARG_F32_16, ARG_F32_16,  # cos, sin (rotary)
+    ("i32",), ("i32",), ("i32",), ("i32",), ("i32",), ("i32",),  # T, T_dt, Hk, num_docs, max_n_blocks, table rows
+    ("f32",),  # softmax scale
+    ARG_I32, ARG_I32, ("i32",), ("i32",),  # cu_seqlens_k, dO^T's document columns, T_k, T_dt_o (separate keys)
     ("stream",),
 )
 
@@ -1290,7 +1612,8 @@ def flamia_bwd_dsbf16_sm90(
     dout, out, lse, q_td, sq, k_td, sk, v_dt, sv, k_tok_td, sk_tok, v_tok_dt, sv_tok,
     cu_seqlens, max_seqlen: int, softmax_scale: float, config: BwdDsBf16Config,
     poison_outputs: bool = False, do_quantized=None, delta=None, dv_ref=None, q_bf16=None,
-    overlap_passes: bool | None = None,
+    overlap_passes: bool | None = None, rope_tables=None, dq_convert=None, delta_quantized: bool = False,
+    cu_seqlens_k=None, max_seqlen_k: int | None = None,
 ):
     """Causal FP8 attention backward of the bf16-dS recipes on the current stream; returns (dq, dk, dv)
     bf16.
@@ -1309,28 +1632,47 @@ def flamia_bwd_dsbf16_sm90(
     overlap_passes: Q's bf16 copy and the dQ accumulator's zero fill run on a side stream while the
     dO preprocess runs on the current one (all three are memory-bound and independent; the kernel
     waits for both streams). None: OVERLAP_PASSES.
+    rope_tables: (cos, sin) fp32 (rotary.kernel_tables) when config.rotary or dq_convert applies RoPE.
+    dq_convert: a rotate.GradRotateConfig: dQ's conversion to bf16 applies Q's inverse rotations (the
+    dK epilogue applies K's, config.rotary / config.hadamard). delta_quantized: D from dO's e4m3 values
+    (recipes.DELTAS "quantized") when the preprocess computes it.
+    config.separate_keys (cross_length, or causal=False): cu_seqlens holds the query documents and
+    cu_seqlens_k the key documents (as many; max_seqlen_k their longest), K, V, their scales, dK and dV
+    have T_k tokens, v_dt transposed_tokens(T_k, num_docs) columns; the causal build reads dO^T by key
+    position (bwd_preprocess.separate_keys_dot, made here from dO's codes). Rotations are for
+    self-attention builds only (the config refuses them with separate keys, and so does dq_convert).
     """
-    from .bwd_preprocess import backward_grid_blocks, backward_outputs, preprocess_bwd
+    from .bwd_preprocess import backward_grid_blocks, backward_outputs, preprocess_bwd, separate_keys_dot
 
     T, H, D = q_td.shape
     Hk = k_td.shape[1]
     if D != config.head_dim or H != Hk * config.qhead_per_kvhead:
         raise ValueError(f"shapes (H={H}, Hk={Hk}, D={D}) do not match {config}")
+    sep = config.separate_keys
+    if sep and dq_convert is not None:
+        raise ValueError("dq_convert: Q's inverse rotations are for self-attention builds (not config.separate_keys)")
+    if sep != (cu_seqlens_k is not None) or (sep and max_seqlen_k is None):
+        raise ValueError("cu_seqlens_k and max_seqlen_k: needed exactly when config.separate_keys")
+    if sep and cu_seqlens_k.shape != cu_seqlens.shape:
+        raise ValueError(f"cu_seqlens_k must have as many documents as cu_seqlens ({cu_seqlens.numel() - 1}), "
+                         f"got {cu_seqlens_k.numel() - 1}")
+    Tk = k_td.shape[0] if sep else T
     if not config.diagonal_copy or k_tok_td is None:
         if config.diagonal_copy:
             raise ValueError("config.diagonal_copy needs k_tok_td, sk_tok, v_tok_dt, sv_tok")
         k_tok_td, sk_tok, v_tok_dt, sv_tok = k_td, sk, v_dt, sv
     dev = q_td.device
     cu = int32_cu_seqlens(cu_seqlens, dev)
+    cu_k = int32_cu_seqlens(cu_seqlens_k, dev) if sep else cu
     num_docs = cu.numel() - 1
-    T_dt = transposed_tokens(T, num_docs)
+    T_dt = transposed_tokens(Tk, num_docs)  # V^T's columns (and dO^T's, but for separate keys)
     f8 = torch.float8_e4m3fn
     main = torch.cuda.current_stream(dev)
     side = side_stream(dev) if (OVERLAP_PASSES if overlap_passes is None else overlap_passes) else None
     if side is not None:
         side.wait_stream(main)  # the forward's operands are ready before the side passes read them
     # allocated here on the current stream (its memory pool), filled on the side stream when overlapped
-    dq_acc, dk, dv = backward_outputs(T, H, Hk, D, dev, poison_outputs, zero_dq=side is None)
+    dq_acc, dk, dv = backward_outputs(T, H, Hk, D, dev, poison_outputs, zero_dq=side is None, Tk=Tk)
     make_q_bf16 = q_bf16 is None
     if make_q_bf16:
         q_bf16 = torch.empty(T, H, D, dtype=torch.bfloat16, device=dev)
@@ -1344,7 +1686,8 @@ def flamia_bwd_dsbf16_sm90(
                 dq_acc.zero_()
         if do_quantized is None or delta is None:
             # the dV fold references come from the same launch when it also quantizes dO
-            delta_, doq, ref_ = preprocess_bwd(dout, out, cu, dv_ref_group=config.qhead_per_kvhead)
+            delta_, doq, ref_ = preprocess_bwd(dout, out, cu, dv_ref_group=config.qhead_per_kvhead,
+                                               delta_quantized=delta_quantized)
             delta = delta if delta is not None else delta_
             if do_quantized is None:
                 do_quantized = doq
@@ -1352,13 +1695,25 @@ def flamia_bwd_dsbf16_sm90(
     finally:  # joined even when an argument check raises: the side writes finish before the buffers are freed
         if side is not None:
             main.wait_stream(side)
+    do_dt, dot_cu = do_quantized.data_dt, cu  # (dot_cu: unused but for separate keys)
+    if sep and config.causal:  # by key position (non-causal: the queries' own layout, over cu_seqlens)
+        check_kernel_tensors((("do_td", do_quantized.data_td, (T, H, D), f8),), dev)
+        do_dt, dot_cu = separate_keys_dot(do_quantized.data_td, cu, cu_k)
+    elif sep:
+        from ..quant import dt_cu_seqlens
+
+        dot_cu = dt_cu_seqlens(cu)
+    T_dt_o = do_dt.shape[2] if sep else T_dt
+    if sep and not config.causal and T_dt_o != transposed_tokens(T, num_docs):
+        raise ValueError(f"do_quantized.data_dt must have transposed_tokens(T, num_docs) = "
+                         f"{transposed_tokens(T, num_docs)} columns, got {T_dt_o}")
     check_kernel_tensors((
         ("q_bf16", q_bf16, (T, H, D), torch.bfloat16),
-        ("q_td", q_td, (T, H, D), f8), ("k_td", k_td, (T, Hk, D), f8), ("v_dt", v_dt, (Hk, D, T_dt), f8),
-        ("k_tok_td", k_tok_td, (T, Hk, D), f8), ("v_tok_dt", v_tok_dt, (Hk, D, T_dt), f8),
-        ("do_td", do_quantized.data_td, (T, H, D), f8), ("do_dt", do_quantized.data_dt, (H, D, T_dt), f8),
-        ("sq", sq, (H, T), torch.float32), ("sk", sk, (Hk, T), torch.float32), ("sv", sv, (Hk, T), torch.float32),
-        ("sk_tok", sk_tok, (Hk, T), torch.float32), ("sv_tok", sv_tok, (Hk, T), torch.float32),
+        ("q_td", q_td, (T, H, D), f8), ("k_td", k_td, (Tk, Hk, D), f8), ("v_dt", v_dt, (Hk, D, T_dt), f8),
+        ("k_tok_td", k_tok_td, (Tk, Hk, D), f8), ("v_tok_dt", v_tok_dt, (Hk, D, T_dt), f8),
+        ("do_td", do_quantized.data_td, (T, H, D), f8), ("do_dt", do_dt, (H, D, T_dt_o), f8),
+        ("sq", sq, (H, T), torch.float32), ("sk", sk, (Hk, Tk), torch.float32), ("sv", sv, (Hk, Tk), torch.float32),
+        ("sk_tok", sk_tok, (Hk, Tk), torch.float32), ("sv_tok", sv_tok, (Hk, Tk), torch.float32),
         ("sdo", do_quantized.scale, (H, T), torch.float32), ("lse", lse, (H, T), torch.float32),
         ("delta", delta, (H, T), torch.float32),
     ), dev)
@@ -1366,22 +1721,51 @@ def flamia_bwd_dsbf16_sm90(
         raise ValueError("do_quantized.data_dt must be in P-fragment order (quantize with pv_order=True)")
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
-    max_n_blocks = backward_grid_blocks(T, H, D, T_dt, num_docs, max_seqlen, KEY_BLOCK)
+    rows = 1
+    if config.rotary != "none" or (dq_convert is not None and dq_convert.rotary != "none"):
+        rd = max(config.rotary_dim, dq_convert.rotary_dim if dq_convert is not None else 0)
+        if rope_tables is None:
+            raise ValueError("rope_tables=(cos, sin) is needed for a config with rotary")
+        rows = rope_tables[0].shape[0] if rope_tables[0].dim() == 2 else -1
+        check_kernel_tensors((("cos", rope_tables[0], (rows, rd // 2), torch.float32),
+                              ("sin", rope_tables[1], (rows, rd // 2), torch.float32)), dev)
+        if rows < max_seqlen:
+            raise ValueError(f"rope_tables have {rows} positions, fewer than max_seqlen {max_seqlen}")
+    # the grid's key blocks; non-causal: at least the query tiles' halves too, as the deterministic dQ's turn
+    # counters hold 2 per key block for each (head, document) and every query tile is any key block's
+    grid_len = max_seqlen if not sep else (max_seqlen_k if config.causal else max(max_seqlen_k, max_seqlen))
+    max_n_blocks = backward_grid_blocks(max(T, Tk), H, D, max(T_dt, T_dt_o), num_docs, grid_len, KEY_BLOCK)
     if Hk % config.head_window:
         raise ValueError(f"config.head_window {config.head_window} does not divide the {Hk} KV heads")
+    if sep and Tk == 0:  # no key at all: dK, dV empty, dQ 0
+        max_n_blocks = 0
     if T > 0 and num_docs > 0 and max_n_blocks > 0:
         if dv_ref is None:
             dv_ref = dv_fold_reference(do_quantized.scale, cu, config.qhead_per_kvhead)
         ptrs = (q_td, q_bf16, sq, k_td, sk, v_dt, sv, k_tok_td, sk_tok, v_tok_dt, sv_tok,
-                do_quantized.data_td, do_quantized.data_dt, do_quantized.scale, lse, delta, dv_ref, cu, dq_acc, dk, dv)
+                do_quantized.data_td, do_dt, do_quantized.scale, lse, delta, dv_ref, cu, dq_acc, dk, dv)
         # deterministic dQ: one turn counter per (query head, document, 64-query tile)
         sem = None
         if config.deterministic:
             sem = torch.zeros(H * num_docs * 2 * max_n_blocks, dtype=torch.int32, device=dev)
+        tables = [t.data_ptr() for t in rope_tables] if config.rotary != "none" else [0, 0]
         launch_on_device(get_launcher(config), dev, *(t.data_ptr() for t in ptrs),
-                         sem.data_ptr() if sem is not None else 0,
-                         T, T_dt, Hk, num_docs, max_n_blocks, float(softmax_scale))
-    dq = dq_acc.to(torch.bfloat16)  # softmax_scale is already applied
+                         sem.data_ptr() if sem is not None else 0, *tables,
+                         T, T_dt, Hk, num_docs, max_n_blocks, rows, float(softmax_scale),
+                         cu_k.data_ptr(), dot_cu.data_ptr(), Tk, T_dt_o)
+    if dq_convert is None:
+        dq = dq_acc.to(torch.bfloat16)  # softmax_scale is already applied
+    else:  # the same pass, with Q's inverse rotations
+        from .rotate import grad_rotate_to_bf16
+
+        cos, sin = rope_tables if dq_convert.rotary != "none" else (None, None)
+        dq = grad_rotate_to_bf16(dq_acc, cu, cos, sin, dq_convert)
+    if sep:  # the keys of a document without queries have no CTA: their gradients are 0
+        lq = (cu[1:] - cu[:-1])[torch.searchsorted(cu_k[1:], torch.arange(Tk, device=dev, dtype=torch.int32),
+                                                   right=True).clamp(max=max(num_docs - 1, 0))]
+        no_queries = (lq == 0)[:, None, None]  # in place: no second copy of dK and dV
+        dk.masked_fill_(no_queries, 0)
+        dv.masked_fill_(no_queries, 0)
     return dq, dk, dv
 
 

@@ -37,13 +37,15 @@ the token coordinate: cu_seqlens[doc] for Q, K (token-major) and the scales, dt_
 (16-aligned) for V^T, which the TMA warp sums from cu_seqlens itself (no host-side table).
 Keys past the document end (only in the diagonal tile) are masked;
 query rows past the end are computed on whatever TMA brought and never stored.
-Self-attention only (cu_seqlens_q == cu_seqlens_k): the runtime entry takes one cu_seqlens.
+The default builds are causal self-attention (cu_seqlens_q == cu_seqlens_k); FwdConfig.cross_length and
+causal=False also take cu_seqlens_k (docs/forward.md, "Cross-length and non-causal builds").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -65,18 +67,37 @@ from ..quant import transposed_tokens
 from ..schedules import varlen_tiles as _varlen_tiles
 from ..schedules.varlen_chunks import max_chunks
 from ..schedules.varlen_tiles import LPT_MAX_DOCS, TILE_ORDERS, short_pairs_worth
-from ..softmax import LOG2E, P_SCALE, P_SCALE_LOG2, fold_reference, online_max, quad_sum, row_lse, two_row_max
+from ..softmax import (
+    P_SCALE,
+    P_SCALE_LOG2,
+    fold_reference,
+    offset_up,
+    online_max,
+    quad_sum,
+    row_lse,
+    row_max_up,
+    scale_log2_f32,
+    two_row_max,
+)
 from ..tile_scheduler import (
     SCHED_STAGES,
     claim_next_tile,
     doc_chunk_cumsum,
+    for_each_published_cross_tile,
     for_each_published_tile,
     publish_tile,
     rank_documents_longest_first,
     tile_at,
 )
 from ..validation import check_kernel_tensors, int32_cu_seqlens
-from ..varlen import document_bounds, document_dt_start, document_tiles, short_pair_bounds
+from ..varlen import (
+    cross_document_tiles,
+    cross_tile_bounds,
+    document_bounds,
+    document_dt_start,
+    document_tiles,
+    short_pair_bounds,
+)
 from .primitives import (
     ARG_BF16,
     ARG_F8,
@@ -123,8 +144,16 @@ def smem_bytes(cfg) -> int:
     persistent tables, barriers and alignment."""
     tables = {"documents": 2, "longest_documents": 4}[cfg.tile_order] + int(cfg.short_pairs)
     table = tables * 4 * (PERSISTENT_MAX_DOCS + 1) + 128 if cfg.persistent else 0
-    scales = 3 * TILE * 4 * cfg.kv_stages  # K and V scales per key, Q scales per row
+    scales = scale_rows(cfg) * 4 * cfg.kv_stages
     return TILE * cfg.head_dim * cfg.q_stages + 2 * cfg.kv_stages * TILE * cfg.head_dim + scales + table + 2048
+
+
+def scale_rows(cfg) -> int:
+    """Rows of a scale stage: K scales per key, V scales per key, Q scales per row. With short_pairs
+    the V scales of a paired diagonal step are [the first document's 64, 64 zeros, the second's 64]:
+    each warpgroup reads the 128 from its own offset (key_lo), so the other document's keys have V
+    scale 0 and their masked P adds exactly 0 (a NaN scale there would turn the masked 0 into NaN)."""
+    return 3 * TILE + (WG_ROWS if cfg.short_pairs else 0)
 
 
 @dataclass(frozen=True)
@@ -150,6 +179,11 @@ class FwdConfig:
     # V^T box already holds both; the second warpgroup masks the first document's keys. A paired
     # document's rows see exactly the keys and scales of its own tile: O and LSE bit-identical.
     short_pairs: bool = False
+    # causal=False: every query sees every key of its document. cross_length (causal): a document's
+    # Lq queries are the last Lq positions of its Lk keys (cu_seqlens_q != cu_seqlens_k). Both take
+    # cu_seqlens_k and run the query tiles of schedules.varlen_tiles.cross_tile (separate_keys).
+    causal: bool = True
+    cross_length: bool = False
 
     def __post_init__(self):
         def bad(name, msg):
@@ -169,9 +203,21 @@ class FwdConfig:
             bad("tile_order", f"must be one of {TILE_ORDERS}")
         if not isinstance(self.short_pairs, bool):
             bad("short_pairs", "must be a bool")
+        for name in ("causal", "cross_length"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a bool")
+        if self.cross_length and not self.causal:
+            bad("cross_length", "is for causal=True (the non-causal build takes cu_seqlens_k in any case)")
+        if self.short_pairs and self.separate_keys:
+            bad("short_pairs", "pairs self-attention documents only (not with cross_length or causal=False)")
         for name in ("tile_order", "short_pairs"):
             if getattr(self, name) != getattr(FwdConfig, name) and not self.persistent:
                 bad(name, "needs persistent=True (per_tile_fallback drops it)")
+
+    @property
+    def separate_keys(self) -> bool:
+        """The build takes cu_seqlens_k (cross_length, or causal=False)."""
+        return self.cross_length or not self.causal
 
     @property
     def intra_wg_overlap(self) -> bool:
@@ -220,10 +266,17 @@ class FlamiaFwdSm90:
         self.persistent = config.persistent
         self.q_stages = config.q_stages
         self.short_pairs = config.short_pairs
+        self.causal = config.causal
+        self.cross = config.separate_keys  # cu_seqlens_k: the cross_tile geometry
+        # the first key tile from the per-token copies: block-scaled and causal (the diagonal safeguard;
+        # the non-causal build's first tile is the document's last keys, which every query sees)
+        self.diag_first = config.diagonal_copy and config.causal
         # scale stage rows: K and V scales per key, the diagonal step's Q scales per row
-        self.scale_rows = 3 * TILE
-        # tile ring words: block, head, document, its start and length (short pairs: the partner's length)
-        self.sched_rows = 6
+        self.scale_rows = scale_rows(config)
+        self.q_row0 = self.scale_rows - TILE  # the diagonal step's Q scales (after K's and V's)
+        # tile ring words: block, head, document, its start and length (short pairs: the partner's length;
+        # separate keys: the five cross_tile bounds)
+        self.sched_rows = 8 if self.cross else 6
 
     @cute.jit
     def __call__(
@@ -248,6 +301,8 @@ class FlamiaFwdSm90:
         num_docs: Int32,
         grid_x: Int32,
         scale_log2: Float32,
+        cu_k_ptr: cute.Pointer,
+        T_k: Int32,
         stream: cuda.CUstream,
     ):
         D, tn, wm = self.D, TILE, WG_ROWS
@@ -255,10 +310,12 @@ class FlamiaFwdSm90:
         hd = cute.assume(H * D, divby=D)
         khd = cute.assume(num_kv_heads * D, divby=D)
         tdt = cute.assume(T_dt, divby=128)
+        # the key side's tokens: T_k with separate keys (cu_k_ptr), else the queries' (both unused)
+        Tk = T_k if cutlass.const_expr(self.cross) else T
         # (token, d, head): d contiguous, so the reduction of S = Q K^T is K-major for both
         mQ = cute.make_tensor(q_ptr, cute.make_layout((T, D, H), stride=(hd, 1, D)))
-        mK = cute.make_tensor(k_ptr, cute.make_layout((T, D, num_kv_heads), stride=(khd, 1, D)))
-        mKt = cute.make_tensor(kt_ptr, cute.make_layout((T, D, num_kv_heads), stride=(khd, 1, D)))
+        mK = cute.make_tensor(k_ptr, cute.make_layout((Tk, D, num_kv_heads), stride=(khd, 1, D)))
+        mKt = cute.make_tensor(kt_ptr, cute.make_layout((Tk, D, num_kv_heads), stride=(khd, 1, D)))
         # V^T (d, column, head): tokens contiguous, K-major for O = P V. Document b starts at
         # column dt_cu_seqlens[b] (a multiple of DT_DOC_ALIGN >= 16: a TMA box on the contiguous axis must start
         # 16-byte aligned); columns between documents and past the last one are zero.
@@ -267,7 +324,7 @@ class FlamiaFwdSm90:
         mVt = cute.make_tensor(vt_ptr, vl)
         mO = cute.make_tensor(o_ptr, cute.make_layout((T, D, H), stride=(hd, 1, D)))
         sl = cute.make_layout((T, H), stride=(1, T))
-        skl = cute.make_layout((T, num_kv_heads), stride=(1, T))
+        skl = cute.make_layout((Tk, num_kv_heads), stride=(1, Tk))
         mSQ = cute.make_tensor(sq_ptr, sl)
         mLSE = cute.make_tensor(lse_ptr, sl)
         mSK = cute.make_tensor(sk_ptr, skl)
@@ -276,6 +333,9 @@ class FlamiaFwdSm90:
         mSVt = cute.make_tensor(svt_ptr, skl)
         mCu = cute.make_tensor(cu_ptr, cute.make_layout(num_docs + 1))
         mSched = cute.make_tensor(sched_ptr, cute.make_layout(1))  # persistent: the tile counter
+        mCuK = None  # separate keys: the key documents (mCu: the query documents)
+        if cutlass.const_expr(self.cross):
+            mCuK = cute.make_tensor(cu_k_ptr, cute.make_layout(num_docs + 1))
 
         K_MAJOR = OperandMajorMode.K
         qk_mma = sm90_utils.make_trivial_tiled_mma(
@@ -347,7 +407,7 @@ class FlamiaFwdSm90:
             qk_mma, pv_mma,
             tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, tma_pad, tPad, tma_kh, tKh,
             mQ, mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched,
-            sQ_layout, sK_layout, sV_layout, scale_log2,
+            sQ_layout, sK_layout, sV_layout, scale_log2, mCuK,
         ).launch(
             # one CTA per (query block, head, document), query block fastest (see kernel()), or
             # grid_x persistent CTAs
@@ -390,6 +450,7 @@ class FlamiaFwdSm90:
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         scale_log2: Float32,
+        mCuK: Optional[cute.Tensor],  # noqa: UP045 - the DSL reads the annotation
     ):
         tidx, _, _ = cute.arch.thread_idx()
         # Query block fastest in the launch order, heaviest (longest causal row) first: the CTAs
@@ -398,11 +459,17 @@ class FlamiaFwdSm90:
         bidx, head, doc = cute.arch.block_idx()
         roles = (
             qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, tma_kh, tKh,
-            mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, scale_log2,
+            mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, scale_log2, mCuK,
         )
         if cutlass.const_expr(self.persistent):
             # tiles come from the scheduler (run_cta's producer warp): no tile of its own
             self.run_cta(roles, Int32(0), Int32(0), Int32(0), Int32(0), Int32(0))
+        elif cutlass.const_expr(self.cross):
+            nblk_x, _, _ = cute.arch.grid_dim()
+            block = nblk_x - 1 - bidx
+            if block < cross_document_tiles(mCu, mCuK, doc, self.causal):
+                m_block, bounds = cross_tile_bounds(mCu, mCuK, doc, block, self.causal)
+                self.run_cta(roles, head, doc, Int32(0), Int32(0), m_block, bounds)
         else:
             nblk_x, _, _ = cute.arch.grid_dim()
             m_block = nblk_x - 1 - bidx
@@ -412,11 +479,12 @@ class FlamiaFwdSm90:
                 self.run_cta(roles, head, doc, doc_start, doc_len, m_block)
 
     @cute.jit
-    def run_cta(self, roles, head, doc, doc_start, doc_len, m_block):
+    def run_cta(self, roles, head, doc, doc_start, doc_len, m_block, bounds=None):
         """Shared memory, pipelines and the warp roles of one CTA: the tile (head, doc, m_block), or
-        when persistent the scheduler's tiles."""
+        when persistent the scheduler's tiles. bounds (separate keys, one CTA per tile): the tile's
+        cross_tile_bounds words (doc_start, doc_len unused)."""
         (qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt, tma_kh, tKh,
-         mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, scale_log2) = roles
+         mO, mLSE, mSQ, mSK, mSV, mSKt, mSVt, mCu, mSched, sQ_layout, sK_layout, sV_layout, scale_log2, mCuK) = roles
         tidx, _, _ = cute.arch.thread_idx()
         kv_head = head // self.group
         smem = cutlass.memory.SmemAllocator()
@@ -454,7 +522,7 @@ class FlamiaFwdSm90:
                 # each document's first chunk (locate_tile) and V^T column, by the producer warpgroup
                 sWarp = storage.sWarp.get_tensor(cute.make_layout((4, 2), stride=(2, 1)))
                 doc_chunk_cumsum(mCu, cute.size(mCu) - 1, sCum, sDt, sWarp, tidx, 128, SCAN_BARRIER, TILE,
-                                 sPair=sPair)
+                                 sPair=sPair, mCuK=mCuK, causal=self.causal)
                 if cutlass.const_expr(lpt_tables is not None):
                     cute.arch.barrier(barrier_id=SCAN_BARRIER, number_of_threads=128)  # sCum complete
                     rank_documents_longest_first(sCum, cute.size(mCu) - 1, *lpt_tables, sWarp, tidx, 128, SCAN_BARRIER)
@@ -468,12 +536,21 @@ class FlamiaFwdSm90:
                             pipe_v, (tma_kh, tKh))
                 if cutlass.const_expr(self.persistent):
                     self.produce_tiles(tma_args, mCu, mSched, mO.shape[2], pipe_t, sSched, sCum, sDt, lpt_tables,
-                                       sPair)
+                                       sPair, mCuK)
+                elif cutlass.const_expr(self.cross):  # K and V from the key document, Q from the tile's rows
+                    self.load_tma(*tma_args, self.tma_states(), head, kv_head, bounds[3], mCuK, doc, None, m_block,
+                                  q_start=bounds[0])
                 else:
                     self.load_tma(*tma_args, self.tma_states(), head, kv_head, doc_start, mCu, doc, None, m_block)
             if warp_idx == 1:
                 s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                if cutlass.const_expr(self.persistent):
+                if cutlass.const_expr(self.persistent and self.cross):
+                    def cross_scales_step(s_state, head, m_block, bounds):
+                        return self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, head // self.group,
+                                                Int32(0), Int32(0), m_block, mSQ, head, bounds=bounds)
+
+                    for_each_published_cross_tile(pipe_t, sSched, s_state, cross_scales_step)
+                elif cutlass.const_expr(self.persistent):
                     def scales_step(s_state, head, doc_start, doc_len, m_block, *pair):
                         return self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, head // self.group,
                                                 doc_start, doc_len, m_block, mSQ, head, *pair)
@@ -481,12 +558,12 @@ class FlamiaFwdSm90:
                     for_each_published_tile(pipe_t, sSched, s_state, scales_step, self.short_pairs)
                 else:
                     self.load_scales(mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len, m_block,
-                                     mSQ, head)
+                                     mSQ, head, bounds=bounds)
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.consume(
                 qk_mma, pv_mma, sQ, sK, sV, sScale, pipe_q, pipe_k, pipe_v, pipe_s,
-                mO, mLSE, scale_log2, head, doc_start, doc_len, m_block, wg_idx - 1, pipe_t, sSched,
+                mO, mLSE, scale_log2, head, doc_start, doc_len, m_block, wg_idx - 1, pipe_t, sSched, bounds,
             )
 
     def tma_states(self):
@@ -498,18 +575,30 @@ class FlamiaFwdSm90:
         )
 
     @cute.jit
-    def produce_tiles(self, tma_args, mCu, mSched, heads, pipe_t, sSched, sCum, sDt, lpt_tables, sPair=None):
+    def produce_tiles(self, tma_args, mCu, mSched, heads, pipe_t, sSched, sCum, sDt, lpt_tables, sPair=None,
+                      mCuK=None):
         """Persistent TMA warp: take tiles (the first by CTA index, then from the global counter
         mSched[0], which the host zeroes per call), publish each with its document's start and length
         to the scale warp and consumers, issue its loads; an end mark (block -1) past the last tile.
         The tile order is locate_tile's (lpt_tables = (sOrder, sLpt): longest_documents, locate_tile
-        over the ranked positions)."""
+        over the ranked positions). mCuK (separate keys): each tile's cross_tile_bounds are published
+        instead, K and V come from the key document and Q from the tile's rows."""
         bidx, _, _ = cute.arch.block_idx()
         num_docs = cute.size(mCu) - 1
         t_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
         total = heads * sCum[num_docs]
         states = self.tma_states()
         t = Int32(bidx)  # the CTA's first tile
+        if cutlass.const_expr(mCuK is not None):
+            while t < total:
+                doc, head, block = tile_at(t, sCum, num_docs, heads, lpt_tables)
+                m_block, bounds = cross_tile_bounds(mCu, mCuK, doc, block, self.causal)
+                t_state = publish_tile(pipe_t, sSched, t_state, m_block, head, doc, bounds)
+                states = self.load_tma(*tma_args, states, head, head // self.group, bounds[3], mCuK, doc, sDt[doc],
+                                       m_block, q_start=bounds[0])
+                t = claim_next_tile(mSched)
+            publish_tile(pipe_t, sSched, t_state, Int32(-1), Int32(0), Int32(0), tuple(Int32(0) for _ in range(5)))
+            return
         while t < total:
             doc, head, m_block = tile_at(t, sCum, num_docs, heads, lpt_tables)
             doc_start, doc_len = document_bounds(mCu, doc)
@@ -532,12 +621,14 @@ class FlamiaFwdSm90:
     def load_tma(
         self, tma_q, tQ, tma_k, tK, tma_v, tV, tma_kt, tKt, tma_vt, tVt,
         sQ, sK, sV, pipe_q, pipe_k, pipe_v, k_half, states, head, kv_head, doc_start, mCu, doc, dt_start, m_block,
-        pair_len=None,
+        pair_len=None, q_start=None,
     ):
         """Warp 0: TMA loads of query block m_block's Q and its key tiles, diagonal first. dt_start:
         the document's first V^T column, or None to sum it from cu_seqlens here. pair_len
         (short_pairs): > 0 when the next document shares the tile: its Q rows and diagonal K rows are
-        the second 64-row boxes (k_half: the 64-row K atom). Returns the (q, k, v) pipeline states."""
+        the second 64-row boxes (k_half: the 64-row K atom). q_start (separate keys: cross_tile's
+        q_base; mCu and doc_start are then the key document's): Q's rows are q_start + 128 m_block ..
+        instead of the key document's. Returns the (q, k, v) pipeline states."""
         D, tn, wm = self.D, TILE, WG_ROWS
         q_state, k_state, v_state = states
         n_tiles = m_block + 1
@@ -545,9 +636,10 @@ class FlamiaFwdSm90:
         # token-major (the token is the outer, strided TMA coordinate: any start is fine); V^T's
         # token axis is the contiguous one, so its tiles start at the document's 16-aligned
         # column dt_start. The diagonal V tile may run past the document into zero pad, the next
-        # document's columns, or past T_dt (TMA zero fill): always finite, and P = 0 there
-        # (masked score and zero V scale), so it adds exactly 0.
-        tQs, tQg = document_tiles(tma_q, tQ, head, sQ, (wm, D), doc_start, 0)
+        # document's columns, or past T_dt (TMA zero fill): always finite (a non-finite input's codes
+        # are 0, its NaN is in its scale: quant.quantize_with_scale), and P = 0 there (masked score
+        # and zero V scale), so it adds exactly 0.
+        tQs, tQg = document_tiles(tma_q, tQ, head, sQ, (wm, D), doc_start if q_start is None else q_start, 0)
 
         def k_part(atom, t):
             return document_tiles(atom, t, kv_head, sK, (tn, D), doc_start, 0)
@@ -579,7 +671,7 @@ class FlamiaFwdSm90:
         # diagonal K tile first: from the per-token copy when the recipe has block scales (mask.py)
         tKs, tKg = k_part(tma_k, tK)
         tma_kd, tKds, tKdg = tma_k, tKs, tKg
-        if cutlass.const_expr(self.diag_copy):
+        if cutlass.const_expr(self.diag_first):
             tKds, tKdg = k_part(tma_kt, tKt)
             tma_kd = tma_kt
         pipe_k.producer_acquire(k_state)
@@ -599,7 +691,7 @@ class FlamiaFwdSm90:
 
         tVs, tVg = v_part(tma_v, tV, dt_start)
         pipe_v.producer_acquire(v_state)
-        if cutlass.const_expr(self.diag_copy):
+        if cutlass.const_expr(self.diag_first):
             tVts, tVtg = v_part(tma_vt, tVt, dt_start)
             cute.copy(tma_vt, tVtg[None, m_block], tVts[None, v_state.index], tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
         else:
@@ -631,22 +723,29 @@ class FlamiaFwdSm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def load_scales(self, mSK, mSV, mSKt, mSVt, sScale, pipe_s, s_state, kv_head, doc_start, doc_len, m_block,
-                    mSQ, head, pair_len=None):
+                    mSQ, head, pair_len=None, bounds=None):
         """Warp 1: the K and V scales of each key tile of query block m_block into shared memory (0
         past the document end), and the block's per-row Q scales into the diagonal (first) step's
         stage (1 past the end). pair_len (short_pairs): rows and keys 64..127 of a paired tile are the
-        second document's. Returns the pipeline state."""
+        second document's. bounds (separate keys): the tile's cross_tile_bounds (doc_start and doc_len
+        unused). Returns the pipeline state."""
         # the bounds of the block's second half (rows / keys 64..127): a short pair's second document
         # as if it started 64 tokens before its start, else the tile's own document
         hi_bounds = (doc_start, doc_len)
         if cutlass.const_expr(pair_len is not None):
             hi_bounds = short_pair_bounds(doc_start, doc_len, pair_len)
+        if cutlass.const_expr(bounds is not None):
+            doc_start, doc_len = bounds[3], bounds[4]  # the key document's (the query side: bounds[:3])
         for i in cutlass.range(m_block + 1, unroll=1):
             n = m_block - i
             pipe_s.producer_acquire(s_state)
             if i == 0:
-                self.stage_diagonal(mSK, mSV, mSKt, mSVt, mSQ, sScale, s_state, kv_head, head, doc_start,
-                                    doc_len, hi_bounds, m_block)
+                if cutlass.const_expr(bounds is not None):
+                    self.stage_cross_diagonal(mSK, mSV, mSKt, mSVt, mSQ, sScale, s_state, kv_head, head, bounds,
+                                              m_block)
+                else:
+                    self.stage_diagonal(mSK, mSV, mSKt, mSVt, mSQ, sScale, s_state, kv_head, head, doc_start,
+                                        doc_len, hi_bounds, m_block, pair_len)
             else:  # off-diagonal steps: the tile's own document only
                 self.stage_key_scales(mSK, mSV, mSKt, mSVt, sScale, s_state, i, n, kv_head, doc_start, doc_len)
             pipe_s.producer_commit(s_state)  # every lane arrives: releases its own stores
@@ -673,16 +772,21 @@ class FlamiaFwdSm90:
 
     @cute.jit
     def stage_diagonal(self, mSK, mSV, mSKt, mSVt, mSQ, sScale, s_state, kv_head, head, doc_start, doc_len,
-                       hi_bounds, m_block):
+                       hi_bounds, m_block, pair_len=None):
         """The diagonal step's Q, K and V scales, each half's from its own document (hi_bounds: the
         second half's, a short pair's second document or the tile's own): one global round trip per
         half, a runtime loop (unrolled, a pair's second document's bases spill in the producers' 24
-        registers). The consumers wait for this step first, so its round trips are on every tile's path."""
+        registers). The consumers wait for this step first, so its round trips are on every tile's path.
+        A paired step's second half goes 64 rows further in the V scales, and 0 where it was
+        (scale_rows): [first document, 0, second document]."""
         for h in cutlass.range(2, unroll=1):
             start = select(h == 0, doc_start, hi_bounds[0])
             length = select(h == 0, doc_len, hi_bounds[1])
             loaded = self.diagonal_half_scales(mSK, mSV, mSKt, mSVt, mSQ, kv_head, head, start, length, m_block, h)
-            self.store_diagonal_scales(sScale, s_state, loaded)
+            v_shift = None
+            if cutlass.const_expr(pair_len is not None):
+                v_shift = select((h == 1) & (pair_len > 0), Int32(WG_ROWS), Int32(0))
+            self.store_diagonal_scales(sScale, s_state, loaded, v_shift)
 
     @cute.jit
     def diagonal_half_scales(self, mSK, mSV, mSKt, mSVt, mSQ, kv_head, head, start, length, m_block, h):
@@ -701,21 +805,48 @@ class FlamiaFwdSm90:
         return loaded
 
     @cute.jit
-    def store_diagonal_scales(self, sScale, s_state, loaded):
+    def stage_cross_diagonal(self, mSK, mSV, mSKt, mSVt, mSQ, sScale, s_state, kv_head, head, bounds, m_block):
+        """stage_diagonal of a separate-keys tile: the Q scales of rows q_base + 128 m_block + r stored
+        when q_lo <= 128 m_block + r < q_hi (else 1), the K and V scales of key tile m_block of the key
+        document (per-token copies when diag_first)."""
+        tn = TILE
+        q_base, q_lo, q_hi, k_start, k_len = bounds
+        lane = cute.arch.lane_idx()
+        for h in cutlass.range(2, unroll=1):
+            loaded = []
+            for cc in cutlass.range_constexpr(2):
+                key = lane + 32 * cc + (tn // 2) * h
+                row = m_block * tn + key  # the tile coordinate of this row and of this key
+                sq = Float32(1.0)  # rows outside the document's queries: any finite positive scale (never stored)
+                if row >= q_lo:
+                    if row < q_hi:
+                        sq = mSQ[q_base + row, head]
+                sk, sv = step_key_scales(mSK, mSV, mSKt, mSVt, self.diag_first, 0, row, kv_head, k_start, k_len)
+                loaded.append((key, sq, sk, sv))
+            self.store_diagonal_scales(sScale, s_state, loaded)
+
+    @cute.jit
+    def store_diagonal_scales(self, sScale, s_state, loaded, v_shift=None):
         tn = TILE
         for key, sq, sk, sv in loaded:
-            sScale[2 * tn + key, s_state.index] = sq
+            sScale[self.q_row0 + key, s_state.index] = sq
             sScale[key, s_state.index] = sk
-            sScale[tn + key, s_state.index] = sv
+            if cutlass.const_expr(v_shift is not None):
+                # (v_shift 0: both stores hit one word, in program order: sv stays)
+                sScale[tn + key, s_state.index] = select(v_shift > 0, Float32(0.0), sv)
+                sScale[tn + key + v_shift, s_state.index] = sv
+            else:
+                sScale[tn + key, s_state.index] = sv
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def consume(
         self, qk_mma, pv_mma, sQ, sK, sV, sScale, pipe_q, pipe_k, pipe_v, pipe_s,
-        mO, mLSE, scale_log2, head, doc_start, doc_len, m_block, wg, pipe_t, sSched,
+        mO, mLSE, scale_log2, head, doc_start, doc_len, m_block, wg, pipe_t, sSched, bounds=None,
     ):
         """The consumer warpgroups: one tile (head, doc, m_block), or when persistent every tile
-        the producer warp publishes in sSched until its end mark (the arguments are then unused)."""
+        the producer warp publishes in sSched until its end mark (the arguments are then unused).
+        bounds: a separate-keys tile's cross_tile_bounds (one CTA per tile)."""
         tn, wm = TILE, WG_ROWS
         tidx, _, _ = cute.arch.thread_idx()
         ctid = tidx % 128
@@ -751,7 +882,7 @@ class FlamiaFwdSm90:
         if cutlass.const_expr(not self.persistent):
             self.consume_tile(
                 frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, pipes, states, mO, mLSE, scale_log2,
-                head, doc_start, doc_len, m_block, wg,
+                head, doc_start, doc_len, m_block, wg, bounds=bounds,
             )
         else:
             # the ping-pong turns run on across tiles: started and ended once. Per tile they raced: a
@@ -768,22 +899,37 @@ class FlamiaFwdSm90:
                 )
                 return states
 
-            for_each_published_tile(pipe_t, sSched, states, consume_step, self.short_pairs)
+            def consume_cross_step(states, head, m_block, bounds):
+                states, _, _ = self.consume_tile(
+                    frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, pipes, states, mO, mLSE, scale_log2,
+                    head, Int32(0), Int32(0), m_block, wg, bounds=bounds,
+                )
+                return states
+
+            if cutlass.const_expr(self.cross):
+                for_each_published_cross_tile(pipe_t, sSched, states, consume_cross_step)
+            else:
+                for_each_published_tile(pipe_t, sSched, states, consume_step, self.short_pairs)
             if cutlass.const_expr(self.pingpong):
                 self.pingpong_end(wg)
 
     @cute.jit
     def consume_tile(
         self, frags, rowst, row_in_blk, qk_mma, pv_mma, sScale, pipes, states, mO, mLSE, scale_log2,
-        head, doc_start, doc_len, m_block, wg, pair_len=None,
+        head, doc_start, doc_len, m_block, wg, pair_len=None, bounds=None,
     ):
         """Query block m_block of one (document, head): the key tiles from the diagonal down, then the
         epilogue. Returns the pipeline states and MMA atoms (loop-carried when persistent).
         pair_len (short_pairs) > 0: warpgroup 1's rows are the next document's (short_pair_bounds), and it
-        masks the first document's keys 0..63."""
+        masks the first document's keys 0..63. bounds (separate keys): cross_tile's (q_base, q_lo, q_hi,
+        k_start, k_len); doc_start and doc_len are unused: the keys end at k_len (the masks), tile row
+        128 m_block + r is query row q_base + that, stored when q_lo <= it < q_hi."""
         pipe_q, pipe_k, pipe_v, pipe_s = pipes
         q_state, k_state, v_state, s_state = states
         n_tiles = m_block + 1  # key tiles 0..m_block; tiles past the diagonal are skipped
+        row_lo = None  # separate keys: the first tile coordinate stored
+        if cutlass.const_expr(bounds is not None):
+            doc_len = bounds[4]  # the masks' key end, until the epilogue
         key_lo = None  # the diagonal tile's first visible key column
         if cutlass.const_expr(pair_len is not None):
             key_lo = Int32(0)
@@ -840,9 +986,11 @@ class FlamiaFwdSm90:
             self.pingpong_end(wg)
 
         # ---- epilogue: O = acc * (r/256) / l (bf16), LSE = ln2 * (m + log2 l)
+        if cutlass.const_expr(bounds is not None):
+            doc_start, row_lo, doc_len = bounds[0], bounds[1], bounds[2]  # the query side
         for v1 in cutlass.range_constexpr(2):
-            f = self.row_final(v1, rowst, row_in_blk, mLSE, head, doc_start, doc_len)
-            self.store_o_row(v1, f, acc_o, row_in_blk[v1], mO, head, doc_start, doc_len)
+            f = self.row_final(v1, rowst, row_in_blk, mLSE, head, doc_start, doc_len, row_lo)
+            self.store_o_row(v1, f, acc_o, row_in_blk[v1], mO, head, doc_start, doc_len, row_lo)
         return (q_state, k_state, v_state, s_state), qk_mma, pv_mma
 
     @cute.jit
@@ -858,23 +1006,30 @@ class FlamiaFwdSm90:
             r_run[v1] = Float32(0.0)  # no kept tile yet (see softmax: the fold reference)
 
     @cute.jit
-    def row_final(self, v1, rowst, row_in_blk, mLSE, head, doc_start, doc_len):
-        """Row v1's LSE = ln2 * (m + log2 l), stored; returns O's factor r / 256 / l (0 for an empty row)."""
+    def row_final(self, v1, rowst, row_in_blk, mLSE, head, doc_start, doc_len, row_lo=None):
+        """Row v1's LSE = ln2 * (m + log2 l), stored (rows < doc_len, and >= row_lo when given); returns
+        O's factor r / 256 / l (0 for an empty row)."""
         rs, m_run, l_run, r_run, c_pend = rowst
         l_tot = quad_sum(l_run[v1])
         f = Float32(0.0)
         lse = -Float32.inf
-        if l_tot > Float32(0.0):
+        if not (l_tot <= Float32(0.0)):  # a NaN sum (a non-finite input's row) gives NaN O and LSE
             f = (abs(r_run[v1]) / Float32(P_SCALE)) / l_tot
             lse = row_lse(m_run[v1], l_tot)
         row = row_in_blk[v1]
-        if row < doc_len:
-            if cute.arch.lane_idx() % 4 == 0:
-                mLSE[doc_start + row, head] = lse
+        if cutlass.const_expr(row_lo is not None):
+            if row >= row_lo:
+                if row < doc_len:
+                    if cute.arch.lane_idx() % 4 == 0:
+                        mLSE[doc_start + row, head] = lse
+        else:
+            if row < doc_len:
+                if cute.arch.lane_idx() % 4 == 0:
+                    mLSE[doc_start + row, head] = lse
         return f
 
     @cute.jit
-    def store_o_row(self, v1, f, acc_o, row, mO, head, doc_start, doc_len):
+    def store_o_row(self, v1, f, acc_o, row, mO, head, doc_start, doc_len, row_lo=None):
         """Row v1 of O = acc_o * f in bf16. Lane t of a quad holds columns 8j + 2t, +1 (one bf16x2 word
         per j). Four consecutive j are transposed across the quad so lane t owns the 16 contiguous
         bytes at column 32G + 8t: one st.global.v4 instead of eight 2-byte stores. Every lane
@@ -898,8 +1053,13 @@ class FlamiaFwdSm90:
                 for jj in range(4)
             ]
             ow = quad_transpose4(w, odd_lane, hi_lane, shfl_xor, sel)
-            if row < doc_len:
-                st_global_v4(row_addr + 64 * G, ow)
+            if cutlass.const_expr(row_lo is not None):  # separate keys: rows from row_lo on
+                if row >= row_lo:
+                    if row < doc_len:
+                        st_global_v4(row_addr + 64 * G, ow)
+            else:
+                if row < doc_len:
+                    st_global_v4(row_addr + 64 * G, ow)
     # ------------------------------------------------------------------------------------------
     # Tile phases. Both schedules run the same phases on the same data; only the order of
     # independent work differs, so P, the row statistics and O are the same numbers.
@@ -932,7 +1092,8 @@ class FlamiaFwdSm90:
         an all-zero V tile (scale 2^-126) would make 256 / r and r_prev / r overflow.
         diag: the diagonal tile (first), the only one with a mask and the one whose stage holds the
         block's Q scales; key_lo (short_pairs): its columns below key_lo are masked too (the other
-        document's keys). The caller waits for and releases the scale stage s_state.
+        document's keys), and its V scales start key_lo rows later (scale_rows: the other document's
+        are 0 there). The caller waits for and releases the scale stage s_state.
         """
         tn, wm = TILE, WG_ROWS
         tSrQ, tSrK, tOrV, acc_s, acc_t, acc_o, tOrP, tOrP32, tScS = frags
@@ -944,9 +1105,14 @@ class FlamiaFwdSm90:
         uniform = cutlass.const_expr((not diag) and self.diag_copy)
         if cutlass.const_expr(diag):
             for v1 in cutlass.range_constexpr(2):  # the block's Q scales, staged by the scale warp
-                rs[v1] = rs[v1] * sScale[2 * tn + wg * wm + tScS[2 * v1][0], s_state.index]
+                rs[v1] = rs[v1] * sScale[self.q_row0 + wg * wm + tScS[2 * v1][0], s_state.index]
         sk_t = sScale[0, s_state.index]
         w_t = sScale[tn, s_state.index]
+        # this warpgroup's V scales: a paired second document reads 64 rows on (scale_rows), where the
+        # first document's keys have scale 0
+        v_base = tn
+        if cutlass.const_expr(diag and key_lo is not None):
+            v_base = tn + key_lo
         # Both rows of the thread in one pass over its columns: each column's scales are loaded
         # once and are dead right after (no 32 x 2 scale registers kept between passes; that
         # matters while a P V accumulator is in flight). Max is exact, so its order is free;
@@ -961,14 +1127,14 @@ class FlamiaFwdSm90:
                         row_s[v1].append(acc_s[v0 + 2 * v1 + 4 * v2])
                 else:
                     sk = sScale[col, s_state.index]
-                    sw = sScale[tn + col, s_state.index]
+                    sw = sScale[v_base + col, s_state.index]
                     for v1 in cutlass.range_constexpr(2):
                         a = v0 + 2 * v1 + 4 * v2
                         s = acc_s[a] * sk
                         w = sw
                         if cutlass.const_expr(diag):  # the leakage-safe mask (mask.py): score -inf, V scale 0
                             s, w = hide_invisible((s, w), (-Float32.inf, Float32(0.0)), col, tScS[a][0] + wg * wm,
-                                                  lim, key_lo)
+                                                  lim, key_lo, self.causal)
                         acc_s[a] = s
                         row_s[v1].append(s)
                         row_w[v1].append(w)
@@ -987,8 +1153,8 @@ class FlamiaFwdSm90:
                 rsv[v1] = rs[v1] * sk_t
             else:
                 r = wmax[v1]
-            # rsv > 0, so max(s) * rsv == max(s * rsv) exactly
-            m_new, ms, alpha = online_max(m_run[v1], tm * rsv[v1])
+            # rsv > 0: max(s) * rsv rounded up is at least every s * rsv (P <= 1 at any magnitude)
+            m_new, ms, alpha = online_max(m_run[v1], row_max_up(tm, rsv[v1]))
             m_safe[v1] = ms
             # running output: softmax correction times the fold change r_prev / r (exact)
             c, inv_r, r_new = fold_reference(r_run[v1], r, alpha)
@@ -1001,13 +1167,13 @@ class FlamiaFwdSm90:
         # uniform tiles: P * 256 = exp2(x + 8) saves a multiply per element (P_SCALE = 2^8)
         m_off = [m_safe[0], m_safe[1]]
         if cutlass.const_expr(uniform):
-            m_off = [m_safe[0] - Float32(P_SCALE_LOG2), m_safe[1] - Float32(P_SCALE_LOG2)]
+            m_off = [offset_up(m_safe[0], P_SCALE_LOG2), offset_up(m_safe[1], P_SCALE_LOG2)]
         for v2 in cutlass.range_constexpr(n_acc_s // 4):
             for v0 in cutlass.range_constexpr(2):
                 col = tScS[v0 + 4 * v2][1]
                 sw = w_t
                 if cutlass.const_expr(not uniform):
-                    sw = sScale[tn + col, s_state.index]
+                    sw = sScale[v_base + col, s_state.index]
                 for v1 in cutlass.range_constexpr(2):
                     a = v0 + 2 * v1 + 4 * v2
                     p = cute.math.exp2(acc_s[a] * rsv[v1] - m_off[v1], fastmath=True)
@@ -1193,6 +1359,7 @@ ARG_KINDS = (
     _F8, _F32, _F8, _F32, _F8, _F32, _F8, _F32, _F8, _F32,  # q, sq, k, sk, v, sv, k_tok, sk_tok, v_tok, sv_tok
     _I32, _BF16, _F32, _I32,  # cu_seqlens, out, lse, tile counter (persistent; else any int32 pointer)
     ("i32",), ("i32",), ("i32",), ("i32",), ("i32",), ("f32",),  # T, T_dt, Hk, num_docs, grid_x, scale
+    _I32, ("i32",),  # cu_seqlens_k and the key tokens T_k (separate keys; else unused)
     ("stream",),
 )
 
@@ -1234,7 +1401,7 @@ def kernel_artifacts(config: FwdConfig, arch: str = "sm_90a", tvm_ffi: bool = Fa
 def flamia_fwd_sm90(
     q_td, sq, k_td, sk, v_dt, sv, k_tok_td, sk_tok, v_tok_dt, sv_tok,
     cu_seqlens, max_seqlen: int, softmax_scale: float, config: FwdConfig, poison_outputs: bool = False,
-    dt_cu_seqlens=None,
+    dt_cu_seqlens=None, cu_seqlens_k=None,
 ):
     """Causal FP8 attention forward on the current stream; returns (out bf16 (T,H,D), lse fp32 (H,T)).
 
@@ -1250,10 +1417,19 @@ def flamia_fwd_sm90(
     column in v_dt (quant.dt_cu_seqlens(cu_seqlens)) from cu_seqlens itself.
     Host cost: one kernel launch, two allocations, no torch ops on cu_seqlens when it is already
     int32 on the device; the launch goes through TVM-FFI when apache-tvm-ffi is installed.
+    config.separate_keys (cross_length, or causal=False): cu_seqlens holds the query documents
+    (max_seqlen their longest) and cu_seqlens_k the key documents (as many), K, V and their scales
+    have T_k = cu_seqlens_k[-1] tokens and v_dt transposed_tokens(T_k, num_docs) columns.
     """
     T, H, D = q_td.shape
     Hk = k_td.shape[1]
     num_docs = cu_seqlens.numel() - 1
+    if config.separate_keys != (cu_seqlens_k is not None):
+        raise ValueError("cu_seqlens_k: needed exactly when config.separate_keys (cross_length or causal=False)")
+    if cu_seqlens_k is not None and cu_seqlens_k.shape != cu_seqlens.shape:
+        raise ValueError(f"cu_seqlens_k must have as many documents as cu_seqlens ({num_docs}), got "
+                         f"{cu_seqlens_k.numel() - 1}")
+    Tk = k_td.shape[0] if config.separate_keys else T
     if config.persistent and num_docs > PERSISTENT_MAX_DOCS:
         config = per_tile_fallback(config)  # the chunk table would not fit in shared memory
     if D != config.head_dim or H != Hk * config.qhead_per_kvhead:
@@ -1264,37 +1440,46 @@ def flamia_fwd_sm90(
         k_tok_td, sk_tok, v_tok_dt, sv_tok = k_td, sk, v_dt, sv
     f8 = torch.float8_e4m3fn
     T_dt = v_dt.shape[2]
-    checks = [("q_td", q_td, (T, H, D), f8), ("k_td", k_td, (T, Hk, D), f8), ("v_dt", v_dt, (Hk, D, T_dt), f8),
-              ("sq", sq, (H, T), torch.float32), ("sk", sk, (Hk, T), torch.float32), ("sv", sv, (Hk, T), torch.float32)]
+    checks = [("q_td", q_td, (T, H, D), f8), ("k_td", k_td, (Tk, Hk, D), f8), ("v_dt", v_dt, (Hk, D, T_dt), f8),
+              ("sq", sq, (H, T), torch.float32), ("sk", sk, (Hk, Tk), torch.float32),
+              ("sv", sv, (Hk, Tk), torch.float32)]
     if k_tok_td is not k_td:
-        checks += [("k_tok_td", k_tok_td, (T, Hk, D), f8), ("v_tok_dt", v_tok_dt, (Hk, D, T_dt), f8),
-                   ("sk_tok", sk_tok, (Hk, T), torch.float32), ("sv_tok", sv_tok, (Hk, T), torch.float32)]
+        checks += [("k_tok_td", k_tok_td, (Tk, Hk, D), f8), ("v_tok_dt", v_tok_dt, (Hk, D, T_dt), f8),
+                   ("sk_tok", sk_tok, (Hk, Tk), torch.float32), ("sv_tok", sv_tok, (Hk, Tk), torch.float32)]
     dev = q_td.device
     check_kernel_tensors(checks, dev)
-    if T_dt != transposed_tokens(T, num_docs):
-        raise ValueError(f"v_dt's token dim must be transposed_tokens(T, num_docs) = "
-                         f"{transposed_tokens(T, num_docs)}, got {T_dt}")
+    if T_dt != transposed_tokens(Tk, num_docs):
+        raise ValueError(f"v_dt's token dim must be transposed_tokens({'T_k' if config.separate_keys else 'T'}, "
+                         f"num_docs) = {transposed_tokens(Tk, num_docs)}, got {T_dt}")
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
     if dt_cu_seqlens is not None and dt_cu_seqlens.shape != cu_seqlens.shape:
         raise ValueError(f"dt_cu_seqlens must have num_docs + 1 = {cu_seqlens.numel()} entries, "
                          f"got {tuple(dt_cu_seqlens.shape)}")
     cu = int32_cu_seqlens(cu_seqlens, dev)
+    cu_k = int32_cu_seqlens(cu_seqlens_k, dev) if config.separate_keys else cu
     out = torch.empty(T, H, D, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(H, T, dtype=torch.float32, device=dev)
     if poison_outputs:
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
     max_m_blocks = (int(max_seqlen) + TILE - 1) // TILE
+    # causal cross-length tiles are 128-position blocks of the key axis: one more than the queries' own
+    extra_tile = int(config.separate_keys and config.causal)
     if T == 0 or num_docs == 0 or max_m_blocks == 0:
+        return out, lse
+    if Tk == 0:  # no document has a key (no TMA tensor of 0 tokens): every query sees none
+        out.zero_()
+        lse.fill_(float("-inf"))
         return out, lse
     if H > 65535 or num_docs > 65535:
         raise ValueError(f"grid too large: {H} query heads of q or {num_docs} documents of cu_seqlens "
                          "(at most 65535 each)")
     sched_ptr = cu.data_ptr()  # unused unless persistent
-    grid_x = max_m_blocks
+    grid_x = max_m_blocks + extra_tile
     if config.persistent:
-        grid_x = min(sm_count(dev), H * min(max_chunks(T, num_docs), num_docs * max_m_blocks))
+        tiles = min(max_chunks(T, num_docs) + extra_tile * num_docs, num_docs * (max_m_blocks + extra_tile))
+        grid_x = min(sm_count(dev), H * tiles)
         # the tile counter starts at 0 every call (one per call: no state shared between streams)
         counter = torch.zeros(1, dtype=torch.int32, device=dev)
         sched_ptr = counter.data_ptr()
@@ -1302,6 +1487,7 @@ def flamia_fwd_sm90(
         get_launcher(config), dev,
         q_td.data_ptr(), sq.data_ptr(), k_td.data_ptr(), sk.data_ptr(), v_dt.data_ptr(), sv.data_ptr(),
         k_tok_td.data_ptr(), sk_tok.data_ptr(), v_tok_dt.data_ptr(), sv_tok.data_ptr(), cu.data_ptr(),
-        out.data_ptr(), lse.data_ptr(), sched_ptr, T, T_dt, Hk, num_docs, grid_x, float(softmax_scale * LOG2E),
+        out.data_ptr(), lse.data_ptr(), sched_ptr, T, T_dt, Hk, num_docs, grid_x, scale_log2_f32(softmax_scale),
+        cu_k.data_ptr(), Tk,
     )
     return out, lse

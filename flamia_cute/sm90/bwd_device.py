@@ -12,7 +12,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int64, Uint32
 
-from ..softmax import LOG2E
+from ..softmax import lse_log2_up
 from .primitives import cvt_bf16x2, ptx, quad_transpose4, st_global_v4
 
 
@@ -57,19 +57,24 @@ def fence_proxy_async_global():
 
 
 @cute.jit
-def store_query_vectors(sVec, col, st, q, doc_start, doc_len, hq, mSQ, mLSE, mDelta, mSdO, scale_log2):
+def store_query_vectors(sVec, col, st, q, doc_start, doc_len, hq, mSQ, mLSE, mDelta, mSdO, scale_log2, q_lo=None):
     """Column `col` of a query tile's vectors in stage st of sVec (query q of the document, head hq):
-    0 sq * softmax_scale * log2e, 1 lse * log2e (+inf past the document end: P = 0 there), 2 D =
-    rowsum(dO * O), 3 the dO scale (0 past the end), 4 sq. Returns the dO scale."""
+    0 sq * softmax_scale * log2e, 1 lse * log2e rounded up (softmax.lse_log2_up: P <= 1 at any
+    magnitude; +inf past the document end: P = 0 there), 2 D = rowsum(dO * O), 3 the dO scale (0 past
+    the end), 4 sq. Returns the dO scale. q_lo (separate keys): rows below it are no query either (the
+    tile's rows before the document's first query)."""
     a_ = Float32(0.0)
     b_ = Float32.inf
     d_ = Float32(0.0)
     w_ = Float32(0.0)
     s_ = Float32(0.0)
-    if q < doc_len:
+    valid = q < doc_len
+    if cutlass.const_expr(q_lo is not None):
+        valid = valid & (q >= q_lo)
+    if valid:
         s_ = mSQ[doc_start + q, hq]
         a_ = s_ * scale_log2
-        b_ = mLSE[doc_start + q, hq] * Float32(LOG2E)
+        b_ = lse_log2_up(mLSE[doc_start + q, hq])
         d_ = mDelta[doc_start + q, hq]
         w_ = mSdO[doc_start + q, hq]
     sVec[col, 0, st] = a_
@@ -83,7 +88,11 @@ def store_query_vectors(sVec, col, st, q, doc_start, doc_len, hq, mSQ, mLSE, mDe
 @cute.jit
 def load_row_scales(rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, key0):
     """rsc = (sk(row 0), sk(row 1), sv(row 0), sv(row 1)) of this thread's key rows krow of the block
-    starting at key0 (0 past the document end)."""
+    starting at key0 (0 past the document end, and 0 for a NaN scale). A NaN scale marks a K or V block
+    holding a non-finite input (its codes are 0): as a factor it would turn the exact zeros of other
+    documents' queries in the tile (P = 0, sdo = D = 0) into NaN, which the dQ reduce-add carries into
+    their rows. The key's own gradients get the NaN from the forward instead: every query that sees
+    the key has a NaN LSE (a non-finite K) or a NaN O, hence D (a non-finite V)."""
     for v1 in cutlass.range_constexpr(2):
         key = key0 + krow[v1]
         sk = Float32(0.0)
@@ -91,8 +100,8 @@ def load_row_scales(rsc, krow, mSK, mSV, kv_head, doc_start, doc_len, key0):
         if key < doc_len:
             sk = mSK[doc_start + key, kv_head]
             sv = mSV[doc_start + key, kv_head]
-        rsc[v1] = sk
-        rsc[2 + v1] = sv
+        rsc[v1] = cute.arch.fmax(sk, Float32(0.0))  # max drops a NaN: 0
+        rsc[2 + v1] = cute.arch.fmax(sv, Float32(0.0))
 
 
 @cute.jit
@@ -129,10 +138,11 @@ def store_key_rows_bf16(mdX, pair, krow, key0, doc_start, doc_len, kv_head, D: c
 
 
 @cute.jit
-def add_dq_tile(mdQ, acc, tScQ, q0, d0, doc_start, doc_len, hq, D: cutlass.Constexpr, row_scale):
+def add_dq_tile(mdQ, acc, tScQ, q0, d0, doc_start, doc_len, hq, D: cutlass.Constexpr, row_scale, q_lo=None):
     """red.global.add.v2.f32 of an m64nN query-row accumulator into the fp32 dQ accumulator
     (T, H, D): tScQ gives each value's (query row, column); the row's query is q0 + row, its
-    columns start at d0; row_scale(row) multiplies the row (the dS scale and softmax_scale)."""
+    columns start at d0; row_scale(row) multiplies the row (the dS scale and softmax_scale).
+    Rows at or past doc_len, and below q_lo when given (separate keys), are not added."""
     base = mdQ.iterator.toint()
     row_stride = mdQ.stride[0]  # H * D
     n_acc = cute.size(acc)
@@ -140,7 +150,10 @@ def add_dq_tile(mdQ, acc, tScQ, q0, d0, doc_start, doc_len, hq, D: cutlass.Const
         qr = tScQ[2 * v1][0]
         f = row_scale(qr)
         q = q0 + qr
-        if q < doc_len:
+        valid = q < doc_len
+        if cutlass.const_expr(q_lo is not None):
+            valid = valid & (q >= q_lo)
+        if valid:
             row_addr = base + (Int64(doc_start + q) * Int64(row_stride) + Int64(hq * D + d0)) * 4
             for j in cutlass.range_constexpr(n_acc // 4):
                 a = 2 * v1 + 4 * j

@@ -16,7 +16,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Int32, Uint32
+from cutlass import Float32, Int32, Uint32
 
 from ..compile_cache import compile_entry, launch_on_device
 from ..validation import check_kernel_tensors
@@ -80,7 +80,9 @@ class E4m3CodesToBf16Sm90:
             if cutlass.const_expr(self.cfg.row_scale):
                 row = i // chunks_per_row
                 token = row // heads
-                s = scale[(row - token * heads) * tokens + token]
+                # a NaN scale (a non-finite input's block) gives zeros: this copy is an MMA operand,
+                # where a NaN would meet masked zeros of other documents (max drops the NaN)
+                s = cute.arch.fmax(scale[(row - token * heads) * tokens + token], Float32(0.0))
             for w in cutlass.range_constexpr(words):
                 out[2 * w] = e4m3x2_to_bf16x2(codes[w], False, s)
                 out[2 * w + 1] = e4m3x2_to_bf16x2(codes[w], True, s)
@@ -107,7 +109,8 @@ def e4m3_codes_to_bf16(codes: torch.Tensor, scale: torch.Tensor | None = None,
     `codes` must be a contiguous float8_e4m3fn CUDA tensor, 16-byte aligned, of a multiple of 16
     elements (every THD operand at head dim 64 or 128 is). scale: (H, T) fp32 for THD codes
     (T, H, D) with D a multiple of 16: each (token, head) row times its scale (exact when the scales
-    are powers of two, as the recipes' are: quant.formats.pow2_scale_from_amax). out: a contiguous
+    are powers of two, as the recipes' are: quant.formats.pow2_scale_from_amax), a row with a NaN
+    scale as zeros (a non-finite input's block: its codes are 0 too). out: a contiguous
     bf16 tensor of codes' shape on its device to write (allocated here when None)."""
     from ..compile_cache import compile_launcher, target_arch
 

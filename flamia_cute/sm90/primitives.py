@@ -15,13 +15,17 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import arith, llvm
 
+from ..quant import formats as _formats
 from ..quant import quantize as _quant_layout
+from ..quant.formats import SCALE_EXP_MAX, SCALE_EXP_MIN
 from ..schedules import varlen_tiles as _tiles
 
 # What every kernel's compile-cache key hashes besides its own file: these helpers, the quant
 # layout module whose constants (DT_DOC_ALIGN, TOKEN_PAD) are baked into the kernels at trace time,
-# and the tile rules (SHORT_PAIR_ROWS, read by flamia_cute.varlen and tile_scheduler).
-SHARED_SOURCE_FILES = (Path(__file__).resolve(), Path(_quant_layout.__file__).resolve(), Path(_tiles.__file__).resolve())
+# the scale rule's exponent range (quant.formats), and the tile rules (SHORT_PAIR_ROWS, read by
+# flamia_cute.varlen and tile_scheduler).
+SHARED_SOURCE_FILES = (Path(__file__).resolve(), Path(_quant_layout.__file__).resolve(), Path(_formats.__file__).resolve(),
+                       Path(_tiles.__file__).resolve())
 
 
 def ptx(text: str, constraints: str, operands, result=Uint32, side_effects: bool = False):
@@ -216,6 +220,12 @@ def select(cond, a, b):
     return type(a)(cutlass.select_(cond, a, b))
 
 
+def select_i32(cond, a, b):
+    """select of two integers as Int32 (either may be a Python int): the `select` that the plain
+    integer math of schedules.varlen_tiles takes while tracing."""
+    return Int32(cutlass.select_(cond, Int32(a), Int32(b)))
+
+
 def bf16_abs_max_bits(words, lanes: int):
     """|x| max of the bf16 pairs in `words` (u32 each) over a group of `lanes` consecutive lanes
     (a power of two; butterfly), as fp32 bits. Integer max on the |x| bits: NaN > inf > finite."""
@@ -229,22 +239,36 @@ def bf16_abs_max_bits(words, lanes: int):
     return a
 
 
-def pow2_scale_bits(amax_bits):
-    """(scale bits, 1/scale bits) from |x| amax bits: quant.formats.pow2_scale_from_amax_bits for e4m3.
+NAN_SCALE_BITS = 0x7FC00000  # the scale of a block holding a non-finite value (pow2_scale_bits)
 
-    1/scale is exact: k <= 120 for finite amax, so 2**-k stays normal.
+
+def pow2_scale_bits(amax_bits):
+    """(scale bits, 1/scale bits) from |x| amax bits: quant.formats.pow2_scale_from_amax_bits for e4m3
+    (k <= 119: 448 * 2**119 is finite; values above saturate there).
+
+    1/scale is exact: 2**-k stays normal.
     """
     biased = (amax_bits >> 23) & 0xFF
     k = biased - 135 + select((amax_bits & 0x7FFFFF) > 0x600000, Int32(1), Int32(0))
-    k = imax(k, Int32(-126))
-    k = Int32(cutlass.min(k, Int32(127)))
+    k = imax(k, Int32(SCALE_EXP_MIN))
+    k = Int32(cutlass.min(k, Int32(SCALE_EXP_MAX - 8)))
     scale = (k + 127) << 23
     inv = (127 - k) << 23
     # amax == 0 falls out as the smallest scale 2**-126: finite, and never the max of a scale fold
     non_finite = biased == 255
-    scale = select(non_finite, Int32(0x7FC00000), scale)
-    inv = select(non_finite, Int32(0x7FC00000), inv)
+    scale = select(non_finite, Int32(NAN_SCALE_BITS), scale)
+    inv = select(non_finite, Int32(NAN_SCALE_BITS), inv)
     return scale, inv
+
+
+def mul_rp(a, b):
+    """a * b rounded toward +inf (one FMUL.RP): a bound that the exact product never exceeds."""
+    return ptx("mul.rp.f32 $0, $1, $2;", "=f,f,f", [Float32(a), Float32(b)], result=Float32)
+
+
+def add_rp(a, b):
+    """a + b rounded toward +inf (one FADD.RP)."""
+    return ptx("add.rp.f32 $0, $1, $2;", "=f,f,f", [Float32(a), Float32(b)], result=Float32)
 
 
 def f32_bits(x):

@@ -14,6 +14,9 @@ before the part's specialized code. Host side: every output of every part is a v
 uint8 allocation (quant.output_buffer_plan), and the launch passes raw values through TVM-FFI
 (no DSL pointer objects per launch; the DSL's marshalling without apache-tvm-ffi).
 
+A non-finite input makes its block's scale NaN (the integer amax orders NaN > inf > finite) and
+every code of the block 0, bit-exactly as quant.quantize_with_scale: no product meets a NaN code.
+
 CTA order ("raster", default "heads"): inside a part CTA = chunk * head_groups + head_group,
 so CTAs resident together cover every head of a window of consecutive chunks: x rows and
 data_td rows are read/written whole, and each data_dt row gets a run of consecutive segments.
@@ -72,6 +75,7 @@ from .primitives import (
     ARG_F8,
     ARG_F32,
     ARG_I32,
+    NAN_SCALE_BITS,
     SHARED_SOURCE_FILES,
     as_f32,
     bf16_abs_max_bits,
@@ -82,6 +86,7 @@ from .primitives import (
     select,
     warp_scan_up,
 )
+from .rotate import ARG_F32_16, DeviceOps, check_rotation_fields, forward_rotate_words, has_rotation
 
 TILE_TOKENS = 128
 GROUP_TOKENS = 16  # tokens per warp and per data_dt segment (16 fp8 = 16 bytes)
@@ -94,7 +99,7 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_BLOCK_TOKENS = (1, 64, 128)
 MAX_PARTS = 3  # Q, K, V in one launch
 
-SOURCE_FILES = (Path(__file__).resolve(), *SHARED_SOURCE_FILES)
+SOURCE_FILES = (Path(__file__).resolve(), Path(__file__).resolve().with_name("rotate.py"), *SHARED_SOURCE_FILES)
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,15 @@ class QuantizeConfig:
     # and the g heads of a group (atomic max; the caller zeroes it; scales are positive powers of two,
     # so their bits order as the values): the bf16-dS backward's dV fold reference from dO's pass
     doc_scale_max_group: int = 0
+    # rowdot over x's e4m3 values (codes times scale) instead of x: recipes.DELTAS "quantized"
+    rowdot_quantized: bool = False
+    # Q and K rotations (sm90/rotate.py, rotary.py) applied to x before its scales and codes: RoPE
+    # ("none", "half", "interleaved") on the first rotary_dim channels at each token's position in
+    # its document, from the launch's fp32 cos/sin tables; then, with hadamard > 0, the Walsh-Hadamard
+    # transform over the head dimension times 2^-hadamard
+    rotary: str = "none"
+    rotary_dim: int = 0
+    hadamard: int = 0
     tile_tokens: int = TILE_TOKENS
     heads_per_cta: int = 0  # 0: choose automatically
     threads: int = 0  # 0: the only supported value, NUM_THREADS
@@ -139,6 +153,11 @@ class QuantizeConfig:
                                        f"got {self.doc_scale_max_group!r}")
         if self.doc_scale_max_group and self.emit_token_copy:
             bad("doc_scale_max_group", "reads set 0's per-token scales: not with emit_token_copy")
+        if self.rowdot_quantized and not self.emit_rowdot:
+            bad("rowdot_quantized", "applies to the rowdot: needs emit_rowdot=True")
+        check_rotation_fields("QuantizeConfig", self.head_dim, self.rotary, self.rotary_dim, self.hadamard)
+        if has_rotation(self) and self.emit_rowdot:
+            bad("rotary", "the rotations are Q's and K's, the rowdot dO's: not in one part")
         if self.tile_tokens != TILE_TOKENS:
             bad("tile_tokens", f"only {TILE_TOKENS} is supported (the data_dt pad and block 128), got {self.tile_tokens}")
         if self.threads not in (0, NUM_THREADS):
@@ -184,6 +203,13 @@ def _auto_heads_per_cta(head_dim: int, num_heads: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+def _store_zero_words(dst):
+    """Zeros over a 16-byte global segment as four 32-bit stores (of RZ: no registers held)."""
+    dst_w = cute.recast_tensor(dst, Uint32)
+    for m in range(4):  # plain Python: unrolled while tracing
+        dst_w[m] = Uint32(0)
+
+
 @dataclass(frozen=True)
 class MultiQuantizeConfig:
     """Up to three tensors (Q, K, V) that share T and cu_seqlens, quantized by one launch.
@@ -217,6 +243,10 @@ class MultiQuantizeConfig:
             raise ValueError("MultiQuantizeConfig.parts: only the first part may have emit_rowdot or "
                              "doc_scale_max_group")
         object.__setattr__(self, "parts", parts)
+        dims = {p.rotary_dim for p in parts if p.rotary != "none"}
+        if len(dims) > 1:
+            raise ValueError(f"MultiQuantizeConfig.parts: the rotary parts read one cos/sin table, so one rotary_dim, "
+                             f"got {sorted(dims)}")
         if self.raster not in ("heads", "chunks"):
             raise ValueError(f"MultiQuantizeConfig.raster: 'heads' or 'chunks', got {self.raster!r}")
         if self.min_ctas_per_sm is None:
@@ -276,6 +306,7 @@ class FusedQuantizeSm90:
         self.cfg = self.mcfg.parts[0]  # single-tensor compatibility
         self.doc_max_group = self.cfg.doc_scale_max_group  # first part only (MultiQuantizeConfig)
         self.HGMAX = max(p.HG for p in self.parts)
+        self.rotary_dim = max(p.cfg.rotary_dim for p in self.parts)  # one cos/sin table per launch
         self.TILE_WORDS = max(
             (p.NSETS * p.rows * TILE_GROUPS * 4 if p.TRANS else 0) for p in self.parts
         )
@@ -291,10 +322,12 @@ class FusedQuantizeSm90:
         x2: cute.Pointer, td20: cute.Pointer, dt20: cute.Pointer, sc20: cute.Pointer,
         td21: cute.Pointer, dt21: cute.Pointer, sc21: cute.Pointer,
         y0: cute.Pointer, rowdot0: cute.Pointer, docmax0: cute.Pointer,
+        cos_ptr: cute.Pointer, sin_ptr: cute.Pointer,
         num_tokens: Int32,
         dt_tokens: Int32,
         num_docs: Int32,
         grid_slots: Int32,
+        table_rows: Int32,
         stream: cuda.CUstream,
     ):
         T = num_tokens
@@ -334,13 +367,18 @@ class FusedQuantizeSm90:
         if const_expr(self.doc_max_group > 0):
             mDocMax0 = cute.make_tensor(docmax0, cute.make_layout((self.parts[0].H // self.doc_max_group, num_docs),
                                                                   stride=(num_docs, 1)))
+        mCos, mSin = None, None
+        if const_expr(self.rotary_dim > 0):
+            half = self.rotary_dim // 2
+            mCos = cute.make_tensor(cos_ptr, cute.make_layout((table_rows, half), stride=(half, 1)))
+            mSin = cute.make_tensor(sin_ptr, cute.make_layout((table_rows, half), stride=(half, 1)))
         total = grid_slots * sum(self.mcfg.head_groups)
         launch_kw = {}
         if const_expr(self.mcfg.min_ctas_per_sm > 0):
             launch_kw["min_blocks_per_mp"] = self.mcfg.min_ctas_per_sm
         if const_expr(self.mcfg.smem_carveout >= 0):
             launch_kw["preferred_smem_carveout"] = self.mcfg.smem_carveout
-        self.kernel(mCu, *tensors[0], *tensors[1], *tensors[2], mY0, mRowdot0, mDocMax0, Tdt, num_docs,
+        self.kernel(mCu, *tensors[0], *tensors[1], *tensors[2], mY0, mRowdot0, mDocMax0, mCos, mSin, Tdt, num_docs,
                     grid_slots).launch(
             grid=[total, 1, 1],
             block=[NUM_THREADS, 1, 1],
@@ -359,6 +397,7 @@ class FusedQuantizeSm90:
         mX2: cute.Tensor, mTD20: cute.Tensor, mDT20: cute.Tensor, mS20: cute.Tensor,
         mTD21: cute.Tensor, mDT21: cute.Tensor, mS21: cute.Tensor,
         mY0: cute.Tensor, mRowdot0: cute.Tensor, mDocMax0: cute.Tensor,
+        mCos: cute.Tensor, mSin: cute.Tensor,
         Tdt: Int32,
         num_docs: Int32,
         grid_slots: Int32,
@@ -372,7 +411,7 @@ class FusedQuantizeSm90:
         smem = cutlass.memory.SmemAllocator()
         sAmaxFlat = smem.allocate_tensor(Int32, cute.make_layout((NUM_WARPS * self.HGMAX,)), 16)
         sScan = smem.allocate_tensor(Int32, cute.make_layout((NUM_WARPS, 2), stride=(2, 1)), 16)
-        sInfo = smem.allocate_tensor(Int32, cute.make_layout((4,)), 16)
+        sInfo = smem.allocate_tensor(Int32, cute.make_layout((8,)), 16)
         sDocMax = None
         if const_expr(self.doc_max_group > 0):
             sDocMax = smem.allocate_tensor(Int32, cute.make_layout((self.parts[0].HG,)), 16)
@@ -453,6 +492,8 @@ class FusedQuantizeSm90:
                         sInfo[2] = p_acc + loc
                         if const_expr(self.doc_max_group > 0):
                             sInfo[3] = b  # the document, for its max-scale atomic
+                        if const_expr(self.rotary_dim > 0):
+                            sInfo[4] = loc  # the chunk's first token's position in its document (RoPE)
                     c_acc = c_acc + nch
                     p_acc = p_acc + ((ln + DT_DOC_ALIGN - 1) & -DT_DOC_ALIGN)
         if const_expr(self.doc_max_group > 0):
@@ -517,9 +558,19 @@ class FusedQuantizeSm90:
                             rx.append(frag)
                             tau.append(ta)
                             valid.append(ok)
+                    # ---- rotations (RoPE, Hadamard) of each token's slice, before its scale and codes;
+                    # collectives, so every lane runs them (loads of absent tokens' table rows are skipped)
+                    if const_expr(has_rotation(P.cfg)):
+                        pos0 = sInfo[4] if const_expr(P.cfg.rotary != "none") else Int32(0)
+                        for it in cutlass.range_constexpr(SPT * 4):
+                            words = cute.recast_tensor(rx[it], Uint32)
+                            rot = forward_rotate_words(DeviceOps, [words[kk] for kk in range(8)], j, lane, L, P.cfg,
+                                                       mCos, mSin, pos0 + tau[it], valid[it])
+                            for kk in cutlass.range_constexpr(8):
+                                words[kk] = rot[kk]
                     # ---- rowdot (D = rowsum(dO * O)): bf16 products are exact in fp32; each lane sums
                     # its 16 dims in order, then the token's L lanes add pairwise (butterfly)
-                    if const_expr(P.cfg.emit_rowdot):
+                    if const_expr(P.cfg.emit_rowdot and not P.cfg.rowdot_quantized):
                         for it in cutlass.range_constexpr(SPT * 4):
                             yfrag = cute.make_rmem_tensor(16, BFloat16)
                             yfrag.fill(0.0)
@@ -575,15 +626,45 @@ class FusedQuantizeSm90:
                                 sbits[st].append(sb)
                                 q = cute.make_rmem_tensor(16, Float8E4M3FN)
                                 q.store((xf * as_f32(ib)).to(Float8E4M3FN))
+                                if const_expr(P.cfg.rowdot_quantized and st == 0):
+                                    # D over the e4m3 values: sum(code * y) * scale (exact products, and
+                                    # a power-of-two scale factors out of the sum)
+                                    yfrag = cute.make_rmem_tensor(16, BFloat16)
+                                    yfrag.fill(0.0)
+                                    if valid[it]:
+                                        cute.copy(ld_atom, cute.local_tile(mY0[start + tau[it], head, None], (16,),
+                                                                           (j,)), yfrag)
+                                    prod = cute.make_rmem_tensor(16, Float32)
+                                    prod.store(q.load().to(Float32) * yfrag.load().to(Float32))
+                                    dot = prod[0]
+                                    for e in cutlass.range_constexpr(1, 16):
+                                        dot = dot + prod[e]
+                                    for off in cutlass.range_constexpr(int(math.log2(L))):
+                                        dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=1 << off)
+                                    if valid[it] & (j == 0):
+                                        mRowdot0[head, start + tau[it]] = dot * as_f32(sb)
+                                # codes 0 where the scale is NaN (quant.quantize_with_scale: no product meets a
+                                # NaN code), and for tokens past the chunk in the tile (data_dt pad bytes). The
+                                # zeros go out as word stores of RZ on that rare branch (a zero source tensor
+                                # would hold registers); which branch comes first is what the 64- and 80-register
+                                # budgets fit without spills (the dO launch's rowdot holds more)
+                                poisoned = sb == Int32(NAN_SCALE_BITS)
                                 if const_expr(P.TOKEN_MAJOR):
                                     if valid[it]:
-                                        cute.copy(st_atom, q, cute.local_tile(mTD[start + tau[it], head, None], (16,),
-                                                                              (j,)))
+                                        dst = cute.local_tile(mTD[start + tau[it], head, None], (16,), (j,))
+                                        if const_expr(P.cfg.emit_rowdot):
+                                            cute.copy(st_atom, q, dst)
+                                            if poisoned:
+                                                _store_zero_words(dst)
+                                        else:
+                                            if poisoned:
+                                                _store_zero_words(dst)
+                                            else:
+                                                cute.copy(st_atom, q, dst)
                                 qw = cute.recast_tensor(q, Uint32)
-                                # tokens past the chunk must be 0 in the tile: they become data_dt pad bytes
                                 zw = []
                                 for m in cutlass.range_constexpr(4):
-                                    zw.append(select(valid[it], qw[m], Uint32(0)))
+                                    zw.append(select(valid[it] & ~poisoned, qw[m], Uint32(0)))
                                 qwords[st].append(zw)
                         ta_j = 16 * warp + 4 * quad + j
                         write_scale = (j < 4) & (ta_j < n) & active
@@ -597,7 +678,10 @@ class FusedQuantizeSm90:
                                 mS[head, start + ta_j] = sel
                             if const_expr(doc_max and st == 0):
                                 # the chunk's max per head: lanes first, then shared memory
-                                lane_max = imax(lane_max, select(write_scale, sel, Int32(0)))
+                                # (a NaN scale left out, attention_bwd.dv_fold_reference: finite scales' bits
+                                # are below NAN_SCALE_BITS, so the mask is ~0 for them and 0 for NaN)
+                                finite_sel = sel & ((sel - Int32(NAN_SCALE_BITS)) >> 31)
+                                lane_max = imax(lane_max, select(write_scale, finite_sel, Int32(0)))
                             if const_expr(TRANS):
                                 sT = tiles[st]
                                 for m in cutlass.range_constexpr(4):
@@ -685,9 +769,11 @@ class FusedQuantizeSm90:
 
 # The runtime entry's parameters (FusedQuantizeSm90.__call__) for compile_cache.compile_launcher:
 # cu_seqlens; per part x, then (data_td, data_dt, scale) of set 0 and set 1; rowdot's y and output;
-# the documents' max scale bits (doc_scale_max_group); T, T_dt, documents, grid slots; the stream
+# the documents' max scale bits (doc_scale_max_group); the cos and sin tables (rotary); T, T_dt, documents,
+# grid slots, the tables' rows; the stream
 _PART_ARGS = (ARG_BF16, ARG_F8, ARG_F8, ARG_I32, ARG_F8, ARG_F8, ARG_I32)
-ARG_KINDS = (ARG_I32, *_PART_ARGS * MAX_PARTS, ARG_BF16, ARG_F32, ARG_I32) + (("i32",),) * 4 + (("stream",),)
+ARG_KINDS = (ARG_I32, *_PART_ARGS * MAX_PARTS, ARG_BF16, ARG_F32, ARG_I32, ARG_F32_16, ARG_F32_16) + \
+    (("i32",),) * 5 + (("stream",),)
 
 
 def compile_fused_quantize_sm90(config, arch: str = "sm_90a", extra_options: str = "", tvm_ffi: bool = False):
@@ -736,14 +822,30 @@ def _check_input(x: torch.Tensor, cfg: QuantizeConfig, T: int):
 
 def _layout_outputs(mcfg: MultiQuantizeConfig, T: int, Tdt: int):
     """quant.output_buffer_plan of the launch's parts: [part][set] entries and the byte size."""
-    return output_buffer_plan(T, Tdt, [(c.num_heads, c.head_dim, c.num_sets, c.emit_transposed, c.emit_token_major)
-                                       for c in mcfg.parts])
+    return output_buffer_plan(T, Tdt, _part_specs(mcfg.parts))
+
+
+def _part_specs(parts):
+    return [(c.num_heads, c.head_dim, c.num_sets, c.emit_transposed, c.emit_token_major) for c in parts]
+
+
+def qkv_layout_outputs(mcfg: MultiQuantizeConfig, Tq: int, Tk: int, num_docs: int):
+    """The byte plan of a Q/K/V launch whose Q has Tq tokens and K, V Tk (separate key documents): Q's
+    outputs, then K's and V's at the offset where Q's end. Tq == Tk: _layout_outputs' (the same offsets
+    whenever T > 0), so one plan serves the one-launch and the two-launch quantization."""
+    if Tq == Tk:
+        return _layout_outputs(mcfg, Tq, transposed_tokens(Tq, num_docs))
+    q_plan, q_bytes = output_buffer_plan(Tq, transposed_tokens(Tq, num_docs), _part_specs(mcfg.parts[:1]))
+    kv_plan, kv_bytes = output_buffer_plan(Tk, transposed_tokens(Tk, num_docs), _part_specs(mcfg.parts[1:]))
+    shifted = [[[None if e is None else (*e[:3], e[3] + q_bytes) for e in st] for st in part] for part in kv_plan]
+    return q_plan + shifted, q_bytes + kv_bytes
 
 
 # the runtime allocation's plan, memoized: a training step repeats (config, T) on every layer and
 # call, and rebuilding it cost ~9 us of host time per launch (the fake implementations of the
 # custom ops call _layout_outputs itself: their sizes may be symbolic)
 _runtime_layout = functools.lru_cache(maxsize=64)(_layout_outputs)
+runtime_qkv_layout = functools.lru_cache(maxsize=64)(qkv_layout_outputs)
 
 
 def _alloc_outputs(mcfg, T, Tdt, device, debug_fill=None):
@@ -762,6 +864,7 @@ def fused_quantize_multi_sm90(
     debug_fill: int | None = None,
     rowdot=None,
     docmax=None,
+    rope_tables=None,
 ) -> list:
     """Quantize up to three (T, H_i, D_i) bf16 tensors sharing cu_seqlens in ONE kernel launch.
 
@@ -770,6 +873,8 @@ def fused_quantize_multi_sm90(
     outputs are views of one allocation. `debug_fill` (tests) fills every output byte first.
     rowdot: (y, out) when the first part has emit_rowdot (see quantize_with_rowdot_sm90).
     docmax: (H / g, docs) int32, zeroed, when the first part has doc_scale_max_group g.
+    rope_tables: (cos, sin) fp32 (positions, rotary_dim // 2) (rotary.kernel_tables) when a part has rotary;
+    the caller guarantees positions >= the longest document (rotary.resolve_rotary).
     """
     mcfg = config if isinstance(config, MultiQuantizeConfig) else MultiQuantizeConfig(tuple(config))
     xs = list(xs)
@@ -793,7 +898,31 @@ def fused_quantize_multi_sm90(
             raise ValueError("tensor too large for 32-bit indexing")
     cu = int32_cu_seqlens(cu_seqlens, dev)
     sets = _alloc_outputs(mcfg, T, Tdt, dev, debug_fill)
-    launch_fused_quantize_multi_sm90(xs, cu, mcfg, sets, rowdot, docmax)
+    launch_fused_quantize_multi_sm90(xs, cu, mcfg, sets, rowdot, docmax, rope_tables)
+    return quantized_outputs(mcfg, sets)
+
+
+def fused_quantize_qkv_separate_sm90(q, k, v, cu_seqlens_q, cu_seqlens_k, config: MultiQuantizeConfig) -> list:
+    """A Q/K/V launch (qkv_config) for K and V with their own documents: Q over cu_seqlens_q, K and V over
+    cu_seqlens_k (as many documents), as two launches of the fused kernel (it takes one cu_seqlens) with the
+    config's settings, into views of ONE allocation (qkv_layout_outputs). Returns quantized_outputs."""
+    mcfg = config
+    if len(mcfg.parts) != 3 or cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError("a Q/K/V config of three parts and cu_seqlens_q, cu_seqlens_k of as many documents")
+    for x, cfg, T in ((q, mcfg.parts[0], q.shape[0]), (k, mcfg.parts[1], k.shape[0]), (v, mcfg.parts[2], k.shape[0])):
+        _check_input(x, cfg, T)
+    # strided inputs (context parallelism's K and V are halves of one gathered tensor) are copied, as the
+    # self-attention launch does
+    q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
+    if any(x.data_ptr() % 16 for x in (q, k, v)):
+        raise ValueError("q, k, v must be 16-byte aligned")
+    num_docs = cu_seqlens_q.numel() - 1
+    dev = q.device
+    plan, nbytes = runtime_qkv_layout(mcfg, int(q.shape[0]), int(k.shape[0]), num_docs)
+    sets = output_views(torch.empty(nbytes, dtype=torch.uint8, device=dev), plan)
+    cu_q, cu_k = int32_cu_seqlens(cu_seqlens_q, dev), int32_cu_seqlens(cu_seqlens_k, dev)
+    launch_fused_quantize_multi_sm90([q], cu_q, dataclasses.replace(mcfg, parts=mcfg.parts[:1]), sets[:1])
+    launch_fused_quantize_multi_sm90([k, v], cu_k, dataclasses.replace(mcfg, parts=mcfg.parts[1:]), sets[1:])
     return quantized_outputs(mcfg, sets)
 
 
@@ -819,17 +948,36 @@ def _check_docmax(mcfg: MultiQuantizeConfig, docmax, cu_seqlens: torch.Tensor) -
                          f"{tuple(docmax.shape)} {docmax.dtype}")
 
 
-def launch_fused_quantize_multi_sm90(xs, cu_seqlens: torch.Tensor, config, sets, rowdot=None, docmax=None) -> None:
+def _check_rope_tables(mcfg: MultiQuantizeConfig, rope_tables, device) -> int:
+    """The rows of the launch's cos/sin tables (1 without rotary): fp32 (rows, rotary_dim // 2)."""
+    rd = max(p.rotary_dim for p in mcfg.parts)
+    if bool(rd) != (rope_tables is not None):
+        raise ValueError("rope_tables=(cos, sin) is needed exactly when a part has rotary")
+    if not rd:
+        return 1
+    from ..validation import check_kernel_tensors
+
+    cos, sin = rope_tables
+    rows = cos.shape[0] if isinstance(cos, torch.Tensor) and cos.dim() == 2 else -1
+    check_kernel_tensors((("cos", cos, (rows, rd // 2), torch.float32), ("sin", sin, (rows, rd // 2), torch.float32)),
+                         device)
+    return rows
+
+
+def launch_fused_quantize_multi_sm90(xs, cu_seqlens: torch.Tensor, config, sets, rowdot=None, docmax=None,
+                                    rope_tables=None) -> None:
     """Launch into preallocated outputs: sets[i] = [(data_td, data_dt or None, scale)] per set of tensor i.
 
     xs contiguous, cu_seqlens int32 on their device, data_dt of shape (H, D, transposed_tokens(T, docs)).
     rowdot: (y, out) when the first part has emit_rowdot: y contiguous like xs[0], out (H, T) fp32.
+    rope_tables: (cos, sin) as fused_quantize_multi_sm90's.
     One kernel for all tensors, no host sync (benchmarks time this to see the kernel alone).
     """
     mcfg = as_multi(config) if not isinstance(config, (list, tuple)) else MultiQuantizeConfig(tuple(config))
     if mcfg.parts[0].emit_rowdot != (rowdot is not None):
         raise ValueError("rowdot=(y, out) is needed exactly when the first part has emit_rowdot")
     _check_docmax(mcfg, docmax, cu_seqlens)
+    rows = _check_rope_tables(mcfg, rope_tables, xs[0].device)
     T = xs[0].shape[0]
     num_docs = cu_seqlens.numel() - 1
     if T == 0 or num_docs == 0:
@@ -851,8 +999,9 @@ def launch_fused_quantize_multi_sm90(xs, cu_seqlens: torch.Tensor, config, sets,
             ptrs += [0] * 7
     ptrs += [rowdot[0].data_ptr(), rowdot[1].data_ptr()] if rowdot is not None else [0, 0]
     ptrs.append(docmax.data_ptr() if docmax is not None else 0)
+    ptrs += [t.data_ptr() for t in rope_tables] if rope_tables is not None else [0, 0]
     stream = torch.cuda.current_stream(xs[0].device).cuda_stream
-    _launch(mcfg, ptrs, (T, Tdt, num_docs, chunk_grid_slots(T, num_docs, TILE_TOKENS)), stream)
+    _launch(mcfg, ptrs, (T, Tdt, num_docs, chunk_grid_slots(T, num_docs, TILE_TOKENS), rows), stream)
 
 
 def fused_quantize_sm90(
@@ -939,6 +1088,30 @@ def forward_only(qkv: MultiQuantizeConfig) -> MultiQuantizeConfig:
     return dataclasses.replace(qkv, parts=(q, k, v), min_ctas_per_sm=bound)
 
 
+# launch bound of a Q/K/V launch with the Hadamard transform or interleaved RoPE (sm_90a builds of the
+# training call's launch, d64 and d128): they spill 100-250 bytes at 64 registers (4 CTAs per SM), 0-56 at
+# 80 (3). Half-split RoPE, whose lane pairs split the slice's frequencies, fits 64 (0-8 bytes)
+HADAMARD_MIN_CTAS = 3
+
+
+@functools.cache
+def with_rotations(qkv: MultiQuantizeConfig, rotary: str = "none", rotary_dim: int = 0,
+                   hadamard: bool = False) -> MultiQuantizeConfig:
+    """A Q/K/V launch (qkv_config, tuned or reduced) with the call's rotations of Q and K: RoPE
+    (rotary.py; mode "half" or "interleaved" on the first rotary_dim channels) and the Walsh-Hadamard
+    transform with Q's and K's power-of-two shifts (rotary.hadamard_shift). V is never rotated."""
+    from ..rotary import hadamard_shift
+
+    q, k, v = qkv.parts
+    d = q.head_dim
+    q = dataclasses.replace(q, rotary=rotary, rotary_dim=rotary_dim, hadamard=hadamard_shift(d, "q") if hadamard else 0)
+    k = dataclasses.replace(k, rotary=rotary, rotary_dim=rotary_dim, hadamard=hadamard_shift(d, "k") if hadamard else 0)
+    bound = qkv.min_ctas_per_sm
+    if (hadamard or rotary == "interleaved") and bound:
+        bound = min(bound, HADAMARD_MIN_CTAS)
+    return dataclasses.replace(qkv, parts=(q, k, v), min_ctas_per_sm=bound)
+
+
 @functools.cache
 def dout_config(head_dim: int, num_heads: int) -> QuantizeConfig:
     """dO of the backward: per token, both orientations (dP = dO.V^T reads [t,d], dV = P^T.dO reads [d,t],
@@ -947,12 +1120,15 @@ def dout_config(head_dim: int, num_heads: int) -> QuantizeConfig:
 
 
 @functools.cache
-def dout_delta_config(head_dim: int, num_heads: int, doc_scale_max_group: int = 0) -> MultiQuantizeConfig:
+def dout_delta_config(head_dim: int, num_heads: int, doc_scale_max_group: int = 0,
+                      rowdot_quantized: bool = False) -> MultiQuantizeConfig:
     """The backward's preprocess in one launch: dO quantized as dout_config, and D = rowsum(dO * O);
     with doc_scale_max_group g, also the max dO scale per (document, group of g heads): the bf16-dS
-    backward's dV fold references (attention_bwd.dv_fold_reference), no torch launches."""
+    backward's dV fold references (attention_bwd.dv_fold_reference), no torch launches.
+    rowdot_quantized: D from dO's e4m3 values (recipes.DELTAS "quantized")."""
     return MultiQuantizeConfig((dataclasses.replace(dout_config(head_dim, num_heads), emit_rowdot=True,
-                                                    doc_scale_max_group=doc_scale_max_group),))
+                                                    doc_scale_max_group=doc_scale_max_group,
+                                                    rowdot_quantized=rowdot_quantized),))
 
 
 @functools.cache
