@@ -737,11 +737,14 @@ def test_cross_backward_model_control_leaves_the_emulator():
     assert rel_l2(dv.float(), st["emu"][2].float()) > 1e-2
 
 
+_BWD_BUILDS = [(128, True, {}), (64, True, {}), (128, False, {}), (128, True, {"deterministic": True}),
+               (64, True, {"deterministic": True}), (128, False, {"deterministic": True})]
+
+
 @needs_dsl
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("head_dim, diagonal_copy, extra", [(128, True, {}), (64, True, {}), (128, False, {}),
-                                                            (128, True, {"deterministic": True}),
-                                                            (64, True, {"deterministic": True})])
+@pytest.mark.parametrize("mode, head_dim, diagonal_copy, extra", [
+    (mode, *build) for mode in MODES for build in _BWD_BUILDS
+    if build[2].get("deterministic") or not MODES[mode].get("cross_length")])  # cross_length: deterministic only
 def test_cross_backward_builds_compile_without_spills(mode, head_dim, diagonal_copy, extra):
     """The self-attention build's products (two copies of the tile step; the d64 prefetch's S^T/dP^T issues),
     both phases' K/V loads (phase 1's under a runtime condition: a
@@ -753,8 +756,6 @@ def test_cross_backward_builds_compile_without_spills(mode, head_dim, diagonal_c
     from flamia_cute.sm90.attention_bwd import BwdDsBf16Config
     from flamia_cute.sm90.attention_bwd import kernel_artifacts as bwd_artifacts
 
-    if MODES[mode].get("cross_length") and not extra.get("deterministic"):
-        pytest.skip("cross_length builds are deterministic only (BwdDsBf16Config)")
     cfg = BwdDsBf16Config(head_dim=head_dim, diagonal_copy=diagonal_copy, **extra)
     art = bwd_artifacts(dataclasses.replace(cfg, **MODES[mode]))
     ops = lambda a: Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+\.f32\.\w+\.\w+)", a.ptx))  # noqa: E731
