@@ -144,7 +144,7 @@ def throughput(rows: list[dict], warmup: int) -> dict:
     """Median tokens/s, step and attention time over the steps after `warmup`, and the largest step peak
     memory (all steps; None off the GPU), from the CSV rows' strings."""
     timed = rows[warmup:] or rows
-    med = lambda key: statistics.median(float(r[key]) for r in timed) if timed else None
+    med = lambda key: statistics.median(vals) if (vals := [float(r[key]) for r in timed if r.get(key)]) else None
     most = lambda key: max((float(r[key]) for r in rows if r.get(key)), default=None)
     return {"timed_steps": len(timed), "tokens_per_s": med("tokens_per_s"), "step_ms": med("step_ms"),
             "attn_ms": med("attn_ms"), "peak_mem_mb": most("peak_mem_mb"), "step_mem_mb": most("step_mem_mb")}
@@ -186,7 +186,8 @@ def _train(args, device, rank: int, world: int) -> dict:
                                rank, None, world)
     fixed_batch = next(batches).to(device) if args.repeat_batch else None
     heldout = heldout_batches(args.eval_batches, args.tokens_per_step, files, max_doc_tokens, doc_tokens)
-    timer = AttentionTimer(device)
+    # compiled blocks trace the timer's CUDA events out of the graph (never recorded): no attention time
+    timer = None if args.compile else AttentionTimer(device)
     log = print if writes else (lambda *a, **k: None)
     log(f"[{run}] {n_params / 1e6:.1f}M params, {args.preset}, {spec}, device {device}, "
         f"{len(files)} corpus files, {args.steps} steps x {args.tokens_per_step} tokens"
@@ -223,7 +224,8 @@ def _train(args, device, rank: int, world: int) -> dict:
             row = {
                 "step": step, "lr": f"{lr:.3e}", "train_loss": f"{loss_v:.5f}", "grad_norm": f"{grad_norm_v:.4f}",
                 "tokens_per_s": f"{batch.tokens.numel() / step_s:.0f}", "step_ms": f"{1000 * step_s:.1f}",
-                "attn_ms": f"{timer.pop_ms():.1f}", "peak_mem_mb": "", "step_mem_mb": "", "heldout_loss": "",
+                "attn_ms": f"{timer.pop_ms():.1f}" if timer else "", "peak_mem_mb": "", "step_mem_mb": "",
+                "heldout_loss": "",
             }
             if device.type == "cuda":
                 peak = torch.cuda.max_memory_allocated()
@@ -239,7 +241,7 @@ def _train(args, device, rank: int, world: int) -> dict:
             fh.flush()  # a crashed or killed run still leaves its curve
             if step % args.log_every == 0 or step in (1, args.steps) or diverged_at:
                 log(f"[{run}] step {step:5d} loss {loss_v:.4f} gnorm {grad_norm_v:.3f} lr {lr:.2e} "
-                      f"{row['tokens_per_s']} tok/s attn {row['attn_ms']} ms / step {row['step_ms']} ms"
+                      f"{row['tokens_per_s']} tok/s attn {row['attn_ms'] or '-'} ms / step {row['step_ms']} ms"
                       + (f" heldout {row['heldout_loss']}" if row["heldout_loss"] else ""))
             if diverged_at:
                 log(f"[{run}] loss is not finite at step {step}: stopping")
@@ -386,7 +388,7 @@ def compare(directory: str, control: str | None = None) -> str:
             final = sum(tail) / len(tail)
         held = s.get("heldout_loss", float("nan"))
         leak = s.get("leakage") or {}
-        attn = [float(r["attn_ms"]) for r in rows[1:]] or [float("nan")]  # step 1 includes compilation
+        attn = [float(r["attn_ms"]) for r in rows[1:] if r["attn_ms"]] or [float("nan")]  # step 1: compilation
         gap = f"{leak['gap']:+.5f}+-{leak['gap_stderr']:.5f}" if leak else "-"
         tp = s.get("throughput") or throughput(rows, 1)
         lines.append(
