@@ -58,7 +58,10 @@ def paths(q, k, v, cu):
         return out[0], None
 
     def sdpa(q, k, v):
-        out = F.scaled_dot_product_attention(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), is_causal=True)
+        # on an H200 torch picks cuDNN's attention over the flash path (which FLAMIA_FP8 replaces) unless told
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)),
+                                                 is_causal=True)
         return out.transpose(1, 2)[0], None
 
     def cp_ws1(q, k, v):
