@@ -720,14 +720,19 @@ def test_cross_backward_model_passes_the_leakage_checks(doc, cut):
     assert not bad.future_ok, str(bad)
 
 
-def test_cross_length_backward_config_needs_deterministic():
-    """The cross-length causal backward adds dQ by the ordered atomics only: the TMA reduce-add of a dQ tile
-    whose queries start off a 64-row boundary of their keys stopped the kernel on the H200."""
-    from flamia_cute.sm90.attention_bwd import BwdDsBf16Config
+def test_cross_length_dq_accumulator_has_pad_rows_before_row_0():
+    """The cross-length build's dQ accumulator: DQ_PAD_ROWS rows allocated before row 0 (the first document's
+    first dQ tile starts up to 63 rows before its first query), the view from row 0 returned."""
+    from flamia_cute.sm90.attention_bwd import DQ_PAD_ROWS, QUERY_TILE, BwdDsBf16Config, dq_pad_rows
+    from flamia_cute.sm90.bwd_preprocess import backward_outputs
 
-    with pytest.raises(ValueError, match="BwdDsBf16Config.cross_length: needs deterministic=True"):
-        BwdDsBf16Config(head_dim=128, cross_length=True)
-    assert not BwdDsBf16Config(head_dim=128, cross_length=True, deterministic=True).dq_tma_reduce
+    assert DQ_PAD_ROWS >= QUERY_TILE - 1
+    assert dq_pad_rows(BwdDsBf16Config(head_dim=128, cross_length=True)) == DQ_PAD_ROWS
+    assert dq_pad_rows(BwdDsBf16Config(head_dim=128, causal=False)) == 0  # tiles from the first query
+    assert dq_pad_rows(BwdDsBf16Config(head_dim=128)) == 0
+    dq, _, _ = backward_outputs(10, 4, 2, 64, "cpu", dq_pad_rows=DQ_PAD_ROWS)
+    assert dq.shape == (10, 4, 64) and dq.is_contiguous() and not dq.any()
+    assert dq.storage_offset() == DQ_PAD_ROWS * 4 * 64 and dq.untyped_storage().nbytes() == (10 + DQ_PAD_ROWS) * 4 * 64 * 4
 
 
 def test_cross_backward_model_control_leaves_the_emulator():
@@ -743,8 +748,7 @@ _BWD_BUILDS = [(128, True, {}), (64, True, {}), (128, False, {}), (128, True, {"
 
 @needs_dsl
 @pytest.mark.parametrize("mode, head_dim, diagonal_copy, extra", [
-    (mode, *build) for mode in MODES for build in _BWD_BUILDS
-    if build[2].get("deterministic") or not MODES[mode].get("cross_length")])  # cross_length: deterministic only
+    (mode, *build) for mode in MODES for build in _BWD_BUILDS])
 def test_cross_backward_builds_compile_without_spills(mode, head_dim, diagonal_copy, extra):
     """The self-attention build's products (two copies of the tile step; the d64 prefetch's S^T/dP^T issues),
     both phases' K/V loads (phase 1's under a runtime condition: a
@@ -796,9 +800,9 @@ def _gpu_bwd_run(docs, recipe, causal, H, Hk, D, seed, deterministic=False, q_k_
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("causal, H, Hk, D, deterministic", [
-    (True, 4, 2, 128, True), (True, 2, 1, 64, True),  # cross_length builds are deterministic only
-    (False, 4, 2, 128, False), (False, 2, 1, 64, False), (False, 4, 2, 128, True), (False, 2, 1, 64, True)])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal, H, Hk, D", [(True, 4, 2, 128), (True, 2, 1, 64), (False, 4, 2, 128),
+                                              (False, 2, 1, 64)])
 def test_gpu_cross_backward_matches_emulator(causal, H, Hk, D, deterministic):
     """The backward kernel's separate-keys builds against emulate_backward on the same operands (the backward
     kernel tests' tolerances; dK and dV per key document, dQ per query document); every dK, dV row written
@@ -813,9 +817,13 @@ FAR_FIRST_DOCS = [(64, 128), (1, 1000), (300, 363), (0, 40), (129, 258)]
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("docs", [FAR_FIRST_DOCS, FAR_FIRST_DOCS[1:]], ids=["offset64", "offset999"])
-def test_gpu_cross_backward_far_first_document(docs):
-    _gpu_backward_check(docs, True, 4, 2, 128, True)
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("docs", [FAR_FIRST_DOCS, FAR_FIRST_DOCS[1:], [(999, 1000), (128, 128)], [(63, 64)]],
+                         ids=["offset64", "offset999", "first-offset1", "one-tile-offset1"])
+def test_gpu_cross_backward_far_first_document(docs, deterministic):
+    """The first document's queries start off a 64-row boundary of its keys: its first dQ tile starts before
+    row 0, in the accumulator's pad rows (a TMA reduce-add at a negative row stopped the kernel)."""
+    _gpu_backward_check(docs, True, 4, 2, 128, deterministic)
 
 
 def _gpu_backward_check(docs, causal, H, Hk, D, deterministic):
