@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import re
 
 import pytest
@@ -718,6 +719,32 @@ def test_cross_backward_model_passes_the_leakage_checks(doc, cut):
     bad = check_leakage_varlen(_bwd_model_fn(True, "block_on_diagonal"), q, k, v, st["cu_q"], st["cu_k"], do,
                                doc=doc, cut=cut)
     assert not bad.future_ok, str(bad)
+
+
+def test_cross_length_dq_tiles_start_within_the_pad_rows():
+    """Every dQ tile a causal cross-length CTA adds starts at row >= -DQ_PAD_ROWS (the accumulator's pad) and
+    ends within the padded T rows' TMA box; without the pad some start below row 0 (the tiles that stopped the
+    kernel: a first document, or one after documents with few queries, whose queries start off the 64-row grid
+    of its keys)."""
+    from flamia_cute.sm90.attention_bwd import DQ_PAD_ROWS
+
+    rng = random.Random(5)
+    packs = [[(999, 1000)], [(63, 64), (128, 128)], [(5, 100), (10, 300)], [(0, 40), (1, 1000)], CAUSAL_DOCS]
+    packs += [[(lq, lq + rng.choice([0, 1, 31, 63, 64, 65, 127, 999])) for lq in
+               (rng.choice([0, 1, 5, 63, 64, 200, 700]) for _ in range(rng.randint(1, 6)))] for _ in range(200)]
+    lowest = 0
+    for docs in packs:
+        T = sum(d[0] for d in docs)
+        for _, _, (live, q_base, _, _, _, d0, n_diag, p0, per) in _bwd_items(docs, True):
+            if not live:
+                continue
+            tiles = [*range(d0, d0 + n_diag), *range(p0, p0 + max(per, 0))]
+            for m in tiles:
+                row = q_base + 64 * m
+                lowest = min(lowest, row)
+                assert row >= -DQ_PAD_ROWS, (docs, row)
+                assert row < T, (docs, row)
+    assert lowest < 0  # the pad is needed
 
 
 def test_cross_length_dq_accumulator_has_pad_rows_before_row_0():
