@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import pathlib
 import statistics
 import subprocess
@@ -458,10 +459,11 @@ def environment() -> dict:
     env = {"timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "torch": torch.__version__}
     env["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     try:
-        # "-dirty" when the tracked files differ from the commit (the device tool's copy of a checkout
-        # keeps an older HEAD under newer files: source_hash then tells the builds apart)
-        env["commit"] = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
-                                       text=True, cwd=pathlib.Path(__file__).parent).stdout.strip() or "unknown"
+        # FLAMIA_COMMIT first (perf/gpu_session.sh's: the device tool's copy of a checkout keeps an older HEAD
+        # under newer files); "-dirty" when the tracked files differ from the commit; source_hash tells builds apart
+        env["commit"] = os.environ.get("FLAMIA_COMMIT") or subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True, text=True,
+            cwd=pathlib.Path(__file__).parent).stdout.strip() or "unknown"
     except OSError:
         env["commit"] = "unknown"
     from .compile_cache import package_source_hash

@@ -19,6 +19,7 @@ DIR=; SAMPLER=
 begin() {  # begin STAGE REGIME: the stage's folder and the head of its MANIFEST.md
   DIR="$RESULTS/$(date -u +%F)-$1"; mkdir -p "$DIR"
   { echo "# $1"; echo; echo "- Date: $(date -u '+%F %H:%M UTC')"; echo "- Commit: $COMMIT"
+    echo "- Source hash: $(python3 -c 'from flamia_cute.compile_cache import package_source_hash as h; print(h())' 2>&1 | tail -1) (compile_cache.package_source_hash of the package that ran)"
     echo "- GPU: $(nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader 2>&1 | head -1)"
     echo "- Software: $(python3 -c 'import torch, cutlass; print("torch", torch.__version__, "cutlass-dsl", cutlass.__version__)' 2>&1 | tail -1)"
     echo "- Clock regime: $2"; echo; echo "## Commands"; echo; } > "$DIR/MANIFEST.md"; }

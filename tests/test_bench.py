@@ -198,3 +198,14 @@ def test_rope_baseline_is_the_rotation_of_the_fused_call():
         got = RopeBaseline(rot.cos, rot.sin, cu, 142, interleaved)(x, 100)
         want = apply_rotary(x, cu, rot)
         assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()  # an FMA's ulp
+
+
+def test_environment_takes_the_commit_from_flamia_commit(monkeypatch):
+    """The device tool's copy of a checkout keeps a stale .git: FLAMIA_COMMIT, when set, names the commit."""
+    from flamia_cute.bench import environment
+
+    monkeypatch.setenv("FLAMIA_COMMIT", "0123abc")
+    env = environment()
+    assert env["commit"] == "0123abc" and len(env["source_hash"]) == 12
+    monkeypatch.delenv("FLAMIA_COMMIT")
+    assert environment()["commit"] != "0123abc"
