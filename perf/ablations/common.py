@@ -122,7 +122,9 @@ class Inputs:
                 vt.data_dt, vt.scale, self.doq.data_td, self.doq.data_dt, self.doq.scale, self.lse, self.delta,
                 self.dv_ref, self.cu, dq_acc, dk, dv)
         assert not config.deterministic, "the deterministic build needs its semaphores"
-        args = (*(t.data_ptr() for t in keep), 0, T, T_dt, Hk, num_docs, max_n_blocks, float(self.scale))
+        # no semaphores, no cos/sin tables (1 row); the separate-keys arguments as self-attention passes them
+        args = (*(t.data_ptr() for t in keep), 0, 0, 0, T, T_dt, Hk, num_docs, max_n_blocks, 1, float(self.scale),
+                self.cu.data_ptr(), self.cu.data_ptr(), T, T_dt)
         assert len(args) == len(bwd.ARG_KINDS) - 1, "attention_bwd.ARG_KINDS changed: update backward_kernel"
         dev = qq.data_td.device
 
