@@ -750,7 +750,7 @@ def test_cross_length_dq_tiles_start_within_the_pad_rows():
 def test_cross_length_dq_accumulator_has_pad_rows_before_row_0():
     """The cross-length build's dQ accumulator: DQ_PAD_ROWS rows allocated before row 0 (the first document's
     first dQ tile starts up to 63 rows before its first query), the view from row 0 returned."""
-    from flamia_cute.sm90.attention_bwd import DQ_PAD_ROWS, QUERY_TILE, BwdDsBf16Config, dq_pad_rows
+    from flamia_cute.sm90.attention_bwd import DQ_PAD_ROWS, QUERY_TILE, BwdDsBf16Config, dq_kernel_ptr, dq_pad_rows
     from flamia_cute.sm90.bwd_preprocess import backward_outputs
 
     assert DQ_PAD_ROWS >= QUERY_TILE - 1
@@ -760,6 +760,13 @@ def test_cross_length_dq_accumulator_has_pad_rows_before_row_0():
     dq, _, _ = backward_outputs(10, 4, 2, 64, "cpu", dq_pad_rows=DQ_PAD_ROWS)
     assert dq.shape == (10, 4, 64) and dq.is_contiguous() and not dq.any()
     assert dq.storage_offset() == DQ_PAD_ROWS * 4 * 64 and dq.untyped_storage().nbytes() == (10 + DQ_PAD_ROWS) * 4 * 64 * 4
+    # the kernel's address: the first allocated row for cross_length, the view's own otherwise
+    cross, plain = BwdDsBf16Config(head_dim=64, cross_length=True), BwdDsBf16Config(head_dim=64)
+    assert dq_kernel_ptr(dq, cross) == dq.untyped_storage().data_ptr()
+    unpadded, _, _ = backward_outputs(10, 4, 2, 64, "cpu")
+    assert dq_kernel_ptr(unpadded, plain) == unpadded.data_ptr()
+    with pytest.raises(ValueError, match="dq_acc: a cross_length build needs 64 rows"):
+        dq_kernel_ptr(unpadded, cross)
 
 
 def test_cross_backward_model_control_leaves_the_emulator():
@@ -848,8 +855,8 @@ FAR_FIRST_DOCS = [(64, 128), (1, 1000), (300, 363), (0, 40), (129, 258)]
 @pytest.mark.parametrize("docs", [FAR_FIRST_DOCS, FAR_FIRST_DOCS[1:], [(999, 1000), (128, 128)], [(63, 64)]],
                          ids=["offset64", "offset999", "first-offset1", "one-tile-offset1"])
 def test_gpu_cross_backward_far_first_document(docs, deterministic):
-    """The first document's queries start off a 64-row boundary of its keys: its first dQ tile starts before
-    row 0, in the accumulator's pad rows (a TMA reduce-add at a negative row stopped the kernel)."""
+    """The first document's queries start 64 or 999 keys in, or 1 (its first dQ tile then starts before row 0,
+    in the accumulator's pad rows: a TMA reduce-add at a negative row stopped the kernel)."""
     _gpu_backward_check(docs, True, 4, 2, 128, deterministic)
 
 

@@ -246,6 +246,16 @@ def dq_pad_rows(cfg: BwdDsBf16Config) -> int:
     return DQ_PAD_ROWS if cfg.cross_length else 0
 
 
+def dq_kernel_ptr(dq_acc, cfg: BwdDsBf16Config) -> int:
+    """The dQ accumulator's address the kernel takes: its first allocated row, dq_pad_rows(cfg) rows before
+    the view `dq_acc` (bwd_preprocess.backward_outputs) starts."""
+    pad = dq_pad_rows(cfg)
+    if pad and dq_acc.storage_offset() < pad * dq_acc.stride(0):
+        raise ValueError(f"dq_acc: a cross_length build needs {pad} rows allocated before row 0 "
+                         "(bwd_preprocess.backward_outputs(dq_pad_rows=...))")
+    return dq_acc.data_ptr() - pad * dq_acc.stride(0) * dq_acc.element_size()
+
+
 def short_pairs_supported(cfg: BwdDsBf16Config) -> bool:
     """Whether a config's build can take short_pairs: the dQ warp (TMA reduce-adds, so not
     deterministic) and no S^T/dP^T prefetch (d64)."""
@@ -1761,8 +1771,8 @@ def flamia_bwd_dsbf16_sm90(
         if config.deterministic:
             sem = torch.zeros(H * num_docs * 2 * max_n_blocks, dtype=torch.int32, device=dev)
         tables = [t.data_ptr() for t in rope_tables] if config.rotary != "none" else [0, 0]
-        pad_bytes = dq_pad_rows(config) * H * D * 4  # dQ: the padded accumulator's first row
-        launch_on_device(get_launcher(config), dev, *(t.data_ptr() - (pad_bytes if t is dq_acc else 0) for t in ptrs),
+        addrs = [t.data_ptr() for t in ptrs[:-3]] + [dq_kernel_ptr(dq_acc, config), dk.data_ptr(), dv.data_ptr()]
+        launch_on_device(get_launcher(config), dev, *addrs,
                          sem.data_ptr() if sem is not None else 0, *tables,
                          T, T_dt, Hk, num_docs, max_n_blocks, rows, float(softmax_scale),
                          cu_k.data_ptr(), dot_cu.data_ptr(), Tk, T_dt_o)
