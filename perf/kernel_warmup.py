@@ -16,7 +16,8 @@ from concurrent.futures import ProcessPoolExecutor
 KINDS = ("quant", "fwd", "bwd", "codes")
 
 
-def call_kernels(recipe: str, head_dim: int, heads_q: int, heads_kv: int, lengths, train: bool) -> set[tuple]:
+def call_kernels(recipe: str, head_dim: int, heads_q: int, heads_kv: int, lengths, train: bool,
+                 keys: str = "") -> set[tuple]:
     """{(kind, config)} of the sm_90a kernels one call launches (kind in KINDS): the Q/K/V launch (not
     for the per-tensor control, which torch quantizes), the forward (its per-tile build past
     PERSISTENT_MAX_DOCS documents) and, for a training call of a recipe with a backward kernel, the dO
@@ -26,8 +27,10 @@ def call_kernels(recipe: str, head_dim: int, heads_q: int, heads_kv: int, length
     from flamia_cute.sm90.codes import CodesConfig
     from flamia_cute.sm90.quantize import dout_delta_config
 
-    lengths = list(lengths)
-    plan = make_plan(recipe, head_dim, heads_q, heads_kv, max(lengths), sum(lengths), len(lengths))
+    lengths = list(lengths)  # the queries' documents
+    # keys: "" (causal self-attention), "cross" (causal, own key documents) or "noncausal"
+    plan = make_plan(recipe, head_dim, heads_q, heads_kv, max(lengths), sum(lengths), len(lengths),
+                     causal=keys != "noncausal", separate=bool(keys))
     fwd = plan.fwd
     if fwd.persistent and len(lengths) > PERSISTENT_MAX_DOCS:
         fwd = per_tile_fallback(fwd)

@@ -10,7 +10,9 @@ many-documents pack), so its cases run the forward only. The packs are the docum
 the tile edges (1, 2, 63, 65, 127, 129, 255, 257), each alone (so a short document ends the
 allocation, where an overrun shows) and all together, a mixed pack that builds the short-pair
 kernels, and a pack of more documents than the persistent forward's tables hold (its per-tile
-build). Shapes stay tiny (H <= 4, under 1,100 tokens): racecheck and synccheck are slow.
+build). The separate-keys builds run on the small packs: cross-length causal (queries off and on the
+64-row grid of their keys, documents without queries) and non-causal. Shapes stay tiny (H <= 4,
+under 1,100 tokens): racecheck and synccheck are slow.
 
     python perf/sanitize_driver.py --set full       # every case (memcheck; with --compile-ahead, the warm-up)
     python perf/sanitize_driver.py --set small      # the all-lengths and mixed packs (racecheck, synccheck)
@@ -43,6 +45,11 @@ SMALL_HEADS = ("gqa2x1_d128", "gqa4x1_d64")  # d128 and d64, both GQA
 # forward build and the emulator's backward with fp8_token
 RECIPES = ("fp8_tokenblock_dsbf16", "fp8_token", "fp8_tensor_current", "fp8_tokenblock_hadamard")
 ROTARY = ("half", "interleaved")  # RoPE inside the quantization (rotary=), on the default recipe
+# separate key documents on the default recipe: "cross", causal with each document's queries its last
+# positions (the keys' lengths minus these offsets, cycled: on and off the 64-row grid, none left);
+# "noncausal", every key visible
+KEYS = ("cross", "noncausal")
+CROSS_OFFSETS = (1, 0, 63, 64, 65, 129, 300)
 
 
 @dataclass(frozen=True)
@@ -52,10 +59,19 @@ class Case:
     pack: str
     deterministic: bool = False
     rotary: str = ""  # "", or one of ROTARY
+    keys: str = ""  # "", or one of KEYS
 
     def label(self) -> str:
         return (f"{self.recipe} {self.heads} {self.pack}" + (" deterministic" if self.deterministic else "")
-                + (f" rope-{self.rotary}" if self.rotary else ""))
+                + (f" rope-{self.rotary}" if self.rotary else "") + (f" {self.keys}" if self.keys else ""))
+
+
+def query_lengths(case: Case) -> tuple:
+    """The case's query documents: the pack's lengths, or for "cross" each minus its offset (at least 0)."""
+    lengths = PACKS[case.pack]
+    if case.keys != "cross":
+        return lengths
+    return tuple(max(0, n - CROSS_OFFSETS[i % len(CROSS_OFFSETS)]) for i, n in enumerate(lengths))
 
 
 def cases(which: str) -> list[Case]:
@@ -65,6 +81,7 @@ def cases(which: str) -> list[Case]:
     out = [Case(r, h, p) for r in RECIPES for h in heads for p in packs]
     out += [Case(RECIPES[0], h, p, deterministic=True) for h in heads for p in packs if p in SMALL_PACKS]
     out += [Case(RECIPES[0], h, p, rotary=r) for r in ROTARY for h in heads for p in packs if p in SMALL_PACKS]
+    out += [Case(RECIPES[0], h, p, keys=kk) for kk in KEYS for h in heads for p in packs if p in SMALL_PACKS]
     return out
 
 
@@ -79,6 +96,11 @@ def run_case(case: Case, seed: int = 0) -> None:
     lengths = PACKS[case.pack]
     H, Hk, D = HEADS[case.heads]
     q, k, v, do, cu, scale = make_inputs(lengths, H, Hk, D, seed=seed, device="cuda")
+    cu_q, mx_q = cu, max(lengths)
+    if case.keys == "cross":  # the queries: their own documents, the last positions of the keys'
+        q_len = query_lengths(case)
+        q, _, _, do, cu_q, _ = make_inputs(q_len, H, Hk, D, seed=seed + 1, device="cuda")
+        mx_q = max(q_len)
     mx = max(lengths)
     train = has_backward_kernel(resolve_recipe(case.recipe))
     leaves = [t.clone().requires_grad_(train) for t in (q, k, v)]
@@ -86,8 +108,8 @@ def run_case(case: Case, seed: int = 0) -> None:
     os.environ["FLAMIA_CUTE_DETERMINISTIC"] = "1" if case.deterministic else "0"
     try:
         rotary = RotaryConfig(theta=10000.0, interleaved=case.rotary == "interleaved") if case.rotary else None
-        out = flamia_attn_varlen_func(*leaves, cu, cu, mx, mx, scale, recipe=case.recipe, backend="cute",
-                                      rotary=rotary)
+        out = flamia_attn_varlen_func(*leaves, cu_q, cu, mx_q, mx, scale, causal=case.keys != "noncausal",
+                                      recipe=case.recipe, backend="cute", rotary=rotary)
         grads = torch.autograd.grad(out, leaves, do) if train else ()
     finally:
         if was is None:
@@ -110,7 +132,7 @@ def case_kernels(todo: list[Case]) -> set:
         for c in todo:
             H, Hk, D = HEADS[c.heads]
             os.environ["FLAMIA_CUTE_DETERMINISTIC"] = "1" if c.deterministic else "0"
-            kernels |= call_kernels(c.recipe, D, H, Hk, PACKS[c.pack], True)
+            kernels |= call_kernels(c.recipe, D, H, Hk, query_lengths(c), True, keys=c.keys)
     finally:
         if was is None:
             os.environ.pop("FLAMIA_CUTE_DETERMINISTIC", None)

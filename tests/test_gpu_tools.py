@@ -114,6 +114,17 @@ def test_sanitize_cases_cover_every_shipping_kernel_on_odd_packs():
     assert any(b.short_pairs for b in bwds) and any(b.deterministic for b in bwds)
     assert any(c.deterministic for c in small)
     assert {c.rotary for c in full} == {"", *sanitize_driver.ROTARY} == {c.rotary for c in small}
+    # the separate-keys builds: cross-length causal (queries on and off the keys' 64-row grid, documents
+    # without queries) and non-causal
+    assert {c.keys for c in full} == {"", *sanitize_driver.KEYS} == {c.keys for c in small}
+    assert any(b.cross_length for b in bwds) and any(not b.causal for b in bwds)
+    assert any(f.cross_length for f in fwds) and any(not f.causal for f in fwds)
+    offs, empty = set(), False
+    for c in (c for c in small if c.keys == "cross"):
+        q_len, k_len = sanitize_driver.query_lengths(c), sanitize_driver.PACKS[c.pack]
+        offs |= {k - q for q, k in zip(q_len, k_len, strict=True) if q > 0}
+        empty |= 0 in q_len
+    assert any(o % 64 for o in offs) and any(o > 0 and o % 64 == 0 for o in offs) and 0 in offs and empty
 
 
 def test_sanitize_driver_lists_without_a_gpu(capsys):
