@@ -252,7 +252,7 @@ def _build_plan(recipe, head_dim, heads_q, heads_kv, max_seqlen, total_tokens, n
             if short_pairs_worth(total_tokens, num_docs) and short_pairs_supported(bwd):
                 bwd = replace(bwd, short_pairs=True)
             bwd = tuned_bwd_dsbf16_config(bwd, max_seqlen, total_tokens, num_docs)
-        if separate:  # self-attention's tuned schedule, without short pairs
+        if separate:  # self-attention's schedule, without short pairs
             bwd = replace(bwd, short_pairs=False, causal=causal, cross_length=causal)
         if rotary is not None or hadamard:
             dq_convert = GradRotateConfig(head_dim, hadamard=hadamard_shift(head_dim, "q") if hadamard else 0,
