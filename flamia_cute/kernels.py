@@ -111,10 +111,7 @@ KERNELS = {
         KernelEntry("bwd_dsbf16", ("sm_90a",), "flamia_cute.sm90.attention_bwd", "BwdDsBf16Config",
                     ATTENTION_CONFIGS | {  # the dK epilogue with K's inverse rotations
                         "rope_hadamard_d128": dict(head_dim=128, diagonal_copy=True, rotary="half", rotary_dim=128,
-                                                   hadamard=3),
-                        # cross-length dQ goes by the ordered atomics only (BwdDsBf16Config.cross_length)
-                        "tokenblock_d128_cross": {**ATTENTION_CONFIGS["tokenblock_d128_cross"],
-                                                  "deterministic": True}}),
+                                                   hadamard=3)}),
         # the dQ conversion (fp32 -> bf16) with Q's inverse rotations
         KernelEntry("grad_rotate", ("sm_90a",), "flamia_cute.sm90.rotate", "GradRotateConfig", {
             "rope_hadamard_d128": dict(head_dim=128, rotary="half", rotary_dim=128, hadamard=4),

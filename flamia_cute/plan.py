@@ -243,8 +243,7 @@ def _build_plan(recipe, head_dim, heads_q, heads_kv, max_seqlen, total_tokens, n
     if has_backward_kernel(NAMED_RECIPES[recipe]):
         # the dK epilogue applies K's inverse rotations; the dQ conversion Q's
         k_rot = dict(rotations, hadamard=hadamard_shift(head_dim, "k") if hadamard else 0)
-        # the ordered atomics path, untuned; cross-length causal has no other (BwdDsBf16Config.cross_length)
-        if deterministic_backward() or (separate and causal):
+        if deterministic_backward():  # the ordered atomics path, untuned
             bwd = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=block_copy,
                                   deterministic=True, **k_rot)
         else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import re
 
 import pytest
@@ -720,14 +721,52 @@ def test_cross_backward_model_passes_the_leakage_checks(doc, cut):
     assert not bad.future_ok, str(bad)
 
 
-def test_cross_length_backward_config_needs_deterministic():
-    """The cross-length causal backward adds dQ by the ordered atomics only: the TMA reduce-add of a dQ tile
-    whose queries start off a 64-row boundary of their keys stopped the kernel on the H200."""
-    from flamia_cute.sm90.attention_bwd import BwdDsBf16Config
+def test_cross_length_dq_tiles_start_within_the_pad_rows():
+    """Every dQ tile a causal cross-length CTA adds starts at row >= -DQ_PAD_ROWS (the accumulator's pad) and
+    ends within the padded T rows' TMA box; without the pad some start below row 0 (the tiles that stopped the
+    kernel: a first document, or one after documents with few queries, whose queries start off the 64-row grid
+    of its keys)."""
+    from flamia_cute.sm90.attention_bwd import DQ_PAD_ROWS
 
-    with pytest.raises(ValueError, match="BwdDsBf16Config.cross_length: needs deterministic=True"):
-        BwdDsBf16Config(head_dim=128, cross_length=True)
-    assert not BwdDsBf16Config(head_dim=128, cross_length=True, deterministic=True).dq_tma_reduce
+    rng = random.Random(5)
+    packs = [[(999, 1000)], [(63, 64), (128, 128)], [(5, 100), (10, 300)], [(0, 40), (1, 1000)], CAUSAL_DOCS]
+    packs += [[(lq, lq + rng.choice([0, 1, 31, 63, 64, 65, 127, 999])) for lq in
+               (rng.choice([0, 1, 5, 63, 64, 200, 700]) for _ in range(rng.randint(1, 6)))] for _ in range(200)]
+    lowest = 0
+    for docs in packs:
+        T = sum(d[0] for d in docs)
+        for _, _, (live, q_base, _, _, _, d0, n_diag, p0, per) in _bwd_items(docs, True):
+            if not live:
+                continue
+            tiles = [*range(d0, d0 + n_diag), *range(p0, p0 + max(per, 0))]
+            for m in tiles:
+                row = q_base + 64 * m
+                lowest = min(lowest, row)
+                assert row >= -DQ_PAD_ROWS, (docs, row)
+                assert row < T, (docs, row)
+    assert lowest < 0  # the pad is needed
+
+
+def test_cross_length_dq_accumulator_has_pad_rows_before_row_0():
+    """The cross-length build's dQ accumulator: DQ_PAD_ROWS rows allocated before row 0 (the first document's
+    first dQ tile starts up to 63 rows before its first query), the view from row 0 returned."""
+    from flamia_cute.sm90.attention_bwd import DQ_PAD_ROWS, QUERY_TILE, BwdDsBf16Config, dq_kernel_ptr, dq_pad_rows
+    from flamia_cute.sm90.bwd_preprocess import backward_outputs
+
+    assert DQ_PAD_ROWS >= QUERY_TILE - 1
+    assert dq_pad_rows(BwdDsBf16Config(head_dim=128, cross_length=True)) == DQ_PAD_ROWS
+    assert dq_pad_rows(BwdDsBf16Config(head_dim=128, causal=False)) == 0  # tiles from the first query
+    assert dq_pad_rows(BwdDsBf16Config(head_dim=128)) == 0
+    dq, _, _ = backward_outputs(10, 4, 2, 64, "cpu", dq_pad_rows=DQ_PAD_ROWS)
+    assert dq.shape == (10, 4, 64) and dq.is_contiguous() and not dq.any()
+    assert dq.storage_offset() == DQ_PAD_ROWS * 4 * 64 and dq.untyped_storage().nbytes() == (10 + DQ_PAD_ROWS) * 4 * 64 * 4
+    # the kernel's address: the first allocated row for cross_length, the view's own otherwise
+    cross, plain = BwdDsBf16Config(head_dim=64, cross_length=True), BwdDsBf16Config(head_dim=64)
+    assert dq_kernel_ptr(dq, cross) == dq.untyped_storage().data_ptr()
+    unpadded, _, _ = backward_outputs(10, 4, 2, 64, "cpu")
+    assert dq_kernel_ptr(unpadded, plain) == unpadded.data_ptr()
+    with pytest.raises(ValueError, match="dq_acc: a cross_length build needs 64 rows"):
+        dq_kernel_ptr(unpadded, cross)
 
 
 def test_cross_backward_model_control_leaves_the_emulator():
@@ -743,8 +782,7 @@ _BWD_BUILDS = [(128, True, {}), (64, True, {}), (128, False, {}), (128, True, {"
 
 @needs_dsl
 @pytest.mark.parametrize("mode, head_dim, diagonal_copy, extra", [
-    (mode, *build) for mode in MODES for build in _BWD_BUILDS
-    if build[2].get("deterministic") or not MODES[mode].get("cross_length")])  # cross_length: deterministic only
+    (mode, *build) for mode in MODES for build in _BWD_BUILDS])
 def test_cross_backward_builds_compile_without_spills(mode, head_dim, diagonal_copy, extra):
     """The self-attention build's products (two copies of the tile step; the d64 prefetch's S^T/dP^T issues),
     both phases' K/V loads (phase 1's under a runtime condition: a
@@ -796,9 +834,9 @@ def _gpu_bwd_run(docs, recipe, causal, H, Hk, D, seed, deterministic=False, q_k_
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("causal, H, Hk, D, deterministic", [
-    (True, 4, 2, 128, True), (True, 2, 1, 64, True),  # cross_length builds are deterministic only
-    (False, 4, 2, 128, False), (False, 2, 1, 64, False), (False, 4, 2, 128, True), (False, 2, 1, 64, True)])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal, H, Hk, D", [(True, 4, 2, 128), (True, 2, 1, 64), (False, 4, 2, 128),
+                                              (False, 2, 1, 64)])
 def test_gpu_cross_backward_matches_emulator(causal, H, Hk, D, deterministic):
     """The backward kernel's separate-keys builds against emulate_backward on the same operands (the backward
     kernel tests' tolerances; dK and dV per key document, dQ per query document); every dK, dV row written
@@ -813,9 +851,13 @@ FAR_FIRST_DOCS = [(64, 128), (1, 1000), (300, 363), (0, 40), (129, 258)]
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("docs", [FAR_FIRST_DOCS, FAR_FIRST_DOCS[1:]], ids=["offset64", "offset999"])
-def test_gpu_cross_backward_far_first_document(docs):
-    _gpu_backward_check(docs, True, 4, 2, 128, True)
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("docs", [FAR_FIRST_DOCS, FAR_FIRST_DOCS[1:], [(999, 1000), (128, 128)], [(63, 64)]],
+                         ids=["offset64", "offset999", "first-offset1", "one-tile-offset1"])
+def test_gpu_cross_backward_far_first_document(docs, deterministic):
+    """The first document's queries start 64 or 999 keys in, or 1 (its first dQ tile then starts before row 0,
+    in the accumulator's pad rows: a TMA reduce-add at a negative row stopped the kernel)."""
+    _gpu_backward_check(docs, True, 4, 2, 128, deterministic)
 
 
 def _gpu_backward_check(docs, causal, H, Hk, D, deterministic):

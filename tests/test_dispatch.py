@@ -295,4 +295,4 @@ def test_sm90_rotations_with_cross_length_or_non_causal_fall_back_saying_why(mon
     with pytest.raises(ValueError, match="RoPE with cross-length"):
         make_plan("fp8_tokenblock_dsbf16", 128, 4, 2, 300, 435, 4, causal=False, separate=True, rotary=("half", 128))
     with pytest.raises(ValueError, match="BwdDsBf16Config.rotary"):
-        BwdDsBf16Config(head_dim=128, cross_length=True, deterministic=True, rotary="half", rotary_dim=128)
+        BwdDsBf16Config(head_dim=128, cross_length=True, rotary="half", rotary_dim=128)

@@ -141,6 +141,10 @@ HEAD_WINDOWS = (1, 2, 4, 8, 16, 32, 64)  # BwdDsBf16Config.head_window
 # dO and dQ accumulator rows their CTAs share stay a few MB per head (the plain order's locality)
 WINDOW_TOKENS = 16384
 # named barriers (1: dS and Q bf16 stored, 2: the phase change, 3: deterministic dQ turns)
+# cross_length: the dQ accumulator's rows before row 0 (the host allocates them): the first document's first
+# dQ tile starts up to QUERY_TILE - 1 rows before its first query, and a TMA reduce-add at a negative row
+# stopped the kernel on the H200 (cudaErrorIllegalInstruction)
+DQ_PAD_ROWS = QUERY_TILE
 DQ_FULL, DQ_EMPTY = 4, 5  # the dQ warp's tile hand-off: consumers (256 threads) and the dQ warp (32)
 VT_BARRIER = 6  # + warpgroup: transpose_v's two barriers (128 threads)
 # bf16 dS [q, key] for dQ's A operand (queries contiguous), two buffers; stored by hand (ds_word_index)
@@ -193,10 +197,6 @@ class BwdDsBf16Config:
                 bad(name, "must be a bool")
         if self.cross_length and not self.causal:
             bad("cross_length", "is for causal=True (the non-causal build takes cu_seqlens_k in any case)")
-        if self.cross_length and not self.deterministic:
-            # the TMA reduce-add of a dQ tile whose queries start off a 64-row boundary of their keys stops
-            # the kernel on the H200 (cudaErrorIllegalInstruction): dQ by the ordered atomics
-            bad("cross_length", "needs deterministic=True (its dQ goes by the ordered atomics)")
         if self.short_pairs and self.separate_keys:
             bad("short_pairs", "pairs self-attention documents only (not with cross_length or causal=False)")
         if self.vec_stages not in (2, 3):
@@ -238,6 +238,22 @@ class BwdDsBf16Config:
         than "heads"); "heads", KV head fastest, in the deterministic mode, whose ordered dQ
         additions were GPU-tested in that order."""
         return "heads" if self.deterministic else "blocks"
+
+
+def dq_pad_rows(cfg: BwdDsBf16Config) -> int:
+    """Rows of the fp32 dQ accumulator before row 0 that the host allocates and the kernel's pointer starts at
+    (DQ_PAD_ROWS for cross_length builds, else 0)."""
+    return DQ_PAD_ROWS if cfg.cross_length else 0
+
+
+def dq_kernel_ptr(dq_acc, cfg: BwdDsBf16Config) -> int:
+    """The dQ accumulator's address the kernel takes: its first allocated row, dq_pad_rows(cfg) rows before
+    the view `dq_acc` (bwd_preprocess.backward_outputs) starts."""
+    pad = dq_pad_rows(cfg)
+    if pad and dq_acc.storage_offset() < pad * dq_acc.stride(0):
+        raise ValueError(f"dq_acc: a cross_length build needs {pad} rows allocated before row 0 "
+                         "(bwd_preprocess.backward_outputs(dq_pad_rows=...))")
+    return dq_acc.data_ptr() - pad * dq_acc.stride(0) * dq_acc.element_size()
 
 
 def short_pairs_supported(cfg: BwdDsBf16Config) -> bool:
@@ -531,7 +547,12 @@ class FlamiaBwdDsBf16Sm90:
         mSVtok = cute.make_tensor(svtok_ptr, skl)
         mRef = cute.make_tensor(dvref_ptr, cute.make_layout((num_kv_heads, num_docs), stride=(num_docs, 1)))
         mCu = cute.make_tensor(cu_ptr, cute.make_layout(num_docs + 1))
-        mdQ = cute.make_tensor(dq_acc_ptr, cute.make_layout((T, D, H), stride=(hd, 1, D)))
+        # cross_length: dq_acc_ptr is DQ_PAD_ROWS rows before row 0 (dq_pad_rows); the TMA reduce-add sees them
+        pad = DQ_PAD_ROWS if cutlass.const_expr(self.cfg.cross_length) else 0
+        mdQ_pad = cute.make_tensor(dq_acc_ptr, cute.make_layout((T + pad, D, H), stride=(hd, 1, D)))
+        mdQ = mdQ_pad
+        if cutlass.const_expr(self.cfg.cross_length):
+            mdQ = cute.domain_offset((pad, 0, 0), mdQ_pad)
         mSem = None
         if cutlass.const_expr(self.deterministic):
             mSem = cute.make_tensor(sem_ptr, cute.make_layout(H * num_docs * 2 * max_n_blocks))
@@ -572,7 +593,7 @@ class FlamiaBwdDsBf16Sm90:
         tma_dq, tdQ = None, None  # no descriptor to build unless used
         if cutlass.const_expr(self.dq_tma):
             tma_dq, tdQ = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, cute.slice_(sdQ_layout, (None, None, 0)),
+                cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ_pad, cute.slice_(sdQ_layout, (None, None, 0)),
                 (tq, D))
         self.kv_bytes = 2 * kb * D
         self.a_bytes = 2 * tq * D
@@ -749,7 +770,7 @@ class FlamiaBwdDsBf16Sm90:
                                       softmax_scale, q_lo=q_lo)
                 if cutlass.const_expr(self.dq_tma):
                     if warp_idx == 2:
-                        self.reduce_dq(tmas[14], tmas[15], sdQ, kv_head, q_base, sched)
+                        self.reduce_dq(tmas[14], tmas[15], sdQ, kv_head, q_base + dq_pad_rows(self.cfg), sched)
             else:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
                 self.consume_cross(
@@ -1672,7 +1693,8 @@ def flamia_bwd_dsbf16_sm90(
     if side is not None:
         side.wait_stream(main)  # the forward's operands are ready before the side passes read them
     # allocated here on the current stream (its memory pool), filled on the side stream when overlapped
-    dq_acc, dk, dv = backward_outputs(T, H, Hk, D, dev, poison_outputs, zero_dq=side is None, Tk=Tk)
+    dq_acc, dk, dv = backward_outputs(T, H, Hk, D, dev, poison_outputs, zero_dq=side is None, Tk=Tk,
+                                      dq_pad_rows=dq_pad_rows(config))
     make_q_bf16 = q_bf16 is None
     if make_q_bf16:
         q_bf16 = torch.empty(T, H, D, dtype=torch.bfloat16, device=dev)
@@ -1749,7 +1771,8 @@ def flamia_bwd_dsbf16_sm90(
         if config.deterministic:
             sem = torch.zeros(H * num_docs * 2 * max_n_blocks, dtype=torch.int32, device=dev)
         tables = [t.data_ptr() for t in rope_tables] if config.rotary != "none" else [0, 0]
-        launch_on_device(get_launcher(config), dev, *(t.data_ptr() for t in ptrs),
+        addrs = [t.data_ptr() for t in ptrs[:-3]] + [dq_kernel_ptr(dq_acc, config), dk.data_ptr(), dv.data_ptr()]
+        launch_on_device(get_launcher(config), dev, *addrs,
                          sem.data_ptr() if sem is not None else 0, *tables,
                          T, T_dt, Hk, num_docs, max_n_blocks, rows, float(softmax_scale),
                          cu_k.data_ptr(), dot_cu.data_ptr(), Tk, T_dt_o)

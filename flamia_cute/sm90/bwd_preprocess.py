@@ -37,12 +37,15 @@ def preprocess_bwd(dout: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tens
 
 
 def backward_outputs(T: int, H: int, Hk: int, D: int, device, poison: bool = False, zero_dq: bool = True,
-                     Tk: int | None = None):
+                     Tk: int | None = None, dq_pad_rows: int = 0):
     """The backward kernel's outputs: the fp32 dQ accumulator and dK, dV bf16 (every row written by the
     kernel; NaN first with `poison`, as the tests ask). zero_dq: the accumulator zeroed here (the kernel
     adds into it); False when the caller zeroes it (on a side stream). Tk: the keys' tokens (default T)."""
     Tk = T if Tk is None else Tk
-    dq_acc = (torch.zeros if zero_dq else torch.empty)(T, H, D, dtype=torch.float32, device=device)
+    # dq_pad_rows: rows allocated before row 0 that the kernel may add zeros into (attention_bwd.dq_pad_rows);
+    # the accumulator returned is the view from row 0
+    dq_acc = (torch.zeros if zero_dq else torch.empty)(T + dq_pad_rows, H, D, dtype=torch.float32,
+                                                       device=device)[dq_pad_rows:]
     dk = torch.empty(Tk, Hk, D, dtype=torch.bfloat16, device=device)
     dv = torch.empty(Tk, Hk, D, dtype=torch.bfloat16, device=device)
     if poison:
