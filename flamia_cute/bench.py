@@ -139,6 +139,7 @@ class FA4(Impl):
 
             rot = RotaryConfig(theta=LAYER_THETA).tables(case.max_len, case.head_dim, case.device)
             self.rope = RopeBaseline(rot.cos, rot.sin, case.cu, case.total)
+            print(f"{self.name}: RoPE by {self.rope.kind} on {case.workload}", file=sys.stderr)  # which kernel ran
 
     def forward(self, case, q, k, v):
         from .baselines.torch_impls import fa4_varlen
