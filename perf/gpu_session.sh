@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs a maintainer repeats, by stage: bash perf/gpu_session.sh STAGE...   (perf/README.md)
 # Stages: setup tests tests-full bench breakdown api-profile tune ablations go36 train accuracy sanitize
-# sanitize-race fuzz soak train-long cudnn-direct.
+# sanitize-race fuzz soak train-long cudnn-direct cache-out.
 # Each stage writes $RESULTS/<date>-<stage>/: its log, its outputs and a MANIFEST.md (commit, command,
 # GPU, clock regime, SM clock samples where taken). RESULTS defaults to $OUT (the device tool returns
 # what is under $OUT), else perf/results. WORKLOADS, ABLATIONS, TRAIN_WHAT, TRAIN_SEED, SANITIZE_STEPS,
@@ -37,7 +37,16 @@ for stage in "$@"; do
   case $stage in
     setup)  # the GPU bundle (make_bundle.sh; part a at /root/gpu-bundle/a or .gpu-bundle/a), then this package
       [ -f .gpu-bundle/b/install.sh ] && bash .gpu-bundle/b/install.sh
-      . /root/gpu-bundle/env.sh && python3 -m pip install -q --no-deps --no-build-isolation -e . && echo "setup ok" ;;
+      . /root/gpu-bundle/env.sh && python3 -m pip install -q --no-deps --no-build-isolation -e . && echo "setup ok"
+      # a disk cache an earlier machine sent back (cache-out), carried as .gpu-bundle/cache: its keys hash the
+      # kernel sources, so entries of changed kernels are never loaded
+      if [ -f .gpu-bundle/cache/kernel-cache.tar.xz ]; then mkdir -p "$FLAMIA_CUTE_CACHE_DIR" &&
+        xz -dc .gpu-bundle/cache/kernel-cache.tar.xz | tar xf - -C "$FLAMIA_CUTE_CACHE_DIR" &&
+        echo "kernel cache: $(ls "$FLAMIA_CUTE_CACHE_DIR" | grep -c '\.o$') builds restored"; fi ;;
+    cache-out)  # this machine's compiled kernels and tuning files as one archive under $RESULTS: carry it to the
+      # next machine as .gpu-bundle/cache/kernel-cache.tar.xz and `setup` restores it (no compiles for unchanged kernels)
+      tar cf - -C "$FLAMIA_CUTE_CACHE_DIR" --exclude='*.lock' . | xz -T0 -6 > "$RESULTS/kernel-cache.tar.xz" &&
+        echo "kernel cache: $(ls "$FLAMIA_CUTE_CACHE_DIR" | grep -c '\.o$') builds, $(du -h "$RESULTS/kernel-cache.tar.xz" | cut -f1)" ;;
     tests|tests-full)  # make test-gpu / test-gpu-full run pytest-xdist workers; without xdist, the same tests in one process
       begin "$stage" "not timed (correctness)"
       if [ "$stage" = tests ]; then target=test-gpu; marks="gpu and not gpu_full"; limit=560; else target=test-gpu-full; marks=gpu; limit=590; fi
