@@ -898,12 +898,14 @@ def test_gpu_cross_backward_on_self_attention_is_the_default_build():
 @pytest.mark.gpu
 @needs_dsl
 @pytest.mark.parametrize("causal, doc, cut", [(True, 2, 101), (True, 5, 129), (True, 0, 100), (False, 1, None)])
-def test_gpu_cross_api_leakage_with_gradients(causal, doc, cut, monkeypatch):
-    """Quantization, forward and backward kernels through the API (deterministic dQ): the future test on O, LSE
-    and dQ before the cut, document isolation on every output and gradient."""
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_gpu_cross_api_leakage_with_gradients(causal, doc, cut, deterministic, monkeypatch):
+    """Quantization, forward and backward kernels through the API: the future test on O, LSE and dQ before the
+    cut, document isolation on every output and gradient. The plan's own builds: with the deterministic dQ
+    (ordered atomics) the gradients bitwise; with the TMA reduce-adds, whose order varies, within 2e-2."""
     from flamia_cute.testing import attention_fn_for
 
-    monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1")
+    monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1" if deterministic else "0")
     docs = CAUSAL_DOCS if causal else NON_CAUSAL_DOCS
     q, k, v, cu_q, cu_k, scale = _inputs(docs, 4, 2, 128, 33)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(34)).bfloat16()
@@ -913,7 +915,8 @@ def test_gpu_cross_api_leakage_with_gradients(causal, doc, cut, monkeypatch):
         res = api(q_.cuda(), k_.cuda(), v_.cuda(), cq.cuda(), ck.cuda(), dout.cuda() if dout is not None else None)
         return {name: t.cpu() for name, t in res.items()}
 
-    rep = check_leakage_varlen(fn, q, k, v, cu_q, cu_k, do, doc=doc, cut=cut, causal=causal)
+    rep = check_leakage_varlen(fn, q, k, v, cu_q, cu_k, do, doc=doc, cut=cut, causal=causal,
+                               grad_tol=0.0 if deterministic else 2e-2)
     assert rep.ok, str(rep)
 
 

@@ -343,6 +343,27 @@ def test_separate_keys_isolation_check_fails_a_leak():
     assert any("out of another document changed" in b for b in bad), bad
 
 
+@pytest.mark.parametrize("change", ["nan", "scale"])
+def test_separate_keys_isolation_check_fails_a_dq_leak_within_its_tolerance(change):
+    """With the 2e-2 dQ bound the GPU test uses for the TMA reduce-adds, the check still reports another
+    document's dQ that turns non-finite or moves by more than the bound (here 5%)."""
+    q, k, v, do, cu_q, cu_k, scale = _xlen_problem()
+    real = attention_fn_for(RECIPE, scale, causal=True).varlen
+    poisoned = 1  # the document whose V gets the NaN; document 0's dQ carries the leak
+    rows = slice(int(cu_q[0]), int(cu_q[1]))
+
+    def leaky(q, k, v, cu_q, cu_k, dout=None):
+        res = real(q, k, v, cu_q, cu_k, dout)
+        if not torch.isfinite(q).all() or not torch.isfinite(k).all() or not torch.isfinite(v).all():
+            res["dq"] = res["dq"].clone()
+            res["dq"][rows] = float("nan") if change == "nan" else res["dq"][rows] * 1.05
+        return res
+
+    bad = check_nonfinite_isolation_varlen(leaky, q, k, v, cu_q, cu_k, do, "v", poisoned, 350, float("nan"),
+                                           head=1, dq_tol=2e-2)
+    assert any("dq of another document changed" in b for b in bad), bad
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal, name, which, value", list(_xlen_cases()))
 def test_kernels_isolate_nonfinite_inputs_with_separate_keys(causal, name, which, value, default_configs):
