@@ -76,7 +76,20 @@ def register_flamia_fp8() -> FlamiaFlashHandle:
             if not hasattr(torch.ops.aten, op.split(".")[0]):  # an op this torch does not have
                 continue
             lib.impl(op, _kernel(op, key, handler), key, with_keyset=True)
+    if torch.cuda.is_available() and torch.backends.cuda.cudnn_sdp_enabled():
+        # SDPA picks its backend before any flash op runs, and on an H200 it picks cuDNN's attention: without
+        # this word a user's SDPA calls would silently stay bf16
+        _warn_sdpa_backend()
     return FlamiaFlashHandle(lib)
+
+
+def _warn_sdpa_backend() -> None:
+    if "sdpa backend" not in _WARNED:
+        _WARNED.add("sdpa backend")
+        warnings.warn(f"{IMPL_NAME} serves varlen_attn and SDPA's flash path; on this GPU "
+                      "F.scaled_dot_product_attention may choose cuDNN's attention instead (it does on an H200). "
+                      "Run SDPA under torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION), or call "
+                      "torch.backends.cuda.enable_cudnn_sdp(False), for its calls to reach FLAMIA_FP8", stacklevel=3)
 
 
 # ----------------------------------------------------------------------------- dispatch

@@ -67,6 +67,23 @@ def test_registered_and_restored():
         tb.activate("no_such_recipe")
 
 
+@pytest.mark.parametrize("cudnn_sdp", [True, False])
+def test_activation_on_a_gpu_says_how_sdpa_reaches_us(monkeypatch, cudnn_sdp):
+    """On a CUDA machine whose SDPA may choose cuDNN's attention, activation warns once how to route SDPA to the
+    flash path (SDPA picks its backend before our kernels see the call); with cuDNN's SDPA off it says nothing."""
+    monkeypatch.setattr(tb, "_WARNED", set())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: cudnn_sdp)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        tb.activate()
+        restore_flash_attention_impl()
+        tb.activate()
+        restore_flash_attention_impl()
+    said = [str(m.message) for m in w if "sdpa_kernel(SDPBackend.FLASH_ATTENTION)" in str(m.message)]
+    assert len(said) == (1 if cudnn_sdp else 0), said
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_attn_is_our_call_bit_for_bit(active, causal):
     lengths, hk = [100, 37, 1, 0, 200], 2 if GQA else 4
