@@ -722,8 +722,8 @@ def test_cross_backward_model_passes_the_leakage_checks(doc, cut):
 
 
 def test_cross_length_dq_tiles_start_within_the_pad_rows():
-    """Every dQ tile a causal cross-length CTA adds starts at row >= -DQ_PAD_ROWS (the accumulator's pad) and
-    ends within the padded T rows' TMA box; without the pad some start below row 0 (the tiles that stopped the
+    """Every dQ tile a causal cross-length CTA adds starts at a row in [-DQ_PAD_ROWS, T) (the accumulator's pad
+    and its rows; the TMA drops a tile's rows past T - 1); without the pad some start below row 0 (the tiles that stopped the
     kernel: a first document, or one after documents with few queries, whose queries start off the 64-row grid
     of its keys)."""
     from flamia_cute.sm90.attention_bwd import DQ_PAD_ROWS
