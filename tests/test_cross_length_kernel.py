@@ -902,7 +902,7 @@ def test_gpu_cross_backward_on_self_attention_is_the_default_build():
 def test_gpu_cross_api_leakage_with_gradients(causal, doc, cut, deterministic, monkeypatch):
     """Quantization, forward and backward kernels through the API: the future test on O, LSE and dQ before the
     cut, document isolation on every output and gradient. The plan's own builds: with the deterministic dQ
-    (ordered atomics) the gradients bitwise; with the TMA reduce-adds, whose order varies, within 2e-2."""
+    (key-block turns) the gradients bitwise; with the unordered TMA reduce-adds within 2e-2."""
     from flamia_cute.testing import attention_fn_for
 
     monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1" if deterministic else "0")
