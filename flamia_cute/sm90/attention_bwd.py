@@ -139,7 +139,7 @@ HEAD_WINDOWS = (1, 2, 4, 8, 16, 32, 64)  # BwdDsBf16Config.head_window
 # auto_head_window: the windows' documents hold at most this many tokens together, so that the Q,
 # dO and dQ accumulator rows their CTAs share stay a few MB per head (the plain order's locality)
 WINDOW_TOKENS = 16384
-# named barriers (1: dS and Q bf16 stored, 2: the phase change, 3: deterministic dQ turns)
+# named barriers (1: dS and Q bf16 stored, 2: the phase change)
 # cross_length: the dQ accumulator's rows before row 0 (the host allocates them): the first document's first
 # dQ tile starts up to QUERY_TILE - 1 rows before its first query, and a TMA reduce-add at a negative row
 # stopped the kernel on the H200 (cudaErrorIllegalInstruction)
@@ -541,9 +541,6 @@ class FlamiaBwdDsBf16Sm90:
         # cross_length: dq_acc_ptr is DQ_PAD_ROWS rows before row 0 (dq_pad_rows); the TMA reduce-add sees them
         pad = DQ_PAD_ROWS if cutlass.const_expr(self.cfg.cross_length) else 0
         mdQ_pad = cute.make_tensor(dq_acc_ptr, cute.make_layout((T + pad, D, H), stride=(hd, 1, D)))
-        mdQ = mdQ_pad
-        if cutlass.const_expr(self.cfg.cross_length):
-            mdQ = cute.domain_offset((pad, 0, 0), mdQ_pad)
         mSem = None
         if cutlass.const_expr(self.deterministic):
             mSem = cute.make_tensor(sem_ptr, cute.make_layout(H * num_docs * 2 * max_n_blocks))
@@ -612,7 +609,7 @@ class FlamiaBwdDsBf16Sm90:
         tmas = (tma_k, tK, tma_v, tV, tma_ktok, tKtok, tma_vtok, tVtok, tma_q, tQ, tma_do, tdO, tma_dot, tdOt, tma_dq,
                 tdQ, sdQ_layout, tma_qb, tQb)
         self.kernel(
-            mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV, mSem, mCos, mSin,
+            mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdK, mdV, mSem, mCos, mSin,
             L["K"], L["Q"], L["dOt"], L["Qb"], L["Kb"], L["dS"], L["Vt"], softmax_scale, mCuK, mDotCu,
         ).launch(
             grid=backward_grid(self.cfg.raster, num_kv_heads, num_docs, max_n_blocks, self.cfg.head_window),
@@ -636,7 +633,6 @@ class FlamiaBwdDsBf16Sm90:
         mSVtok: cute.Tensor,
         mRef: cute.Tensor,
         mCu: cute.Tensor,
-        mdQ: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mSem: cute.Tensor,
@@ -657,7 +653,7 @@ class FlamiaBwdDsBf16Sm90:
         layouts = (sK_layout, sQ_layout, sdOt_layout, sQb_layout, sKb_layout, sdS_layout, sVt_layout)
         if cutlass.const_expr(self.cross):
             self.cross_item(mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mCuK, mDotCu,
-                            mdQ, mdK, mdV, mSem, layouts, softmax_scale)
+                            mdK, mdV, mSem, layouts, softmax_scale)
             return
         tidx, _, _ = cute.arch.thread_idx()
         kv_head, doc, n_blk = backward_work_item(self.cfg.raster, cute.arch.block_idx(), self.cfg.head_window)
@@ -728,7 +724,7 @@ class FlamiaBwdDsBf16Sm90:
 
     @cute.jit
     def cross_item(self, mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mCuK, mDotCu,
-                   mdQ, mdK, mdV, mSem, layouts, softmax_scale):
+                   mdK, mdV, mSem, layouts, softmax_scale):
         """kernel()'s CTA with separate keys: key block n_blk of the key document, the query tiles of
         schedules.varlen_tiles.backward_cross_item (the warp roles as kernel()'s, without short pairs).
         xq = (q_base, q_lo, q_hi, dO^T's column of tile 0) are the query side's bounds, the key side's
@@ -763,7 +759,7 @@ class FlamiaBwdDsBf16Sm90:
                 self.consume_cross(
                     mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok,
                     mRef[kv_head, doc], (sdQ_words, dq_plan), mdK, mdV, kv_head,
-                    k_start, k_len, sched, softmax_scale, wg_idx - 1, xq,
+                    k_start, k_len, sched, softmax_scale, wg_idx - 1,
                 )
 
     @cute.jit
@@ -962,16 +958,17 @@ class FlamiaBwdDsBf16Sm90:
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)  # the buffer starts free
         for i in cutlass.range(total, unroll=1):
             hi, m = self._tile_of(i, n_blk, n_diag, per, sched[3:])
+            hq = kv_head * self.group + hi
+            sem_addr = Int64(0)
+            if cutlass.const_expr(self.deterministic):
+                # the turn first, while the consumers still compute the tile: the wait is not added after it
+                sem_addr = dq_turn_wait_warp(turns[0], hq, turns[1], m, n_blk, 2)  # two tiles per key block
             cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=288)
             # the whole warp: a TMA copy elects its issuing lane with a full-mask elect.sync, so calling
             # it from one lane deadlocks
             start = doc_start
             if cutlass.const_expr(hi_start is not None):
                 start = select(m >= 1, hi_start, doc_start)
-            hq = kv_head * self.group + hi
-            sem_addr = Int64(0)
-            if cutlass.const_expr(self.deterministic):
-                sem_addr = dq_turn_wait_warp(turns[0], hq, turns[1], m, sched[0], 2)  # two tiles per key block
             tSs, tSg = document_tiles(atom, t_dq, hq, sdQ, (self.tq, self.D), start, 0)
             cute.copy(atom, tSs[None, 0], tSg[None, m])
             cute.arch.cp_async_bulk_commit_group()
@@ -1110,9 +1107,8 @@ class FlamiaBwdDsBf16Sm90:
             last_diag = i + 1 == self.group * n_diag
             lim_i = pair_key_end(lim, pair_first, i, n_diag)
             a_state, b_state, v_state = self.tile_step(
-                True, i, i + 1 < self.group * n_diag, kv_head * self.group + i // n_diag,
-                2 * n_blk + i % n_diag, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state,
-                v_state, dq_out, doc_start, doc_len, lim_i, n_blk, softmax_scale, wg,
+                True, i, i + 1 < self.group * n_diag, 2 * n_blk + i % n_diag, frags, rsc, krow, cf, sVec, bufs,
+                pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out, lim_i, n_blk, softmax_scale, wg,
                 (pipe_kv, kv_state, last_diag) if early else None,
                 self.cross_vectors(pair_first, pair_second, i, n_diag),
             )
@@ -1142,9 +1138,9 @@ class FlamiaBwdDsBf16Sm90:
                 self.issue_sdp(frags, pipe_a, a_state, wg)
             for j in cutlass.range(self.group * per, unroll=1):
                 a_state, b_state, v_state = self.tile_step(
-                    False, self.group * n_diag + j, j + 1 < self.group * per, kv_head * self.group + j // per,
-                    2 * n_blk + 2 + j % per, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state,
-                    b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg,
+                    False, self.group * n_diag + j, j + 1 < self.group * per, 2 * n_blk + 2 + j % per, frags, rsc,
+                    krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out, lim, n_blk,
+                    softmax_scale, wg,
                 )
 
         if cutlass.const_expr(self.prefetch):
@@ -1177,10 +1173,10 @@ class FlamiaBwdDsBf16Sm90:
     @cute.jit
     def consume_cross(
         self, mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok, dv_ref, dq_out, mdK,
-        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, xq,
+        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg,
     ):
-        """consume with separate keys: doc_start, doc_len are the key document's; xq = (q_base, q_lo, q_hi, _)
-        the query side's (cross_item); sched = (n_blk, n_diag, per, d0, p0). Either phase may have no tile
+        """consume with separate keys: doc_start, doc_len are the key document's (the query side's bounds
+        are the loaders' and the dQ warp's: cross_item); sched = (n_blk, n_diag, per, d0, p0). Either phase may have no tile
         (n_diag = 0: a key block wholly before every query; per <= 0): a phase without tiles has no K/V of
         its own (load_tma_cross loads as _phase1_loads_kv says)."""
         frags, krow = self.consumer_fragments(mmas, bufs, wg)
@@ -1189,7 +1185,6 @@ class FlamiaBwdDsBf16Sm90:
         b_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sv)
         n_blk, n_diag, per, d0, p0 = sched
-        q_base, q_lo, q_hi = xq[0], xq[1], xq[2]
         kb = self.kb
         D = self.D
         sKs = bufs[13]
@@ -1220,10 +1215,9 @@ class FlamiaBwdDsBf16Sm90:
             for i in cutlass.range(self.group * n_diag, unroll=1):
                 last_diag = i + 1 == self.group * n_diag
                 a_state, b_state, v_state = self.tile_step(
-                    True, i, i + 1 < self.group * n_diag, kv_head * self.group + i // n_diag, d0 + i % n_diag,
-                    frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out,
-                    q_base, q_hi, lim, n_blk, softmax_scale, wg, (pipe_kv, kv_state, last_diag) if early else None,
-                    q_lo=q_lo,
+                    True, i, i + 1 < self.group * n_diag, d0 + i % n_diag, frags, rsc, krow, cf, sVec, bufs, pipe_a,
+                    pipe_b, pipe_v, a_state, b_state, v_state, dq_out, lim, n_blk, softmax_scale, wg,
+                    (pipe_kv, kv_state, last_diag) if early else None,
                 )
             if cutlass.const_expr(self.prefetch):
                 warpgroup.wait_group(0)
@@ -1249,9 +1243,9 @@ class FlamiaBwdDsBf16Sm90:
                 self.issue_sdp(frags, pipe_a, a_state, wg)
             for j in cutlass.range(self.group * per, unroll=1):
                 a_state, b_state, v_state = self.tile_step(
-                    False, self.group * n_diag + j, j + 1 < self.group * per, kv_head * self.group + j // per,
-                    p0 + j % per, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state,
-                    v_state, dq_out, q_base, q_hi, lim, n_blk, softmax_scale, wg, q_lo=q_lo,
+                    False, self.group * n_diag + j, j + 1 < self.group * per, p0 + j % per, frags, rsc, krow, cf,
+                    sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out, lim, n_blk, softmax_scale,
+                    wg,
                 )
 
         if cutlass.const_expr(self.prefetch):
@@ -1408,12 +1402,11 @@ class FlamiaBwdDsBf16Sm90:
 
     @cute.jit
     def tile_step(
-        self, diag: cutlass.Constexpr, i, has_next, hq, m, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v,
-        a_state, b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg, release_kv=None,
-        vec_off=None, q_lo=None,
+        self, diag: cutlass.Constexpr, i, has_next, m, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v,
+        a_state, b_state, v_state, dq_out, lim, n_blk, softmax_scale, wg, release_kv=None, vec_off=None,
     ):
-        """One 64-query tile m of query head hq (tile number i of the CTA). diag: m in {2n, 2n+1} (separate
-        keys: a masked tile; q_lo: the first query's row from doc_start, doc_len the end's).
+        """One 64-query tile m (tile number i of the CTA); its dQ goes to the shared tile that warp 2 adds
+        (reduce_dq). diag: m in {2n, 2n+1} (separate keys: a masked tile).
         release_kv (pipe_kv, its state, a runtime flag): when the flag is set, the K/V stage is released
         as soon as this tile's S^T and dP^T have read it (the phase's last tile: the next phase's copies
         load under the rest of the tile). vec_off (short_pairs): cross_vectors' offset.

@@ -127,7 +127,8 @@ def store_key_rows_bf16(mdX, pair, krow, key0, doc_start, doc_len, kv_head, D: c
 def dq_turn_wait_warp(mSem, hq, doc, m, n_blk, tiles_per_block: cutlass.Constexpr):
     """Deterministic dQ, by the dQ warp: lane 0 waits until key blocks 0 .. n_blk-1 have added to query
     tile m of head hq (one counter per (query head, document, query tile); tiles_per_block query tiles per
-    key block); returns the counter's address for dq_turn_pass_warp."""
+    key block); returns the counter's address for dq_turn_pass_warp. The grid is the deterministic mode's
+    "heads" order, (KV heads, documents, key blocks): BwdDsBf16Config.raster."""
     _, n_docs, n_blocks = cute.arch.grid_dim()
     sem_addr = mSem.iterator.toint() + Int64((hq * n_docs + doc) * (n_blocks * tiles_per_block) + m) * 4
     if cute.arch.lane_idx() == 0:
