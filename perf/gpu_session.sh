@@ -46,10 +46,10 @@ for stage in "$@"; do
     cache-out)  # this machine's compiled kernels (not its tuning files, which are not keyed by the code) as one
       # archive under $RESULTS: carry it to the next machine as .gpu-bundle/cache/kernel-cache.tar.xz and `setup`
       # restores it (no compiles for unchanged kernels). The device returns files of at most 16 MiB
-      tar cf - -C "$FLAMIA_CUTE_CACHE_DIR" --exclude='*.lock' --exclude=./tuning . | xz -T0 -6 > "$RESULTS/kernel-cache.tar.xz" &&
-        [ "$(stat -c %s "$RESULTS/kernel-cache.tar.xz")" -le 16777216 ] || echo "kernel cache archive over 16 MiB: it will not come back"
-      [ -f "$RESULTS/kernel-cache.tar.xz" ] &&
-        echo "kernel cache: $(ls "$FLAMIA_CUTE_CACHE_DIR" | grep -c '\.o$') builds, $(du -h "$RESULTS/kernel-cache.tar.xz" | cut -f1)" ;;
+      arc="$RESULTS/kernel-cache.tar.xz"
+      tar cf - -C "$FLAMIA_CUTE_CACHE_DIR" --exclude='*.lock' --exclude=./tuning . | xz -T0 -6 > "$arc"
+      echo "kernel cache: $(ls "$FLAMIA_CUTE_CACHE_DIR" | grep -c '\.o$') builds, $(du -h "$arc" | cut -f1)"
+      [ "$(stat -c %s "$arc")" -le 16777216 ] || echo "kernel cache archive over 16 MiB: it will not come back" ;;
     tests|tests-full)  # make test-gpu / test-gpu-full run pytest-xdist workers; without xdist, the same tests in one process
       begin "$stage" "not timed (correctness)"
       if [ "$stage" = tests ]; then target=test-gpu; marks="gpu and not gpu_full"; limit=560; else target=test-gpu-full; marks=gpu; limit=590; fi

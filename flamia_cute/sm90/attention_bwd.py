@@ -539,7 +539,7 @@ class FlamiaBwdDsBf16Sm90:
         mRef = cute.make_tensor(dvref_ptr, cute.make_layout((num_kv_heads, num_docs), stride=(num_docs, 1)))
         mCu = cute.make_tensor(cu_ptr, cute.make_layout(num_docs + 1))
         # cross_length: dq_acc_ptr is DQ_PAD_ROWS rows before row 0 (dq_pad_rows); the TMA reduce-add sees them
-        pad = DQ_PAD_ROWS if cutlass.const_expr(self.cfg.cross_length) else 0
+        pad = dq_pad_rows(self.cfg)
         mdQ_pad = cute.make_tensor(dq_acc_ptr, cute.make_layout((T + pad, D, H), stride=(hd, 1, D)))
         mSem = None
         if cutlass.const_expr(self.deterministic):
@@ -1744,7 +1744,7 @@ def flamia_bwd_dsbf16_sm90(
         if config.deterministic:
             sem = torch.zeros(H * num_docs * 2 * max_n_blocks, dtype=torch.int32, device=dev)
         tables = [t.data_ptr() for t in rope_tables] if config.rotary != "none" else [0, 0]
-        addrs = [t.data_ptr() for t in ptrs[:-3]] + [dq_kernel_ptr(dq_acc, config), dk.data_ptr(), dv.data_ptr()]
+        addrs = [dq_kernel_ptr(t, config) if t is dq_acc else t.data_ptr() for t in ptrs]
         launch_on_device(get_launcher(config), dev, *addrs,
                          sem.data_ptr() if sem is not None else 0, *tables,
                          T, T_dt, Hk, num_docs, max_n_blocks, rows, float(softmax_scale),
