@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU runs a maintainer repeats, by stage: bash perf/gpu_session.sh STAGE...   (perf/README.md)
 # Stages: setup tests tests-full bench breakdown api-profile tune ablations go36 train accuracy sanitize
-# sanitize-race fuzz soak train-long cudnn-direct cache-out.
+# sanitize-race fuzz soak robust train-long cudnn-direct cache-out.
 # Each stage writes $RESULTS/<date>-<stage>/: its log, its outputs and a MANIFEST.md (commit, command,
 # GPU, clock regime, SM clock samples where taken). RESULTS defaults to $OUT (the device tool returns
 # what is under $OUT), else perf/results. WORKLOADS, ABLATIONS, TRAIN_WHAT, TRAIN_SEED, SANITIZE_STEPS,
 # FUZZ_SEED: see the stages.
-# One device call runs at most 10 minutes: run setup alone, then one or two stages per call.
+# One device call runs at most 10 minutes: setup and robust fit one call; the timed stages take a call each
+# (bench), or two to a call (cudnn-direct train-long). STAGE_BUDGET caps a correctness stage's seconds.
 set -uo pipefail
 RESULTS=${RESULTS:-${OUT:-perf/results}}; mkdir -p "$RESULTS"
 export FLAMIA_CUTE_CACHE_DIR=${FLAMIA_CUTE_CACHE_DIR:-/tmp/flamia_cache} PYTHONUNBUFFERED=1
@@ -53,6 +54,7 @@ for stage in "$@"; do
     tests|tests-full)  # make test-gpu / test-gpu-full run pytest-xdist workers; without xdist, the same tests in one process
       begin "$stage" "not timed (correctness)"
       if [ "$stage" = tests ]; then target=test-gpu; marks="gpu and not gpu_full"; limit=560; else target=test-gpu-full; marks=gpu; limit=590; fi
+      limit=${STAGE_BUDGET:-$limit}
       if python3 -c 'import xdist' 2>/dev/null; then run "${target//-/_}" "$limit" make "$target" PYTHON=python3 \
         PYTEST_ARGS="${PYTEST_ARGS:--v --durations=25}"
       else echo "- pytest-xdist not installed: pytest in one process, the make target's markers" >> "$DIR/MANIFEST.md"
@@ -105,18 +107,31 @@ for stage in "$@"; do
       # (sanitize-race warms its small set up first: a machine does not keep sanitize's compile cache between calls)
       if [ "$stage" = sanitize ]; then steps="warmup control memcheck"; ws=full; limit=420
       else steps="warmup racecheck synccheck"; ws=small; limit=280; fi
-      run "${stage//-/_}" 580 env SANITIZE_STEPS="${SANITIZE_STEPS:-$steps}" SANITIZE_LIMIT="$limit" WARMUP_SET="$ws" \
-        SANITIZE_BUDGET=560 bash perf/sanitize.sh "$DIR" ;;
+      budget=${STAGE_BUDGET:-560}; (( limit > budget )) && limit=$budget
+      run "${stage//-/_}" $((budget + 20)) env SANITIZE_STEPS="${SANITIZE_STEPS:-$steps}" SANITIZE_LIMIT="$limit" \
+        WARMUP_SET="$ws" SANITIZE_BUDGET="$budget" bash perf/sanitize.sh "$DIR" ;;
     fuzz)  # 320 random packs (1..16k-token documents, every head config, training and no_grad) against the
       # emulator within the kernel tests' bounds; FUZZ_SEED replays a run (~2-3 min with its compiles)
       begin fuzz "not timed (correctness)"
-      run fuzz_stdout 560 python3 perf/fuzz_gpu.py --out "$DIR" ${FUZZ_SEED:+--seed "$FUZZ_SEED"} ;;
+      run fuzz_stdout "${STAGE_BUDGET:-560}" python3 perf/fuzz_gpu.py --out "$DIR" ${FUZZ_SEED:+--seed "$FUZZ_SEED"} ;;
     soak)  # 2,000 random calls: allocated memory flat, reserved at a plateau, no kernel built after the warm-up
       begin soak "not timed (memory and compiles)"
-      run soak_stdout 400 python3 perf/soak.py --out "$DIR" ;;
+      run soak_stdout "${STAGE_BUDGET:-400}" python3 perf/soak.py --out "$DIR" ;;
+    robust)  # the correctness stages at once, each in its own process and folder: sanitize, sanitize-race,
+      # fuzz, soak and tests (GPU_WORKERS, default 6 here). Nothing is timed, so they may share the GPU; the
+      # disk cache's locks make each kernel compile once. ROBUST_BUDGET seconds for all (default 480, so
+      # that setup fits the same device call); a stage that runs out of it says so in its log
+      b=${ROBUST_BUDGET:-480}; pids=()
+      for s in sanitize sanitize-race fuzz soak tests; do
+        STAGE_BUDGET=$b GPU_WORKERS=${GPU_WORKERS:-6} NO_PACK=1 bash "$0" "$s" > "$RESULTS/robust-$s.out" 2>&1 & pids+=($!)
+      done
+      for i in "${!pids[@]}"; do wait "${pids[$i]}"; done
+      for s in sanitize sanitize-race fuzz soak tests; do
+        echo "##### $s"; grep -E '^=== .* rc=' "$RESULTS/robust-$s.out"; tail -8 "$RESULTS/robust-$s.out"
+      done; rm -f "$RESULTS"/robust-*.out ;;
     train-long)  # FA4 against ours, train/ on 16k-token documents: tokens/s and a training step's peak memory
       begin train-long "eager training steps (median tokens/s after 10 warm-up steps)"
-      run train_long 590 bash perf/train_long.sh "$DIR" ;;
+      run train_long "${STAGE_BUDGET:-590}" bash perf/train_long.sh "$DIR" ;;
     cudnn-direct)  # the cuDNN FP8 baseline against a direct cudnn-frontend call: GPU time, then graph replays
       begin cudnn-direct "burst (--gpu-time: each call behind a queued GPU sleep); sustained CUDA-graph replays for --graph"
       run cudnn_direct 330 python3 perf/cudnn_direct.py --only 1x16k,4x4k,16x1k --bwd --out "$DIR"
@@ -125,7 +140,7 @@ for stage in "$@"; do
   esac
 done
 # at most 8 files come back from a device call: more than that go back as one archive
-if [ -n "${OUT:-}" ] && [ "$RESULTS" = "$OUT" ] && [ "$(find "$RESULTS" -type f | wc -l)" -gt 8 ]; then
+if [ -z "${NO_PACK:-}" ] && [ -n "${OUT:-}" ] && [ "$RESULTS" = "$OUT" ] && [ "$(find "$RESULTS" -type f | wc -l)" -gt 8 ]; then
   tar czf /tmp/flamia_results.tgz -C "$RESULTS" . && find "$RESULTS" -mindepth 1 -delete && mv /tmp/flamia_results.tgz "$RESULTS/"
   echo "more than 8 result files: packed into $RESULTS/flamia_results.tgz"
 fi

@@ -248,3 +248,34 @@ def test_soak_packs_hit_their_bucket_and_warmup_covers_every_kernel_set():
     assert warm_sets == set(sets)
     assert {(s["bucket"], s["heads"], s["train"]) for s in warm} == {(s["bucket"], s["heads"], s["train"]) for s in specs}
     assert {s["bucket"] for s in specs} == set(soak.BUCKETS) and len({s["heads"] for s in specs}) == 3
+
+
+# ----------------------------------------------------------------------------- perf/gpu_session.sh
+
+SESSION = pathlib.Path(__file__).resolve().parent.parent / "perf" / "gpu_session.sh"
+
+
+def _session_stages():
+    import re
+
+    text = SESSION.read_text()
+    header = " ".join(line[2:] for line in text.splitlines()[:6] if line.startswith("# "))
+    listed = set(re.search(r"Stages: (.*?)\.", header).group(1).split())
+    cases = set()
+    for label in re.findall(r"^    ([a-z0-9|-]+)\)", text, flags=re.M):
+        cases.update(label.split("|"))
+    return text, listed, cases
+
+
+def test_gpu_session_lists_every_stage_and_parses():
+    import subprocess
+
+    text, listed, cases = _session_stages()
+    assert listed == cases, (listed ^ cases)
+    assert subprocess.run(["bash", "-n", str(SESSION)]).returncode == 0
+    # robust's stages exist, and its children never pack $OUT (the parent does, once, after all of them)
+    import re
+
+    robust = re.search(r"for s in ([a-z -]+); do\n\s+STAGE_BUDGET", text).group(1).split()
+    assert set(robust) <= cases and "robust" not in robust
+    assert "NO_PACK=1 bash" in text and '[ -z "${NO_PACK:-}" ]' in text
