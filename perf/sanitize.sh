@@ -48,7 +48,9 @@ step() {  # step NAME EXPECT(pass|fail) CMD...: the command under a time limit, 
   local verdict=ok
   if [ "$expect" = pass ] && [ "$rc" -ne 0 ]; then verdict=FAILED; fail=1; fi
   if [ "$expect" = fail ] && { [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ]; }; then verdict="FAILED (the planted error was not reported)"; fail=1; fi
-  [ "$rc" -eq 124 ] && verdict="$verdict (timed out after ${lim} s)"
+  # cut short: how far it got (the driver runs its cases cover first: see its first line for how many launch
+  # every kernel), and no tool report so far is in errs above
+  [ "$rc" -eq 124 ] && verdict="$verdict (timed out after ${lim} s; $(grep -oE '^\[[0-9]+/[0-9]+\]' "$DIR/$name.log" | tail -1 | tr -d '[]' || true) cases ran)"
   printf '%-10s rc %-3s %4d s  %s  %s\n' "$name" "$rc" $((SECONDS - t0)) "${errs:-(no ERROR SUMMARY line)}" "$verdict" | tee -a "$SUMMARY"
   grep -m5 -E "Error:|Barrier error|Invalid|Race reported|hazard" "$DIR/$name.log" | sed 's/^/    /' >> "$SUMMARY"
   tail -5 "$DIR/$name.log"

@@ -114,6 +114,13 @@ def test_sanitize_cases_cover_every_shipping_kernel_on_odd_packs():
     assert any(b.short_pairs for b in bwds) and any(b.deterministic for b in bwds)
     assert any(c.deterministic for c in small)
     assert {c.rotary for c in full} == {"", *sanitize_driver.ROTARY} == {c.rotary for c in small}
+    # RoPE's own builds (the rotating Q/K/V launch, dQ's inverse rotation) are warmed up with the rest
+    plain = sanitize_driver.case_kernels([c for c in full if not c.rotary])
+    assert sanitize_driver.case_kernels([c for c in full if c.rotary]) - plain
+    # cover first: a run cut short has launched every kernel once it is past that prefix
+    prefix = sanitize_driver.cover_first_kernels_prefix(full)
+    assert sanitize_driver.case_kernels(prefix) == kernels and len(prefix) < len(full) // 2
+    assert full[0].pack == "edges"
     # the separate-keys builds: cross-length causal (queries on and off the keys' 64-row grid, documents
     # without queries) and non-causal
     assert {c.keys for c in full} == {"", *sanitize_driver.KEYS} == {c.keys for c in small}
