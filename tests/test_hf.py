@@ -184,3 +184,26 @@ def test_static_cache_generation_matches_the_dynamic_cache(padded):
     static = model.generate(ids, cache_implementation="static", **kw)
     for a, b in zip(static.scores, dynamic.scores, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_gradient_checkpointing_gives_the_same_step(monkeypatch):
+    """HF's activation checkpointing (torch.utils.checkpoint per layer) recomputes our calls in the backward:
+    loss, logits and every gradient equal the step without it, bit for bit (emulator)."""
+    from flamia_cute import custom_ops
+
+    runs, real = [], custom_ops.run_forward
+    monkeypatch.setattr(custom_ops, "run_forward", lambda *a, **k: runs.append(1) or real(*a, **k))
+    batch = packed_batch()
+    ref = loss_and_grads(llama(fhf.ATTN_NAME), batch)
+    assert len(runs) == 2  # one call per layer
+    model = llama(fhf.ATTN_NAME)
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    got = loss_and_grads(model, batch)
+    assert len(runs) == 2 + 4  # each layer's call again in the backward
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[2], ref[2])
+    for name, g in got[1].items():
+        assert torch.equal(g, ref[1][name]), name
