@@ -2,7 +2,7 @@
 workload (forward+backward), the geomeans (forward+backward and forward alone), and with --burst the
 burst run's geomeans; --clocks adds the median SM clock under load from gpu_session.sh's clocks.csv.
 
-    python perf/readme_table.py RESULTS/graph/bench.csv --burst RESULTS/gputime/bench.csv --clocks RESULTS/clocks.csv
+    python perf/readme_table.py DIR/graph/bench_h16_d128.csv --burst DIR/gputime/bench_h16_d128.csv --clocks DIR/clocks.csv
 
 Every number comes from the CSVs given, so the table and its claims are from one run. Rows keep the
 workloads' order in flamia_cute/workloads.json.
