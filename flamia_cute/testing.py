@@ -186,6 +186,9 @@ def check_leakage_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, dout=None, doc
     # 1. future perturbation within doc (keys from the cut on, and the queries there)
     if causal:
         q_cut = qs + min(max(cut - offset, 0), qe - qs)  # first query at a key position >= cut
+        if q_cut == qs:  # a future test that compares no query passes whatever fn does
+            raise ValueError(f"check_leakage: cut {cut} is at or before document {doc}'s first query (key position "
+                             f"{offset}): no query lies before it")
         pert = perturbed(slice(q_cut, qe), slice(ks + cut, ke))
         res = fn(*pert[:3], cu_seqlens_q, cu_seqlens_k, pert[3])
         before, flag = slice(qs, q_cut), f"future (doc {doc}, cut {cut})"

@@ -24,9 +24,17 @@ begin() {  # begin STAGE REGIME: the stage's folder and the head of its MANIFEST
     echo "- GPU: $(nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader 2>&1 | head -1)"
     echo "- Software: $(python3 -c 'import torch, cutlass; print("torch", torch.__version__, "cutlass-dsl", cutlass.__version__)' 2>&1 | tail -1)"
     echo "- Clock regime: $2"; echo; echo "## Commands"; echo; } > "$DIR/MANIFEST.md"; }
-run() {  # run NAME SECONDS CMD...: CMD under a timeout, its output in $DIR/NAME.log, the command and rc in MANIFEST.md
-  local name=$1 limit=$2; shift 2; echo "=== $name: $*"
-  timeout "$limit" "$@" > "$DIR/$name.log" 2>&1; local rc=$?; tail -25 "$DIR/$name.log"
+# DEADLINE: seconds from this script's start by which every command has ended (a device call is cut at 600 s,
+# and what is still running then, with the packing below, is lost); 575 unless set
+DEADLINE=${DEADLINE:-575}
+run() {  # run NAME SECONDS CMD...: CMD under a timeout (never past DEADLINE), its output in $DIR/NAME.log, the
+  # command and rc in MANIFEST.md
+  local name=$1 limit=$2; shift 2; local left=$((DEADLINE - SECONDS - 10))
+  (( left < limit )) && limit=$left
+  if (( limit < 10 )); then echo "=== $name: not run, no time left before DEADLINE"
+    printf -- '- `%s`: not run (no time left before DEADLINE)\n' "$*" >> "$DIR/MANIFEST.md"; return; fi
+  echo "=== $name: $*"
+  timeout -k 10 "$limit" "$@" > "$DIR/$name.log" 2>&1; local rc=$?; tail -25 "$DIR/$name.log"
   printf -- '- `%s` -> `%s.log`, rc %s\n' "$*" "$name" "$rc" >> "$DIR/MANIFEST.md"; echo "=== $name rc=$rc"; }
 clocks_on() { nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
   --format=csv,noheader,nounits -lms 200 > "$DIR/clocks.csv" 2>&1 & SAMPLER=$!; }
@@ -38,7 +46,8 @@ for stage in "$@"; do
   case $stage in
     setup)  # the GPU bundle (make_bundle.sh; part a at /root/gpu-bundle/a or .gpu-bundle/a), then this package
       [ -f .gpu-bundle/b/install.sh ] && bash .gpu-bundle/b/install.sh
-      . /root/gpu-bundle/env.sh && python3 -m pip install -q --no-deps --no-build-isolation -e . && echo "setup ok"
+      { . /root/gpu-bundle/env.sh && python3 -m pip install -q --no-deps --no-build-isolation -e . && echo "setup ok"; } ||
+        { echo "setup failed: the later stages would only fail (bundle part a missing? see perf/README.md)"; exit 1; }
       # a disk cache an earlier machine sent back (cache-out), carried as .gpu-bundle/cache: its keys hash the
       # kernel sources, so entries of changed kernels are never loaded
       if [ -f .gpu-bundle/cache/kernel-cache.tar.xz ]; then mkdir -p "$FLAMIA_CUTE_CACHE_DIR" &&
@@ -107,7 +116,8 @@ for stage in "$@"; do
       # (sanitize-race warms its small set up first: a machine does not keep sanitize's compile cache between calls)
       if [ "$stage" = sanitize ]; then steps="warmup control memcheck"; ws=full; limit=420
       else steps="warmup racecheck synccheck"; ws=small; limit=280; fi
-      budget=${STAGE_BUDGET:-560}; (( limit > budget )) && limit=$budget
+      budget=${STAGE_BUDGET:-560}; (( budget > DEADLINE - SECONDS - 35 )) && budget=$((DEADLINE - SECONDS - 35))
+      (( limit > budget )) && limit=$budget
       run "${stage//-/_}" $((budget + 20)) env SANITIZE_STEPS="${SANITIZE_STEPS:-$steps}" SANITIZE_LIMIT="$limit" \
         WARMUP_SET="$ws" SANITIZE_BUDGET="$budget" bash perf/sanitize.sh "$DIR" ;;
     fuzz)  # 320 random packs (1..16k-token documents, every head config, training and no_grad) against the
@@ -118,12 +128,18 @@ for stage in "$@"; do
       begin soak "not timed (memory and compiles)"
       run soak_stdout "${STAGE_BUDGET:-400}" python3 perf/soak.py --out "$DIR" ;;
     robust)  # the correctness stages at once, each in its own process and folder: sanitize, sanitize-race,
-      # fuzz, soak and tests (GPU_WORKERS, default 6 here). Nothing is timed, so they may share the GPU; the
-      # disk cache's locks make each kernel compile once. ROBUST_BUDGET seconds for all (default 480, so
-      # that setup fits the same device call); a stage that runs out of it says so in its log
-      b=${ROBUST_BUDGET:-480}; pids=()
+      # fuzz, soak and tests: the make test-gpu tier of ROBUST_TESTS (default: the test files changed since the
+      # last full GPU run; "all" for every file), GPU_WORKERS 6. Nothing is timed, so they may share the GPU; the
+      # disk cache's locks make each kernel compile once. ROBUST_BUDGET seconds for all (default: what is
+      # left before DEADLINE, so that setup fits the same device call); a stage that runs out of it says so in its log
+      b=${ROBUST_BUDGET:-$((DEADLINE - SECONDS - 20))}; pids=()
+      tests=${ROBUST_TESTS:-tests/test_nonfinite.py tests/test_cross_length_kernel.py tests/test_torch_backend.py \
+        tests/test_checkpointing.py}
+      [ "$tests" = all ] && tests=
       for s in sanitize sanitize-race fuzz soak tests; do
-        STAGE_BUDGET=$b GPU_WORKERS=${GPU_WORKERS:-6} NO_PACK=1 bash "$0" "$s" > "$RESULTS/robust-$s.out" 2>&1 & pids+=($!)
+        DEADLINE=$((b + 15)) STAGE_BUDGET=$b GPU_WORKERS=${GPU_WORKERS:-6} NO_PACK=1 \
+          PYTEST_ARGS="${PYTEST_ARGS:--v --durations=15} $tests" bash "$0" "$s" \
+          > "$RESULTS/robust-$s.out" 2>&1 & pids+=($!)
       done
       for i in "${!pids[@]}"; do wait "${pids[$i]}"; done
       for s in sanitize sanitize-race fuzz soak tests; do
@@ -131,7 +147,8 @@ for stage in "$@"; do
       done; rm -f "$RESULTS"/robust-*.out ;;
     train-long)  # FA4 against ours, train/ on 16k-token documents: tokens/s and a training step's peak memory
       begin train-long "eager training steps (median tokens/s after 10 warm-up steps)"
-      run train_long "${STAGE_BUDGET:-590}" bash perf/train_long.sh "$DIR" ;;
+      lim=${STAGE_BUDGET:-590}; (( lim > DEADLINE - SECONDS - 10 )) && lim=$((DEADLINE - SECONDS - 10))
+      run train_long "$lim" env TRAIN_BUDGET=$((lim - 15)) bash perf/train_long.sh "$DIR" ;;
     cudnn-direct)  # the cuDNN FP8 baseline against a direct cudnn-frontend call: GPU time, then graph replays
       begin cudnn-direct "burst (--gpu-time: each call behind a queued GPU sleep); sustained CUDA-graph replays for --graph"
       run cudnn_direct 330 python3 perf/cudnn_direct.py --only 1x16k,4x4k,16x1k --bwd --out "$DIR"

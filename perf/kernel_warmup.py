@@ -13,15 +13,17 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-KINDS = ("quant", "fwd", "bwd", "codes")
+KINDS = ("quant", "fwd", "bwd", "codes", "grad_rotate")
 
 
 def call_kernels(recipe: str, head_dim: int, heads_q: int, heads_kv: int, lengths, train: bool,
-                 keys: str = "") -> set[tuple]:
+                 keys: str = "", rotary: tuple[str, int] | None = None) -> set[tuple]:
     """{(kind, config)} of the sm_90a kernels one call launches (kind in KINDS): the Q/K/V launch (not
     for the per-tensor control, which torch quantizes), the forward (its per-tile build past
     PERSISTENT_MAX_DOCS documents) and, for a training call of a recipe with a backward kernel, the dO
-    + D launch (not for the control, whose dO torch quantizes), Q's codes conversion and the backward."""
+    + D launch (not for the control, whose dO torch quantizes), Q's codes conversion, the backward and,
+    with rotations (rotary: custom_ops.rotary_key's (mode, width); a Hadamard recipe), dQ's conversion
+    with Q's inverse rotations."""
     from flamia_cute.plan import make_plan
     from flamia_cute.sm90.attention_fwd import PERSISTENT_MAX_DOCS, per_tile_fallback
     from flamia_cute.sm90.codes import CodesConfig
@@ -30,7 +32,7 @@ def call_kernels(recipe: str, head_dim: int, heads_q: int, heads_kv: int, length
     lengths = list(lengths)  # the queries' documents
     # keys: "" (causal self-attention), "cross" (causal, own key documents) or "noncausal"
     plan = make_plan(recipe, head_dim, heads_q, heads_kv, max(lengths), sum(lengths), len(lengths),
-                     causal=keys != "noncausal", separate=bool(keys))
+                     causal=keys != "noncausal", separate=bool(keys), rotary=rotary)
     fwd = plan.fwd
     if fwd.persistent and len(lengths) > PERSISTENT_MAX_DOCS:
         fwd = per_tile_fallback(fwd)
@@ -41,6 +43,8 @@ def call_kernels(recipe: str, head_dim: int, heads_q: int, heads_kv: int, length
         out |= {("codes", CodesConfig(row_scale=True)), ("bwd", plan.bwd)}
         if plan.scaling != "tensor":
             out.add(("quant", dout_delta_config(head_dim, heads_q, heads_q // heads_kv)))
+        if plan.dq_convert is not None:
+            out.add(("grad_rotate", plan.dq_convert))
     return out
 
 
@@ -64,6 +68,12 @@ def build(kind: str, config) -> None:
         def get_launcher(c):
             return compile_launcher(m.SOURCE_FILES, c, target_arch(),
                                     lambda c_, a, t: m.compile_codes_sm90(c_, a, tvm_ffi=t), m.ARG_KINDS, None)
+    elif kind == "grad_rotate":
+        from flamia_cute.sm90 import rotate as m
+
+        def get_launcher(c):  # as rotate.grad_rotate_to_bf16 builds it
+            return compile_launcher(m.SOURCE_FILES, c, target_arch(),
+                                    lambda c_, a, t: m.compile_grad_rotate_sm90(c_, a, tvm_ffi=t), m.ARG_KINDS, None)
     else:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     get_launcher(config)

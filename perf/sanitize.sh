@@ -43,21 +43,27 @@ step() {  # step NAME EXPECT(pass|fail) CMD...: the command under a time limit, 
   (( END - SECONDS < lim )) && lim=$(( END - SECONDS ))
   (( lim < 10 )) && { echo "$name: no time left in SANITIZE_BUDGET" | tee -a "$SUMMARY"; fail=1; return 0; }
   echo "=== $name: $*"
-  timeout "$lim" "$@" > "$DIR/$name.log" 2>&1; local rc=$?
+  timeout -k 15 "$lim" "$@" > "$DIR/$name.log" 2>&1; local rc=$?
   local errs; errs=$(grep -hE "(ERROR|RACECHECK) SUMMARY" "$DIR/$name.log" | sed "s/^=* *//" | paste -sd";" -)
   local verdict=ok
   if [ "$expect" = pass ] && [ "$rc" -ne 0 ]; then verdict=FAILED; fail=1; fi
   if [ "$expect" = fail ] && { [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ]; }; then verdict="FAILED (the planted error was not reported)"; fail=1; fi
-  [ "$rc" -eq 124 ] && verdict="$verdict (timed out after ${lim} s)"
+  # cut short: how far it got (the driver runs its cases cover first: see its first line for how many launch
+  # every kernel), and no tool report so far is in errs above
+  [ "$rc" -eq 124 ] && verdict="$verdict (timed out after ${lim} s; $(grep -oE '^\[[0-9]+/[0-9]+\]' "$DIR/$name.log" | tail -1 | tr -d '[]' || true) cases ran)"
   printf '%-10s rc %-3s %4d s  %s  %s\n' "$name" "$rc" $((SECONDS - t0)) "${errs:-(no ERROR SUMMARY line)}" "$verdict" | tee -a "$SUMMARY"
+  grep -m5 -E "Error:|Barrier error|Invalid|Race reported|hazard" "$DIR/$name.log" | sed 's/^/    /' >> "$SUMMARY"
   tail -5 "$DIR/$name.log"
 }
 DRIVER=("${PYTHON:-python3}" perf/sanitize_driver.py)
+# CUDA API calls that fail are not what the tools are here for: the DSL's cuda-python layer probes driver
+# entry points that fail by design, and they would count in ERROR SUMMARY (a real API failure raises in torch)
+SANX=(--report-api-errors no --error-exitcode 1)
 step warmup pass "${DRIVER[@]}" --set "${WARMUP_SET:-full}" --compile-ahead
-step control_oob fail env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool memcheck --error-exitcode 1 "${DRIVER[@]}" --control oob
+step control_oob fail env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool memcheck "${SANX[@]}" "${DRIVER[@]}" --control oob
 [[ $STEPS != *" control "* ]] || grep -q "Invalid __global__ write" "$DIR/control_oob.log" || { echo "control_oob: no 'Invalid __global__ write' in the log" | tee -a "$SUMMARY"; fail=1; }
-step memcheck pass env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool memcheck --error-exitcode 1 "${DRIVER[@]}" --set full
-step racecheck pass "$SAN" --tool racecheck --error-exitcode 1 "${DRIVER[@]}" --set small
-step synccheck pass "$SAN" --tool synccheck --error-exitcode 1 "${DRIVER[@]}" --set small
+step memcheck pass env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool memcheck "${SANX[@]}" "${DRIVER[@]}" --set full
+step racecheck pass "$SAN" --tool racecheck "${SANX[@]}" "${DRIVER[@]}" --set small
+step synccheck pass "$SAN" --tool synccheck "${SANX[@]}" "${DRIVER[@]}" --set small
 echo "result: $([ $fail = 0 ] && echo 'all clean' || echo FAILED)" | tee -a "$SUMMARY"
 exit $fail

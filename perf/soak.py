@@ -228,7 +228,7 @@ def kind_of(config) -> str:
     """kernel_warmup's kind of a built config."""
     name = type(config).__name__
     return {"FwdConfig": "fwd", "BwdDsBf16Config": "bwd", "MultiQuantizeConfig": "quant", "QuantizeConfig": "quant",
-            "CodesConfig": "codes"}.get(name, name)
+            "CodesConfig": "codes", "GradRotateConfig": "grad_rotate"}.get(name, name)
 
 
 if __name__ == "__main__":

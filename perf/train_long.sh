@@ -7,7 +7,9 @@
 # step starts with: weights, optimizer state, the batch), then train.run --compare's table.
 # Usage: bash perf/train_long.sh [OUTDIR]   (default $OUT, else perf/results/train_long)
 # STEPS (default 40), TIMING_WARMUP (10), DOC_TOKENS (16384), TOKENS_PER_STEP (65536), SEED (0),
-# WHAT ("fa4 flamia"). About 1.5 min on one H200 (two runs of ~40 s, each with its compiles).
+# WHAT ("fa4 flamia"), TRAIN_LIMIT (seconds per run, 300), TRAIN_BUDGET (seconds for all runs: the runs left
+# share what is left of it, so no run outlives a caller's time limit). About 1.5 min on one H200 (two runs of
+# ~40 s, each with its compiles).
 set -uo pipefail
 case ${1:-} in -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 cd "$(dirname "$0")/.."
@@ -20,14 +22,18 @@ COMMON=(--preset llama_125m --steps "${STEPS:-40}" --timing-warmup "${TIMING_WAR
         --tokens-per-step "${TOKENS_PER_STEP:-65536}" --doc-tokens "${DOC_TOKENS:-16384}" --seed "${SEED:-0}"
         --eval-every 0 --eval-batches 1 --leak-samples 0 --log-every 10 --out "$DIR")
 rc=0
-for what in ${WHAT:-fa4 flamia}; do
+RUNS=(${WHAT:-fa4 flamia}); END=$((SECONDS + ${TRAIN_BUDGET:-100000}))
+for i in "${!RUNS[@]}"; do
+  what=${RUNS[$i]}
+  lim=$(( (END - SECONDS - 10) / (${#RUNS[@]} - i) )); (( lim > ${TRAIN_LIMIT:-300} )) && lim=${TRAIN_LIMIT:-300}
   case $what in
     fa4) args=(--attention fa4);;
     flamia) args=(--attention flamia --recipe fp8_tokenblock_dsbf16 --backend cute);;
     *) echo "WHAT: fa4 and/or flamia"; exit 2;;
   esac
   echo "=== $what: $PY -m train.run ${args[*]} ${COMMON[*]}"
-  timeout "${TRAIN_LIMIT:-300}" "$PY" -m train.run "${args[@]}" "${COMMON[@]}" 2>&1
+  (( lim < 20 )) && { echo "=== $what: no time left in TRAIN_BUDGET"; rc=1; continue; }
+  timeout -k 10 "$lim" "$PY" -m train.run "${args[@]}" "${COMMON[@]}" 2>&1
   r=$?; echo "=== $what rc=$r"
   [ $r -ne 0 ] && rc=1  # a run that fails (FA4 not importable, ...) is reported; the other still runs
 done

@@ -122,8 +122,14 @@ def test_non_causal_against_fp64(recipe):
     assert not got["out"][empty].any() and torch.isinf(got["lse"][:, empty]).all() and not got["dq"][empty].any()
 
 
+# (doc, cut) in key positions, each past its document's first query (RANGES: doc 0's queries start at key 100,
+# doc 1's at 203, doc 5's at 129): cuts mid-block (301, 200) and one past a block edge (129). The unsafe controls
+# fail the future test at each, so each case can see a leak
+LEAK_CASES = [(1, 301), (0, 129), (5, 200), (0, 200)]
+
+
 @pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16", "fp8_tokenblock", "mxfp8"])
-@pytest.mark.parametrize("doc,cut", [(1, None), (1, 257), (0, 129), (5, 200)])  # mid-block, block edge + 1, ...
+@pytest.mark.parametrize("doc,cut", LEAK_CASES)
 def test_cross_length_leakage(recipe, doc, cut, problem):
     (q, k, v, do, _, scale), qr, kr, cu_q, cu_k = problem
     fn = attention_fn_for(recipe, scale).varlen
@@ -132,18 +138,27 @@ def test_cross_length_leakage(recipe, doc, cut, problem):
 
 
 @pytest.mark.parametrize("recipe", ["fp8_tokenblock_unsafe", "mxfp8_unsafe"])
-def test_cross_length_unsafe_controls_fail_the_future_test(recipe, problem):
+@pytest.mark.parametrize("doc,cut", LEAK_CASES)
+def test_cross_length_unsafe_controls_fail_the_future_test(recipe, doc, cut, problem):
     (q, k, v, do, _, scale), qr, kr, cu_q, cu_k = problem
     rep = check_leakage_varlen(attention_fn_for(recipe, scale).varlen, q[qr], k[kr], v[kr], cu_q, cu_k, do[qr],
-                               doc=1, cut=301)
+                               doc=doc, cut=cut)
     assert not rep.future_ok, str(rep)
+
+
+def test_a_cut_before_the_first_query_is_refused(problem):
+    """Doc 1's queries start at key 203: a cut before it would compare no query, and pass any fn."""
+    (q, k, v, do, _, scale), qr, kr, cu_q, cu_k = problem
+    with pytest.raises(ValueError, match="no query lies before it"):
+        check_leakage_varlen(attention_fn_for("fp8_tokenblock_unsafe", scale).varlen, q[qr], k[kr], v[kr], cu_q,
+                             cu_k, do[qr], doc=1, cut=137)
 
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_per_tensor_control_fails_isolation(causal, problem):
     (q, k, v, do, _, scale), qr, kr, cu_q, cu_k = problem
     fn = attention_fn_for("fp8_tensor_current", scale, causal=causal).varlen
-    rep = check_leakage_varlen(fn, q[qr], k[kr], v[kr], cu_q, cu_k, do[qr], doc=1, causal=causal)
+    rep = check_leakage_varlen(fn, q[qr], k[kr], v[kr], cu_q, cu_k, do[qr], doc=1, cut=301, causal=causal)
     assert not rep.isolation_ok, str(rep)
 
 

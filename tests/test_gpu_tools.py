@@ -114,6 +114,13 @@ def test_sanitize_cases_cover_every_shipping_kernel_on_odd_packs():
     assert any(b.short_pairs for b in bwds) and any(b.deterministic for b in bwds)
     assert any(c.deterministic for c in small)
     assert {c.rotary for c in full} == {"", *sanitize_driver.ROTARY} == {c.rotary for c in small}
+    # RoPE's own builds (the rotating Q/K/V launch, dQ's inverse rotation) are warmed up with the rest
+    plain = sanitize_driver.case_kernels([c for c in full if not c.rotary])
+    assert sanitize_driver.case_kernels([c for c in full if c.rotary]) - plain
+    # cover first: a run cut short has launched every kernel once it is past that prefix
+    prefix = sanitize_driver.cover_first_kernels_prefix(full)
+    assert sanitize_driver.case_kernels(prefix) == kernels and len(prefix) < len(full) // 2
+    assert full[0].pack == "edges"
     # the separate-keys builds: cross-length causal (queries on and off the keys' 64-row grid, documents
     # without queries) and non-causal
     assert {c.keys for c in full} == {"", *sanitize_driver.KEYS} == {c.keys for c in small}
@@ -276,6 +283,6 @@ def test_gpu_session_lists_every_stage_and_parses():
     # robust's stages exist, and its children never pack $OUT (the parent does, once, after all of them)
     import re
 
-    robust = re.search(r"for s in ([a-z -]+); do\n\s+STAGE_BUDGET", text).group(1).split()
+    robust = re.search(r"for s in ([a-z -]+); do\n\s+DEADLINE=", text).group(1).split()
     assert set(robust) <= cases and "robust" not in robust
-    assert "NO_PACK=1 bash" in text and '[ -z "${NO_PACK:-}" ]' in text
+    assert "NO_PACK=1 " in text and '[ -z "${NO_PACK:-}" ]' in text

@@ -126,8 +126,11 @@ def test_padding_mask_batch_matches_per_row_calls():
     ids = torch.randint(0, 96, (2, 64), generator=g)
     mask = torch.ones(2, 64, dtype=torch.long)
     mask[1, :20] = 0  # left padding
+    # positions that do not restart at the padding's end, so that only the mask separates the pad tokens
+    # (position_ids restarting there would make each pad token a document of its own, mask or not)
+    positions = torch.stack([torch.arange(64), torch.arange(64) - 20])
     with torch.no_grad():
-        both = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+        both = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         row1 = model(input_ids=ids[1:, 20:]).logits
     torch.testing.assert_close(both[1, 20:], row1[0], rtol=0, atol=1e-4)
 
@@ -184,3 +187,42 @@ def test_static_cache_generation_matches_the_dynamic_cache(padded):
     static = model.generate(ids, cache_implementation="static", **kw)
     for a, b in zip(static.scores, dynamic.scores, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_padded_generation_matches_the_row_alone(cache):
+    """Greedy decoding of a left-padded row in a batch gives the scores of the same row decoded alone: the pad
+    keys stay out of every step, prefill and decode (a mask that is ignored changes them)."""
+    model = llama(fhf.ATTN_NAME)
+    ids = torch.randint(1, 96, (2, 12), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    ids[0, :3], mask[0, :3] = 0, 0
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True,
+              cache_implementation=cache)
+    batch = model.generate(ids, attention_mask=mask, **kw)
+    alone = model.generate(ids[:1, 3:], attention_mask=mask[:1, 3:], **kw)
+    for a, b in zip(batch.scores, alone.scores, strict=True):
+        torch.testing.assert_close(a[0], b[0], rtol=0, atol=1e-4)
+
+
+def test_gradient_checkpointing_gives_the_same_step(monkeypatch):
+    """HF's activation checkpointing (torch.utils.checkpoint per layer) recomputes our calls in the backward:
+    loss, logits and every gradient equal the step without it, bit for bit (emulator)."""
+    from flamia_cute import custom_ops
+
+    runs, real = [], custom_ops.run_forward
+    monkeypatch.setattr(custom_ops, "run_forward", lambda *a, **k: runs.append(1) or real(*a, **k))
+    batch = packed_batch()
+    ref = loss_and_grads(llama(fhf.ATTN_NAME), batch)
+    assert len(runs) == 2  # one call per layer
+    model = llama(fhf.ATTN_NAME)
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    got = loss_and_grads(model, batch)
+    assert len(runs) == 2 + 4  # each layer's call again in the backward
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[2], ref[2])
+    for name, g in got[1].items():
+        assert torch.equal(g, ref[1][name]), name

@@ -6,7 +6,17 @@ import torch
 from flamia_cute.testing import LeakageReport, attention_fn_for, check_leakage, make_inputs
 
 LENGTHS = [300, 517, 1, 0, 130]
-LEAK_FREE = ["bf16", "fp8_token", "fp8_tokenblock", "fp8_tokenblock_dsbf16", "mxfp8", "nvfp4_fp8"]
+LEAK_FREE = ["bf16", "fp8_token", "fp8_token_ds_bf16", "fp8_token_ds_e5m2", "fp8_tokenblock", "fp8_tokenblock_dsbf16",
+             "fp8_tokenblock_hadamard", "mxfp8", "nvfp4_fp8"]
+CONTROLS = ["fp8_tensor_current", "fp8_tokenblock_unsafe", "mxfp8_unsafe", "fp8_tokenblock_dstile_unsafe"]
+
+
+def test_every_named_recipe_is_tested_here():
+    """A new named recipe is either leak-free (and tested below) or a control that fails a test below."""
+    from flamia_cute.recipes import NAMED_RECIPES
+
+    assert set(LEAK_FREE) | set(CONTROLS) == set(NAMED_RECIPES)
+    assert not set(LEAK_FREE) & set(CONTROLS)
 
 
 @pytest.fixture(scope="module")

@@ -194,13 +194,18 @@ def test_compiles_fullgraph_and_matches_eager(active, what):
         return F.scaled_dot_product_attention(*(t.view(1, 337, 4, 64).transpose(1, 2) for t in (q, k, v)),
                                               is_causal=True)
 
+    def direct(q, k, v):  # our call: the packed documents, or SDPA's one causal row
+        c = cu if what == "varlen" else cu_seqlens_from_lengths([337])
+        out = flamia_attn_varlen_func(q, k, v, c, c, 200 if what == "varlen" else 337, 200 if what == "varlen" else 337)
+        return out if what == "varlen" else out.view(1, 337, 4, 64).transpose(1, 2)
+
     results = []
-    for f in (fn, torch.compile(fn, backend="aot_eager", fullgraph=True)):
+    for f in (fn, torch.compile(fn, backend="aot_eager", fullgraph=True), direct):
         leaves = _leaves(q, k, v)
         out = f(*leaves)
         results.append((out, *torch.autograd.grad(out.float().square().sum(), leaves)))
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
+    for a, b, c in zip(*results, strict=True):  # compiled = eager = our direct call (the op is ours)
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 @pytest.mark.parametrize("recipe", ["fp8_tokenblock_dsbf16", "fp8_tokenblock", "mxfp8", "fp8_tensor_current",

@@ -1,0 +1,108 @@
+"""The README's performance table from one `flamia-cute bench` run: ours against FA4 and cuDNN FP8 per
+workload (forward+backward), the geomeans (forward+backward and forward alone), and with --burst the
+burst run's geomeans; --clocks adds the median SM clock under load from gpu_session.sh's clocks.csv.
+
+    python perf/readme_table.py DIR/graph/bench_h16_d128.csv --burst DIR/gputime/bench_h16_d128.csv --clocks DIR/clocks.csv
+
+Every number comes from the CSVs given, so the table and its claims are from one run. Rows keep the
+workloads' order in flamia_cute/workloads.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import pathlib
+import statistics
+import sys
+
+OURS, FA4, CUDNN = "flamia_fp8_tokenblock_dsbf16", "fa4_bf16", "cudnn_fp8"
+WORKLOADS = pathlib.Path(__file__).resolve().parent.parent / "flamia_cute" / "workloads.json"
+
+
+def load(path) -> dict:
+    """{(workload, impl, mode): ms or None (skipped, with its reason)} and the run's commit and GPU."""
+    times, meta, reasons = {}, {}, {}
+    with open(path, newline="") as fh:
+        for row in csv.DictReader(fh):
+            key = (row["workload"], row["impl"], row["mode"])
+            times[key] = float(row["ms"]) if row.get("ms") else None
+            if row.get("skipped"):
+                reasons[key] = row["skipped"]
+            meta = {k: row.get(k, "") for k in ("commit", "gpu", "timing", "flash_attn", "cudnn", "torch")}
+    return {"times": times, "meta": meta, "reasons": reasons}
+
+
+def geomean(xs) -> float | None:
+    xs = [x for x in xs if x]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def speedups(times: dict, mode: str, ours: str = OURS) -> dict:
+    """{workload: FA4 ms / ours ms} where both ran."""
+    out = {}
+    for (w, impl, m), ms in times.items():
+        if impl == ours and m == mode and ms:
+            fa4 = times.get((w, FA4, mode))
+            if fa4:
+                out[w] = fa4 / ms
+    return out
+
+
+def clock_mhz(path) -> float | None:
+    """The median SM clock over the samples under load (> 300 W) of nvidia-smi's CSV (gpu_session.sh)."""
+    clocks = []
+    for line in pathlib.Path(path).read_text().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        try:  # with or without nvidia-smi's units ("1830 MHz", "650.2 W")
+            if len(parts) >= 3 and float(parts[2].split()[0]) > 300:
+                clocks.append(float(parts[1].split()[0]))
+        except (ValueError, IndexError):
+            continue
+    return statistics.median(clocks) if clocks else None
+
+
+def table(run: dict, order: list[str], ours: str = OURS) -> list[str]:
+    t = run["times"]
+    lines = ["| workload | ours ms | FA4 ms | speedup | cuDNN FP8 ms |", "|---|---|---|---|---|"]
+    sp = speedups(t, "fwdbwd", ours)
+    for w in order:
+        mine, fa4 = t.get((w, ours, "fwdbwd")), t.get((w, FA4, "fwdbwd"))
+        if mine is None and fa4 is None:
+            continue
+        cud = t.get((w, CUDNN, "fwdbwd"))
+        cud_s = f"{cud:.3g}" if cud else "n/a"
+        lines.append(f"| {w} | {mine:.3g} | {fa4:.3g} | {sp[w]:.2f}x | {cud_s} |" if w in sp else
+                     f"| {w} | {mine if mine else 'n/a'} | {fa4 if fa4 else 'n/a'} | n/a | {cud_s} |")
+    g, gf = geomean(sp.values()), geomean(speedups(t, "fwd", ours).values())
+    lines.append(f"| geomean | | | {g:.2f}x (forward alone {gf:.2f}x) | |" if g and gf else "| geomean | | | n/a | |")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("graph", help="bench CSV of the sustained run (--sustain S --graph)")
+    ap.add_argument("--burst", help="bench CSV of the burst run (--gpu-time) of the same session")
+    ap.add_argument("--clocks", help="clocks.csv (nvidia-smi samples) of the session")
+    args = ap.parse_args(argv)
+    order = list(json.loads(WORKLOADS.read_text())["workloads"])
+    run = load(args.graph)
+    print("\n".join(table(run, order)))
+    m = run["meta"]
+    print(f"\nsustained run: commit {m.get('commit')}, {m.get('gpu')}, torch {m.get('torch')}, cuDNN frontend "
+          f"{m.get('cudnn')}, timing {m.get('timing')}")
+    if args.burst:
+        b = load(args.burst)["times"]
+        gb, gbf = geomean(speedups(b, "fwdbwd").values()), geomean(speedups(b, "fwd").values())
+        print(f"burst geomean against FA4: forward+backward {gb:.3f}x, forward {gbf:.3f}x" if gb and gbf else
+              "burst: no pair of ours and FA4")
+    if args.clocks:
+        c = clock_mhz(args.clocks)
+        print(f"median SM clock under load: {c:.0f} MHz" if c else "clocks: no sample above 300 W")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
