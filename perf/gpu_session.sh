@@ -134,7 +134,7 @@ for stage in "$@"; do
       # left before DEADLINE, so that setup fits the same device call); a stage that runs out of it says so in its log
       b=${ROBUST_BUDGET:-$((DEADLINE - SECONDS - 20))}; pids=()
       tests=${ROBUST_TESTS:-tests/test_nonfinite.py tests/test_cross_length_kernel.py tests/test_torch_backend.py \
-        tests/test_checkpointing.py}
+        tests/test_checkpointing.py tests/test_dense_api.py}
       [ "$tests" = all ] && tests=
       for s in sanitize sanitize-race fuzz soak tests; do
         DEADLINE=$((b + 15)) STAGE_BUDGET=$b GPU_WORKERS=${GPU_WORKERS:-6} NO_PACK=1 \

@@ -83,3 +83,22 @@ def test_bad_inputs_name_the_argument():
         flamia_attn_func(q, q, q[:, :8], causal=False)
     with pytest.raises(TypeError, match="v must be a torch.Tensor"):
         flamia_attn_func(q, q, None)
+
+
+@pytest.mark.gpu
+def test_gpu_dense_is_the_varlen_call(monkeypatch):
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("needs an sm_90 GPU")
+    monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1")  # bitwise dQ
+    B, S, H, Hk, D = 4, 1000, 8, 2, 128
+    q, k, v, do = (_rand(B, S, h, D, seed=s).cuda() for s, h in ((12, H), (13, Hk), (14, Hk), (15, H)))
+    got = _grads(lambda *t: flamia_attn_func(*t, backend="cute", return_lse=True), q, k, v, do)
+    cu = cu_seqlens_from_lengths([S] * B).cuda()
+
+    def varlen(q_, k_, v_):
+        out, lse = flamia_attn_varlen_func(q_.reshape(B * S, H, D), k_.reshape(B * S, Hk, D), v_.reshape(B * S, Hk, D),
+                                           cu, cu, S, S, backend="cute", return_lse=True)
+        return out.view(B, S, H, D), lse.view(H, B, S).transpose(0, 1)
+
+    for a, b in zip(got, _grads(varlen, q, k, v, do), strict=True):
+        assert torch.equal(a, b)
