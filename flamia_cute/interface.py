@@ -153,8 +153,8 @@ def flamia_attn_varlen_func(
             *rope, rope_interleaved)
     # the custom ops where something watches the dispatcher: torch.compile, and dispatch modes in eager, such
     # as selective activation checkpointing (a policy can then save flamia_cute::varlen_fwd's outputs instead
-    # of recomputing them), FakeTensorMode and FlopCounterMode; else the autograd Function, which skips the
-    # custom op's dispatch (host time)
+    # of recomputing them) and FakeTensorMode; else the autograd Function, which skips the custom op's
+    # dispatch (host time)
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         out, lse = attention(*args)  # traceable, with fake implementations
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
@@ -170,13 +170,19 @@ _ROW_STARTS: dict[tuple, torch.Tensor] = {}
 _ROW_STARTS_MAX = 64
 
 
-def _row_starts(batch: int, seqlen: int, device: torch.device) -> torch.Tensor:
-    key = (batch, seqlen, str(device))
-    cu = _ROW_STARTS.get(key)
+def _row_starts(batch: int, seqlen: int, like: torch.Tensor) -> torch.Tensor:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    key, fake = (batch, seqlen, str(like.device)), isinstance(like, FakeTensor)
+    cu = None if fake else _ROW_STARTS.get(key)
     if cu is None:
-        if len(_ROW_STARTS) >= _ROW_STARTS_MAX:
-            _ROW_STARTS.pop(next(iter(_ROW_STARTS)))
-        cu = _ROW_STARTS[key] = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
+        cu = torch.arange(batch + 1, dtype=torch.int32, device=like.device) * seqlen
+        # kept only when real and made by eager code: a store while torch.compile traces would change what the
+        # graph's guards saw (a second compile), and a fake tensor belongs to its mode
+        if not fake and not torch.compiler.is_compiling():
+            if len(_ROW_STARTS) >= _ROW_STARTS_MAX:
+                _ROW_STARTS.pop(next(iter(_ROW_STARTS)))
+            _ROW_STARTS[key] = cu
     return cu
 
 
@@ -193,9 +199,9 @@ def flamia_attn_func(
 ):
     """flamia_attn_varlen_func for a dense batch, FlashAttention's flash_attn_func layout: q (batch, seqlen_q,
     heads, head_dim), k and v (batch, seqlen_k, kv_heads, head_dim); each batch row is one document (its own
-    scales, no attention across rows). With causal and seqlen_q < seqlen_k, the queries are the last seqlen_q
-    positions of their row's keys. Returns out (batch, seqlen_q, heads, head_dim), and with return_lse also
-    lse (batch, heads, seqlen_q) fp32."""
+    scales, no attention across rows). causal defaults to True (flash_attn_func's to False). With causal and
+    seqlen_q < seqlen_k, the queries are the last seqlen_q positions of their row's keys. Returns out (batch,
+    seqlen_q, heads, head_dim), and with return_lse also lse (batch, heads, seqlen_q) fp32."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -207,15 +213,18 @@ def flamia_attn_func(
     if k.shape[1] != v.shape[1]:
         raise ValueError(f"k and v must have the same seqlen, got {k.shape[1]} and {v.shape[1]}")
     Sk = k.shape[1]
+    if B == 0 or Sq == 0 or Sk == 0:
+        raise ValueError(f"q, k and v need at least one row and one position, got q {tuple(q.shape)} and k "
+                         f"{tuple(k.shape)}")
     if causal and Sq > Sk:
         raise ValueError(f"causal: seqlen_q ({Sq}) must not exceed seqlen_k ({Sk}) (queries are the last positions "
                          "of their row's keys)")
-    cu_q = _row_starts(B, Sq, q.device)
-    cu_k = cu_q if Sk == Sq else _row_starts(B, Sk, k.device)
+    cu_q = _row_starts(B, Sq, q)
+    cu_k = cu_q if Sk == Sq else _row_starts(B, Sk, k)
     res = flamia_attn_varlen_func(q.reshape(B * Sq, H, D), k.reshape(B * Sk, *k.shape[2:]),
                                   v.reshape(B * Sk, *v.shape[2:]), cu_q, cu_k, Sq, Sk, softmax_scale, causal, recipe,
                                   backend, return_lse, rotary)
     if not return_lse:
         return res.view(B, Sq, H, D)
     out, lse = res
-    return out.view(B, Sq, H, D), lse.view(H, B, Sq).transpose(0, 1)
+    return out.view(B, Sq, H, D), lse.view(H, B, Sq).transpose(0, 1).contiguous()

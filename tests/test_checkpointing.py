@@ -105,17 +105,24 @@ def test_selective_checkpointing_saves_the_attention_instead_of_recomputing_it(m
     assert _forward_runs(monkeypatch, "cpu", _selective, compile_backend=compile_backend) == 1
 
 
-def test_fake_tensor_mode_takes_the_custom_op():
+@pytest.mark.parametrize("kernels", [False, True], ids=["emulator", "kernel_dispatch"])
+def test_fake_tensor_mode_takes_the_custom_op(kernels, monkeypatch):
     """Under FakeTensorMode outside torch.compile (memory estimation, meta init) the call runs the fake
-    implementation instead of computing on fake tensors."""
+    implementation instead of computing on fake tensors; with the kernels' dispatch (as on an sm_90 host) and
+    two cu_seqlens objects (Hugging Face's), deciding the plan reads no value."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from flamia_cute import interface
     from flamia_cute.testing import make_inputs
 
+    if kernels:
+        monkeypatch.setattr(interface, "_kernels_available", lambda device: True)
     q, k, v, _, cu, scale = make_inputs(LENGTHS, 2, 2, 64, seed=0)
+    cu_k = cu.clone()
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
-        fq, fk, fv, fcu = (mode.from_tensor(t) for t in (q, k, v, cu))
-        out = flamia_attn_varlen_func(fq.requires_grad_(), fk, fv, fcu, fcu, max(LENGTHS), max(LENGTHS), scale)
+        fq, fk, fv, fcu, fcu_k = (mode.from_tensor(t) for t in (q, k, v, cu, cu_k))
+        out = flamia_attn_varlen_func(fq.requires_grad_(), fk, fv, fcu, fcu_k, max(LENGTHS), max(LENGTHS), scale,
+                                      backend="auto")
         assert out.shape == q.shape and out.dtype == q.dtype
 
 

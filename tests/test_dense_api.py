@@ -56,8 +56,44 @@ def test_rows_are_separate_documents():
 
 def test_row_starts_are_one_tensor_per_shape():
     """A GPU cu_seqlens is checked once per tensor: repeated calls reuse one."""
-    a, b = _row_starts(3, 150, torch.device("cpu")), _row_starts(3, 150, torch.device("cpu"))
+    like = torch.empty(0)
+    a, b = _row_starts(3, 150, like), _row_starts(3, 150, like)
     assert a is b and a.tolist() == [0, 150, 300, 450] and a.dtype == torch.int32
+
+
+def test_fake_tensor_mode_and_eager_calls_in_either_order():
+    """A FakeTensorMode call (memory estimation) neither stores its fake cu_seqlens nor takes the real one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q = _rand(2, 96, 2, 64, seed=16)
+    want = flamia_attn_func(q, q, q)
+    with FakeTensorMode() as mode:
+        out = flamia_attn_func(mode.from_tensor(q), mode.from_tensor(q), mode.from_tensor(q))
+        assert out.shape == q.shape
+    with FakeTensorMode() as mode:  # a shape no eager call has cached yet
+        flamia_attn_func(*(mode.from_tensor(_rand(3, 40, 2, 64, seed=17)) for _ in range(3)))
+    assert torch.equal(flamia_attn_func(q, q, q), want)
+    flamia_attn_func(*(_rand(3, 40, 2, 64, seed=17) for _ in range(3)))  # real, after the fake call
+
+
+def test_compile_first_compiles_once_per_shape():
+    """A compiled call that finds no cached cu_seqlens builds one in the graph and stores nothing while
+    tracing (a store would trip the graph's guards and compile it again)."""
+    from flamia_cute import interface
+
+    torch._dynamo.reset()
+    interface._ROW_STARTS.clear()
+    counts = []
+
+    def backend(gm, _inputs):
+        counts.append(1)
+        return gm.forward
+
+    fn = torch.compile(flamia_attn_func, backend=backend, fullgraph=True)
+    for s in (64, 64, 80, 80):
+        q = _rand(2, s, 2, 64, seed=s)
+        assert torch.equal(fn(q, q, q), flamia_attn_func(q, q, q) if s else None)
+    assert len(counts) <= 3, counts  # 64; 80 (maybe dynamic on the second shape); never a second 64
 
 
 def test_compiled_matches_eager():
@@ -83,6 +119,10 @@ def test_bad_inputs_name_the_argument():
         flamia_attn_func(q, q, q[:, :8], causal=False)
     with pytest.raises(TypeError, match="v must be a torch.Tensor"):
         flamia_attn_func(q, q, None)
+    with pytest.raises(ValueError, match="at least one row and one position"):
+        flamia_attn_func(q[:, :0], q[:, :0], q[:, :0])
+    with pytest.raises(ValueError, match="at least one row and one position"):
+        flamia_attn_func(q[:0], q[:0], q[:0])
 
 
 @pytest.mark.gpu
