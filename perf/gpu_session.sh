@@ -128,8 +128,9 @@ for stage in "$@"; do
       begin soak "not timed (memory and compiles)"
       run soak_stdout "${STAGE_BUDGET:-400}" python3 perf/soak.py --out "$DIR" ;;
     robust)  # the correctness stages at once, each in its own process and folder: sanitize, sanitize-race,
-      # fuzz, soak and tests: the make test-gpu tier of ROBUST_TESTS (default: the test files changed since the
-      # last full GPU run; "all" for every file), GPU_WORKERS 6. Nothing is timed, so they may share the GPU; the
+      # fuzz, soak and tests: the make test-gpu tier of ROBUST_TESTS (default: the files whose GPU tests changed
+      # after the last full GPU run, listed below: keep the list current; "all" for every file), GPU_WORKERS 6.
+      # Nothing is timed, so they may share the GPU; the
       # disk cache's locks make each kernel compile once. ROBUST_BUDGET seconds for all (default: what is
       # left before DEADLINE, so that setup fits the same device call); a stage that runs out of it says so in its log
       b=$((DEADLINE - SECONDS - 20)); (( ${ROBUST_BUDGET:-$b} < b )) && b=$ROBUST_BUDGET; pids=()
