@@ -7,6 +7,7 @@ import os
 if os.environ.get("FLAMIA_ARCH") and not os.environ.get("CUTE_DSL_ARCH"):
     os.environ["CUTE_DSL_ARCH"] = os.environ["FLAMIA_ARCH"]
 
+from . import custom_ops  # noqa: F401  (the torch.library ops and their FlopCounterMode formulas, at import)
 from .interface import flamia_attn_func, flamia_attn_varlen_func
 from .recipes import DEFAULT_RECIPE, NAMED_RECIPES, OperandQuant, Recipe
 from .rotary import Rotary, RotaryConfig, apply_rotary
