@@ -153,8 +153,8 @@ def flamia_attn_varlen_func(
             *rope, rope_interleaved)
     # the custom ops where something watches the dispatcher: torch.compile, and dispatch modes in eager, such
     # as selective activation checkpointing (a policy can then save flamia_cute::varlen_fwd's outputs instead
-    # of recomputing them) and FakeTensorMode; else the autograd Function, which skips the custom op's
-    # dispatch (host time)
+    # of recomputing them), FakeTensorMode and FlopCounterMode; else the autograd Function, which skips the
+    # custom op's dispatch (host time)
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         out, lse = attention(*args)  # traceable, with fake implementations
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
