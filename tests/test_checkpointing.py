@@ -14,32 +14,14 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from flamia_cute import flamia_attn_varlen_func
 from flamia_cute.rotary import RotaryConfig
+from flamia_cute.testing import TinyBlock
 
 LENGTHS = [3, 150, 0, 40, 1]
 
 
-class _Block(torch.nn.Module):
-    """qkv projection, attention, output projection and an MLP: what a checkpoint wraps in a model."""
-
-    def __init__(self, dim=128, heads=2, recipe="fp8_tokenblock_dsbf16", backend="emulate", rotary=None):
-        super().__init__()
-        self.heads, self.recipe, self.backend, self.rotary = heads, recipe, backend, rotary
-        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
-        self.proj = torch.nn.Linear(dim, dim, bias=False)
-        self.mlp = torch.nn.Linear(dim, dim, bias=False)
-
-    def forward(self, x, cu, max_seqlen):
-        T, dim = x.shape
-        q, k, v = self.qkv(x).view(T, 3, self.heads, dim // self.heads).unbind(1)
-        o = flamia_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, recipe=self.recipe,
-                                    backend=self.backend, rotary=self.rotary)
-        h = x + self.proj(o.reshape(T, dim))
-        return h + torch.relu(self.mlp(h))
-
-
 def _grads(device, wrap, backend="emulate", recipe="fp8_tokenblock_dsbf16", rotary=None, compile_backend=None):
     torch.manual_seed(0)
-    block = _Block(recipe=recipe, backend=backend, rotary=rotary).to(device=device, dtype=torch.bfloat16)
+    block = TinyBlock(128, 2, recipe, backend, rotary, mlp=True).to(device=device, dtype=torch.bfloat16)
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device=device)
     x = torch.randn(sum(LENGTHS), 128, device=device, dtype=torch.bfloat16, requires_grad=True)
 
@@ -79,7 +61,7 @@ def _assert_all_equal(ref, got):
 
 
 def _forward_runs(monkeypatch, device, wrap, **kw) -> int:
-    """How many times the attention forward ran in one training step of _Block under wrap."""
+    """How many times the attention forward ran in one training step of the block under wrap."""
     from flamia_cute import custom_ops
 
     runs, real = [], custom_ops.run_forward

@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from flamia_cute import NAMED_RECIPES, flamia_attn_varlen_func
 from flamia_cute.custom_ops import recipe_key, saved_layout, varlen_bwd, varlen_fwd
 from flamia_cute.quant import QuantizedTHD, transposed_tokens
-from flamia_cute.testing import attention_fn_for, make_inputs
+from flamia_cute.testing import TinyBlock, attention_fn_for, make_inputs
 
 LENGTHS = [5, 40, 0, 19]
 
@@ -244,24 +244,9 @@ def test_opcheck_with_rope_tables(interleaved):
                                        rot.sin, interleaved))
 
 
-class _Tiny(torch.nn.Module):
-    def __init__(self, dim=64, heads=2, recipe="fp8_tokenblock", backend="emulate", rotary=None):
-        super().__init__()
-        self.heads, self.recipe, self.backend, self.rotary = heads, recipe, backend, rotary
-        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
-        self.proj = torch.nn.Linear(dim, dim, bias=False)
-
-    def forward(self, x, cu, max_seqlen):
-        T, dim = x.shape
-        q, k, v = self.qkv(x).view(T, 3, self.heads, dim // self.heads).unbind(1)
-        o = flamia_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, recipe=self.recipe,
-                                    backend=self.backend, rotary=self.rotary)
-        return self.proj(o.reshape(T, dim))
-
-
 def _compiled_matches_eager(backend, device, attn_backend, recipe="fp8_tokenblock", rotary=None):
     torch.manual_seed(0)
-    model = _Tiny(dim=256, heads=2, recipe=recipe, backend=attn_backend, rotary=rotary).to(device=device,
+    model = TinyBlock(dim=256, heads=2, recipe=recipe, backend=attn_backend, rotary=rotary).to(device=device,
                                                                                           dtype=torch.bfloat16)
     lengths = [3, 150, 0, 40]
     cu = torch.tensor([0, 3, 153, 153, 193], dtype=torch.int32, device=device)
