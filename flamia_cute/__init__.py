@@ -7,10 +7,11 @@ import os
 if os.environ.get("FLAMIA_ARCH") and not os.environ.get("CUTE_DSL_ARCH"):
     os.environ["CUTE_DSL_ARCH"] = os.environ["FLAMIA_ARCH"]
 
-from .interface import flamia_attn_varlen_func
+from . import custom_ops  # noqa: F401  (the torch.library ops and their FlopCounterMode formulas, at import)
+from .interface import flamia_attn_func, flamia_attn_varlen_func
 from .recipes import DEFAULT_RECIPE, NAMED_RECIPES, OperandQuant, Recipe
 from .rotary import Rotary, RotaryConfig, apply_rotary
 from .version import __version__
 
-__all__ = ["flamia_attn_varlen_func", "Recipe", "OperandQuant", "NAMED_RECIPES", "DEFAULT_RECIPE", "Rotary",
+__all__ = ["flamia_attn_func", "flamia_attn_varlen_func", "Recipe", "OperandQuant", "NAMED_RECIPES", "DEFAULT_RECIPE", "Rotary",
            "RotaryConfig", "apply_rotary", "__version__"]

@@ -490,13 +490,14 @@ def bench_order(workloads: list, impls: list) -> list:
 
 
 def run_bench(workloads: dict, head_cfg: dict, impls, modes=MODES, reps=15, device="cuda",
-              gpu_time: bool = False, sustain_s: float = 0.0, graph: bool = False) -> list[dict]:
+              gpu_time: bool = False, sustain_s: float = 0.0, graph: bool = False, on_rows=None) -> list[dict]:
     """gpu_time: time GPU work only (the host enqueues each call behind a GPU sleep), as a training
     step whose host runs ahead sees it; default: each call from an idle GPU, host time included;
     sustain_s > 0: back-to-back calls after that many seconds of them (_time_sustained; overrides);
     graph: CUDA graph replays of the calls, with sustain_s (_graphed: GPU time at the sustained clock).
     The implementations' order rotates by workload, so none is always timed first (on the GPU that
-    just idled through the workload's setup: a build timed first can run up to 9% faster)."""
+    just idled through the workload's setup: a build timed first can run up to 9% faster).
+    on_rows(rows): called with the rows so far after each (workload, implementation)."""
     lead = GPU_TIME_LEAD_CYCLES if gpu_time and device.startswith("cuda") else 0
     rows = []
     items = bench_order(list(workloads), list(impls))
@@ -511,6 +512,8 @@ def run_bench(workloads: dict, head_cfg: dict, impls, modes=MODES, reps=15, devi
             got = [{"impl": impl.name, "mode": m, "skipped": f"error: {type(e).__name__}: {e}"[:300]} for m in modes]
         for r in got:
             rows.append({"workload": w, **r})
+        if on_rows is not None:
+            on_rows(rows)
     return rows
 
 
@@ -634,14 +637,22 @@ def main_bench(args) -> int:
         print("--graph times --modes fwd and fwdbwd only (bwd needs a forward kept from outside the capture)",
               file=sys.stderr)
         return 2
-    rows = run_bench(wl, head_cfg, impls, tuple(args.modes.split(",")), args.reps, device, args.gpu_time,
-                     args.sustain, args.graph)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"bench_{args.heads}"
     timing = ("wall_cpu" if not device.startswith("cuda")
               else f"sustained_{args.sustain:g}s" + ("_cuda_graph" if args.graph else "") if args.sustain
               else "gpu_time" if args.gpu_time else "call_from_idle_gpu")
-    summarize(rows, environment() | {"heads": args.heads, "timing": timing}, out / f"{stem}.csv", out / f"{stem}.png")
+    env = environment() | {"heads": args.heads, "timing": timing}
+    partial = out / f"{stem}.partial.csv"  # the rows so far: a run stopped by a time limit keeps them
+    import pandas as pd
+
+    def write_partial(rows):
+        pd.DataFrame(rows).assign(**env).to_csv(partial, index=False)
+
+    rows = run_bench(wl, head_cfg, impls, tuple(args.modes.split(",")), args.reps, device, args.gpu_time,
+                     args.sustain, args.graph, on_rows=write_partial)
+    summarize(rows, env, out / f"{stem}.csv", out / f"{stem}.png")
+    partial.unlink(missing_ok=True)
     print(f"\nwrote {out / (stem + '.csv')}")
     return 0

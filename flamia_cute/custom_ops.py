@@ -30,6 +30,7 @@ import functools
 import hashlib
 
 import torch
+import torch.utils.flop_counter
 
 from .quant import transposed_tokens
 from .recipes import MX_BLOCK, NAMED_RECIPES, OperandQuant, Recipe
@@ -464,6 +465,30 @@ def _backward(ctx, dout, _dlse, _dsaved):
 
 
 varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# FlopCounterMode (torch.utils.flop_counter): the ops count as torch counts its flash attention ops, per
+# document and without the causal half (its convention), so that numbers compare with FA's through SDPA:
+# forward 2 products (4 H D Lq Lk), backward 5 (the recomputed S and four gradient products: 10 H D Lq Lk)
+
+
+def _query_key_pairs(cu_q, cu_k, tokens_q: int, max_k: int) -> int:
+    """sum over documents of Lq * Lk; with fake cu_seqlens (FakeTensorMode) the bound tokens_q * max_k."""
+    try:
+        lq, lk = (cu_q[1:] - cu_q[:-1]).tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
+    except Exception:  # values unknown
+        return int(tokens_q) * int(max_k)
+    return sum(a * b for a, b in zip(lq, lk, strict=True))
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.flamia_cute.varlen_fwd, get_raw=True)
+def _varlen_fwd_flops(q, k, v, cu_q, cu_k, max_q, max_k, *args, out_shape=None, **kwargs) -> int:
+    return 4 * q.shape[1] * q.shape[2] * _query_key_pairs(cu_q, cu_k, q.shape[0], max_k)
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.flamia_cute.varlen_bwd, get_raw=True)
+def _varlen_bwd_flops(dout, out, lse, saved, cu_q, cu_k, max_q, max_k, *args, out_shape=None, **kwargs) -> int:
+    return 10 * dout.shape[1] * dout.shape[2] * _query_key_pairs(cu_q, cu_k, dout.shape[0], max_k)
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,

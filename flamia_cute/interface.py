@@ -162,3 +162,69 @@ def flamia_attn_varlen_func(
     else:  # no backward will run: nothing to save
         out, lse, _ = run_forward(*args, save=False)
     return (out, lse) if return_lse else out
+
+
+# cu_seqlens of a dense batch, by (rows, tokens per row, device): one tensor per shape, so the check of its
+# values (validation.check_cu_seqlens_values) reads a GPU tensor once, not on every call
+_ROW_STARTS: dict[tuple, torch.Tensor] = {}
+_ROW_STARTS_MAX = 64
+
+
+def _row_starts(batch: int, seqlen: int, like: torch.Tensor) -> torch.Tensor:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    key, fake = (batch, seqlen, str(like.device)), isinstance(like, FakeTensor)
+    cu = None if fake else _ROW_STARTS.get(key)
+    if cu is None:
+        cu = torch.arange(batch + 1, dtype=torch.int32, device=like.device) * seqlen
+        # kept only when real and made by eager code: a store while torch.compile traces would change what the
+        # graph's guards saw (a second compile), and a fake tensor belongs to its mode
+        if not fake and not torch.compiler.is_compiling():
+            if len(_ROW_STARTS) >= _ROW_STARTS_MAX:
+                _ROW_STARTS.pop(next(iter(_ROW_STARTS)))
+            _ROW_STARTS[key] = cu
+    return cu
+
+
+def flamia_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    recipe: str | Recipe = DEFAULT_RECIPE,
+    backend: str = "auto",
+    return_lse: bool = False,
+    rotary: Rotary | RotaryConfig | None = None,
+):
+    """flamia_attn_varlen_func for a dense batch, FlashAttention's flash_attn_func layout: q (batch, seqlen_q,
+    heads, head_dim), k and v (batch, seqlen_k, kv_heads, head_dim); each batch row is one document (its own
+    scales, no attention across rows). causal defaults to True (flash_attn_func's to False). With causal and
+    seqlen_q < seqlen_k, the queries are the last seqlen_q positions of their row's keys. Returns out (batch,
+    seqlen_q, heads, head_dim), and with return_lse also lse (batch, heads, seqlen_q) fp32."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (batch, seqlen, heads, head_dim), got rank {t.dim()}")
+    B, Sq, H, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"q, k, v must have the same batch size, got {B}, {k.shape[0]}, {v.shape[0]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same seqlen, got {k.shape[1]} and {v.shape[1]}")
+    Sk = k.shape[1]
+    if B == 0 or Sq == 0 or Sk == 0:
+        raise ValueError(f"q, k and v need at least one row and one position, got q {tuple(q.shape)} and k "
+                         f"{tuple(k.shape)}")
+    if causal and Sq > Sk:
+        raise ValueError(f"causal: seqlen_q ({Sq}) must not exceed seqlen_k ({Sk}) (queries are the last positions "
+                         "of their row's keys)")
+    cu_q = _row_starts(B, Sq, q)
+    cu_k = cu_q if Sk == Sq else _row_starts(B, Sk, k)
+    res = flamia_attn_varlen_func(q.reshape(B * Sq, H, D), k.reshape(B * Sk, *k.shape[2:]),
+                                  v.reshape(B * Sk, *v.shape[2:]), cu_q, cu_k, Sq, Sk, softmax_scale, causal, recipe,
+                                  backend, return_lse, rotary)
+    if not return_lse:
+        return res.view(B, Sq, H, D)
+    out, lse = res
+    return out.view(B, Sq, H, D), lse.view(H, B, Sq).transpose(0, 1).contiguous()

@@ -66,6 +66,10 @@ def same_documents(cu_q: torch.Tensor, cu_k: torch.Tensor) -> bool:
         return True
     if cu_q.shape != cu_k.shape:
         return False
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(cu_q, FakeTensor) or isinstance(cu_k, FakeTensor):
+        return False  # values unknown (FakeTensorMode outside torch.compile): the separate-keys plan serves both
     if torch.compiler.is_compiling() or not hasattr(cu_q, "__dict__"):
         return torch.equal(cu_q, cu_k)
     versions = (cu_q._version, cu_k._version)

@@ -396,3 +396,27 @@ def check_nonfinite_isolation_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, do
     if all(bool(torch.isfinite(res[name][sel].float()).all()) for name, sel in inside.items()):
         bad.append(f"{which}={value} at doc {doc} pos {pos}: every output of the poisoned document is finite")
     return bad
+
+
+class TinyBlock(torch.nn.Module):
+    """A model's attention block for the tests: qkv projection, flamia_attn_varlen_func, output projection;
+    with mlp=True also a residual and a one-layer MLP (what an activation checkpoint wraps)."""
+
+    def __init__(self, dim=64, heads=2, recipe="fp8_tokenblock", backend="emulate", rotary=None, mlp=False):
+        super().__init__()
+        self.heads, self.recipe, self.backend, self.rotary = heads, recipe, backend, rotary
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = torch.nn.Linear(dim, dim, bias=False)
+        self.mlp = torch.nn.Linear(dim, dim, bias=False) if mlp else None
+
+    def forward(self, x, cu, max_seqlen):
+        from .interface import flamia_attn_varlen_func
+
+        T, dim = x.shape
+        q, k, v = self.qkv(x).view(T, 3, self.heads, dim // self.heads).unbind(1)
+        o = self.proj(flamia_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, recipe=self.recipe,
+                                              backend=self.backend, rotary=self.rotary).reshape(T, dim))
+        if self.mlp is None:
+            return o
+        h = x + o
+        return h + torch.relu(self.mlp(h))

@@ -355,6 +355,9 @@ def main(argv=None) -> int:
             continue
         rows += time_workload(w, lengths, data["head_configs"][args.heads], args)
         write_csv(out_dir / "cudnn_direct.csv", rows)  # after each workload: a run stopped by a time limit keeps its rows
+    if not rows:
+        print("cudnn_direct: no variant ran", file=sys.stderr)
+        return 1
     print(f"wrote {out_dir / 'cudnn_direct.csv'}")
     return 0
 

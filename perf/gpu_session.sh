@@ -67,7 +67,7 @@ for stage in "$@"; do
       if python3 -c 'import xdist' 2>/dev/null; then run "${target//-/_}" "$limit" make "$target" PYTHON=python3 \
         PYTEST_ARGS="${PYTEST_ARGS:--v --durations=25}"
       else echo "- pytest-xdist not installed: pytest in one process, the make target's markers" >> "$DIR/MANIFEST.md"
-        run "${target//-/_}" "$limit" python3 -m pytest -q -m "$marks"; fi ;;
+        run "${target//-/_}" "$limit" python3 -m pytest -q -m "$marks" ${PYTEST_ARGS:-}; fi ;;
     bench)  # ours against FA4 and cuDNN on all six workloads: burst GPU time, then sustained CUDA-graph replays
       begin bench "burst (--gpu-time: each call behind a queued GPU sleep), then sustained (3 s of calls, then CUDA-graph replays back to back; clocks sampled)"
       clocks_on
@@ -128,14 +128,20 @@ for stage in "$@"; do
       begin soak "not timed (memory and compiles)"
       run soak_stdout "${STAGE_BUDGET:-400}" python3 perf/soak.py --out "$DIR" ;;
     robust)  # the correctness stages at once, each in its own process and folder: sanitize, sanitize-race,
-      # fuzz, soak and tests: the make test-gpu tier of ROBUST_TESTS (default: the test files changed since the
-      # last full GPU run; "all" for every file), GPU_WORKERS 6. Nothing is timed, so they may share the GPU; the
+      # fuzz, soak and tests: the make test-gpu tier of ROBUST_TESTS (default: the files whose GPU tests changed
+      # after the last full GPU run, listed below: keep the list current; "all" for every file), GPU_WORKERS 6.
+      # Nothing is timed, so they may share the GPU; the
       # disk cache's locks make each kernel compile once. ROBUST_BUDGET seconds for all (default: what is
       # left before DEADLINE, so that setup fits the same device call); a stage that runs out of it says so in its log
-      b=${ROBUST_BUDGET:-$((DEADLINE - SECONDS - 20))}; pids=()
+      b=$((DEADLINE - SECONDS - 20)); (( ${ROBUST_BUDGET:-$b} < b )) && b=$ROBUST_BUDGET; pids=()
       tests=${ROBUST_TESTS:-tests/test_nonfinite.py tests/test_cross_length_kernel.py tests/test_torch_backend.py \
-        tests/test_checkpointing.py}
+        tests/test_checkpointing.py tests/test_dense_api.py}
       [ "$tests" = all ] && tests=
+      # the kernels of sanitize, fuzz and soak compiled once, on all cores, before the five start (each would
+      # otherwise start its own pool of compiles at the same moment)
+      begin robust-warmup "not timed (compiles)"
+      run warmup $((b / 3)) python3 perf/kernel_warmup.py --sets sanitize,fuzz,soak
+      b=$((DEADLINE - SECONDS - 20)); (( ${ROBUST_BUDGET:-$b} < b )) && b=$ROBUST_BUDGET
       for s in sanitize sanitize-race fuzz soak tests; do
         DEADLINE=$((b + 15)) STAGE_BUDGET=$b GPU_WORKERS=${GPU_WORKERS:-6} NO_PACK=1 \
           PYTEST_ARGS="${PYTEST_ARGS:--v --durations=15} $tests" bash "$0" "$s" \
@@ -151,7 +157,8 @@ for stage in "$@"; do
       run train_long "$lim" env TRAIN_BUDGET=$((lim - 15)) bash perf/train_long.sh "$DIR" ;;
     cudnn-direct)  # the cuDNN FP8 baseline against a direct cudnn-frontend call: GPU time, then graph replays
       begin cudnn-direct "burst (--gpu-time: each call behind a queued GPU sleep); sustained CUDA-graph replays for --graph"
-      run cudnn_direct 330 python3 perf/cudnn_direct.py --only 1x16k,4x4k,16x1k --bwd --out "$DIR"
+      left=$((DEADLINE - SECONDS - 10)); l1=330; (( left * 3 / 5 < l1 )) && l1=$((left * 3 / 5))  # the graph run gets the rest
+      run cudnn_direct "$l1" python3 perf/cudnn_direct.py --only 1x16k,4x4k,16x1k --bwd --out "$DIR"
       run cudnn_direct_graph 220 python3 perf/cudnn_direct.py --only 1x16k --graph --out "$DIR/graph" ;;
     *) echo "unknown stage $stage (see perf/README.md)" ;;
   esac

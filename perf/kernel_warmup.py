@@ -111,6 +111,48 @@ def compile_ahead(kernels, workers: int | None = None, log=print) -> float:
     return took
 
 
+def script_kernels(name: str) -> set:
+    """The kernels a GPU script compiles ahead: sanitize (sanitize_driver's full set), fuzz (fuzz_gpu's packs
+    at seed 0: a run's own seed may add a few, which it compiles itself), soak (its default call mix)."""
+    if name == "sanitize":
+        import sanitize_driver
+
+        return sanitize_driver.case_kernels(sanitize_driver.cases("full"))
+    if name == "fuzz":
+        import fuzz_gpu as m
+
+        specs = [m.pack_spec(0, i, m.head_configs()) for i in range(m.DEFAULT_PACKS)]
+    elif name == "soak":
+        import soak as m
+
+        specs = m.call_specs(m.DEFAULT_CALLS, 0, m.head_configs())
+    else:
+        raise ValueError(f"script must be sanitize, fuzz or soak, got {name!r}")
+    out = set()
+    for sp in specs:
+        H, Hk, D = m.head_configs()[sp["heads"]]
+        out |= call_kernels(m.RECIPE, D, H, Hk, sp["lengths"], sp["train"])
+    return out
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sets", default="sanitize,fuzz,soak", help="comma-separated: sanitize, fuzz, soak")
+    ap.add_argument("--list", action="store_true", help="count the kernels only (no compiles)")
+    args = ap.parse_args(argv)
+    kernels = set()
+    for name in args.sets.split(","):
+        ks = script_kernels(name)
+        print(f"{name}: {len(ks)} kernels")
+        kernels |= ks
+    print(f"all: {len(kernels)} kernels")
+    if not args.list:
+        compile_ahead(kernels)
+    return 0
+
+
 if __name__ == "__main__":
-    print(__doc__)
-    sys.exit(0)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())

@@ -75,7 +75,7 @@ def table(run: dict, order: list[str], ours: str = OURS) -> list[str]:
         cud = t.get((w, CUDNN, "fwdbwd"))
         cud_s = f"{cud:.3g}" if cud else "n/a"
         lines.append(f"| {w} | {mine:.3g} | {fa4:.3g} | {sp[w]:.2f}x | {cud_s} |" if w in sp else
-                     f"| {w} | {mine if mine else 'n/a'} | {fa4 if fa4 else 'n/a'} | n/a | {cud_s} |")
+                     f"| {w} | {f'{mine:.3g}' if mine else 'n/a'} | {f'{fa4:.3g}' if fa4 else 'n/a'} | n/a | {cud_s} |")
     g, gf = geomean(sp.values()), geomean(speedups(t, "fwd", ours).values())
     lines.append(f"| geomean | | | {g:.2f}x (forward alone {gf:.2f}x) | |" if g and gf else "| geomean | | | n/a | |")
     return lines

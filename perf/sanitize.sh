@@ -47,7 +47,8 @@ step() {  # step NAME EXPECT(pass|fail) CMD...: the command under a time limit, 
   local errs; errs=$(grep -hE "(ERROR|RACECHECK) SUMMARY" "$DIR/$name.log" | sed "s/^=* *//" | paste -sd";" -)
   local verdict=ok
   if [ "$expect" = pass ] && [ "$rc" -ne 0 ]; then verdict=FAILED; fail=1; fi
-  if [ "$expect" = fail ] && { [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ]; }; then verdict="FAILED (the planted error was not reported)"; fail=1; fi
+  if [ "$expect" = fail ] && { [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; }; then verdict="FAILED (the planted error was not reported)"; fail=1; fi
+  [ "$rc" -eq 137 ] && rc=124  # killed after the grace period: a timeout too
   # cut short: how far it got (the driver runs its cases cover first: see its first line for how many launch
   # every kernel), and no tool report so far is in errs above
   [ "$rc" -eq 124 ] && verdict="$verdict (timed out after ${lim} s; $(grep -oE '^\[[0-9]+/[0-9]+\]' "$DIR/$name.log" | tail -1 | tr -d '[]' || true) cases ran)"

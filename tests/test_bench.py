@@ -209,3 +209,33 @@ def test_environment_takes_the_commit_from_flamia_commit(monkeypatch):
     assert env["commit"] == "0123abc" and len(env["source_hash"]) == 12
     monkeypatch.delenv("FLAMIA_COMMIT")
     assert environment()["commit"] != "0123abc"
+
+
+def test_a_run_cut_short_keeps_its_rows(tmp_path, monkeypatch):
+    """bench writes the rows so far after each (workload, implementation): a run stopped by a time limit leaves
+    them in bench_<heads>.partial.csv, with the run's environment; a finished run removes that file."""
+    import flamia_cute.bench as b
+
+    wl = {"head_configs": {"tiny": {"heads_q": 2, "heads_kv": 1, "head_dim": 64}},
+          "workloads": {"one": [64, 30], "two": [40]}}
+    path = tmp_path / "wl.json"
+    path.write_text(json.dumps(wl))
+    argv = ["bench", "--workloads", str(path), "--heads", "tiny", "--reps", "1", "--device", "cpu", "--impls",
+            "flamia", "--modes", "fwd", "--out", str(tmp_path)]
+    real, calls = b.bench_case, []
+
+    def stop_at_the_second(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # as the time limit's signal would stop it
+        return real(*args, **kw)
+
+    monkeypatch.setattr(b, "bench_case", stop_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    part = pd.read_csv(tmp_path / "bench_tiny.partial.csv")
+    assert len(part) == 1 and part["ms"].notna().all() and (part["timing"] == "wall_cpu").all()
+    assert not (tmp_path / "bench_tiny.csv").exists()
+    monkeypatch.setattr(b, "bench_case", real)
+    assert main(argv) == 0
+    assert (tmp_path / "bench_tiny.csv").exists() and not (tmp_path / "bench_tiny.partial.csv").exists()

@@ -14,32 +14,14 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from flamia_cute import flamia_attn_varlen_func
 from flamia_cute.rotary import RotaryConfig
+from flamia_cute.testing import TinyBlock
 
 LENGTHS = [3, 150, 0, 40, 1]
 
 
-class _Block(torch.nn.Module):
-    """qkv projection, attention, output projection and an MLP: what a checkpoint wraps in a model."""
-
-    def __init__(self, dim=128, heads=2, recipe="fp8_tokenblock_dsbf16", backend="emulate", rotary=None):
-        super().__init__()
-        self.heads, self.recipe, self.backend, self.rotary = heads, recipe, backend, rotary
-        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
-        self.proj = torch.nn.Linear(dim, dim, bias=False)
-        self.mlp = torch.nn.Linear(dim, dim, bias=False)
-
-    def forward(self, x, cu, max_seqlen):
-        T, dim = x.shape
-        q, k, v = self.qkv(x).view(T, 3, self.heads, dim // self.heads).unbind(1)
-        o = flamia_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, recipe=self.recipe,
-                                    backend=self.backend, rotary=self.rotary)
-        h = x + self.proj(o.reshape(T, dim))
-        return h + torch.relu(self.mlp(h))
-
-
 def _grads(device, wrap, backend="emulate", recipe="fp8_tokenblock_dsbf16", rotary=None, compile_backend=None):
     torch.manual_seed(0)
-    block = _Block(recipe=recipe, backend=backend, rotary=rotary).to(device=device, dtype=torch.bfloat16)
+    block = TinyBlock(128, 2, recipe, backend, rotary, mlp=True).to(device=device, dtype=torch.bfloat16)
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device=device)
     x = torch.randn(sum(LENGTHS), 128, device=device, dtype=torch.bfloat16, requires_grad=True)
 
@@ -79,7 +61,7 @@ def _assert_all_equal(ref, got):
 
 
 def _forward_runs(monkeypatch, device, wrap, **kw) -> int:
-    """How many times the attention forward ran in one training step of _Block under wrap."""
+    """How many times the attention forward ran in one training step of the block under wrap."""
     from flamia_cute import custom_ops
 
     runs, real = [], custom_ops.run_forward
@@ -105,17 +87,24 @@ def test_selective_checkpointing_saves_the_attention_instead_of_recomputing_it(m
     assert _forward_runs(monkeypatch, "cpu", _selective, compile_backend=compile_backend) == 1
 
 
-def test_fake_tensor_mode_takes_the_custom_op():
+@pytest.mark.parametrize("kernels", [False, True], ids=["emulator", "kernel_dispatch"])
+def test_fake_tensor_mode_takes_the_custom_op(kernels, monkeypatch):
     """Under FakeTensorMode outside torch.compile (memory estimation, meta init) the call runs the fake
-    implementation instead of computing on fake tensors."""
+    implementation instead of computing on fake tensors; with the kernels' dispatch (as on an sm_90 host) and
+    two cu_seqlens objects (Hugging Face's), deciding the plan reads no value."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from flamia_cute import interface
     from flamia_cute.testing import make_inputs
 
+    if kernels:
+        monkeypatch.setattr(interface, "_kernels_available", lambda device: True)
     q, k, v, _, cu, scale = make_inputs(LENGTHS, 2, 2, 64, seed=0)
+    cu_k = cu.clone()
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
-        fq, fk, fv, fcu = (mode.from_tensor(t) for t in (q, k, v, cu))
-        out = flamia_attn_varlen_func(fq.requires_grad_(), fk, fv, fcu, fcu, max(LENGTHS), max(LENGTHS), scale)
+        fq, fk, fv, fcu, fcu_k = (mode.from_tensor(t) for t in (q, k, v, cu, cu_k))
+        out = flamia_attn_varlen_func(fq.requires_grad_(), fk, fv, fcu, fcu_k, max(LENGTHS), max(LENGTHS), scale,
+                                      backend="auto")
         assert out.shape == q.shape and out.dtype == q.dtype
 
 

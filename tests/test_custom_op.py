@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from flamia_cute import NAMED_RECIPES, flamia_attn_varlen_func
 from flamia_cute.custom_ops import recipe_key, saved_layout, varlen_bwd, varlen_fwd
 from flamia_cute.quant import QuantizedTHD, transposed_tokens
-from flamia_cute.testing import attention_fn_for, make_inputs
+from flamia_cute.testing import TinyBlock, attention_fn_for, make_inputs
 
 LENGTHS = [5, 40, 0, 19]
 
@@ -244,24 +244,9 @@ def test_opcheck_with_rope_tables(interleaved):
                                        rot.sin, interleaved))
 
 
-class _Tiny(torch.nn.Module):
-    def __init__(self, dim=64, heads=2, recipe="fp8_tokenblock", backend="emulate", rotary=None):
-        super().__init__()
-        self.heads, self.recipe, self.backend, self.rotary = heads, recipe, backend, rotary
-        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
-        self.proj = torch.nn.Linear(dim, dim, bias=False)
-
-    def forward(self, x, cu, max_seqlen):
-        T, dim = x.shape
-        q, k, v = self.qkv(x).view(T, 3, self.heads, dim // self.heads).unbind(1)
-        o = flamia_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, recipe=self.recipe,
-                                    backend=self.backend, rotary=self.rotary)
-        return self.proj(o.reshape(T, dim))
-
-
 def _compiled_matches_eager(backend, device, attn_backend, recipe="fp8_tokenblock", rotary=None):
     torch.manual_seed(0)
-    model = _Tiny(dim=256, heads=2, recipe=recipe, backend=attn_backend, rotary=rotary).to(device=device,
+    model = TinyBlock(dim=256, heads=2, recipe=recipe, backend=attn_backend, rotary=rotary).to(device=device,
                                                                                           dtype=torch.bfloat16)
     lengths = [3, 150, 0, 40]
     cu = torch.tensor([0, 3, 153, 153, 193], dtype=torch.int32, device=device)
@@ -322,3 +307,38 @@ def test_compile_fullgraph_inductor_cute(recipe):
     torch.testing.assert_close(compiled.float(), eager.float(), rtol=2e-2, atol=2e-2)
     for a, b in zip(g_eager, g_compiled, strict=True):
         torch.testing.assert_close(b.float(), a.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_flop_counter_counts_the_ops_as_torch_counts_flash_attention():
+    """FlopCounterMode sees flamia_cute::varlen_fwd / varlen_bwd (eager calls take the ops under a dispatch mode)
+    and counts them as torch counts its flash attention: per document, without the causal half; forward 2
+    products, backward 5 (with S recomputed)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    lengths, H, D = [100, 50, 0, 7], 4, 64
+    q, k, v, do, cu, scale = make_inputs(lengths, H, 2, D, seed=2)
+    q.requires_grad_()
+    with FlopCounterMode(display=False) as counter:
+        flamia_attn_varlen_func(q, k, v, cu, cu, 100, 100, scale).backward(do)
+    counts = counter.get_flop_counts()["Global"]
+    pairs = sum(n * n for n in lengths)
+    assert counts[torch.ops.flamia_cute.varlen_fwd] == 4 * H * D * pairs
+    assert counts[torch.ops.flamia_cute.varlen_bwd] == 10 * H * D * pairs
+    # torch's own count of causal attention over one document (SDPA's math path: two bmm): the same convention
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    x = torch.randn(1, H, 100, D)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as ref:
+        torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+    assert ref.get_total_flops() == 4 * H * D * 100 * 100
+
+
+def test_flop_counter_bounds_fake_cu_seqlens():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v, _, cu, scale = make_inputs([100, 50], 4, 2, 64, seed=2)
+    with FakeTensorMode() as mode, FlopCounterMode(display=False) as counter:
+        fq, fk, fv, fcu = (mode.from_tensor(t) for t in (q, k, v, cu))
+        flamia_attn_varlen_func(fq, fk, fv, fcu, fcu, 100, 100, scale)
+    assert counter.get_total_flops() == 4 * 4 * 64 * 150 * 100  # tokens_q x max_seqlen_k: an upper bound

@@ -95,10 +95,11 @@ def _worker(rank, world, port):
             ref = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, do), strict=True), out=out, lse=lse)
             got = _cp_fn(shard_of, group, scale, causal=causal)(q, k, v, cu, do)
             # the same quantized keys from each document's start: O, LSE and dQ equal up to the order of the
-            # fp32 sums in S = Q K^T (the CPU's matmul may block by shape; measured: equal, LSE within 7e-8).
-            # (dQ, in bf16, by one rounding at its largest values: 4e-3). A rank that scaled its part of BIG_KEY's
-            # block alone moves O by ~1e-3 of its largest value
-            for name, tol in (("out", 1e-5), ("lse", 1e-6), ("dq", 4e-3)):
+            # fp32 sums in S = Q K^T (the CPU's matmul may block by shape; measured: O equal, LSE within 7e-8,
+            # dQ in bf16 by one rounding, 2^-7 of its largest values). O's bound assumes no P rounds to another
+            # e4m3 code between the two orders (none does on these inputs). A rank that scaled its part of
+            # BIG_KEY's block alone moves O by ~1e-3 of its largest value
+            for name, tol in (("out", 1e-5), ("lse", 1e-6), ("dq", 2**-7)):
                 err = float((got[name].float() - ref[name].float()).abs().max())
                 assert err <= tol * float(ref[name].float().abs().max()), f"world {world} causal={causal}: {name} {err}"
             # dK, dV: each rank's partial sums come back in bf16 and add up over the ranks (2.7e-3 measured)

@@ -286,3 +286,14 @@ def test_gpu_session_lists_every_stage_and_parses():
     robust = re.search(r"for s in ([a-z -]+); do\n\s+DEADLINE=", text).group(1).split()
     assert set(robust) <= cases and "robust" not in robust
     assert "NO_PACK=1 " in text and '[ -z "${NO_PACK:-}" ]' in text
+
+
+def test_robust_warmup_names_the_scripts_kernels(capsys):
+    """gpu_session.sh robust compiles the union of sanitize's, fuzz's and soak's kernels once, before they start."""
+    assert kernel_warmup.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    counts = {line.split(":")[0]: int(line.split()[1]) for line in out.splitlines() if "kernels" in line}
+    assert counts["all"] >= max(counts["sanitize"], counts["fuzz"], counts["soak"]) > 0
+    assert kernel_warmup.script_kernels("soak") == kernel_warmup.script_kernels("soak")  # a deterministic mix
+    with pytest.raises(ValueError, match="sanitize, fuzz or soak"):
+        kernel_warmup.script_kernels("tests")

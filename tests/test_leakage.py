@@ -40,7 +40,15 @@ def test_per_tensor_control_fails_both(recipe, inputs):
     assert not rep.future_ok and not rep.isolation_ok, str(rep)
 
 
-@pytest.mark.parametrize("recipe", ["fp8_tokenblock_unsafe", "mxfp8_unsafe"])
+def test_every_control_has_a_failing_test():
+    tested = {"fp8_tensor_current", "fp8_tokenblock_dstile_unsafe", *UNSAFE_BLOCK}
+    assert tested == set(CONTROLS)
+
+
+UNSAFE_BLOCK = ["fp8_tokenblock_unsafe", "mxfp8_unsafe"]
+
+
+@pytest.mark.parametrize("recipe", UNSAFE_BLOCK)
 def test_unsafe_block_recipes_fail_future_test(recipe, inputs):
     q, k, v, do, cu, scale = inputs
     rep = check_leakage(attention_fn_for(recipe, scale), q, k, v, cu, do, doc=1, cut=173)
