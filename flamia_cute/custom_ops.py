@@ -479,12 +479,15 @@ varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
 # forward 2 products (4 H D Lq Lk), backward 5 (the recomputed S and four gradient products: 10 H D Lq Lk)
 
 
-def _query_key_pairs(cu_q, cu_k, tokens_q: int, max_k: int) -> int:
-    """sum over documents of Lq * Lk; with fake cu_seqlens (FakeTensorMode) the bound tokens_q * max_k."""
-    try:
-        lq, lk = (cu_q[1:] - cu_q[:-1]).tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
-    except Exception:  # values unknown
-        return int(tokens_q) * int(max_k)
+def _query_key_pairs(cu_q, cu_k, tokens_q, max_k):
+    """sum over documents of Lq * Lk; where cu_seqlens has no values (fake, functional or meta tensors) the
+    bound tokens_q * max_k, as torch's own formulas decide (reading them would make unbacked symbols)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    if any(isinstance(c, (FakeTensor, FunctionalTensor)) or c.device.type == "meta" for c in (cu_q, cu_k)):
+        return tokens_q * max_k
+    lq, lk = (cu_q[1:] - cu_q[:-1]).tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
     return sum(a * b for a, b in zip(lq, lk, strict=True))
 
 

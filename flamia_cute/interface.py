@@ -155,8 +155,9 @@ def flamia_attn_varlen_func(
         _warn_fallback(why_not)
     from .custom_ops import Attention, attention, recipe_key, run_forward
 
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, recipe_key(rec), chosen,
-            *rope, rope_interleaved, deterministic)
+    fwd_args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, recipe_key(rec),
+                chosen, *rope, rope_interleaved)
+    args = (*fwd_args, deterministic)
     # the custom ops where something watches the dispatcher: torch.compile, and dispatch modes in eager, such
     # as selective activation checkpointing (a policy can then save flamia_cute::varlen_fwd's outputs instead
     # of recomputing them), FakeTensorMode and FlopCounterMode; else the autograd Function, which skips the
@@ -166,7 +167,7 @@ def flamia_attn_varlen_func(
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = Attention.apply(*args)
     else:  # no backward will run: nothing to save (and deterministic, the backward's, has no use)
-        out, lse, _ = run_forward(*args[:-1], save=False)
+        out, lse, _ = run_forward(*fwd_args, save=False)
     return (out, lse) if return_lse else out
 
 
@@ -207,8 +208,9 @@ def flamia_attn_func(
     """flamia_attn_varlen_func for a dense batch, FlashAttention's flash_attn_func layout: q (batch, seqlen_q,
     heads, head_dim), k and v (batch, seqlen_k, kv_heads, head_dim); each batch row is one document (its own
     scales, no attention across rows). causal defaults to True (flash_attn_func's to False). With causal and
-    seqlen_q < seqlen_k, the queries are the last seqlen_q positions of their row's keys. Returns out (batch,
-    seqlen_q, heads, head_dim), and with return_lse also lse (batch, heads, seqlen_q) fp32."""
+    seqlen_q < seqlen_k, the queries are the last seqlen_q positions of their row's keys. softmax_scale, recipe,
+    backend, rotary and deterministic as flamia_attn_varlen_func's. Returns out (batch, seqlen_q, heads,
+    head_dim), and with return_lse also lse (batch, heads, seqlen_q) fp32."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -188,7 +188,7 @@ def make_plan(recipe: str, head_dim: int, heads_q: int, heads_kv: int, max_seqle
     bit-reproducible backward (so does deterministic_backward(), whatever the call says)."""
     from .tuned import derived_memo
 
-    deterministic = bool(deterministic) or deterministic_backward()
+    deterministic = deterministic_backward() or bool(deterministic)  # the switch checked whatever the call says
     key = ("plan", recipe, head_dim, heads_q, heads_kv, int(max_seqlen), total_tokens, num_docs, rotary,
            deterministic, os.environ.get("FLAMIA_CUTE_NO_TUNING"), causal, separate or not causal)
     memo = derived_memo()

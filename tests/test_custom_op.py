@@ -389,7 +389,11 @@ def test_deterministic_argument_picks_the_deterministic_backward(monkeypatch):
 def test_gpu_deterministic_argument_gives_bit_reproducible_gradients(monkeypatch):
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("needs an sm_90 GPU")
+    from flamia_cute import cute_backend
+
     monkeypatch.delenv("FLAMIA_CUTE_DETERMINISTIC", raising=False)
+    plans, real = [], cute_backend.backward
+    monkeypatch.setattr(cute_backend, "backward", lambda plan, *a, **k: plans.append(plan) or real(plan, *a, **k))
     lengths = [3000, 1, 900, 4096]
     q, k, v, do, cu, scale = make_inputs(lengths, 16, 4, 128, seed=5, device="cuda")
     runs = []
@@ -397,5 +401,6 @@ def test_gpu_deterministic_argument_gives_bit_reproducible_gradients(monkeypatch
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = flamia_attn_varlen_func(*leaves, cu, cu, 4096, 4096, scale, backend="cute", deterministic=True)
         runs.append(torch.autograd.grad(out, leaves, do))
+    assert len(plans) == 3 and all(p.bwd.deterministic for p in plans)  # the call's flag chose the build
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
