@@ -647,12 +647,15 @@ def main_bench(args) -> int:
     partial = out / f"{stem}.partial.csv"  # the rows so far: a run stopped by a time limit keeps them
     import pandas as pd
 
-    def write_partial(rows):
-        pd.DataFrame(rows).assign(**env).to_csv(partial, index=False)
+    def write_partial(rows):  # through a temporary file: a signal mid-write leaves the last whole file
+        tmp = partial.with_suffix(".tmp")
+        pd.DataFrame(rows).assign(**env).to_csv(tmp, index=False)
+        os.replace(tmp, partial)
 
     rows = run_bench(wl, head_cfg, impls, tuple(args.modes.split(",")), args.reps, device, args.gpu_time,
                      args.sustain, args.graph, on_rows=write_partial)
-    summarize(rows, env, out / f"{stem}.csv", out / f"{stem}.png")
+    # the environment again: the run's end, and what the run set (the cuDNN baseline's passes)
+    summarize(rows, environment() | {"heads": args.heads, "timing": timing}, out / f"{stem}.csv", out / f"{stem}.png")
     partial.unlink(missing_ok=True)
     print(f"\nwrote {out / (stem + '.csv')}")
     return 0

@@ -224,7 +224,7 @@ def _rotary(rope_cos, rope_sin, rope_interleaved: bool):
 
 
 def _kernel_plan(recipe: str, q, k_tokens: int, k_heads: int, max_seqlen_q: int, cu_q, cu_k, causal: bool,
-                 rotary=None):
+                 rotary=None, deterministic: bool = False):
     """The plan.Plan of a kernel call (q: the queries, or anything of their (T, H, D) shape), causal
     self-attention or with its own key documents (plan.separate_keys); rotary: the call's rotary.Rotary
     (causal self-attention only: make_plan refuses it with separate keys, as plan.why_not_kernels does)."""
@@ -232,7 +232,7 @@ def _kernel_plan(recipe: str, q, k_tokens: int, k_heads: int, max_seqlen_q: int,
 
     sep = separate_keys(causal, q.shape[0], k_tokens, cu_q, cu_k)
     return make_plan(recipe, q.shape[2], q.shape[1], k_heads, max_seqlen_q, q.shape[0], cu_q.numel() - 1,
-                     causal=causal, separate=sep, rotary=rotary_key(rotary))
+                     causal=causal, separate=sep, rotary=rotary_key(rotary), deterministic=deterministic)
 
 
 def _bf16(*xs):
@@ -316,9 +316,10 @@ def saved_from_inputs(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
 
 def run_backward(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                  softmax_scale: float, causal: bool, recipe: str, backend: str, rope_cos=None, rope_sin=None,
-                 rope_interleaved: bool = False):
+                 rope_interleaved: bool = False, deterministic: bool = False):
     """dq, dk, dv in out's dtype from the forward's saved list; dq and dk in the caller's frame (the
-    inverse rotations applied where they are written)."""
+    inverse rotations applied where they are written). deterministic: the kernels' bit-reproducible dQ
+    (plan.make_plan's)."""
     dt = out.dtype
     layout = saved_layout(recipe, backend, dt == torch.bfloat16)
     out_bf16 = saved[0] if layout[0][1] == _OUT else out
@@ -331,7 +332,7 @@ def run_backward(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         ops = (qq, (kq, kt), (vq, vt))
         rotary = _rotary(rope_cos, rope_sin, rope_interleaved)
         plan = _kernel_plan(recipe, out, kq.data_td.shape[0], kq.data_td.shape[1], max_seqlen_q, cu_seqlens_q,
-                            cu_seqlens_k, causal, rotary)
+                            cu_seqlens_k, causal, rotary, deterministic)
         grads = cute_backend.backward(plan, *_bf16(dout), out_bf16, lse, ops, cu_seqlens_q, max_seqlen_q, softmax_scale,
                                       rotary, cu_seqlens_k, max_seqlen_k)
     else:  # "emulate", and "sm100": the emulator's backward on the operands its kernel forward read
@@ -350,20 +351,21 @@ class Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend, rope_cos=None, rope_sin=None,
-                rope_interleaved=False):
+                rope_interleaved=False, deterministic=False):
         out, lse, saved = run_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend, rope_cos,
                                       rope_sin, rope_interleaved)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(out, lse, cu_q, cu_k, rope_cos, rope_sin, *saved)
         ctx.static = (max_q, max_k, scale, causal, recipe, backend)
-        ctx.rope_interleaved = rope_interleaved
+        ctx.rope_interleaved, ctx.deterministic = rope_interleaved, deterministic
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         out, lse, cu_q, cu_k, rope_cos, rope_sin, *saved = ctx.saved_tensors
-        grads = run_backward(dout, out, lse, saved, cu_q, cu_k, *ctx.static, rope_cos, rope_sin, ctx.rope_interleaved)
-        return (*grads, None, None, None, None, None, None, None, None, None, None, None)
+        grads = run_backward(dout, out, lse, saved, cu_q, cu_k, *ctx.static, rope_cos, rope_sin, ctx.rope_interleaved,
+                             ctx.deterministic)
+        return (*grads, None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 # ----------------------------------------------------------------------------- the custom ops
@@ -385,15 +387,17 @@ def varlen_fwd(
     rope_cos: torch.Tensor | None = None,
     rope_sin: torch.Tensor | None = None,
     rope_interleaved: bool = False,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """out (T, H, D) in q's dtype, lse (H, T) fp32, and the saved list of `saved_layout`."""
+    """out (T, H, D) in q's dtype, lse (H, T) fp32, and the saved list of `saved_layout`. deterministic is the
+    backward's (kept for it by the autograd context)."""
     return run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                        recipe, backend, rope_cos, rope_sin, rope_interleaved)
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                     recipe, backend, rope_cos=None, rope_sin=None, rope_interleaved=False):
+                     recipe, backend, rope_cos=None, rope_sin=None, rope_interleaved=False, deterministic=False):
     layout = saved_layout(recipe, backend, q.dtype == torch.bfloat16)
     T, H, D = q.shape
     Tk, Hk, _ = k.shape
@@ -424,15 +428,17 @@ def varlen_bwd(
     rope_cos: torch.Tensor | None = None,
     rope_sin: torch.Tensor | None = None,
     rope_interleaved: bool = False,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv in out's dtype from the forward's saved operands."""
     return run_backward(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                        causal, recipe, backend, rope_cos, rope_sin, rope_interleaved)
+                        causal, recipe, backend, rope_cos, rope_sin, rope_interleaved, deterministic)
 
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                     causal, recipe, backend, rope_cos=None, rope_sin=None, rope_interleaved=False):
+                     causal, recipe, backend, rope_cos=None, rope_sin=None, rope_interleaved=False,
+                     deterministic=False):
     layout = saved_layout(recipe, backend, out.dtype == torch.bfloat16)
     k_idx = next(i for i, (name, kind) in enumerate(layout) if name == "k" and kind is not _NONE)
     # K's values / data_td: (Tk, Hk, D); the cute shape carrier: (0, Tk, Hk, D)
@@ -445,21 +451,22 @@ def _varlen_bwd_fake(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seql
 
 def _setup_context(ctx, inputs, output):
     out, lse, saved = output
-    (_q, _k, _v, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend, rope_cos, rope_sin, rope_interleaved) = inputs
+    (_q, _k, _v, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend, rope_cos, rope_sin, rope_interleaved,
+     deterministic) = inputs
     ctx.mark_non_differentiable(lse, *saved)
     # Only what the forward op returned (out, LSE, quantized operands) plus the int32 cu_seqlens (and
     # the RoPE tables, inputs the caller holds anyway).
     ctx.save_for_backward(out, lse, cu_q, cu_k, rope_cos, rope_sin, *saved)
-    ctx.static = (max_q, max_k, scale, causal, recipe, backend, rope_interleaved)
+    ctx.static = (max_q, max_k, scale, causal, recipe, backend, rope_interleaved, deterministic)
 
 
 def _backward(ctx, dout, _dlse, _dsaved):
     out, lse, cu_q, cu_k, rope_cos, rope_sin, *saved = ctx.saved_tensors
-    max_q, max_k, scale, causal, recipe, backend, rope_interleaved = ctx.static
+    max_q, max_k, scale, causal, recipe, backend, rope_interleaved, deterministic = ctx.static
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = varlen_bwd(dout, out, lse, saved, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend, rope_cos,
-                            rope_sin, rope_interleaved)
+                            rope_sin, rope_interleaved, deterministic)
     # one gradient per argument the call passed (the RoPE arguments have defaults a call may leave out)
     return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)
 
@@ -472,12 +479,15 @@ varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
 # forward 2 products (4 H D Lq Lk), backward 5 (the recomputed S and four gradient products: 10 H D Lq Lk)
 
 
-def _query_key_pairs(cu_q, cu_k, tokens_q: int, max_k: int) -> int:
-    """sum over documents of Lq * Lk; with fake cu_seqlens (FakeTensorMode) the bound tokens_q * max_k."""
-    try:
-        lq, lk = (cu_q[1:] - cu_q[:-1]).tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
-    except Exception:  # values unknown
-        return int(tokens_q) * int(max_k)
+def _query_key_pairs(cu_q, cu_k, tokens_q, max_k):
+    """sum over documents of Lq * Lk; where cu_seqlens has no values (fake, functional or meta tensors) the
+    bound tokens_q * max_k, as torch's own formulas decide (reading them would make unbacked symbols)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    if any(isinstance(c, (FakeTensor, FunctionalTensor)) or c.device.type == "meta" for c in (cu_q, cu_k)):
+        return tokens_q * max_k
+    lq, lk = (cu_q[1:] - cu_q[:-1]).tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
     return sum(a * b for a, b in zip(lq, lk, strict=True))
 
 
@@ -492,10 +502,12 @@ def _varlen_bwd_flops(dout, out, lse, saved, cu_q, cu_k, max_q, max_k, *args, ou
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-              recipe: str, backend: str, rope_cos=None, rope_sin=None, rope_interleaved: bool = False):
+              recipe: str, backend: str, rope_cos=None, rope_sin=None, rope_interleaved: bool = False,
+              deterministic: bool = False):
     """(out, lse) through the custom ops; recipe by key (recipe_key), backend in OP_BACKENDS."""
     out, lse, _saved = varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                  float(softmax_scale), causal, recipe, backend, rope_cos, rope_sin, rope_interleaved)
+                                  float(softmax_scale), causal, recipe, backend, rope_cos, rope_sin, rope_interleaved,
+                                  deterministic)
     return out, lse
 
 

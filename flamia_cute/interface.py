@@ -113,6 +113,7 @@ def flamia_attn_varlen_func(
     backend: str = "auto",
     return_lse: bool = False,
     rotary: Rotary | RotaryConfig | None = None,
+    deterministic: bool = False,
 ):
     """FP8 attention over packed variable-length documents (THD layout).
 
@@ -125,6 +126,9 @@ def flamia_attn_varlen_func(
     q and k are never written): Rotary(cos, sin, interleaved) with (positions, rotary_dim // 2)
     tables, or RotaryConfig(theta, interleaved, rotary_dim). Positions restart at 0 at every
     document start in cu_seqlens. The gradients of q and k are those of the unrotated inputs.
+
+    deterministic: a bit-reproducible dQ on the kernels (ordered adds; slower). It is also on for every call
+    under torch.use_deterministic_algorithms(True) or FLAMIA_CUTE_DETERMINISTIC=1. The emulator always is.
     """
     # cu_seqlens' values are checked where the call runs (custom_ops.run_forward), once: under
     # torch.compile this function is traced, and reading them here would break the graph.
@@ -133,6 +137,8 @@ def flamia_attn_varlen_func(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     rec = resolve_recipe(recipe)
     scale = float(softmax_scale) if softmax_scale is not None else default_softmax_scale(q.shape[-1])
     rot = resolve_rotary(rotary, q.shape[-1], max(max_seqlen_q, max_seqlen_k), q.device)
@@ -149,8 +155,9 @@ def flamia_attn_varlen_func(
         _warn_fallback(why_not)
     from .custom_ops import Attention, attention, recipe_key, run_forward
 
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, recipe_key(rec), chosen,
-            *rope, rope_interleaved)
+    fwd_args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, recipe_key(rec),
+                chosen, *rope, rope_interleaved)
+    args = (*fwd_args, deterministic)
     # the custom ops where something watches the dispatcher: torch.compile, and dispatch modes in eager, such
     # as selective activation checkpointing (a policy can then save flamia_cute::varlen_fwd's outputs instead
     # of recomputing them), FakeTensorMode and FlopCounterMode; else the autograd Function, which skips the
@@ -159,8 +166,8 @@ def flamia_attn_varlen_func(
         out, lse = attention(*args)  # traceable, with fake implementations
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = Attention.apply(*args)
-    else:  # no backward will run: nothing to save
-        out, lse, _ = run_forward(*args, save=False)
+    else:  # no backward will run: nothing to save (and deterministic, the backward's, has no use)
+        out, lse, _ = run_forward(*fwd_args, save=False)
     return (out, lse) if return_lse else out
 
 
@@ -196,12 +203,14 @@ def flamia_attn_func(
     backend: str = "auto",
     return_lse: bool = False,
     rotary: Rotary | RotaryConfig | None = None,
+    deterministic: bool = False,
 ):
     """flamia_attn_varlen_func for a dense batch, FlashAttention's flash_attn_func layout: q (batch, seqlen_q,
     heads, head_dim), k and v (batch, seqlen_k, kv_heads, head_dim); each batch row is one document (its own
     scales, no attention across rows). causal defaults to True (flash_attn_func's to False). With causal and
-    seqlen_q < seqlen_k, the queries are the last seqlen_q positions of their row's keys. Returns out (batch,
-    seqlen_q, heads, head_dim), and with return_lse also lse (batch, heads, seqlen_q) fp32."""
+    seqlen_q < seqlen_k, the queries are the last seqlen_q positions of their row's keys. softmax_scale, recipe,
+    backend, rotary and deterministic as flamia_attn_varlen_func's. Returns out (batch, seqlen_q, heads,
+    head_dim), and with return_lse also lse (batch, heads, seqlen_q) fp32."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -223,7 +232,7 @@ def flamia_attn_func(
     cu_k = cu_q if Sk == Sq else _row_starts(B, Sk, k)
     res = flamia_attn_varlen_func(q.reshape(B * Sq, H, D), k.reshape(B * Sk, *k.shape[2:]),
                                   v.reshape(B * Sk, *v.shape[2:]), cu_q, cu_k, Sq, Sk, softmax_scale, causal, recipe,
-                                  backend, return_lse, rotary)
+                                  backend, return_lse, rotary, deterministic)
     if not return_lse:
         return res.view(B, Sq, H, D)
     out, lse = res

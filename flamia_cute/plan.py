@@ -178,22 +178,24 @@ class Plan:
 
 def make_plan(recipe: str, head_dim: int, heads_q: int, heads_kv: int, max_seqlen: int, total_tokens: int,
               num_docs: int, causal: bool = True, separate: bool = False,
-              rotary: tuple[str, int] | None = None) -> Plan:
+              rotary: tuple[str, int] | None = None, deterministic: bool = False) -> Plan:
     """The Plan of a call (recipe: a name in KERNEL_SCALINGS; rotary: custom_ops.rotary_key, the RoPE mode
     and width, or None), memoized per signature while the tuned records stay loaded (tuned.derived_memo):
     building and tuning configs costs host time that every layer of every step would pay again.
     separate (separate_keys): K and V have their own documents, as cross-length causal (causal) or
     non-causal attention; max_seqlen and total_tokens are the queries'. Rotations (rotary, a Hadamard
-    recipe) are for causal self-attention only (why_not_kernels)."""
+    recipe) are for causal self-attention only (why_not_kernels). deterministic: the call asks for the
+    bit-reproducible backward (so does deterministic_backward(), whatever the call says)."""
     from .tuned import derived_memo
 
+    deterministic = deterministic_backward() or bool(deterministic)  # the switch checked whatever the call says
     key = ("plan", recipe, head_dim, heads_q, heads_kv, int(max_seqlen), total_tokens, num_docs, rotary,
-           deterministic_backward(), os.environ.get("FLAMIA_CUTE_NO_TUNING"), causal, separate or not causal)
+           deterministic, os.environ.get("FLAMIA_CUTE_NO_TUNING"), causal, separate or not causal)
     memo = derived_memo()
     plan = memo.get(key)
     if plan is None:
         plan = memo[key] = _build_plan(recipe, head_dim, heads_q, heads_kv, int(max_seqlen), total_tokens, num_docs,
-                                       causal, separate or not causal, rotary)
+                                       causal, separate or not causal, rotary, deterministic)
     return plan
 
 
@@ -212,7 +214,7 @@ def qkv_launch(head_dim: int, heads_q: int, heads_kv: int, block: int, max_seqle
 
 
 def _build_plan(recipe, head_dim, heads_q, heads_kv, max_seqlen, total_tokens, num_docs, causal=True,
-                separate=False, rotary=None) -> Plan:
+                separate=False, rotary=None, deterministic=False) -> Plan:
     from dataclasses import replace
 
     from .rotary import hadamard_shift
@@ -247,7 +249,7 @@ def _build_plan(recipe, head_dim, heads_q, heads_kv, max_seqlen, total_tokens, n
     if has_backward_kernel(NAMED_RECIPES[recipe]):
         # the dK epilogue applies K's inverse rotations; the dQ conversion Q's
         k_rot = dict(rotations, hadamard=hadamard_shift(head_dim, "k") if hadamard else 0)
-        if deterministic_backward():  # dQ in key-block turns, untuned
+        if deterministic:  # dQ in key-block turns, untuned
             bwd = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=block_copy,
                                   deterministic=True, **k_rot)
         else:

@@ -135,7 +135,7 @@ for stage in "$@"; do
       # left before DEADLINE, so that setup fits the same device call); a stage that runs out of it says so in its log
       b=$((DEADLINE - SECONDS - 20)); (( ${ROBUST_BUDGET:-$b} < b )) && b=$ROBUST_BUDGET; pids=()
       tests=${ROBUST_TESTS:-tests/test_nonfinite.py tests/test_cross_length_kernel.py tests/test_torch_backend.py \
-        tests/test_checkpointing.py tests/test_dense_api.py}
+        tests/test_checkpointing.py tests/test_dense_api.py tests/test_custom_op.py}
       [ "$tests" = all ] && tests=
       # the kernels of sanitize, fuzz and soak compiled once, on all cores, before the five start (each would
       # otherwise start its own pool of compiles at the same moment)

@@ -342,3 +342,65 @@ def test_flop_counter_bounds_fake_cu_seqlens():
         fq, fk, fv, fcu = (mode.from_tensor(t) for t in (q, k, v, cu))
         flamia_attn_varlen_func(fq, fk, fv, fcu, fcu, 100, 100, scale)
     assert counter.get_total_flops() == 4 * 4 * 64 * 150 * 100  # tokens_q x max_seqlen_k: an upper bound
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_deterministic_argument_reaches_the_backward(compiled, monkeypatch):
+    """deterministic=True travels with the call to its backward (the autograd Function's context, or the custom
+    ops' under torch.compile), where the kernels' plan takes it."""
+    from flamia_cute import custom_ops
+
+    seen, real = [], custom_ops.run_backward
+
+    def spy(*args, **kw):
+        seen.append(args[-1])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(custom_ops, "run_backward", spy)
+    q, k, v, do, cu, scale = make_inputs(LENGTHS, 4, 2, 64, seed=4)
+    for flag in (True, False):
+        torch._dynamo.reset()
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+        def call(*t, flag=flag):
+            return flamia_attn_varlen_func(*t, cu, cu, max(LENGTHS), max(LENGTHS), scale, deterministic=flag)
+
+        fn = torch.compile(call, backend="aot_eager", fullgraph=True) if compiled else call
+        fn(*leaves).backward(do)
+    assert seen == [True, False]
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flamia_attn_varlen_func(q, k, v, cu, cu, 40, 40, deterministic=1)
+
+
+def test_deterministic_argument_picks_the_deterministic_backward(monkeypatch):
+    from flamia_cute.custom_ops import _kernel_plan
+
+    monkeypatch.delenv("FLAMIA_CUTE_DETERMINISTIC", raising=False)
+    q = torch.empty(300, 16, 128)
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    args = ("fp8_tokenblock_dsbf16", q, 300, 16, 200, cu, cu, True)
+    assert _kernel_plan(*args, deterministic=True).bwd.deterministic
+    assert not _kernel_plan(*args).bwd.deterministic
+    monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1")  # the global switch wins over deterministic=False
+    assert _kernel_plan(*args).bwd.deterministic
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_argument_gives_bit_reproducible_gradients(monkeypatch):
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("needs an sm_90 GPU")
+    from flamia_cute import cute_backend
+
+    monkeypatch.delenv("FLAMIA_CUTE_DETERMINISTIC", raising=False)
+    plans, real = [], cute_backend.backward
+    monkeypatch.setattr(cute_backend, "backward", lambda plan, *a, **k: plans.append(plan) or real(plan, *a, **k))
+    lengths = [3000, 1, 900, 4096]
+    q, k, v, do, cu, scale = make_inputs(lengths, 16, 4, 128, seed=5, device="cuda")
+    runs = []
+    for _ in range(3):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flamia_attn_varlen_func(*leaves, cu, cu, 4096, 4096, scale, backend="cute", deterministic=True)
+        runs.append(torch.autograd.grad(out, leaves, do))
+    assert len(plans) == 3 and all(p.bwd.deterministic for p in plans)  # the call's flag chose the build
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
