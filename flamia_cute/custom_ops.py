@@ -482,10 +482,9 @@ varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
 def _query_key_pairs(cu_q, cu_k, tokens_q, max_k):
     """sum over documents of Lq * Lk; where cu_seqlens has no values (fake, functional or meta tensors) the
     bound tokens_q * max_k, as torch's own formulas decide (reading them would make unbacked symbols)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
+    from .validation import has_no_values
 
-    if any(isinstance(c, (FakeTensor, FunctionalTensor)) or c.device.type == "meta" for c in (cu_q, cu_k)):
+    if has_no_values(cu_q) or has_no_values(cu_k):
         return tokens_q * max_k
     lq, lk = (cu_q[1:] - cu_q[:-1]).tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
     return sum(a * b for a, b in zip(lq, lk, strict=True))

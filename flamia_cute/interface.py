@@ -178,9 +178,9 @@ _ROW_STARTS_MAX = 64
 
 
 def _row_starts(batch: int, seqlen: int, like: torch.Tensor) -> torch.Tensor:
-    from torch._subclasses.fake_tensor import FakeTensor
+    from .validation import has_no_values
 
-    key, fake = (batch, seqlen, str(like.device)), isinstance(like, FakeTensor)
+    key, fake = (batch, seqlen, str(like.device)), has_no_values(like)
     cu = None if fake else _ROW_STARTS.get(key)
     if cu is None:
         cu = torch.arange(batch + 1, dtype=torch.int32, device=like.device) * seqlen

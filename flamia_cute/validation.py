@@ -55,6 +55,14 @@ _CHECKED: dict[tuple, None] = {}
 _CHECKED_MAX = 64
 
 
+def has_no_values(t: torch.Tensor) -> bool:
+    """A fake, functional or meta tensor (FakeTensorMode, tracing): its values cannot be read."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(t, (FakeTensor, FunctionalTensor)) or t.device.type == "meta"
+
+
 def _check_cu(name, cu, total, device):
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")

@@ -266,12 +266,9 @@ def main(argv=None) -> int:
     configs = head_configs()
     indices = [int(i) for i in args.only.split(",") if i] or list(range(args.packs))
     specs = [pack_spec(seed, i, configs) for i in indices]
-    from kernel_warmup import call_kernels
+    from kernel_warmup import spec_kernels
 
-    kernels = set()
-    for s in specs:
-        H, Hk, D = configs[s["heads"]]
-        kernels |= call_kernels(RECIPE, D, H, Hk, s["lengths"], s["train"])
+    kernels = set().union(*spec_kernels(RECIPE, specs, configs))
     if args.list:
         for s in specs:
             print(s["index"], s["heads"], "train" if s["train"] else "no_grad", len(s["lengths"]), sum(s["lengths"]),

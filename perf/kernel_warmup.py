@@ -17,13 +17,13 @@ KINDS = ("quant", "fwd", "bwd", "codes", "grad_rotate")
 
 
 def call_kernels(recipe: str, head_dim: int, heads_q: int, heads_kv: int, lengths, train: bool,
-                 keys: str = "", rotary: tuple[str, int] | None = None) -> set[tuple]:
+                 keys: str = "", rotary: tuple[str, int] | None = None, deterministic: bool = False) -> set[tuple]:
     """{(kind, config)} of the sm_90a kernels one call launches (kind in KINDS): the Q/K/V launch (not
     for the per-tensor control, which torch quantizes), the forward (its per-tile build past
     PERSISTENT_MAX_DOCS documents) and, for a training call of a recipe with a backward kernel, the dO
     + D launch (not for the control, whose dO torch quantizes), Q's codes conversion, the backward and,
     with rotations (rotary: custom_ops.rotary_key's (mode, width); a Hadamard recipe), dQ's conversion
-    with Q's inverse rotations."""
+    with Q's inverse rotations. deterministic: the call's deterministic argument."""
     from flamia_cute.plan import make_plan
     from flamia_cute.sm90.attention_fwd import PERSISTENT_MAX_DOCS, per_tile_fallback
     from flamia_cute.sm90.codes import CodesConfig
@@ -32,7 +32,7 @@ def call_kernels(recipe: str, head_dim: int, heads_q: int, heads_kv: int, length
     lengths = list(lengths)  # the queries' documents
     # keys: "" (causal self-attention), "cross" (causal, own key documents) or "noncausal"
     plan = make_plan(recipe, head_dim, heads_q, heads_kv, max(lengths), sum(lengths), len(lengths),
-                     causal=keys != "noncausal", separate=bool(keys), rotary=rotary)
+                     causal=keys != "noncausal", separate=bool(keys), rotary=rotary, deterministic=deterministic)
     fwd = plan.fwd
     if fwd.persistent and len(lengths) > PERSISTENT_MAX_DOCS:
         fwd = per_tile_fallback(fwd)
@@ -111,6 +111,15 @@ def compile_ahead(kernels, workers: int | None = None, log=print) -> float:
     return took
 
 
+def spec_kernels(recipe: str, specs, configs: dict) -> list[frozenset]:
+    """call_kernels of each call spec of fuzz_gpu / soak ({"heads", "lengths", "train"}), in order."""
+    out = []
+    for sp in specs:
+        H, Hk, D = configs[sp["heads"]]
+        out.append(frozenset(call_kernels(recipe, D, H, Hk, sp["lengths"], sp["train"])))
+    return out
+
+
 def script_kernels(name: str) -> set:
     """The kernels a GPU script compiles ahead: sanitize (sanitize_driver's full set), fuzz (fuzz_gpu's packs
     at seed 0: a run's own seed may add a few, which it compiles itself), soak (its default call mix)."""
@@ -128,11 +137,7 @@ def script_kernels(name: str) -> set:
         specs = m.call_specs(m.DEFAULT_CALLS, 0, m.head_configs())
     else:
         raise ValueError(f"script must be sanitize, fuzz or soak, got {name!r}")
-    out = set()
-    for sp in specs:
-        H, Hk, D = m.head_configs()[sp["heads"]]
-        out |= call_kernels(m.RECIPE, D, H, Hk, sp["lengths"], sp["train"])
-    return out
+    return set().union(*spec_kernels(m.RECIPE, specs, m.head_configs()))
 
 
 def main(argv=None) -> int:

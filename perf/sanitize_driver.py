@@ -23,7 +23,7 @@ under 1,100 tokens): racecheck and synccheck are slow.
 from __future__ import annotations
 
 import argparse
-import os
+import functools
 import pathlib
 import sys
 import time
@@ -93,7 +93,7 @@ PACK_RANK = {p: i for i, p in enumerate(("edges", "mixed", "many", *(f"len{n}" f
 def cover_first(todo: list[Case]) -> list[Case]:
     """todo reordered: greedily, the case launching most kernels no earlier case launched (ties: PACK_RANK,
     then todo's order) until every kernel is launched; then the rest in todo's order. Host-only."""
-    kernels = [case_kernels([c]) for c in todo]
+    kernels = [_one_case_kernels(c) for c in todo]
     left, covered, head = list(range(len(todo))), set(), []
     every = set().union(*kernels) if kernels else set()
     while covered != every:
@@ -123,18 +123,10 @@ def run_case(case: Case, seed: int = 0) -> None:
     mx = max(lengths)
     train = has_backward_kernel(resolve_recipe(case.recipe))
     leaves = [t.clone().requires_grad_(train) for t in (q, k, v)]
-    was = os.environ.get("FLAMIA_CUTE_DETERMINISTIC")
-    os.environ["FLAMIA_CUTE_DETERMINISTIC"] = "1" if case.deterministic else "0"
-    try:
-        rotary = RotaryConfig(theta=10000.0, interleaved=case.rotary == "interleaved") if case.rotary else None
-        out = flamia_attn_varlen_func(*leaves, cu_q, cu, mx_q, mx, scale, causal=case.keys != "noncausal",
-                                      recipe=case.recipe, backend="cute", rotary=rotary)
-        grads = torch.autograd.grad(out, leaves, do) if train else ()
-    finally:
-        if was is None:
-            os.environ.pop("FLAMIA_CUTE_DETERMINISTIC", None)
-        else:
-            os.environ["FLAMIA_CUTE_DETERMINISTIC"] = was
+    rotary = RotaryConfig(theta=10000.0, interleaved=case.rotary == "interleaved") if case.rotary else None
+    out = flamia_attn_varlen_func(*leaves, cu_q, cu, mx_q, mx, scale, causal=case.keys != "noncausal",
+                                  recipe=case.recipe, backend="cute", rotary=rotary, deterministic=case.deterministic)
+    grads = torch.autograd.grad(out, leaves, do) if train else ()
     torch.cuda.synchronize()
     for name, t in zip(("out", "dq", "dk", "dv"), (out, *grads), strict=False):
         if not torch.isfinite(t.float()).all():
@@ -142,30 +134,24 @@ def run_case(case: Case, seed: int = 0) -> None:
 
 
 def case_kernels(todo: list[Case]) -> set:
-    """The kernels the cases launch (kernel_warmup.call_kernels), each case's determinism applied."""
+    """The kernels the cases launch (kernel_warmup.call_kernels)."""
+    return set().union(*(_one_case_kernels(c) for c in todo))
+
+
+@functools.cache  # cover_first, its prefix and the warm-up ask for the same cases
+def _one_case_kernels(c: Case) -> frozenset:
     from kernel_warmup import call_kernels
 
-    was = os.environ.get("FLAMIA_CUTE_DETERMINISTIC")
-    kernels = set()
-    try:
-        for c in todo:
-            H, Hk, D = HEADS[c.heads]
-            os.environ["FLAMIA_CUTE_DETERMINISTIC"] = "1" if c.deterministic else "0"
-            kernels |= call_kernels(c.recipe, D, H, Hk, query_lengths(c), True, keys=c.keys,
-                                    rotary=(c.rotary, D) if c.rotary else None)
-    finally:
-        if was is None:
-            os.environ.pop("FLAMIA_CUTE_DETERMINISTIC", None)
-        else:
-            os.environ["FLAMIA_CUTE_DETERMINISTIC"] = was
-    return kernels
+    H, Hk, D = HEADS[c.heads]
+    return frozenset(call_kernels(c.recipe, D, H, Hk, query_lengths(c), True, keys=c.keys,
+                                  rotary=(c.rotary, D) if c.rotary else None, deterministic=c.deterministic))
 
 
 def cover_first_kernels_prefix(todo: list[Case]) -> list[Case]:
     """The shortest prefix of todo (cover_first's order) that launches every kernel the whole list does."""
     every, seen = case_kernels(todo), set()
     for i, c in enumerate(todo):
-        seen |= case_kernels([c])
+        seen |= _one_case_kernels(c)
         if seen == every:
             return todo[: i + 1]
     return todo

@@ -129,14 +129,11 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-workers", type=int, default=None)
     ap.add_argument("--list", action="store_true", help="print the call mix and the kernels it needs (no GPU)")
     args = ap.parse_args(argv)
-    from kernel_warmup import call_kernels, compile_ahead
+    from kernel_warmup import compile_ahead, spec_kernels
 
     configs = head_configs()
     specs = call_specs(args.calls, args.seed, configs)
-    kernel_sets = []
-    for s in specs:
-        H, Hk, D = configs[s["heads"]]
-        kernel_sets.append(frozenset(call_kernels(RECIPE, D, H, Hk, s["lengths"], s["train"])))
+    kernel_sets = spec_kernels(RECIPE, specs, configs)
     expected = set().union(*kernel_sets)
     warm = warmup_specs(specs, kernel_sets)
     if args.list:
