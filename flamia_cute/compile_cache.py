@@ -1,8 +1,10 @@
 """Compile cache for CuTe DSL kernels: in memory, then on disk.
 
-Key: sha256 over (kernel source files' bytes, DSL version, Python version, GPU name, target
-arch, config class and fields). Any edit of a kernel source file, a DSL upgrade or a config
-change gives a new key, so stale binaries are never loaded.
+Key: sha256 over (kernel source files' bytes, DSL version and its CUDA libraries, Python version,
+target arch, config class and fields). Any edit of a kernel source file, a DSL upgrade or a config
+change gives a new key, so stale binaries are never loaded. The GPU's name is not in it: a build
+depends on the arch alone, so an H100 and an H200 share builds, and a machine without a GPU
+(FLAMIA_ARCH) can build them ahead for one that has.
 
 Disk format (nvidia-cutlass-dsl 4.8.1): `JitCompiledFunction.export_to_c(dir, name,
 function_prefix)` writes a host object `name.o` that embeds the cubin plus a C header;
@@ -119,14 +121,15 @@ def _device_arch(index: int) -> str:
     return _ARCH_BY_CC.get(cc, f"sm_{cc[0]}{cc[1]}")
 
 
-def gpu_name() -> str:
-    """Name of the current GPU, or 'cross:<arch>' when FLAMIA_ARCH overrides detection."""
-    env = os.environ.get("FLAMIA_ARCH")
-    if env:
-        return f"cross:{env}"
-    import torch
+@functools.cache
+def dsl_cuda_libs() -> str:
+    """The CUDA libraries the DSL was installed with ("cu12", "cu13": the folders beside its
+    dsl_packages): the same DSL version builds with either toolkit's compiler and links its objects
+    against that toolkit's runtime."""
+    import cutlass
 
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    root = Path(cutlass.__file__).resolve().parents[2]
+    return ",".join(sorted(p.name for p in root.glob("cu[0-9]*") if p.is_dir())) or "unknown"
 
 
 def cache_dir() -> Path:
@@ -171,7 +174,7 @@ def cache_key(kernel_source_files: Iterable[str | Path], config: Any, arch: str,
     parts = (
         f"dsl={dsl_version()}",
         f"py={sys.version_info.major}.{sys.version_info.minor}",
-        f"gpu={gpu_name()}",
+        f"libs={dsl_cuda_libs()}",
         f"arch={arch}",
         f"config={type(config).__module__}.{type(config).__qualname__}",
         repr(_config_fields(config)),

@@ -48,8 +48,8 @@ for stage in "$@"; do
       [ -f .gpu-bundle/b/install.sh ] && bash .gpu-bundle/b/install.sh
       { . /root/gpu-bundle/env.sh && python3 -m pip install -q --no-deps --no-build-isolation -e . && echo "setup ok"; } ||
         { echo "setup failed: the later stages would only fail (bundle part a missing? see perf/README.md)"; exit 1; }
-      # a disk cache an earlier machine sent back (cache-out), carried as .gpu-bundle/cache: its keys hash the
-      # kernel sources, so entries of changed kernels are never loaded
+      # a disk cache an earlier machine sent back (cache-out) or one built ahead without a GPU (perf/README.md),
+      # carried as .gpu-bundle/cache: its keys hash the kernel sources, so entries of changed kernels are never loaded
       if [ -f .gpu-bundle/cache/kernel-cache.tar.xz ]; then mkdir -p "$FLAMIA_CUTE_CACHE_DIR" &&
         xz -dc .gpu-bundle/cache/kernel-cache.tar.xz | tar xf - -C "$FLAMIA_CUTE_CACHE_DIR" &&
         echo "kernel cache: $(ls "$FLAMIA_CUTE_CACHE_DIR" | grep -c '\.o$') builds restored"; fi ;;

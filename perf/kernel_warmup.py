@@ -122,7 +122,8 @@ def spec_kernels(recipe: str, specs, configs: dict) -> list[frozenset]:
 
 def script_kernels(name: str) -> set:
     """The kernels a GPU script compiles ahead: sanitize (sanitize_driver's full set), fuzz (fuzz_gpu's packs
-    at seed 0: a run's own seed may add a few, which it compiles itself), soak (its default call mix)."""
+    at seed 0: a run's own seed may add a few, which it compiles itself), soak (its default call mix); and
+    those of bench and train-long, for a disk cache built ahead on a machine without a GPU (perf/README.md)."""
     if name == "sanitize":
         import sanitize_driver
 
@@ -135,8 +136,18 @@ def script_kernels(name: str) -> set:
         import soak as m
 
         specs = m.call_specs(m.DEFAULT_CALLS, 0, m.head_configs())
+    elif name == "bench":  # `flamia-cute bench`'s defaults: every workload, h16_d128, forward and training calls
+        import json
+
+        from flamia_cute.bench import DEFAULT_WORKLOADS
+        from flamia_cute.recipes import DEFAULT_RECIPE
+
+        return {k for lengths in json.loads(DEFAULT_WORKLOADS.read_text())["workloads"].values()
+                for train in (False, True) for k in call_kernels(DEFAULT_RECIPE, 128, 16, 16, lengths, train)}
+    elif name == "train-long":  # train_long.sh: llama_125m (6 heads of 128), four 16k documents, fused RoPE
+        return call_kernels("fp8_tokenblock_dsbf16", 128, 6, 6, [16384] * 4, True, rotary=("half", 128))
     else:
-        raise ValueError(f"script must be sanitize, fuzz or soak, got {name!r}")
+        raise ValueError(f"script must be sanitize, fuzz, soak, bench or train-long, got {name!r}")
     return set().union(*spec_kernels(m.RECIPE, specs, m.head_configs()))
 
 
@@ -144,7 +155,7 @@ def main(argv=None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sets", default="sanitize,fuzz,soak", help="comma-separated: sanitize, fuzz, soak")
+    ap.add_argument("--sets", default="sanitize,fuzz,soak", help="comma-separated: sanitize, fuzz, soak, bench, train-long")
     ap.add_argument("--list", action="store_true", help="count the kernels only (no compiles)")
     args = ap.parse_args(argv)
     kernels = set()

@@ -295,5 +295,17 @@ def test_robust_warmup_names_the_scripts_kernels(capsys):
     counts = {line.split(":")[0]: int(line.split()[1]) for line in out.splitlines() if "kernels" in line}
     assert counts["all"] >= max(counts["sanitize"], counts["fuzz"], counts["soak"]) > 0
     assert kernel_warmup.script_kernels("soak") == kernel_warmup.script_kernels("soak")  # a deterministic mix
-    with pytest.raises(ValueError, match="sanitize, fuzz or soak"):
+    with pytest.raises(ValueError, match="sanitize, fuzz, soak, bench or train-long"):
         kernel_warmup.script_kernels("tests")
+
+
+def test_build_ahead_sets_cover_bench_and_train_long():
+    """A cache built ahead without a GPU (perf/README.md) holds bench's and train-long's kernels."""
+    from flamia_cute.recipes import DEFAULT_RECIPE
+
+    bench = kernel_warmup.script_kernels("bench")
+    for lengths in ([16384], [1024] * 16, [65536]):
+        for train in (False, True):
+            assert kernel_warmup.call_kernels(DEFAULT_RECIPE, 128, 16, 16, lengths, train) <= bench
+    train_long = kernel_warmup.script_kernels("train-long")
+    assert {kind for kind, _ in train_long} == {"quant", "fwd", "bwd", "codes", "grad_rotate"}  # the fused RoPE's

@@ -533,6 +533,23 @@ def test_cache_key_changes_with_source_config_arch(tmp_path):
 
 
 @needs_dsl
+def test_cache_key_names_the_arch_and_the_dsl_libraries_not_the_machine(tmp_path, monkeypatch):
+    # a CPU machine (FLAMIA_ARCH) builds ahead for a GPU one, and an H100 and an H200 share builds;
+    # objects of the DSL's CUDA 12 and CUDA 13 libraries never mix
+    src = tmp_path / "kernel.py"
+    src.write_text("A = 1\n")
+    cfg = QuantizeConfig(head_dim=128, num_heads=16, block_tokens=128)
+    monkeypatch.setenv("FLAMIA_ARCH", "sm_90a")
+    k0 = compile_cache.cache_key([src], cfg, "sm_90a")
+    monkeypatch.delenv("FLAMIA_ARCH")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    assert compile_cache.cache_key([src], cfg, "sm_90a") == k0
+    assert compile_cache.dsl_cuda_libs() in ("cu12", "cu13")
+    monkeypatch.setattr(compile_cache, "dsl_cuda_libs", lambda: "cu99")
+    assert compile_cache.cache_key([src], cfg, "sm_90a") != k0
+
+
+@needs_dsl
 def test_compile_cached_memory_and_disk(tmp_path, monkeypatch):
     arch = compile_cache.dsl_default_arch()
     if arch != "sm_90a":
