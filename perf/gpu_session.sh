@@ -159,7 +159,7 @@ for stage in "$@"; do
       lim=${STAGE_BUDGET:-590}; (( lim > DEADLINE - SECONDS - 10 )) && lim=$((DEADLINE - SECONDS - 10))
       run train_long "$lim" env TRAIN_BUDGET=$((lim - 15)) bash perf/train_long.sh "$DIR" ;;
     cuda12)  # the DSL's CUDA 12.9 builds (what a default install runs) against its 13.4 ones (the bundle's, which
-      # every other stage runs), burst GPU time, alternating; needs .gpu-bundle/c/dsl-cu12.tar.xz (perf/README.md)
+      # every other stage runs), burst GPU time, alternating; needs bundle parts c and d (perf/README.md)
       begin cuda12 "burst (--gpu-time: each call behind a queued GPU sleep), the two builds alternating"
       if [ ! -f /tmp/site12/.cu12-ok ]; then  # the compiler (part c, carried) and the runtime (part d, kept by setup)
         c=$(ls {.gpu-bundle,/root/gpu-bundle}/c/dsl-cu12-compiler.tar.xz 2>/dev/null | head -1)
@@ -168,11 +168,12 @@ for stage in "$@"; do
         # /tmp/site with the cu12 flavour only: the DSL takes the newest flavour the driver supports
         rm -rf /tmp/site12 && cp -a /tmp/site /tmp/site12 && rm -rf /tmp/site12/nvidia_cutlass_dsl/cu13 \
           /tmp/site12/nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/_mlir_libs/_cutlass_ir.cu13.* &&
-          xz -dc "$c" | tar xf - -C /tmp/site12 && xz -dc "$d" | tar xf - -C /tmp/site12 && touch /tmp/site12/.cu12-ok
+          xz -dc "$c" | tar xf - -C /tmp/site12 && xz -dc "$d" | tar xf - -C /tmp/site12 && touch /tmp/site12/.cu12-ok ||
+          { echo "cuda12: /tmp/site12 not built (is /tmp/site, setup's, there?)"; continue; }
       fi
       p12=/tmp/site12:/tmp/site12/nvidia_cutlass_dsl/dsl_packages
       for r in 1 2; do for v in 13 12; do
-        if [ $v = 12 ]; then pp=$p12; else pp=$PYTHONPATH; fi
+        if [ $v = 12 ]; then pp=$p12; else pp=${PYTHONPATH:-}; fi
         run "cu${v}_$r" 150 env PYTHONPATH="$pp" python3 -m flamia_cute.cli bench --impls flamia --only 1x16k,4x4k,16x1k \
           --modes fwd,fwdbwd --reps 15 --gpu-time --out "$DIR/cu${v}_$r"
       done; done ;;
