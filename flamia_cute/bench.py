@@ -467,9 +467,13 @@ def environment() -> dict:
             cwd=pathlib.Path(__file__).parent).stdout.strip() or "unknown"
     except OSError:
         env["commit"] = "unknown"
-    from .compile_cache import package_source_hash
+    from .compile_cache import dsl_cuda_version, package_source_hash
 
     env["source_hash"] = package_source_hash()
+    try:  # ptxas differs between the DSL's CUDA 12 and 13 libraries, and so does the SASS
+        env["dsl_cuda"] = dsl_cuda_version()
+    except Exception:
+        env["dsl_cuda"] = None
     for mod in ("cutlass", "flash_attn", "cudnn"):
         try:
             m = __import__(mod)

@@ -1,7 +1,7 @@
 """Compile cache for CuTe DSL kernels: in memory, then on disk.
 
-Key: sha256 over (kernel source files' bytes, DSL version and its CUDA libraries, Python version,
-target arch, config class and fields). Any edit of a kernel source file, a DSL upgrade or a config
+Key: sha256 over (kernel source files' bytes, DSL version and the CUDA version of its libraries,
+Python version, target arch, config class and fields). Any edit of a kernel source file, a DSL upgrade or a config
 change gives a new key, so stale binaries are never loaded. The GPU's name is not in it: a build
 depends on the arch alone, so an H100 and an H200 share builds, and a machine without a GPU
 (FLAMIA_ARCH) can build them ahead for one that has.
@@ -122,14 +122,14 @@ def _device_arch(index: int) -> str:
 
 
 @functools.cache
-def dsl_cuda_libs() -> str:
-    """The CUDA libraries the DSL was installed with ("cu12", "cu13": the folders beside its
-    dsl_packages): the same DSL version builds with either toolkit's compiler and links its objects
-    against that toolkit's runtime."""
-    import cutlass
+def dsl_cuda_version() -> str:
+    """The CUDA version of the DSL's libraries ("12.9" with nvidia-cutlass-dsl-libs-cu12, "13.4" with
+    -cu13): it sets the PTX ISA the DSL emits, and ptxas schedules the same kernel differently under
+    each, so a build of one is never loaded for the other."""
+    import cutlass  # noqa: F401  (sets the version query up)
+    from cutlass.base_dsl.version_info import CUDA_VERSION
 
-    root = Path(cutlass.__file__).resolve().parents[2]
-    return ",".join(sorted(p.name for p in root.glob("cu[0-9]*") if p.is_dir())) or "unknown"
+    return f"{CUDA_VERSION.major}.{CUDA_VERSION.minor}"
 
 
 def cache_dir() -> Path:
@@ -174,7 +174,7 @@ def cache_key(kernel_source_files: Iterable[str | Path], config: Any, arch: str,
     parts = (
         f"dsl={dsl_version()}",
         f"py={sys.version_info.major}.{sys.version_info.minor}",
-        f"libs={dsl_cuda_libs()}",
+        f"cuda={dsl_cuda_version()}",
         f"arch={arch}",
         f"config={type(config).__module__}.{type(config).__qualname__}",
         repr(_config_fields(config)),

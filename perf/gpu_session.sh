@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs a maintainer repeats, by stage: bash perf/gpu_session.sh STAGE...   (perf/README.md)
 # Stages: setup tests tests-full bench breakdown api-profile tune ablations go36 train accuracy sanitize
-# sanitize-race fuzz soak robust train-long cudnn-direct cache-out.
+# sanitize-race fuzz soak robust train-long cudnn-direct cuda12 cache-out.
 # Each stage writes $RESULTS/<date>-<stage>/: its log, its outputs and a MANIFEST.md (commit, command,
 # GPU, clock regime, SM clock samples where taken). RESULTS defaults to $OUT (the device tool returns
 # what is under $OUT), else perf/results. WORKLOADS, ABLATIONS, TRAIN_WHAT, TRAIN_SEED, SANITIZE_STEPS,
@@ -22,7 +22,8 @@ begin() {  # begin STAGE REGIME: the stage's folder and the head of its MANIFEST
   { echo "# $1"; echo; echo "- Date: $(date -u '+%F %H:%M UTC')"; echo "- Commit: $COMMIT"
     echo "- Source hash: $(python3 -c 'from flamia_cute.compile_cache import package_source_hash as h; print(h())' 2>&1 | tail -1) (compile_cache.package_source_hash of the package that ran)"
     echo "- GPU: $(nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader 2>&1 | head -1)"
-    echo "- Software: $(python3 -c 'import torch, cutlass; print("torch", torch.__version__, "cutlass-dsl", cutlass.__version__)' 2>&1 | tail -1)"
+    echo "- Software: $(python3 -c 'import torch, cutlass; from flamia_cute.compile_cache import dsl_cuda_version as v
+print("torch", torch.__version__, "cutlass-dsl", cutlass.__version__, "with its CUDA", v(), "libraries")' 2>&1 | tail -1)"
     echo "- Clock regime: $2"; echo; echo "## Commands"; echo; } > "$DIR/MANIFEST.md"; }
 # DEADLINE: seconds from this script's start by which every command has ended (a device call is cut at 600 s,
 # and what is still running then, with the packing below, is lost); 575 unless set
@@ -52,7 +53,9 @@ for stage in "$@"; do
       # carried as .gpu-bundle/cache: its keys hash the kernel sources, so entries of changed kernels are never loaded
       if [ -f .gpu-bundle/cache/kernel-cache.tar.xz ]; then mkdir -p "$FLAMIA_CUTE_CACHE_DIR" &&
         xz -dc .gpu-bundle/cache/kernel-cache.tar.xz | tar xf - -C "$FLAMIA_CUTE_CACHE_DIR" &&
-        echo "kernel cache: $(ls "$FLAMIA_CUTE_CACHE_DIR" | grep -c '\.o$') builds restored"; fi ;;
+        echo "kernel cache: $(ls "$FLAMIA_CUTE_CACHE_DIR" | grep -c '\.o$') builds restored"; fi
+      # the cuda12 stage's runtime part, kept for a later call that carries its compiler part (c)
+      [ -d .gpu-bundle/d ] && mkdir -p /root/gpu-bundle && cp -r .gpu-bundle/d /root/gpu-bundle/ ;;
     cache-out)  # this machine's compiled kernels (not its tuning files, which are not keyed by the code) as one
       # archive under $RESULTS: carry it to the next machine as .gpu-bundle/cache/kernel-cache.tar.xz and `setup`
       # restores it (no compiles for unchanged kernels). The device returns files of at most 16 MiB
@@ -155,6 +158,25 @@ for stage in "$@"; do
       begin train-long "eager training steps (median tokens/s after 10 warm-up steps)"
       lim=${STAGE_BUDGET:-590}; (( lim > DEADLINE - SECONDS - 10 )) && lim=$((DEADLINE - SECONDS - 10))
       run train_long "$lim" env TRAIN_BUDGET=$((lim - 15)) bash perf/train_long.sh "$DIR" ;;
+    cuda12)  # the DSL's CUDA 12.9 builds (what a default install runs) against its 13.4 ones (the bundle's, which
+      # every other stage runs), burst GPU time, alternating; needs bundle parts c and d (perf/README.md)
+      begin cuda12 "burst (--gpu-time: each call behind a queued GPU sleep), the two builds alternating"
+      if [ ! -f /tmp/site12/.cu12-ok ]; then  # the compiler (part c, carried) and the runtime (part d, kept by setup)
+        c=$(ls {.gpu-bundle,/root/gpu-bundle}/c/dsl-cu12-compiler.tar.xz 2>/dev/null | head -1)
+        d=$(ls {.gpu-bundle,/root/gpu-bundle}/d/dsl-cu12-runtime.tar.xz 2>/dev/null | head -1)
+        [ -n "$c" ] && [ -n "$d" ] || { echo "cuda12: needs bundle parts c and d (perf/README.md)"; continue; }
+        # /tmp/site with the cu12 flavour only: the DSL takes the newest flavour the driver supports
+        rm -rf /tmp/site12 && cp -a /tmp/site /tmp/site12 && rm -rf /tmp/site12/nvidia_cutlass_dsl/cu13 \
+          /tmp/site12/nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/_mlir_libs/_cutlass_ir.cu13.* &&
+          xz -dc "$c" | tar xf - -C /tmp/site12 && xz -dc "$d" | tar xf - -C /tmp/site12 && touch /tmp/site12/.cu12-ok ||
+          { echo "cuda12: /tmp/site12 not built (is /tmp/site, setup's, there?)"; continue; }
+      fi
+      p12=/tmp/site12:/tmp/site12/nvidia_cutlass_dsl/dsl_packages
+      for r in 1 2; do for v in 13 12; do
+        if [ $v = 12 ]; then pp=$p12; else pp=${PYTHONPATH:-}; fi
+        run "cu${v}_$r" 150 env PYTHONPATH="$pp" python3 -m flamia_cute.cli bench --impls flamia --only 1x16k,4x4k,16x1k \
+          --modes fwd,fwdbwd --reps 15 --gpu-time --out "$DIR/cu${v}_$r"
+      done; done ;;
     cudnn-direct)  # the cuDNN FP8 baseline against a direct cudnn-frontend call: GPU time, then graph replays
       begin cudnn-direct "burst (--gpu-time: each call behind a queued GPU sleep); sustained CUDA-graph replays for --graph"
       left=$((DEADLINE - SECONDS - 10)); l1=330; (( left * 3 / 5 < l1 )) && l1=$((left * 3 / 5))  # the graph run gets the rest

@@ -31,7 +31,7 @@ def load(path) -> dict:
             times[key] = float(row["ms"]) if row.get("ms") else None
             if row.get("skipped"):
                 reasons[key] = row["skipped"]
-            meta = {k: row.get(k, "") for k in ("commit", "gpu", "timing", "flash_attn", "cudnn", "torch")}
+            meta = {k: row.get(k, "") for k in ("commit", "gpu", "timing", "flash_attn", "cudnn", "torch", "dsl_cuda")}
     return {"times": times, "meta": meta, "reasons": reasons}
 
 
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     print("\n".join(table(run, order)))
     m = run["meta"]
     print(f"\nsustained run: commit {m.get('commit')}, {m.get('gpu')}, torch {m.get('torch')}, cuDNN frontend "
-          f"{m.get('cudnn')}, timing {m.get('timing')}")
+          f"{m.get('cudnn')}, timing {m.get('timing')}, the DSL's CUDA {m.get('dsl_cuda') or '13.4 (the bundle; not recorded)'} libraries")
     if args.burst:
         b = load(args.burst)["times"]
         gb, gbf = geomean(speedups(b, "fwdbwd").values()), geomean(speedups(b, "fwd").values())

@@ -544,8 +544,8 @@ def test_cache_key_names_the_arch_and_the_dsl_libraries_not_the_machine(tmp_path
     monkeypatch.delenv("FLAMIA_ARCH")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     assert compile_cache.cache_key([src], cfg, "sm_90a") == k0
-    assert compile_cache.dsl_cuda_libs() in ("cu12", "cu13")
-    monkeypatch.setattr(compile_cache, "dsl_cuda_libs", lambda: "cu99")
+    assert compile_cache.dsl_cuda_version().split(".")[0] in ("12", "13")
+    monkeypatch.setattr(compile_cache, "dsl_cuda_version", lambda: "99.0")
     assert compile_cache.cache_key([src], cfg, "sm_90a") != k0
 
 
