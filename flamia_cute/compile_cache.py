@@ -1,7 +1,8 @@
 """Compile cache for CuTe DSL kernels: in memory, then on disk.
 
-Key: sha256 over (kernel source files' bytes, DSL version and the CUDA version of its libraries,
-Python version, target arch, config class and fields). Any edit of a kernel source file, a DSL upgrade or a config
+Key: sha256 over (kernel source files' bytes, DSL version, the CUDA version and digest of its compiler
+library and its compile-affecting settings, Python version, target arch, config class and fields; the
+tvm-ffi version for TVM-FFI builds). Any edit of a kernel source file, a DSL upgrade or a config
 change gives a new key, so stale binaries are never loaded. The GPU's name is not in it: a build
 depends on the arch alone, so an H100 and an H200 share builds, and a machine without a GPU
 (FLAMIA_ARCH) can build them ahead for one that has.
@@ -132,6 +133,28 @@ def dsl_cuda_version() -> str:
     return f"{CUDA_VERSION.major}.{CUDA_VERSION.minor}"
 
 
+# The DSL's own JIT key holds these too, but also the runtime library's path, which differs between a
+# machine that builds ahead and the one that loads; the arch is keyed on its own
+_UNKEYED_DSL_SETTINGS = ("arch", "shared_libs")
+
+
+@functools.cache
+def dsl_build() -> str:
+    """What else of the DSL changes a build: the digest of the compiler library it loaded (one per CUDA
+    flavour and DSL build) and its compile-affecting CUTE_DSL_* settings (optimization level, debug
+    info, assertions, ...)."""
+    import importlib
+
+    import cutlass  # noqa: F401
+    from cutlass.base_dsl.dsl import BaseDSL
+
+    so = Path(sys.modules["cutlass._mlir._mlir_libs._cutlass_ir"].__file__).name  # _cutlass_ir.cuNN.<abi>.so
+    digests = importlib.import_module(f"cutlass._mlir._mlir_libs._cutlass_ir_version_{so.split('.')[1]}").DSO_SHA256
+    settings = [kv for kv in BaseDSL._get_dsl().envar.cache_key_str().split(";")
+                if kv and kv.split("=", 1)[0] not in _UNKEYED_DSL_SETTINGS]
+    return f"dso={digests[so][:16]};" + ";".join(settings)
+
+
 def cache_dir() -> Path:
     root = os.environ.get("FLAMIA_CUTE_CACHE_DIR")
     return Path(root) if root else Path.home() / ".cache" / "flamia_cute"
@@ -175,12 +198,17 @@ def cache_key(kernel_source_files: Iterable[str | Path], config: Any, arch: str,
         f"dsl={dsl_version()}",
         f"py={sys.version_info.major}.{sys.version_info.minor}",
         f"cuda={dsl_cuda_version()}",
+        f"build={dsl_build()}",
         f"arch={arch}",
         f"config={type(config).__module__}.{type(config).__qualname__}",
         repr(_config_fields(config)),
     )
     if variant:
         parts = parts + (f"variant={variant}",)
+    if variant == "tvm_ffi":  # the exported object's C wrapper follows the tvm_ffi ABI
+        import tvm_ffi
+
+        parts = parts + (f"tvm_ffi={tvm_ffi.__version__}",)
     for p in parts:
         h.update(b"\0" + p.encode())
     return h.hexdigest()

@@ -172,9 +172,15 @@ for stage in "$@"; do
           { echo "cuda12: /tmp/site12 not built (is /tmp/site, setup's, there?)"; continue; }
       fi
       p12=/tmp/site12:/tmp/site12/nvidia_cutlass_dsl/dsl_packages
+      echo "- The 12.9 runs: $(env PYTHONPATH=$p12 python3 -c 'from flamia_cute.compile_cache import dsl_cuda_version as v
+print("the DSL with its CUDA", v(), "libraries")' 2>&1 | tail -1) (PYTHONPATH=$p12)" >> "$DIR/MANIFEST.md"
+      # each flavour's kernels compiled first, on all cores, so that the timed runs share the time left evenly
+      run warm13 90 python3 perf/kernel_warmup.py --sets bench
+      run warm12 90 env PYTHONPATH="$p12" python3 perf/kernel_warmup.py --sets bench
+      per=$(( (DEADLINE - SECONDS - 20) / 4 ))
       for r in 1 2; do for v in 13 12; do
         if [ $v = 12 ]; then pp=$p12; else pp=${PYTHONPATH:-}; fi
-        run "cu${v}_$r" 150 env PYTHONPATH="$pp" python3 -m flamia_cute.cli bench --impls flamia --only 1x16k,4x4k,16x1k \
+        run "cu${v}_$r" "$per" env PYTHONPATH="$pp" python3 -m flamia_cute.cli bench --impls flamia --only 1x16k,4x4k,16x1k \
           --modes fwd,fwdbwd --reps 15 --gpu-time --out "$DIR/cu${v}_$r"
       done; done ;;
     cudnn-direct)  # the cuDNN FP8 baseline against a direct cudnn-frontend call: GPU time, then graph replays

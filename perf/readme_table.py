@@ -92,7 +92,8 @@ def main(argv=None) -> int:
     print("\n".join(table(run, order)))
     m = run["meta"]
     print(f"\nsustained run: commit {m.get('commit')}, {m.get('gpu')}, torch {m.get('torch')}, cuDNN frontend "
-          f"{m.get('cudnn')}, timing {m.get('timing')}, the DSL's CUDA {m.get('dsl_cuda') or '13.4 (the bundle; not recorded)'} libraries")
+          f"{m.get('cudnn')}, timing {m.get('timing')}, "
+          f"the DSL's CUDA {m.get('dsl_cuda') or '13.4 (the bundle; not recorded)'} libraries")
     if args.burst:
         b = load(args.burst)["times"]
         gb, gbf = geomean(speedups(b, "fwdbwd").values()), geomean(speedups(b, "fwd").values())

@@ -533,20 +533,30 @@ def test_cache_key_changes_with_source_config_arch(tmp_path):
 
 
 @needs_dsl
-def test_cache_key_names_the_arch_and_the_dsl_libraries_not_the_machine(tmp_path, monkeypatch):
+def test_cache_key_names_the_arch_and_the_dsl_build_not_the_machine(tmp_path, monkeypatch):
     # a CPU machine (FLAMIA_ARCH) builds ahead for a GPU one, and an H100 and an H200 share builds;
-    # objects of the DSL's CUDA 12 and CUDA 13 libraries never mix
+    # builds of the DSL's CUDA 12 and CUDA 13 compilers, or under other DSL settings, never mix
+    import sys
+
     src = tmp_path / "kernel.py"
     src.write_text("A = 1\n")
     cfg = QuantizeConfig(head_dim=128, num_heads=16, block_tokens=128)
     monkeypatch.setenv("FLAMIA_ARCH", "sm_90a")
     k0 = compile_cache.cache_key([src], cfg, "sm_90a")
     monkeypatch.delenv("FLAMIA_ARCH")
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
-    assert compile_cache.cache_key([src], cfg, "sm_90a") == k0
-    assert compile_cache.dsl_cuda_version().split(".")[0] in ("12", "13")
-    monkeypatch.setattr(compile_cache, "dsl_cuda_version", lambda: "99.0")
-    assert compile_cache.cache_key([src], cfg, "sm_90a") != k0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, name=name: name)
+        assert compile_cache.cache_key([src], cfg, "sm_90a") == k0
+    # the flavour the DSL loaded, not torch's CUDA
+    loaded = sys.modules["cutlass._mlir._mlir_libs._cutlass_ir"].__file__
+    assert f"_cutlass_ir.cu{compile_cache.dsl_cuda_version().split('.')[0]}." in loaded
+    assert compile_cache.dsl_build().startswith("dso=") and "compiler_opt=" in compile_cache.dsl_build()
+    for fn, other in (("dsl_cuda_version", "99.0"), ("dsl_build", "dso=0;compiler_opt='-O1'")):
+        with monkeypatch.context() as m:
+            m.setattr(compile_cache, fn, lambda other=other: other)
+            assert compile_cache.cache_key([src], cfg, "sm_90a") != k0
+    assert compile_cache.cache_key([src], cfg, "sm_90a", "tvm_ffi") != k0
 
 
 @needs_dsl
