@@ -38,13 +38,14 @@ class TuningKey:
     def current(cls) -> TuningKey:
         import torch
 
-        from .compile_cache import dsl_version
+        from .compile_cache import dsl_cuda_version, dsl_version
         from .version import __version__
 
         props = torch.cuda.get_device_properties(0)
         driver = ".".join(str(x) for x in torch.cuda.driver_version()) if hasattr(torch.cuda, "driver_version") \
             else str(torch.version.cuda)
-        return cls(props.name, props.multi_processor_count, driver, dsl_version(), __version__)
+        # the DSL's CUDA 12 and 13 compilers build different SASS, so a config tuned under one may not win under the other
+        return cls(props.name, props.multi_processor_count, driver, f"{dsl_version()}+cuda{dsl_cuda_version()}", __version__)
 
     def filename(self) -> str:
         return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{self.gpu}_{self.sm_count}sm") + ".json"

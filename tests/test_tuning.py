@@ -9,6 +9,7 @@ import torch
 
 from flamia_cute import tuned, tuning
 from flamia_cute.cli import main
+from flamia_cute.cute_backend import _dsl_importable
 from flamia_cute.tuned import TuningCache, TuningKey, workload_class
 
 KEY = TuningKey("NVIDIA H200", 132, "13.0", "4.8.1", "0.1.0")
@@ -414,3 +415,18 @@ def test_tune_loop_records_the_automatic_window(tmp_path, monkeypatch, capsys):
     entries = json.loads(next((tmp_path / "tuning").glob("*.json")).read_text())["entries"]
     assert entries["bwd_dsbf16"]["d128_g1_tokenblock/mid-uniform"]["config"]["head_window"] == tuned.AUTO_WINDOW
     assert "head_window=auto" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not _dsl_importable(), reason="needs the CuTe DSL")
+def test_tuning_key_names_the_dsl_compilers_cuda_version(monkeypatch):
+    """Records tuned under the DSL's CUDA 13 compiler are not read under its CUDA 12 one (other SASS)."""
+    import types
+
+    from flamia_cute import compile_cache
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(name="NVIDIA H200", multi_processor_count=132))
+    key = TuningKey.current()
+    assert key.dsl == f"{compile_cache.dsl_version()}+cuda{compile_cache.dsl_cuda_version()}"
+    monkeypatch.setattr(compile_cache, "dsl_cuda_version", lambda: "99.0")
+    assert TuningKey.current() != key
