@@ -28,3 +28,22 @@ def test_speedup_is_fa4_over_ours():
     times = {("w", readme_table.OURS, "fwdbwd"): 2.0, ("w", readme_table.FA4, "fwdbwd"): 1.0}
     assert readme_table.speedups(times, "fwdbwd") == {"w": 0.5}
     assert readme_table.geomean([0.5, 2.0]) == 1.0
+
+
+def test_readme_h100_table_is_the_saved_h100_run(capsys):
+    """Every row of the README's H100 table (ours, FA4, speedup, cuDNN) is what readme_table.py computes
+    from perf/results/2026-12-05-h100-bench: the claims come from that one run."""
+    run = ROOT / "perf" / "results" / "2026-12-05-h100-bench"
+    assert readme_table.main([str(run / "graph" / "bench_h16_d128.csv"), "--burst",
+                              str(run / "gputime" / "bench_h16_d128.csv"), "--clocks", str(run / "clocks.csv")]) == 0
+    out = capsys.readouterr().out
+    computed = {line.split("|")[1].strip(): line.split("|")[2:6] for line in out.splitlines() if line.startswith("| ")}
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("**On an H100"):].split("\n\n")[1]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| workload")]
+    assert len(rows) == 7
+    for line in rows[:-1]:
+        cells = line.split("|")
+        assert [c.strip() for c in cells[2:6]] == [c.strip() for c in computed[cells[1].strip()]], line
+    assert "0.99x (forward alone 0.99x)" in rows[-1] and "burst geomean against FA4: forward+backward 0.956x" in out
+    assert "1695 MHz" in out and "1,695 MHz" in readme
