@@ -309,3 +309,14 @@ def test_build_ahead_sets_cover_bench_and_train_long():
             assert kernel_warmup.call_kernels(DEFAULT_RECIPE, 128, 16, 16, lengths, train) <= bench
     train_long = kernel_warmup.script_kernels("train-long")
     assert {kind for kind, _ in train_long} == {"quant", "fwd", "bwd", "codes", "grad_rotate"}  # the fused RoPE's
+
+
+def test_soak_counts_a_reading_that_falls_back_as_transient_and_a_leak_as_growth(monkeypatch):
+    """soak.settled_growth: memory another thread frees just after a call returns is not growth; memory that
+    stays is."""
+    reads = iter([150, 40, 0])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 1000 + next(reads))
+    assert soak.settled_growth(200, 1000, wait_s=0) == 0
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 1200)
+    assert soak.settled_growth(200, 1000, wait_s=0) == 200
+    assert soak.settled_growth(0, 1000, wait_s=0) == 0
