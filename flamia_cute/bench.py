@@ -647,7 +647,8 @@ def main_bench(args) -> int:
     timing = ("wall_cpu" if not device.startswith("cuda")
               else f"sustained_{args.sustain:g}s" + ("_cuda_graph" if args.graph else "") if args.sustain
               else "gpu_time" if args.gpu_time else "call_from_idle_gpu")
-    env = environment() | {"heads": args.heads, "timing": timing}
+    run_meta = {"heads": args.heads, "timing": timing}
+    env = environment() | run_meta
     partial = out / f"{stem}.partial.csv"  # the rows so far: a run stopped by a time limit keeps them
     import pandas as pd
 
@@ -659,7 +660,7 @@ def main_bench(args) -> int:
     rows = run_bench(wl, head_cfg, impls, tuple(args.modes.split(",")), args.reps, device, args.gpu_time,
                      args.sustain, args.graph, on_rows=write_partial)
     # the environment again: the run's end, and what the run set (the cuDNN baseline's passes)
-    summarize(rows, environment() | {"heads": args.heads, "timing": timing}, out / f"{stem}.csv", out / f"{stem}.png")
+    summarize(rows, environment() | run_meta, out / f"{stem}.csv", out / f"{stem}.png")
     partial.unlink(missing_ok=True)
     print(f"\nwrote {out / (stem + '.csv')}")
     return 0

@@ -22,9 +22,13 @@ begin() {  # begin STAGE REGIME: the stage's folder and the head of its MANIFEST
   { echo "# $1"; echo; echo "- Date: $(date -u '+%F %H:%M UTC')"; echo "- Commit: $COMMIT"
     echo "- Source hash: $(python3 -c 'from flamia_cute.compile_cache import package_source_hash as h; print(h())' 2>&1 | tail -1) (compile_cache.package_source_hash of the package that ran)"
     echo "- GPU: $(nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader 2>&1 | head -1)"
-    echo "- Software: $(python3 -c 'import torch, cutlass; from flamia_cute.compile_cache import dsl_cuda_version as v
-print("torch", torch.__version__, "cutlass-dsl", cutlass.__version__, "with its CUDA", v(), "libraries")' 2>&1 | tail -1)"
+    echo "- Software: $(software)"
     echo "- Clock regime: $2"; echo; echo "## Commands"; echo; } > "$DIR/MANIFEST.md"; }
+software() {  # the Python packages that run (under the caller's PYTHONPATH), with the DSL's CUDA libraries
+  python3 -c 'import torch, cutlass; from flamia_cute.compile_cache import dsl_cuda_version as v
+print("torch", torch.__version__, "cutlass-dsl", cutlass.__version__, "with its CUDA", v(), "libraries")' 2>&1 | tail -1; }
+robust_budget() {  # what is left before DEADLINE (less the packing's margin), at most ROBUST_BUDGET
+  local b=$((DEADLINE - SECONDS - 20)); (( ${ROBUST_BUDGET:-$b} < b )) && b=$ROBUST_BUDGET; echo "$b"; }
 # DEADLINE: seconds from this script's start by which every command has ended (a device call is cut at 600 s,
 # and what is still running then, with the packing below, is lost); 575 unless set
 DEADLINE=${DEADLINE:-575}
@@ -136,7 +140,7 @@ for stage in "$@"; do
       # Nothing is timed, so they may share the GPU; the
       # disk cache's locks make each kernel compile once. ROBUST_BUDGET seconds for all (default: what is
       # left before DEADLINE, so that setup fits the same device call); a stage that runs out of it says so in its log
-      b=$((DEADLINE - SECONDS - 20)); (( ${ROBUST_BUDGET:-$b} < b )) && b=$ROBUST_BUDGET; pids=()
+      b=$(robust_budget); pids=()
       tests=${ROBUST_TESTS:-tests/test_nonfinite.py tests/test_cross_length_kernel.py tests/test_torch_backend.py \
         tests/test_checkpointing.py tests/test_dense_api.py tests/test_custom_op.py}
       [ "$tests" = all ] && tests=
@@ -144,7 +148,7 @@ for stage in "$@"; do
       # otherwise start its own pool of compiles at the same moment)
       begin robust-warmup "not timed (compiles)"
       run warmup $((b / 3)) python3 perf/kernel_warmup.py --sets sanitize,fuzz,soak
-      b=$((DEADLINE - SECONDS - 20)); (( ${ROBUST_BUDGET:-$b} < b )) && b=$ROBUST_BUDGET
+      b=$(robust_budget)
       for s in sanitize sanitize-race fuzz soak tests; do
         DEADLINE=$((b + 15)) STAGE_BUDGET=$b GPU_WORKERS=${GPU_WORKERS:-6} NO_PACK=1 \
           PYTEST_ARGS="${PYTEST_ARGS:--v --durations=15} $tests" bash "$0" "$s" \
@@ -172,8 +176,7 @@ for stage in "$@"; do
           { echo "cuda12: /tmp/site12 not built (is /tmp/site, setup's, there?)"; continue; }
       fi
       p12=/tmp/site12:/tmp/site12/nvidia_cutlass_dsl/dsl_packages
-      echo "- The 12.9 runs: $(env PYTHONPATH=$p12 python3 -c 'from flamia_cute.compile_cache import dsl_cuda_version as v
-print("the DSL with its CUDA", v(), "libraries")' 2>&1 | tail -1) (PYTHONPATH=$p12)" >> "$DIR/MANIFEST.md"
+      echo "- The 12.9 runs: $(PYTHONPATH=$p12 software) (PYTHONPATH=$p12)" >> "$DIR/MANIFEST.md"
       # each flavour's kernels compiled first, on all cores, so that the timed runs share the time left evenly
       run warm13 90 python3 perf/kernel_warmup.py --sets bench
       run warm12 90 env PYTHONPATH="$p12" python3 perf/kernel_warmup.py --sets bench

@@ -142,8 +142,10 @@ def script_kernels(name: str) -> set:
         from flamia_cute.bench import DEFAULT_WORKLOADS
         from flamia_cute.recipes import DEFAULT_RECIPE
 
-        return {k for lengths in json.loads(DEFAULT_WORKLOADS.read_text())["workloads"].values()
-                for train in (False, True) for k in call_kernels(DEFAULT_RECIPE, 128, 16, 16, lengths, train)}
+        data = json.loads(DEFAULT_WORKLOADS.read_text())
+        h = data["head_configs"]["h16_d128"]
+        return {k for lengths in data["workloads"].values() for train in (False, True)
+                for k in call_kernels(DEFAULT_RECIPE, h["head_dim"], h["heads_q"], h["heads_kv"], lengths, train)}
     elif name == "train-long":  # train_long.sh: llama_125m (6 heads of 128), four 16k documents, fused RoPE
         return call_kernels("fp8_tokenblock_dsbf16", 128, 6, 6, [16384] * 4, True, rotary=("half", 128))
     else:
