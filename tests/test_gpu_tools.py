@@ -328,10 +328,12 @@ def test_soak_transients_of_the_h100_run_are_the_calls_gradients():
     that call's dQ + dK + dV bytes: the autograd engine's worker still held the gradients torch.autograd.grad
     had returned, not memory the library keeps."""
     log = pathlib.Path(__file__).resolve().parents[1] / "perf/results/2026-12-05-h100-robust/soak-concurrent/soak.log"
-    seen = [(int(m[1]), float(m[2])) for m in re.finditer(r"call (\d+): allocated \+([\d.]+) MiB", log.read_text())]
+    text = log.read_text()
+    calls, seed = map(int, re.match(r"soak: (\d+) calls, seed (\d+),", text).groups())
+    seen = [(int(m[1]), float(m[2])) for m in re.finditer(r"call (\d+): allocated \+([\d.]+) MiB", text)]
     assert len(seen) == 5
     cfgs = soak.head_configs()
-    specs = soak.call_specs(2000, 0, cfgs)  # the run's call count and seed (its first log line)
+    specs = soak.call_specs(calls, seed, cfgs)
     for i, mib in seen:
         assert specs[i]["train"] and round(soak.grad_bytes(specs[i], cfgs) / 2**20, 2) == mib, i
     assert soak.grad_bytes(specs[next(j for j, s in enumerate(specs) if not s["train"])], cfgs) == 0
