@@ -11,7 +11,10 @@ caching allocator settles). Then every call runs, and the checks are:
 
 - torch.cuda.memory_allocated() after each call (its tensors dropped) equals the value after the
   warm-up once it settles (a first reading above it that falls back within 0.1 s is counted as transient
-  and reported): nothing the library keeps grows with the calls;
+  and reported, with whether it equals the call's dQ + dK + dV bytes): nothing the library keeps grows
+  with the calls. Why a reading can be transient: torch.autograd.grad returns once the engine's CUDA
+  worker thread marks the graph task complete, but that thread still holds the task, whose result
+  holds the gradients, until its loop turns; on a busy CPU the caller can drop them and read first;
 - torch.cuda.memory_reserved() reaches a plateau: no growth over the second half of the calls (the
   growth from the warm-up's end to the middle, the caching allocator's, is reported);
 - no kernel is built (compiled or loaded from disk) after the warm-up, every kernel built is one a
@@ -112,6 +115,17 @@ def settled_growth(first: int, alloc0: int, tries: int = 20, wait_s: float = 0.0
     return grown
 
 
+def grad_bytes(spec: dict, configs: dict) -> int:
+    """The caching allocator's bytes for a training call's dQ, dK and dV (blocks rounded up to 512 B); 0 for
+    a no_grad call. A transient reading of exactly this size is the autograd engine still holding them."""
+    if not spec["train"]:
+        return 0
+    H, Hk, D = configs[spec["heads"]]
+    T = sum(spec["lengths"])
+    block = lambda n: -(-n // 512) * 512
+    return block(T * H * D * 2) + 2 * block(T * Hk * D * 2)
+
+
 def run_call(spec: dict, configs: dict) -> None:
     import torch
 
@@ -196,7 +210,10 @@ def main(argv=None) -> int:
         first = torch.cuda.memory_allocated() - alloc0
         grown = settled_growth(first, alloc0)
         if first > 0 and grown <= 0:
-            transient.append(first)
+            gb = grad_bytes(s, configs)
+            transient.append((i, first, first == gb))
+            log(f"  call {i}: transient {first / 2**20:+.2f} MiB, fell back to {grown / 2**20:+.2f}; the call's "
+                f"dQ + dK + dV hold {gb / 2**20:.2f} MiB")
         if grown > max_alloc_growth:
             max_alloc_growth = grown
             log(f"  call {i}: allocated {grown / 2**20:+.2f} MiB over the warm-up's value")
@@ -232,7 +249,8 @@ def main(argv=None) -> int:
         log(f"FAIL {f}")
     log(f"soak summary: {len(specs)} calls ({sum(s['train'] for s in specs)} training) in {elapsed:.1f} s after a "
         f"{len(warm)}-call warm-up; allocated growth {max_alloc_growth / 2**20:.2f} MiB (transient readings that "
-        f"settled: {len(transient)}, up to {max(transient, default=0) / 2**20:.2f} MiB); reserved {reserved0 / 2**20:.1f} "
+        f"settled: {len(transient)}, up to {max((t[1] for t in transient), default=0) / 2**20:.2f} MiB, "
+        f"{sum(t[2] for t in transient)} of them exactly their call's dQ + dK + dV bytes); reserved {reserved0 / 2**20:.1f} "
         f"-> {reserved_mid / 2**20:.1f} (middle) -> {reserved_end / 2**20:.1f} MiB (end); kernel builds {len(builds)} "
         f"({sum(b.source == 'compile' for b in builds)} compiled in-process, {sum(b.source == 'disk' for b in builds)} "
         f"from disk; {len(after)} after the warm-up, {len(unexpected)} unexpected, {twice} repeated) for "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import pathlib
 import random
+import re
 import sys
 
 import pytest
@@ -320,3 +321,19 @@ def test_soak_counts_a_reading_that_falls_back_as_transient_and_a_leak_as_growth
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 1200)
     assert soak.settled_growth(200, 1000, wait_s=0) == 200
     assert soak.settled_growth(0, 1000, wait_s=0) == 0
+
+
+def test_soak_transients_of_the_h100_run_are_the_calls_gradients():
+    """The concurrent soak's readings above the warm-up (2026-12-05 H100, before settled_growth) each equal
+    that call's dQ + dK + dV bytes: the autograd engine's worker still held the gradients torch.autograd.grad
+    had returned, not memory the library keeps."""
+    log = pathlib.Path(__file__).resolve().parents[1] / "perf/results/2026-12-05-h100-robust/soak-concurrent/soak.log"
+    text = log.read_text()
+    calls, seed = map(int, re.match(r"soak: (\d+) calls, seed (\d+),", text).groups())
+    seen = [(int(m[1]), float(m[2])) for m in re.finditer(r"call (\d+): allocated \+([\d.]+) MiB", text)]
+    assert len(seen) == 5
+    cfgs = soak.head_configs()
+    specs = soak.call_specs(calls, seed, cfgs)
+    for i, mib in seen:
+        assert specs[i]["train"] and round(soak.grad_bytes(specs[i], cfgs) / 2**20, 2) == mib, i
+    assert soak.grad_bytes(specs[next(j for j, s in enumerate(specs) if not s["train"])], cfgs) == 0
