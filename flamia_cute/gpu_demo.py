@@ -38,8 +38,8 @@ def run_gpu_kernels() -> int:
         errs = {n: rel_l2(got[n], ref[n]) for n in ("out", "dq", "dk", "dv")}
         print(f"  {recipe:22s} kernel vs emulator rel L2: " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
         failures += any(e >= 2e-2 for e in errs.values())  # the API tests' bound (tests/test_cute_backend.py)
-        # bit-identity is only meaningful with a bit-reproducible dQ: the default dQ adds (atomics or TMA
-        # reduce-adds) land in any order, so the check runs the deterministic backward
+        # bit-identity is only meaningful with a bit-reproducible dQ: the default dQ's TMA reduce-adds land
+        # in any order, so the check runs the deterministic backward
         with _deterministic_backward():
             rep = check_leakage(attention_fn_for(recipe, scale, backend="cute"), q, k, v, cu, do, doc=3, cut=1001)
         print(f"  {recipe:22s} leakage on the kernels: {str(rep).splitlines()[0]}")

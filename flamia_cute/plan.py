@@ -249,7 +249,7 @@ def _build_plan(recipe, head_dim, heads_q, heads_kv, max_seqlen, total_tokens, n
     if has_backward_kernel(NAMED_RECIPES[recipe]):
         # the dK epilogue applies K's inverse rotations; the dQ conversion Q's
         k_rot = dict(rotations, hadamard=hadamard_shift(head_dim, "k") if hadamard else 0)
-        if deterministic:  # the ordered atomics path, untuned
+        if deterministic:  # dQ in key-block turns, untuned
             bwd = BwdDsBf16Config(head_dim=head_dim, qhead_per_kvhead=group, diagonal_copy=block_copy,
                                   deterministic=True, **k_rot)
         else:

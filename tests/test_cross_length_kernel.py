@@ -718,6 +718,46 @@ def test_cross_backward_model_passes_the_leakage_checks(doc, cut):
     assert not bad.future_ok, str(bad)
 
 
+def _turn_violations(docs, causal, geometry=None):
+    adds = {}
+    for d, n, (live, _, _, _, _, d0, n_diag, p0, per) in _bwd_items(docs, causal, geometry):
+        if live:
+            for m in [*range(d0, d0 + n_diag), *range(p0, p0 + max(per, 0))]:
+                adds.setdefault((d, m), []).append(n)
+    bad = []
+    for (d, m), blocks in adds.items():
+        lq, lk = docs[d]
+        grid_len = lk if causal else max(lk, lq)
+        if blocks != list(range(len(blocks))) or m >= 2 * -(-grid_len // 128):
+            bad.append((docs[d], m, blocks))
+    return bad, len(adds)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_deterministic_dq_turns_cannot_wait_forever(causal):
+    """The deterministic dQ's turns (reduce_dq, dq_turn_wait_warp): key block n adds to query tile m when the
+    tile's counter reaches n, so the key blocks that add to a tile must be exactly 0 .. k of its document
+    (a block that skipped a tile would leave every later one waiting: a hang on the GPU, not an error), and
+    m must lie within the counters' 2 per grid key block (the grid's blocks cover max(Lk, Lq) when
+    non-causal). A schedule whose block 1 skips its last tile fails the check."""
+    from flamia_cute.schedules.varlen_tiles import backward_cross_item
+
+    rng = random.Random(7)
+    docs = [(lq, lk) for lq in (1, 5, 63, 64, 65, 127, 128, 129, 300) for lk in (1, 63, 64, 65, 128, 129, 300, 640)]
+    docs += [(rng.randint(1, 900), rng.randint(1, 900)) for _ in range(300)]
+    docs = [(lq, lk) for lq, lk in docs if lq <= lk or not causal]
+    bad, n_tiles = _turn_violations(docs, causal)
+    assert n_tiles > 0 and bad == []
+
+    def skips(q0, q1, k0, k1, n, causal, *a):
+        item = backward_cross_item(q0, q1, k0, k1, n, causal, *a)
+        if n == 1 and item[8] > 0:  # block 1 drops its last off-diagonal tile
+            item = (*item[:8], item[8] - 1)
+        return item
+
+    assert _turn_violations(docs, causal, skips)[0]
+
+
 def test_cross_length_dq_tiles_start_within_the_pad_rows():
     """Every dQ tile a causal cross-length CTA adds starts at a row in [-DQ_PAD_ROWS, T) (the accumulator's pad
     and its rows; the TMA drops a tile's rows past T - 1); without the pad some start below row 0 (the tiles that stopped the
@@ -899,7 +939,7 @@ def test_gpu_cross_backward_on_self_attention_is_the_default_build():
 def test_gpu_cross_api_leakage_with_gradients(causal, doc, cut, deterministic, monkeypatch):
     """Quantization, forward and backward kernels through the API: the future test on O, LSE and dQ before the
     cut, document isolation on every output and gradient. The plan's own builds: with the deterministic dQ
-    (ordered atomics) the gradients bitwise; with the TMA reduce-adds, whose order varies, within 2e-2."""
+    (key-block turns) the gradients bitwise; with the unordered TMA reduce-adds within 2e-2."""
     from flamia_cute.testing import attention_fn_for
 
     monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1" if deterministic else "0")

@@ -369,7 +369,7 @@ def test_separate_keys_isolation_check_fails_a_dq_leak_within_its_tolerance(chan
 def test_kernels_isolate_nonfinite_inputs_with_separate_keys(causal, name, which, value, default_configs):
     """The same on the sm_90a cross-length and non-causal builds (backend="cute"). Their dQ reduce-adds land
     in any order, so other documents' dQ is compared within 2e-2 (the default backward's run-to-run spread, as
-    test_kernels_isolate_nonfinite_inputs); bitwise with the deterministic backward (ordered atomics)."""
+    test_kernels_isolate_nonfinite_inputs); bitwise with the deterministic backward (key-block turns)."""
     assert _run_xlen("cute", causal, name, which, value, device="cuda",
                      dq_tol=0.0 if deterministic_backward() else 2e-2) == []
 

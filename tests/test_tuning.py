@@ -337,7 +337,7 @@ def test_api_backward_config_follows_the_tuned_bwd_dsbf16_entry(tmp_path, monkey
     assert tuned.config_fields("bwd_dsbf16", cfg) == TUNED["bwd_dsbf16"]
     monkeypatch.setenv("FLAMIA_CUTE_DETERMINISTIC", "1")
     cfg = make_plan(*args).bwd
-    assert cfg.deterministic and not cfg.dq_tma_reduce and cfg.vec_stages == 2 and not cfg.short_pairs
+    assert cfg.deterministic and cfg.vec_stages == 2 and not cfg.short_pairs
 
 
 def test_bwd_dsbf16_records_of_removed_fields_are_ignored(tmp_path, monkeypatch):

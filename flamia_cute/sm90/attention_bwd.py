@@ -27,7 +27,7 @@ CTA, so dK and dV are summed over the group in registers: deterministic):
   pipeline a) and dO^T (e4m3 [d, t], dV's B) with Q in bf16 [t, d] (dK's B; pipeline b);
 - producer warp 1: per query tile, sq * softmax_scale * log2e, lse * log2e (+inf past the
   document end, so P = 0 there), D = rowsum(dO * O), the dO scale (0 past the end) and sq;
-- producer warp 2, unless deterministic: the dQ tiles' TMA reduce-adds (reduce_dq);
+- producer warp 2: the dQ tiles' TMA reduce-adds (reduce_dq), in key-block turns when deterministic;
 - consumer warpgroup w owns keys 64 w .. 64 w + 63 of the block (M everywhere):
   S^T = K Q^T and dP^T = V dO^T (e4m3, fp32), P^T = exp2(S^T sk sq scale log2e - lse log2e)
   (masked on the diagonal tiles), dS^T = P^T (dP^T sv sdo - D);
@@ -37,20 +37,20 @@ CTA, so dK and dV are summed over the group in registers: deterministic):
   the next tile's while the other still reads this one), then after one barrier of the two
   warpgroups dQ_tile = dS . K bf16 for the warpgroup's half of the head dimension;
   softmax_scale * dQ_tile goes into an fp32 dQ accumulator (T, H, D), through a shared-memory
-  tile and warp 2's TMA reduce-add, or (deterministic) by red.global.add.v2.f32 from the
-  consumers in key-block order;
+  tile and warp 2's TMA reduce-add;
 - epilogue: dK * softmax_scale and dV * r / 256 to bf16 with 16-byte stores.
 
 CTA order (`BwdDsBf16Config.raster`): key block fastest, so the CTAs of one (document, KV head) run
 together and share its Q, dO and dQ accumulator in L2; for short documents in windows of
 `head_window` KV heads of one document, each window's CTAs longest first, so that the last
 document's long key blocks are not the last CTAs issued (auto_head_window picks it by length).
-The deterministic mode keeps the heads-fastest order its ordered dQ additions were tested in.
+The deterministic mode keeps the heads-fastest order, in which a key block's CTA never waits on a later
+one's (its dQ turns need the earlier blocks resident or done).
 
 Tile order inside a CTA: the diagonal tiles (query tiles 2n and 2n + 1, the second only when it
 holds queries) of every head first, then every head's off-diagonal tiles. Only diagonal tiles
 need masks. `deterministic=True` orders the dQ additions per (query head, document, 64-query
-tile) by key block.
+tile) by key block: warp 2 waits for the tile's turn, adds, waits for the add to land, passes the turn.
 
 `cross_length` and `causal=False` (separate_keys) take cu_seqlens_k: cross_item, load_tma_cross and
 consume_cross run schedules.varlen_tiles.backward_cross_item's tiles (docs/backward.md).
@@ -89,9 +89,8 @@ from ..tile_scheduler import backward_grid, backward_work_item, short_pair_follo
 from ..validation import check_kernel_tensors, int32_cu_seqlens
 from ..varlen import document_bounds, document_dt_start, document_tiles, short_pair_bounds
 from .bwd_device import (
-    add_dq_tile,
-    dq_turn_pass,
-    dq_turn_wait,
+    dq_turn_pass_warp,
+    dq_turn_wait_warp,
     load_row_scales,
     store_key_rows_bf16,
     store_query_vectors,
@@ -140,7 +139,7 @@ HEAD_WINDOWS = (1, 2, 4, 8, 16, 32, 64)  # BwdDsBf16Config.head_window
 # auto_head_window: the windows' documents hold at most this many tokens together, so that the Q,
 # dO and dQ accumulator rows their CTAs share stay a few MB per head (the plain order's locality)
 WINDOW_TOKENS = 16384
-# named barriers (1: dS and Q bf16 stored, 2: the phase change, 3: deterministic dQ turns)
+# named barriers (1: dS and Q bf16 stored, 2: the phase change)
 # cross_length: the dQ accumulator's rows before row 0 (the host allocates them): the first document's first
 # dQ tile starts up to QUERY_TILE - 1 rows before its first query, and a TMA reduce-add at a negative row
 # stopped the kernel on the H200 (cudaErrorIllegalInstruction)
@@ -206,7 +205,7 @@ class BwdDsBf16Config:
         if self.head_window > 1 and self.deterministic:
             bad("head_window", "windows the 'blocks' CTA order only (not the deterministic mode's)")
         if self.short_pairs and not short_pairs_supported(self):
-            bad("short_pairs", "needs the dQ warp (not deterministic) and no S^T/dP^T prefetch (d64)")
+            bad("short_pairs", "needs deterministic=False and no S^T/dP^T prefetch (d64)")
         check_rotation_fields("BwdDsBf16Config", self.head_dim, self.rotary, self.rotary_dim, self.hadamard)
         if self.separate_keys and has_rotation(self):
             # the dK epilogue's inverse RoPE takes self-attention positions (consume_cross has none)
@@ -219,17 +218,10 @@ class BwdDsBf16Config:
 
     @property
     def prefetch_sdp(self) -> bool:
-        """d64: the next tile's S^T and dP^T are issued right after this tile's dQ product (or its dQ
-        tile's store), so they run on the tensor cores under this tile's dQ traffic. At d128, in
-        flight beside dV, dK and the dQ tile, they are slower (and spill on the atomics path)."""
+        """d64: the next tile's S^T and dP^T are issued right after this tile's dQ tile's store, so they
+        run on the tensor cores under this tile's dQ traffic. At d128, in flight beside dV, dK and the
+        dQ tile, they are slower."""
         return self.head_dim == 64
-
-    @property
-    def dq_tma_reduce(self) -> bool:
-        """dQ tiles through shared memory, added to the fp32 accumulator by a TMA reduce-add that a
-        producer warp issues (FA3's scheme: faster than the consumers' red.global.add on long
-        documents), except in the deterministic mode, whose ordered additions are the atomics'."""
-        return not self.deterministic
 
     @property
     def raster(self) -> str:
@@ -257,9 +249,9 @@ def dq_kernel_ptr(dq_acc, cfg: BwdDsBf16Config) -> int:
 
 
 def short_pairs_supported(cfg: BwdDsBf16Config) -> bool:
-    """Whether a config's build can take short_pairs: the dQ warp (TMA reduce-adds, so not
-    deterministic) and no S^T/dP^T prefetch (d64)."""
-    return cfg.dq_tma_reduce and not cfg.prefetch_sdp
+    """Whether a config's build can take short_pairs: not deterministic (the dQ turns count one document
+    per CTA) and no S^T/dP^T prefetch (d64)."""
+    return not cfg.deterministic and not cfg.prefetch_sdp
 
 
 def smem_bytes(cfg: BwdDsBf16Config) -> int:
@@ -270,7 +262,7 @@ def smem_bytes(cfg: BwdDsBf16Config) -> int:
     ds = 2 * 2 * tq * KEY_BLOCK  # bf16 dS [q, key], two buffers
     vec = vec_rows(cfg) * tq * 4 * cfg.vec_stages + KEY_BLOCK * 4  # + the phase's key scales
     bars = 8 * 2 * (1 + 2 * Q_STAGES + cfg.vec_stages)
-    dq = tq * D * 4 + 1024 if cfg.dq_tma_reduce else 0  # the fp32 dQ tile
+    dq = tq * D * 4 + 1024  # the fp32 dQ tile
     return kv + per_stage * Q_STAGES + ds + vec + bars + dq + 9 * 1024
 
 
@@ -414,7 +406,6 @@ class FlamiaBwdDsBf16Sm90:
         self.regs_producer = 24
         self.regs_consumer = 240
         self.prefetch = config.prefetch_sdp
-        self.dq_tma = config.dq_tma_reduce
         self.causal = config.causal
         self.cross = config.separate_keys  # cu_seqlens_k: backward_cross_item's tiles
         # the diagonal tiles from the per-token copies: block-scaled and causal (the non-causal build masks
@@ -426,7 +417,7 @@ class FlamiaBwdDsBf16Sm90:
         self.sdp_groups = 1 if self.prefetch else 2  # commit groups of one issue_sdp
         # dQ's GEMM issued before dK's, in its own commit group: the warpgroups wait for dQ alone and
         # store the dQ tile while dK computes (FA4's order); needs the dQ warp, not the prefetch
-        self.dk_late = self.dq_tma and not self.prefetch
+        self.dk_late = not self.prefetch
         # the change from the diagonal tiles' per-token K/V to the block-scaled ones prepared early:
         # the stage released once the last diagonal tile's S^T and dP^T are done, so the block-scaled
         # copies load under the rest of that tile, and their row scales loaded at the CTA's start
@@ -550,9 +541,6 @@ class FlamiaBwdDsBf16Sm90:
         # cross_length: dq_acc_ptr is DQ_PAD_ROWS rows before row 0 (dq_pad_rows); the TMA reduce-add sees them
         pad = dq_pad_rows(self.cfg)
         mdQ_pad = cute.make_tensor(dq_acc_ptr, cute.make_layout((T + pad, D, H), stride=(hd, 1, D)))
-        mdQ = mdQ_pad
-        if cutlass.const_expr(pad > 0):
-            mdQ = cute.domain_offset((pad, 0, 0), mdQ_pad)
         mSem = None
         if cutlass.const_expr(self.deterministic):
             mSem = cute.make_tensor(sem_ptr, cute.make_layout(H * num_docs * 2 * max_n_blocks))
@@ -590,11 +578,9 @@ class FlamiaBwdDsBf16Sm90:
         # warp's 64-bit stores take 4 wavefronts, row-major they took 8 (its 8 rows in one bank; ideal
         # 2: rows r and r^1 still pair up); the TMA reduce-add reads it as 32-column boxes
         sdQ_layout = sm90_utils.make_smem_layout_epi(Float32, cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, (tq, D), 1)
-        tma_dq, tdQ = None, None  # no descriptor to build unless used
-        if cutlass.const_expr(self.dq_tma):
-            tma_dq, tdQ = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ_pad, cute.slice_(sdQ_layout, (None, None, 0)),
-                (tq, D))
+        tma_dq, tdQ = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ_pad, cute.slice_(sdQ_layout, (None, None, 0)),
+            (tq, D))
         self.kv_bytes = 2 * kb * D
         self.a_bytes = 2 * tq * D
         self.b_bytes = tq * D + 2 * tq * D
@@ -617,13 +603,13 @@ class FlamiaBwdDsBf16Sm90:
             sdOt: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(L["dOt"])], 1024]
             sQb: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["Qb"])], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(L["dS"])], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout) if self.dq_tma else 4], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
         self.shared_storage = SharedStorage
         tmas = (tma_k, tK, tma_v, tV, tma_ktok, tKtok, tma_vtok, tVtok, tma_q, tQ, tma_do, tdO, tma_dot, tdOt, tma_dq,
                 tdQ, sdQ_layout, tma_qb, tQb)
         self.kernel(
-            mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdQ, mdK, mdV, mSem, mCos, mSin,
+            mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mdK, mdV, mSem, mCos, mSin,
             L["K"], L["Q"], L["dOt"], L["Qb"], L["Kb"], L["dS"], L["Vt"], softmax_scale, mCuK, mDotCu,
         ).launch(
             grid=backward_grid(self.cfg.raster, num_kv_heads, num_docs, max_n_blocks, self.cfg.head_window),
@@ -647,7 +633,6 @@ class FlamiaBwdDsBf16Sm90:
         mSVtok: cute.Tensor,
         mRef: cute.Tensor,
         mCu: cute.Tensor,
-        mdQ: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mSem: cute.Tensor,
@@ -668,7 +653,7 @@ class FlamiaBwdDsBf16Sm90:
         layouts = (sK_layout, sQ_layout, sdOt_layout, sQb_layout, sKb_layout, sdS_layout, sVt_layout)
         if cutlass.const_expr(self.cross):
             self.cross_item(mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mCuK, mDotCu,
-                            mdQ, mdK, mdV, mSem, layouts, softmax_scale)
+                            mdK, mdV, mSem, layouts, softmax_scale)
             return
         tidx, _, _ = cute.arch.thread_idx()
         kv_head, doc, n_blk = backward_work_item(self.cfg.raster, cute.arch.block_idx(), self.cfg.head_window)
@@ -711,10 +696,9 @@ class FlamiaBwdDsBf16Sm90:
                     self.load_vectors(mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, kv_head, doc_start, doc_len, sched,
                                       softmax_scale, hi_start=hi_start if cutlass.const_expr(pairs) else None,
                                       hi_len=hi_len if cutlass.const_expr(pairs) else None)
-                if cutlass.const_expr(self.dq_tma):
-                    if warp_idx == 2:
-                        self.reduce_dq(tmas[14], tmas[15], sdQ, kv_head, doc_start, sched,
-                                       hi_start=hi_start if cutlass.const_expr(pairs) else None)
+                if warp_idx == 2:
+                    self.reduce_dq(tmas[14], tmas[15], sdQ, kv_head, doc_start, sched, (mSem, doc),
+                                   hi_start=hi_start if cutlass.const_expr(pairs) else None)
             else:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
                 # the warpgroup's keys' document: with a pair, warpgroup 1's is the second (shifted 64 back),
@@ -734,13 +718,13 @@ class FlamiaBwdDsBf16Sm90:
                             pair_first = Boolean(True)
                 self.consume(
                     mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok,
-                    mRef[kv_head, w_doc], (mdQ, mSem, doc, sdQ_words, dq_plan), mdK, mdV, kv_head,
+                    mRef[kv_head, w_doc], (sdQ_words, dq_plan), mdK, mdV, kv_head,
                     w_start, w_len, sched, softmax_scale, wg_idx - 1, pair_first, pair_second, (mCos, mSin, pos0),
                 )
 
     @cute.jit
     def cross_item(self, mmas, tmas, mSQ, mSdO, mLSE, mDelta, mSK, mSV, mSKtok, mSVtok, mRef, mCu, mCuK, mDotCu,
-                   mdQ, mdK, mdV, mSem, layouts, softmax_scale):
+                   mdK, mdV, mSem, layouts, softmax_scale):
         """kernel()'s CTA with separate keys: key block n_blk of the key document, the query tiles of
         schedules.varlen_tiles.backward_cross_item (the warp roles as kernel()'s, without short pairs).
         xq = (q_base, q_lo, q_hi, dO^T's column of tile 0) are the query side's bounds, the key side's
@@ -768,15 +752,14 @@ class FlamiaBwdDsBf16Sm90:
                 if warp_idx == 1:
                     self.load_vectors(mSQ, mSdO, mLSE, mDelta, sVec, pipe_v, kv_head, q_base, q_hi, sched,
                                       softmax_scale, q_lo=q_lo)
-                if cutlass.const_expr(self.dq_tma):
-                    if warp_idx == 2:
-                        self.reduce_dq(tmas[14], tmas[15], sdQ, kv_head, q_base + dq_pad_rows(self.cfg), sched)
+                if warp_idx == 2:
+                    self.reduce_dq(tmas[14], tmas[15], sdQ, kv_head, q_base + dq_pad_rows(self.cfg), sched, (mSem, doc))
             else:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
                 self.consume_cross(
                     mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok,
-                    mRef[kv_head, doc], (mdQ, mSem, doc, sdQ_words, dq_plan), mdK, mdV, kv_head,
-                    k_start, k_len, sched, softmax_scale, wg_idx - 1, xq,
+                    mRef[kv_head, doc], (sdQ_words, dq_plan), mdK, mdV, kv_head,
+                    k_start, k_len, sched, softmax_scale, wg_idx - 1,
                 )
 
     @cute.jit
@@ -806,11 +789,9 @@ class FlamiaBwdDsBf16Sm90:
             sVt_layout,
         )
         sVec = storage.sVec.get_tensor(cute.make_layout((self.tq, vec_rows(self.cfg), self.sv)))
-        sdQ, sdQ_words, dq_plan = None, None, None
-        if cutlass.const_expr(self.dq_tma):
-            sdQ = buf(storage.sdQ, tmas[16])  # the TMA's view
-            sdQ_words = storage.sdQ.get_tensor(cute.make_layout(cute.cosize(tmas[16])))  # stored by hand
-            dq_plan = self._dq_store_plan(tmas[16])  # trace time, once per build
+        sdQ = buf(storage.sdQ, tmas[16])  # the TMA's view
+        sdQ_words = storage.sdQ.get_tensor(cute.make_layout(cute.cosize(tmas[16])))  # stored by hand
+        dq_plan = self._dq_store_plan(tmas[16])  # trace time, once per build
         pipe_kv = tma_pipeline(1, self.kv_bytes, storage.kv_mbar.data_ptr())
         pipe_a = tma_pipeline(self.stages, self.a_bytes, storage.a_mbar.data_ptr())
         pipe_b = tma_pipeline(self.stages, self.b_bytes, storage.b_mbar.data_ptr())
@@ -962,30 +943,41 @@ class FlamiaBwdDsBf16Sm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def reduce_dq(self, atom, t_dq, sdQ, kv_head, doc_start, sched, hi_start=None):
-        """Producer warp 2 (dq_tma_reduce): per tile, wait until both consumer warpgroups stored the
-        tile's dQ (named barrier DQ_FULL), add it to the fp32 accumulator with one TMA reduce-add, and
-        hand the buffer back once the TMA has read it (DQ_EMPTY). Rows past the document end are 0
-        (P = 0 there) and rows past T are clipped by the TMA, so whole 64-row tiles are added.
+    def reduce_dq(self, atom, t_dq, sdQ, kv_head, doc_start, sched, turns, hi_start=None):
+        """Producer warp 2: per tile, wait until both consumer warpgroups stored the tile's dQ (named
+        barrier DQ_FULL), add it to the fp32 accumulator with one TMA reduce-add (FA3's scheme), and hand
+        the buffer back once the TMA has read it (DQ_EMPTY). Rows past the document end are 0 (P = 0
+        there) and rows past T are clipped by the TMA, so whole 64-row tiles are added.
 
-        hi_start (short_pairs): the token start of tiles m >= 1 (a pair's second document, 64 back)."""
+        turns = (mSem, doc): in the deterministic mode each tile's add waits for its turn (key blocks
+        0 .. n_blk-1 of the document have added to it: dq_turn_wait_warp) and passes it on once its
+        writes have landed, so dQ sums in key-block order. hi_start (short_pairs): the token start of
+        tiles m >= 1 (a pair's second document, 64 back)."""
         n_blk, n_diag, per = sched[:3]
         total = self._tile_count(n_diag, per)
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)  # the buffer starts free
         for i in cutlass.range(total, unroll=1):
             hi, m = self._tile_of(i, n_blk, n_diag, per, sched[3:])
+            hq = kv_head * self.group + hi
+            sem_addr = Int64(0)
+            if cutlass.const_expr(self.deterministic):
+                # the turn first, while the consumers still compute the tile: the wait is not added after it
+                sem_addr = dq_turn_wait_warp(turns[0], hq, turns[1], m, n_blk, 2)  # two tiles per key block
             cute.arch.barrier(barrier_id=DQ_FULL, number_of_threads=288)
             # the whole warp: a TMA copy elects its issuing lane with a full-mask elect.sync, so calling
             # it from one lane deadlocks
             start = doc_start
             if cutlass.const_expr(hi_start is not None):
                 start = select(m >= 1, hi_start, doc_start)
-            tSs, tSg = document_tiles(atom, t_dq, kv_head * self.group + hi, sdQ, (self.tq, self.D), start, 0)
+            tSs, tSg = document_tiles(atom, t_dq, hq, sdQ, (self.tq, self.D), start, 0)
             cute.copy(atom, tSs[None, 0], tSg[None, m])
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
             if i + 1 < total:
                 cute.arch.barrier_arrive(barrier_id=DQ_EMPTY, number_of_threads=288)
+            if cutlass.const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0)  # the adds have landed in global memory
+                dq_turn_pass_warp(sem_addr)
         cute.arch.cp_async_bulk_wait_group(0)  # the last adds complete before the CTA retires
 
     # ------------------------------------------------------------------------------------------
@@ -1115,13 +1107,12 @@ class FlamiaBwdDsBf16Sm90:
             last_diag = i + 1 == self.group * n_diag
             lim_i = pair_key_end(lim, pair_first, i, n_diag)
             a_state, b_state, v_state = self.tile_step(
-                True, i, i + 1 < self.group * n_diag, kv_head * self.group + i // n_diag,
-                2 * n_blk + i % n_diag, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state,
-                v_state, dq_out, doc_start, doc_len, lim_i, n_blk, softmax_scale, wg,
+                True, i, i + 1 < self.group * n_diag, 2 * n_blk + i % n_diag, frags, rsc, krow, cf, sVec, bufs,
+                pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out, lim_i, n_blk, softmax_scale, wg,
                 (pipe_kv, kv_state, last_diag) if early else None,
                 self.cross_vectors(pair_first, pair_second, i, n_diag),
             )
-        if cutlass.const_expr(self.prefetch and self.dq_tma):
+        if cutlass.const_expr(self.prefetch):
             warpgroup.wait_group(0)  # the dummy S^T, dP^T issued after the phase's last tile
         # ---- phase 1: off-diagonal tiles
         if cutlass.const_expr(self.diag_copy):
@@ -1147,12 +1138,12 @@ class FlamiaBwdDsBf16Sm90:
                 self.issue_sdp(frags, pipe_a, a_state, wg)
             for j in cutlass.range(self.group * per, unroll=1):
                 a_state, b_state, v_state = self.tile_step(
-                    False, self.group * n_diag + j, j + 1 < self.group * per, kv_head * self.group + j // per,
-                    2 * n_blk + 2 + j % per, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state,
-                    b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg,
+                    False, self.group * n_diag + j, j + 1 < self.group * per, 2 * n_blk + 2 + j % per, frags, rsc,
+                    krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out, lim, n_blk,
+                    softmax_scale, wg,
                 )
 
-        if cutlass.const_expr(self.prefetch and self.dq_tma):
+        if cutlass.const_expr(self.prefetch):
             warpgroup.wait_group(0)  # the dummy after phase 1's last tile
         # ---- epilogue: dV * r / 256 and dK * softmax_scale to bf16
         rfac = r / Float32(P_SCALE)
@@ -1182,10 +1173,10 @@ class FlamiaBwdDsBf16Sm90:
     @cute.jit
     def consume_cross(
         self, mmas, bufs, sVec, pipe_kv, pipe_a, pipe_b, pipe_v, mSK, mSV, mSKtok, mSVtok, dv_ref, dq_out, mdK,
-        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg, xq,
+        mdV, kv_head, doc_start, doc_len, sched, softmax_scale, wg,
     ):
-        """consume with separate keys: doc_start, doc_len are the key document's; xq = (q_base, q_lo, q_hi, _)
-        the query side's (cross_item); sched = (n_blk, n_diag, per, d0, p0). Either phase may have no tile
+        """consume with separate keys: doc_start, doc_len are the key document's (the query side's bounds
+        are the loaders' and the dQ warp's: cross_item); sched = (n_blk, n_diag, per, d0, p0). Either phase may have no tile
         (n_diag = 0: a key block wholly before every query; per <= 0): a phase without tiles has no K/V of
         its own (load_tma_cross loads as _phase1_loads_kv says)."""
         frags, krow = self.consumer_fragments(mmas, bufs, wg)
@@ -1194,7 +1185,6 @@ class FlamiaBwdDsBf16Sm90:
         b_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sv)
         n_blk, n_diag, per, d0, p0 = sched
-        q_base, q_lo, q_hi = xq[0], xq[1], xq[2]
         kb = self.kb
         D = self.D
         sKs = bufs[13]
@@ -1225,12 +1215,11 @@ class FlamiaBwdDsBf16Sm90:
             for i in cutlass.range(self.group * n_diag, unroll=1):
                 last_diag = i + 1 == self.group * n_diag
                 a_state, b_state, v_state = self.tile_step(
-                    True, i, i + 1 < self.group * n_diag, kv_head * self.group + i // n_diag, d0 + i % n_diag,
-                    frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out,
-                    q_base, q_hi, lim, n_blk, softmax_scale, wg, (pipe_kv, kv_state, last_diag) if early else None,
-                    q_lo=q_lo,
+                    True, i, i + 1 < self.group * n_diag, d0 + i % n_diag, frags, rsc, krow, cf, sVec, bufs, pipe_a,
+                    pipe_b, pipe_v, a_state, b_state, v_state, dq_out, lim, n_blk, softmax_scale, wg,
+                    (pipe_kv, kv_state, last_diag) if early else None,
                 )
-            if cutlass.const_expr(self.prefetch and self.dq_tma):
+            if cutlass.const_expr(self.prefetch):
                 warpgroup.wait_group(0)
             if cutlass.const_expr(self.diag_first):
                 if cutlass.const_expr(not early):
@@ -1254,12 +1243,12 @@ class FlamiaBwdDsBf16Sm90:
                 self.issue_sdp(frags, pipe_a, a_state, wg)
             for j in cutlass.range(self.group * per, unroll=1):
                 a_state, b_state, v_state = self.tile_step(
-                    False, self.group * n_diag + j, j + 1 < self.group * per, kv_head * self.group + j // per,
-                    p0 + j % per, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state,
-                    v_state, dq_out, q_base, q_hi, lim, n_blk, softmax_scale, wg, q_lo=q_lo,
+                    False, self.group * n_diag + j, j + 1 < self.group * per, p0 + j % per, frags, rsc, krow, cf,
+                    sVec, bufs, pipe_a, pipe_b, pipe_v, a_state, b_state, v_state, dq_out, lim, n_blk, softmax_scale,
+                    wg,
                 )
 
-        if cutlass.const_expr(self.prefetch and self.dq_tma):
+        if cutlass.const_expr(self.prefetch):
             warpgroup.wait_group(0)
         rfac = r / Float32(P_SCALE)
         store_key_rows_bf16(mdV, lambda i0: (acc_dv[i0] * rfac, acc_dv[i0 + 1] * rfac), krow, n_blk * kb,
@@ -1378,7 +1367,7 @@ class FlamiaBwdDsBf16Sm90:
         """Issue S^T = K Q^T and dP^T = V dO^T of the query tile in stage a_state (one commit group each,
         or one for both: self.sdp_groups).
         has_tile (a runtime flag, or True): False issues on the stage as it is, without waiting for a
-        load (a dummy whose result is dropped: see tile_step's dq_tma_reduce prefetch)."""
+        load (a dummy whose result is dropped: see tile_step's prefetch)."""
         D = self.D
         tSrK, tSrV, tSrQ, tSrdO = frags[0:4]
         acc_s, acc_dp = frags[8], frags[9]
@@ -1413,21 +1402,20 @@ class FlamiaBwdDsBf16Sm90:
 
     @cute.jit
     def tile_step(
-        self, diag: cutlass.Constexpr, i, has_next, hq, m, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v,
-        a_state, b_state, v_state, dq_out, doc_start, doc_len, lim, n_blk, softmax_scale, wg, release_kv=None,
-        vec_off=None, q_lo=None,
+        self, diag: cutlass.Constexpr, i, has_next, m, frags, rsc, krow, cf, sVec, bufs, pipe_a, pipe_b, pipe_v,
+        a_state, b_state, v_state, dq_out, lim, n_blk, softmax_scale, wg, release_kv=None, vec_off=None,
     ):
-        """One 64-query tile m of query head hq (tile number i of the CTA). diag: m in {2n, 2n+1} (separate
-        keys: a masked tile; q_lo: the first query's row from doc_start, doc_len the end's).
+        """One 64-query tile m (tile number i of the CTA); its dQ goes to the shared tile that warp 2 adds
+        (reduce_dq). diag: m in {2n, 2n+1} (separate keys: a masked tile).
         release_kv (pipe_kv, its state, a runtime flag): when the flag is set, the K/V stage is released
         as soon as this tile's S^T and dP^T have read it (the phase's last tile: the next phase's copies
         load under the rest of the tile). vec_off (short_pairs): cross_vectors' offset.
 
         With prefetch, its S^T and dP^T were issued before (issue_sdp: by the previous tile of the
         phase, or before the phase) and has_next issues the next tile's after this tile's dQ
-        product, so that they run on the tensor cores while this tile's dQ atomics are issued.
+        store, so that they run on the tensor cores under the rest of the tile.
         """
-        D, tq = self.D, self.tq
+        tq = self.tq
         (tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQb, tQrdS, tQrKb, acc_s, acc_dp, acc_dv, acc_dk, acc_dq,
          tVrP, tVrP32, tKrdS, tKrdS32, tScS, tScQ, dsk) = frags
         sdS_words = bufs[8]
@@ -1524,45 +1512,30 @@ class FlamiaBwdDsBf16Sm90:
         warpgroup.commit_group()
         if cutlass.const_expr(dk_late):
             warpgroup.wait_group(1)  # dV and dQ done; dK still running (its B stage is released below)
-        elif cutlass.const_expr(self.prefetch and not self.dq_tma):
-            if has_next:
-                self.issue_sdp(frags, pipe_a, a_state, wg)
-                warpgroup.wait_group(self.sdp_groups)  # dV, dK and dQ done; the next S^T, dP^T still running
-            else:
-                warpgroup.wait_group(0)
         else:
             warpgroup.wait_group(0)
         if cutlass.const_expr(not dk_late):
             pipe_b.consumer_release(b_state)
             b_state.advance()
 
-        mdQ, mSem, doc, sdQ_words, dq_plan = dq_out
-        tidx, _, _ = cute.arch.thread_idx()
-        if cutlass.const_expr(self.dq_tma):
-            # the previous tile's reduce-add has read the buffer; store this tile (softmax_scale applied)
-            # column pairs to the swizzled tile (64-bit stores): one base word per thread, each pair an
-            # XOR and an add away from it (_dq_store_plan)
-            cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=288)
-            self._store_dq_tile(sdQ_words, dq_plan, acc_dq, tScQ, softmax_scale)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=288)
-            if cutlass.const_expr(dk_late):
-                warpgroup.wait_group(0)
-                pipe_b.consumer_release(b_state)
-                b_state.advance()
-            if cutlass.const_expr(self.prefetch):
-                # the dQ tile's registers are free: issue the next tile's S^T, dP^T. Always: an MMA
-                # issued under a runtime `if` and waited in the next iteration spilled 272 bytes at
-                # d128; after a phase's last tile it is a dummy on an unloaded stage (the result is
-                # dropped, and consume drains it before the phase change)
-                self.issue_sdp(frags, pipe_a, a_state, wg, has_next)
-        else:
-            sem_addr = Int64(0)
-            if cutlass.const_expr(self.deterministic):
-                sem_addr = dq_turn_wait(mSem, hq, doc, m, n_blk, tidx, 2)  # two 64-query tiles per key block
-            add_dq_tile(mdQ, acc_dq, tScQ, m * tq, 0, doc_start, doc_len, hq, D, lambda qr: softmax_scale, q_lo)
-            if cutlass.const_expr(self.deterministic):
-                dq_turn_pass(sem_addr, tidx)
+        sdQ_words, dq_plan = dq_out
+        # the previous tile's reduce-add has read the buffer; store this tile (softmax_scale applied)
+        # column pairs to the swizzled tile (64-bit stores): one base word per thread, each pair an
+        # XOR and an add away from it (_dq_store_plan)
+        cute.arch.barrier(barrier_id=DQ_EMPTY, number_of_threads=288)
+        self._store_dq_tile(sdQ_words, dq_plan, acc_dq, tScQ, softmax_scale)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier_arrive(barrier_id=DQ_FULL, number_of_threads=288)
+        if cutlass.const_expr(dk_late):
+            warpgroup.wait_group(0)
+            pipe_b.consumer_release(b_state)
+            b_state.advance()
+        if cutlass.const_expr(self.prefetch):
+            # the dQ tile's registers are free: issue the next tile's S^T, dP^T. Always: an MMA
+            # issued under a runtime `if` and waited in the next iteration spilled 272 bytes at
+            # d128; after a phase's last tile it is a dummy on an unloaded stage (the result is
+            # dropped, and consume drains it before the phase change)
+            self.issue_sdp(frags, pipe_a, a_state, wg, has_next)
         return a_state, b_state, v_state
 
     @cute.jit
@@ -1817,7 +1790,7 @@ def auto_head_window(num_kv_heads: int, max_seqlen: int | None) -> int:
 
 def default_config(qq, kq, kt, deterministic: bool = False, max_seqlen: int | None = None) -> BwdDsBf16Config:
     """The default BwdDsBf16Config for the forward's saved operands (kt: per-token K copy or None); the
-    dQ path and the CTA order follow `deterministic` (BwdDsBf16Config.dq_tma_reduce, .raster), the
+    dQ turns and the CTA order follow `deterministic` (reduce_dq, BwdDsBf16Config.raster), the
     order's head window the longest document (auto_head_window; not in the deterministic mode's order)."""
     hk = kq.data_td.shape[1]
     return BwdDsBf16Config(head_dim=qq.data_td.shape[2], qhead_per_kvhead=qq.data_td.shape[1] // hk,

@@ -1,6 +1,6 @@
 """Device helpers of the sm_90a backward kernel (sm90/attention_bwd.py): the per-query vectors,
-the key rows' scales and bf16 epilogue, the dQ accumulator's atomic adds and the deterministic
-mode's turn counters, with the PTX memory-ordering primitives they use.
+the key rows' scales and bf16 epilogue, and the deterministic mode's turn counters for the dQ warp's
+reduce-adds, with the PTX memory-ordering primitives they use.
 
 Plain functions over DSL values, traced into the kernel that calls them (the kernel lists this file in
 its compile-cache sources).
@@ -14,12 +14,6 @@ from cutlass import Float32, Int64, Uint32
 
 from ..softmax import lse_log2_up
 from .primitives import cvt_bf16x2, ptx, quad_transpose4, st_global_v4
-
-
-def _red_add_v2_f32(addr, x, y):
-    """Two adjacent fp32 atomic adds in one instruction (sm_90: red.global.add.v2.f32, 8-byte aligned)."""
-    ptx("red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f,~{memory}", [Int64(addr), Float32(x), Float32(y)],
-        result=None, side_effects=True)
 
 
 def ld_acquire_gpu_u32(addr):
@@ -39,14 +33,6 @@ def fence_acq_rel_gpu():
 
 def nanosleep(ns: int):
     ptx("nanosleep.u32 $0;", "r,~{memory}", [Uint32(ns)], result=None, side_effects=True)
-
-
-def atom_add_relaxed_gpu_u32(addr, x):
-    """Atomic add at GPU scope, relaxed; returns the old value (a dQ tile's claim: who arrives first, and
-    whether the first one's flag is up). Relaxed, so the warp does not wait for it where it is issued
-    (an acquire atomic makes ptxas wait for its result and invalidate L1 right there)."""
-    return ptx("atom.relaxed.gpu.global.add.u32 $0, [$1], $2;", "=r,l,r,~{memory}", [Int64(addr), Uint32(x)],
-               side_effects=True)
 
 
 def fence_proxy_async_global():
@@ -138,46 +124,27 @@ def store_key_rows_bf16(mdX, pair, krow, key0, doc_start, doc_len, kv_head, D: c
 
 
 @cute.jit
-def add_dq_tile(mdQ, acc, tScQ, q0, d0, doc_start, doc_len, hq, D: cutlass.Constexpr, row_scale, q_lo=None):
-    """red.global.add.v2.f32 of an m64nN query-row accumulator into the fp32 dQ accumulator
-    (T, H, D): tScQ gives each value's (query row, column); the row's query is q0 + row, its
-    columns start at d0; row_scale(row) multiplies the row (the dS scale and softmax_scale).
-    Rows at or past doc_len, and below q_lo when given (separate keys), are not added."""
-    base = mdQ.iterator.toint()
-    row_stride = mdQ.stride[0]  # H * D
-    n_acc = cute.size(acc)
-    for v1 in cutlass.range_constexpr(2):
-        qr = tScQ[2 * v1][0]
-        f = row_scale(qr)
-        q = q0 + qr
-        valid = q < doc_len
-        if cutlass.const_expr(q_lo is not None):
-            valid = valid & (q >= q_lo)
-        if valid:
-            row_addr = base + (Int64(doc_start + q) * Int64(row_stride) + Int64(hq * D + d0)) * 4
-            for j in cutlass.range_constexpr(n_acc // 4):
-                a = 2 * v1 + 4 * j
-                _red_add_v2_f32(row_addr + 4 * tScQ[a][1], acc[a] * f, acc[a + 1] * f)
-
-
-@cute.jit
-def dq_turn_wait(mSem, hq, doc, m, n_blk, tidx, tiles_per_block: cutlass.Constexpr):
-    """Deterministic dQ: wait until key blocks 0 .. n_blk-1 have added to query tile m of head hq
-    (one counter per (query head, document, query tile); tiles_per_block query tiles per key
-    block); returns the counter's address for dq_turn_pass."""
+def dq_turn_wait_warp(mSem, hq, doc, m, n_blk, tiles_per_block: cutlass.Constexpr):
+    """Deterministic dQ, by the dQ warp: lane 0 waits until key blocks 0 .. n_blk-1 have added to query
+    tile m of head hq (one counter per (query head, document, query tile); tiles_per_block query tiles per
+    key block); returns the counter's address for dq_turn_pass_warp. The grid is the deterministic mode's
+    "heads" order, (KV heads, documents, key blocks): BwdDsBf16Config.raster."""
     _, n_docs, n_blocks = cute.arch.grid_dim()
     sem_addr = mSem.iterator.toint() + Int64((hq * n_docs + doc) * (n_blocks * tiles_per_block) + m) * 4
-    if tidx == 128:
+    if cute.arch.lane_idx() == 0:
         while ld_acquire_gpu_u32(sem_addr) != Uint32(n_blk):
             nanosleep(64)
-    cute.arch.barrier(barrier_id=3, number_of_threads=256)
+        fence_proxy_async_global()  # the TMA reduce-add that follows comes after the earlier blocks' adds
+    cute.arch.sync_warp()
     return sem_addr
 
 
 @cute.jit
-def dq_turn_pass(sem_addr, tidx):
-    """Deterministic dQ: every thread's additions are visible GPU-wide, then the next key block's turn."""
-    fence_acq_rel_gpu()
-    cute.arch.barrier(barrier_id=3, number_of_threads=256)
-    if tidx == 128:
+def dq_turn_pass_warp(sem_addr):
+    """Deterministic dQ: the warp's TMA reduce-add has completed (cp.async.bulk.wait_group 0); its writes are
+    ordered before the release that hands the next key block its turn."""
+    cute.arch.sync_warp()
+    if cute.arch.lane_idx() == 0:
+        fence_proxy_async_global()
+        fence_acq_rel_gpu()
         red_release_gpu_add_u32(sem_addr, 1)
