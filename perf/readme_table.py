@@ -1,5 +1,6 @@
 """The README's performance table from one `flamia-cute bench` run: ours against FA4 and cuDNN FP8 per
-workload (forward+backward), the geomeans (forward+backward and forward alone), and with --burst the
+workload (forward+backward), the geomeans (against FA4 forward+backward and forward alone, against cuDNN
+forward+backward over the workloads it runs), and with --burst the
 burst run's geomeans; --clocks adds the median SM clock under load from gpu_session.sh's clocks.csv.
 
     python perf/readme_table.py DIR/graph/bench_h16_d128.csv --burst DIR/gputime/bench_h16_d128.csv --clocks DIR/clocks.csv
@@ -40,14 +41,14 @@ def geomean(xs) -> float | None:
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
 
-def speedups(times: dict, mode: str, ours: str = OURS) -> dict:
-    """{workload: FA4 ms / ours ms} where both ran."""
+def speedups(times: dict, mode: str, ours: str = OURS, baseline: str = FA4) -> dict:
+    """{workload: baseline ms / ours ms} where both ran."""
     out = {}
     for (w, impl, m), ms in times.items():
         if impl == ours and m == mode and ms:
-            fa4 = times.get((w, FA4, mode))
-            if fa4:
-                out[w] = fa4 / ms
+            base = times.get((w, baseline, mode))
+            if base:
+                out[w] = base / ms
     return out
 
 
@@ -66,18 +67,22 @@ def clock_mhz(path) -> float | None:
 
 def table(run: dict, order: list[str], ours: str = OURS) -> list[str]:
     t = run["times"]
-    lines = ["| workload | ours ms | FA4 ms | speedup | cuDNN FP8 ms |", "|---|---|---|---|---|"]
-    sp = speedups(t, "fwdbwd", ours)
+    lines = ["| workload | ours ms | FA4 ms | speedup over FA4 | cuDNN FP8 ms | speedup over cuDNN |",
+             "|---|---|---|---|---|---|"]
+    sp, sc = speedups(t, "fwdbwd", ours), speedups(t, "fwdbwd", ours, CUDNN)
+
+    def ms(x):
+        return f"{x:.3g}" if x else "n/a"
+
     for w in order:
-        mine, fa4 = t.get((w, ours, "fwdbwd")), t.get((w, FA4, "fwdbwd"))
+        mine, fa4, cud = (t.get((w, impl, "fwdbwd")) for impl in (ours, FA4, CUDNN))
         if mine is None and fa4 is None:
             continue
-        cud = t.get((w, CUDNN, "fwdbwd"))
-        cud_s = f"{cud:.3g}" if cud else "n/a"
-        lines.append(f"| {w} | {mine:.3g} | {fa4:.3g} | {sp[w]:.2f}x | {cud_s} |" if w in sp else
-                     f"| {w} | {f'{mine:.3g}' if mine else 'n/a'} | {f'{fa4:.3g}' if fa4 else 'n/a'} | n/a | {cud_s} |")
-    g, gf = geomean(sp.values()), geomean(speedups(t, "fwd", ours).values())
-    lines.append(f"| geomean | | | {g:.2f}x (forward alone {gf:.2f}x) | |" if g and gf else "| geomean | | | n/a | |")
+        lines.append(f"| {w} | {ms(mine)} | {ms(fa4)} | {f'{sp[w]:.2f}x' if w in sp else 'n/a'} | {ms(cud)} | "
+                     f"{f'{sc[w]:.2f}x' if w in sc else ''} |")
+    g, gf, gc = geomean(sp.values()), geomean(speedups(t, "fwd", ours).values()), geomean(sc.values())
+    lines.append(f"| geomean | | | {f'{g:.2f}x (forward alone {gf:.2f}x)' if g and gf else 'n/a'} | | "
+                 f"{f'{gc:.2f}x' if gc else ''} |")
     return lines
 
 
