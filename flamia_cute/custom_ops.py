@@ -346,6 +346,15 @@ def run_backward(dout, out, lse, saved, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     return tuple(g if g.dtype == dt else g.to(dt) for g in grads)
 
 
+def _refuse_double_backward():
+    """In a backward, grad mode is on only under create_graph=True. Our gradients come from the saved FP8
+    operands, not from q, k, v, so a graph of them would give wrong (zero or partial) second derivatives:
+    refuse instead."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("flamia_cute: the attention's backward is not differentiable: create_graph=True "
+                           "(a double backward, a gradient of its gradients) is not supported through it")
+
+
 class Attention(torch.autograd.Function):
     """The eager path: run_forward / run_backward without the custom ops' dispatch."""
 
@@ -363,6 +372,7 @@ class Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         out, lse, cu_q, cu_k, rope_cos, rope_sin, *saved = ctx.saved_tensors
+        _refuse_double_backward()
         grads = run_backward(dout, out, lse, saved, cu_q, cu_k, *ctx.static, rope_cos, rope_sin, ctx.rope_interleaved,
                              ctx.deterministic)
         return (*grads, None, None, None, None, None, None, None, None, None, None, None, None)
@@ -465,6 +475,7 @@ def _backward(ctx, dout, _dlse, _dsaved):
     max_q, max_k, scale, causal, recipe, backend, rope_interleaved, deterministic = ctx.static
     if dout is None:
         dout = torch.zeros_like(out)
+    _refuse_double_backward()
     dq, dk, dv = varlen_bwd(dout, out, lse, saved, cu_q, cu_k, max_q, max_k, scale, causal, recipe, backend, rope_cos,
                             rope_sin, rope_interleaved, deterministic)
     # one gradient per argument the call passed (the RoPE arguments have defaults a call may leave out)

@@ -260,6 +260,6 @@ def apply_rotary(x: torch.Tensor, cu_seqlens: torch.Tensor, rotary: Rotary | Rot
         raise ValueError(f"x must be a (total_tokens, heads, head_dim) tensor, got {getattr(x, 'shape', type(x))}")
     if max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
-    rot = resolve_rotary(rotary, x.shape[-1], max_seqlen, x.device)
+    rot = resolve_rotary(rotary, x.shape[-1], min(max_seqlen, x.shape[0]), x.device)  # no document is longer
     pos = document_positions(cu_seqlens, cu_seqlens, x.shape[0])
     return rope(x, rot.cos, rot.sin, pos, rot.interleaved).to(x.dtype)

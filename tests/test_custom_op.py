@@ -404,3 +404,25 @@ def test_gpu_deterministic_argument_gives_bit_reproducible_gradients(monkeypatch
     assert len(plans) == 3 and all(p.bwd.deterministic for p in plans)  # the call's flag chose the build
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
+
+
+@pytest.mark.parametrize("route", ["autograd_function", "custom_op"])
+@pytest.mark.parametrize("do_needs_grad", [False, True])
+def test_double_backward_raises(route, do_needs_grad):
+    """Our gradients come from the saved FP8 operands, not from q, k, v: a graph of them would give wrong second
+    derivatives (zero with a constant dO). create_graph=True through the attention raises on both routes."""
+    q, k, v, do, cu, scale = make_inputs([20, 13], 2, 2, 64, "normal", 5)
+    L = 20
+
+    def call(q, k, v):
+        if route == "custom_op":
+            out, _lse, _saved = varlen_fwd(q, k, v, cu, cu, L, L, scale, True, "fp8_tokenblock_dsbf16", "emulate")
+            return out
+        return flamia_attn_varlen_func(q, k, v, cu, cu, L, L, scale, backend="emulate")
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = call(*leaves)
+    grad_out = out * do if do_needs_grad else do  # a dO that depends on q, k, v, or a constant one
+    with pytest.raises(RuntimeError, match="not differentiable: create_graph=True"):
+        torch.autograd.grad(out, leaves, grad_out, create_graph=True)
+    assert all(g is not None for g in torch.autograd.grad(call(*leaves), leaves, do))  # without it: as before

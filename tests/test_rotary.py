@@ -304,6 +304,23 @@ def _sqnr(recipe, kind, rotary=None, seed=7):
     return {n: sqnr_db(got[n], ref[n]) for n in ("out", "dq", "dk", "dv")}
 
 
+def test_a_huge_max_seqlen_sizes_the_rope_tables_by_the_tokens(monkeypatch):
+    """max_seqlen is an upper bound: 2^22 on an 80-token pack builds tables for the tokens (rounded up to
+    256 rows), not for 4M positions, and gives what the exact bound gives."""
+    import flamia_cute.rotary as rotary_mod
+
+    rows = []
+    real = rotary_mod.theta_tables
+    monkeypatch.setattr(rotary_mod, "theta_tables", lambda theta, rd, n, device: rows.append(n) or real(theta, rd, n, device))
+    rotary_mod._cached_theta_tables.cache_clear()
+    q, k, v, do, cu, scale = make_inputs([50, 30], 2, 2, 64, "normal", 3)
+    outs = [flamia_attn_varlen_func(q, k, v, cu, cu, L, L, scale, backend="emulate", rotary=RotaryConfig(theta=500.0))
+            for L in (2 ** 22, 50)]
+    rotary_mod._cached_theta_tables.cache_clear()
+    assert rows and max(rows) <= 256, rows
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("rotary", [None, RotaryConfig()], ids=["plain", "rope"])
 def test_hadamard_recipe_meets_the_outlier_floors(rotary):
     """outliers: O >= 22 dB, dQ and dK >= 15 dB (the default: 16.3, 7.3, 5.7); normal: within 0.3 dB
