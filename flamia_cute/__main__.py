@@ -1,4 +1,4 @@
-"""Demo: `python -m flamia_cute`.
+"""Demo: `python -m flamia_cute` (with arguments, the CLI: `python -m flamia_cute --help`).
 
 On a CPU it runs the emulator on a small packed batch, prints the error of
 every recipe against fp64 and the leakage checks (the leaky control must
@@ -96,4 +96,8 @@ def blackwell_demo(on_gpu: bool) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:]:  # `python -m flamia_cute bench ...` or `--help`: the CLI, as `flamia-cute`
+        from .cli import main as cli_main
+
+        sys.exit(cli_main(sys.argv[1:]))
     sys.exit(main())

@@ -87,9 +87,9 @@ def shard_packed_batch(cu_seqlens, world_size: int, rank: int, causal: bool = Tr
                        device=None) -> ContextParallelShard:
     """The plan of rank `rank` for a packed batch with global `cu_seqlens` (a tensor or a list; read on the host).
     device: where the plan's tensors go (default: cu_seqlens' device, the CPU for a list)."""
-    if not (isinstance(world_size, int) and world_size >= 1):
+    if not (isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1):
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if not (isinstance(rank, int) and 0 <= rank < world_size):
+    if not (isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < world_size):
         raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
     if device is None:
         device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu")
@@ -97,6 +97,8 @@ def shard_packed_batch(cu_seqlens, world_size: int, rank: int, causal: bool = Tr
     if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
         raise ValueError("cu_seqlens must start at 0 and be non-decreasing, with at least 2 entries")
     total = cu[-1]
+    if total == 0:
+        raise ValueError("cu_seqlens: the batch holds no tokens, so there is nothing to shard")
     docs = [(a, b) for a, b in zip(cu[:-1], cu[1:], strict=True) if b > a]
 
     def local(r):

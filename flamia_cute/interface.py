@@ -134,6 +134,7 @@ def flamia_attn_varlen_func(
     # torch.compile this function is traced, and reading them here would break the graph.
     check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
     # an upper bound past the token count bounds nothing more; RoPE tables and grids are sized by it
+    max_seqlen_q, max_seqlen_k = (m if isinstance(m, torch.SymInt) else int(m) for m in (max_seqlen_q, max_seqlen_k))
     max_seqlen_q, max_seqlen_k = min(max_seqlen_q, q.shape[0]), min(max_seqlen_k, k.shape[0])
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")

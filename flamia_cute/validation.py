@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
 import torch
@@ -42,9 +43,10 @@ def check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             f"got {cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
         )
     for name, mx in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if not isinstance(mx, (int, torch.SymInt)) or isinstance(mx, bool) or mx < 0:
+        # numpy's integers too (numbers.Integral): the caller converts them to int
+        if not isinstance(mx, (numbers.Integral, torch.SymInt)) or isinstance(mx, bool) or mx < 0:
             raise ValueError(f"{name} must be a non-negative int, got {mx!r}")
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
+    if softmax_scale is not None and not (isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)
                                           and math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a finite positive number or None, got {softmax_scale!r}")
 

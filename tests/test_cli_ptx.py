@@ -212,3 +212,10 @@ def test_softmax_bounds_hold_at_any_magnitude(ptx_all):
             assert ptx.count("mul.rp.f32") >= 4 and ptx.count("add.rp.f32") >= 2, cfg
         if name == "bwd_dsbf16":
             assert ptx.count("mul.rp.f32") >= 1, cfg
+
+
+def test_module_with_arguments_is_the_cli():
+    """`python -m flamia_cute --help` prints the CLI's help (the demo runs only without arguments)."""
+    res = subprocess.run([sys.executable, "-m", "flamia_cute", "--help"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("usage: flamia-cute") and "demo on" not in res.stdout

@@ -89,3 +89,39 @@ def test_recipe_validation():
     with pytest.raises(ValueError, match="dv_fold"):
         Recipe("x", p_cast="bf16", dv_fold="document")
     assert Recipe.from_name("fp8_tokenblock").k.block_tokens == 128
+
+
+def test_numpy_scalars_are_plain_numbers():
+    """max_seqlen as numpy integers and softmax_scale as a numpy float (np.float32 is not a float subclass)
+    give what the plain Python numbers give."""
+    import numpy as np
+
+    cu = torch.tensor([0, 30], dtype=torch.int32)
+    q = torch.randn(30, 2, 64, dtype=torch.bfloat16)
+    got = flamia_attn_varlen_func(q, q, q, cu, cu, np.int64(30), np.int32(30), softmax_scale=np.float32(0.125))
+    assert torch.equal(got, flamia_attn_varlen_func(q, q, q, cu, cu, 30, 30, softmax_scale=0.125))
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("p_scale", float("nan"), "Recipe.p_scale"), ("diagonal_safeguard", "no", "Recipe.diagonal_safeguard"),
+    ("key_tile", 2.5, "Recipe.key_tile"), ("query_tile", True, "Recipe.query_tile"),
+])
+def test_custom_recipe_fields_are_checked(field, value, match):
+    from flamia_cute.recipes import NAMED_RECIPES
+
+    with pytest.raises(ValueError, match=match):
+        NAMED_RECIPES["fp8_tokenblock_dsbf16"].with_(**{field: value})
+
+
+def test_operand_block_tokens_must_be_an_int():
+    with pytest.raises(ValueError, match="OperandQuant.block_tokens"):
+        OperandQuant("e4m3", "tokenblock", 1.5)
+
+
+@pytest.mark.parametrize("cu, world, rank, match", [([0, 0], 2, 0, "no tokens"), ([0, 5], 2, True, "rank"),
+                                                    ([0, 5], True, 0, "world_size")])
+def test_shard_plan_refusals(cu, world, rank, match):
+    from flamia_cute.distributed import shard_packed_batch
+
+    with pytest.raises(ValueError, match=match):
+        shard_packed_batch(torch.tensor(cu), world, rank)
