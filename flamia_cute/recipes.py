@@ -47,8 +47,8 @@ class OperandQuant:
             raise ValueError(f"OperandQuant.fmt must be one of {OPERAND_FORMATS}, got {self.fmt!r}")
         if self.scaling not in SCALINGS:
             raise ValueError(f"OperandQuant.scaling must be one of {SCALINGS}, got {self.scaling!r}")
-        if self.block_tokens < 1:
-            raise ValueError(f"OperandQuant.block_tokens must be >= 1, got {self.block_tokens}")
+        if isinstance(self.block_tokens, bool) or not isinstance(self.block_tokens, int) or self.block_tokens < 1:
+            raise ValueError(f"OperandQuant.block_tokens must be an int >= 1, got {self.block_tokens!r}")
         if (self.fmt == "bf16") != (self.scaling == "none"):
             raise ValueError("OperandQuant: fmt 'bf16' goes with scaling 'none' and only with it")
         if (self.fmt in ("mxfp8", "nvfp4")) != (self.scaling == "mx"):
@@ -106,15 +106,16 @@ class Recipe:
             raise ValueError(f"Recipe.dv_fold must be one of {DV_FOLDS}, got {self.dv_fold!r}")
         if self.delta not in DELTAS:
             raise ValueError(f"Recipe.delta must be one of {DELTAS}, got {self.delta!r}")
-        if not isinstance(self.hadamard, bool):
-            raise ValueError(f"Recipe.hadamard must be a bool, got {self.hadamard!r}")
+        for flag in ("hadamard", "diagonal_safeguard"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"Recipe.{flag} must be a bool, got {getattr(self, flag)!r}")
         if self.dv_fold != "tile" and self.p_cast != "e4m3_fold":
             raise ValueError("Recipe.dv_fold 'document' applies to p_cast 'e4m3_fold' only")
         for tile_name in ("key_tile", "query_tile"):
             t = getattr(self, tile_name)
-            if t < 1 or t & (t - 1):
+            if isinstance(t, bool) or not isinstance(t, int) or t < 1 or t & (t - 1):
                 raise ValueError(f"Recipe.{tile_name} must be a power of two, got {t}")
-        if self.p_scale <= 0 or self.p_scale * 1.0 > 448.0:
+        if not 0.0 < self.p_scale <= 448.0:  # NaN fails too
             raise ValueError(f"Recipe.p_scale must be in (0, 448] so P*scale cannot saturate e4m3, got {self.p_scale}")
         mx = [op.scaling == "mx" for op in self.operands()]
         if any(mx) and not all(mx):
@@ -172,17 +173,20 @@ NAMED_RECIPES: dict[str, Recipe] = {
         Recipe("fp8_token_ds_e5m2", _TOKEN, _TOKEN, _TOKEN, _TOKEN, ds_cast="e5m2_rowtile"),
         Recipe("fp8_token_ds_bf16", _TOKEN, _TOKEN, _TOKEN, _TOKEN, ds_cast="bf16"),
         # The default: S, P V, dP and dV in FP8 with dV's dO scale folded per document, dS in bf16
-        # for dK and dQ (the sm_90a backward kernel, sm90/attention_bwd.py)
-        Recipe("fp8_tokenblock_dsbf16", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, ds_cast="bf16", dv_fold="document"),
-        # The default with Q and K through a Walsh-Hadamard transform over the head dimension, and D
-        # from dO's e4m3 values: the recipe for heads with outlier channels (docs/rotations.md)
+        # for dK and dQ (the sm_90a backward kernel, sm90/attention_bwd.py). D from dO's e4m3 values,
+        # the dO that dP reads: each row's dS then sums to ~0 as the exact one does (docs/numerics.md)
+        Recipe("fp8_tokenblock_dsbf16", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, ds_cast="bf16", dv_fold="document",
+               delta="quantized"),
+        # The default with Q and K through a Walsh-Hadamard transform over the head dimension: the recipe
+        # for heads with outlier channels (docs/rotations.md)
         Recipe("fp8_tokenblock_hadamard", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, ds_cast="bf16", dv_fold="document",
                hadamard=True, delta="quantized"),
         # One dS scale per 64-query x 128-key tile for both products (e4m3_tile). Leaks through dQ:
         # the control that shows the leakage tests see scales shared across queries in dS
         Recipe("fp8_tokenblock_dstile_unsafe", _TOKEN, _BLOCK128, _BLOCK128, _TOKEN, ds_cast="e4m3_tile",
                dv_fold="document", query_tile=64),
-        # The default's numerics with one amax per tensor per call, as cuDNN's FP8 attention scales.
+        # The default's numerics (but D from the bf16 dO) with one amax per tensor per call, as cuDNN's FP8
+        # attention scales.
         # Deliberately leaky (every position's scale sees every other): the control of the leakage
         # tests, forward and backward, on the kernels and the emulator.
         Recipe("fp8_tensor_current", _TENSOR, _TENSOR, _TENSOR, _TENSOR, ds_cast="bf16", dv_fold="document",

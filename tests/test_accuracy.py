@@ -118,3 +118,26 @@ def test_dv_fold_document_uses_one_reference_per_document():
     assert not torch.equal(d0[300:600], d1[300:600])  # keys 300-599 never see query 0: only the reference
     assert torch.equal(t0[300:600], t1[300:600])
     assert torch.equal(d0[600:], d1[600:]) and torch.equal(t0[600:], t1[600:])  # the other document
+
+
+@pytest.mark.parametrize("kind", ["normal", "outliers"])
+def test_default_delta_is_consistent_with_dp(kind):
+    """A query that sees one key has P = 1 and exact dQ = 0 (and that key's dK = 0 from it). dS = P (dP - D)
+    is 0 only when D = rowsum(dO * O) uses the dO that dP reads: the default takes D from dO's e4m3 values.
+    With D from the bf16 dO (delta="input") these rows get dO's rounding error times K (or Q)."""
+    from flamia_cute.recipes import NAMED_RECIPES
+
+    rec = NAMED_RECIPES["fp8_tokenblock_dsbf16"]
+    lengths = [1, 40, 1, 1, 97, 1, 25]
+    q, k, v, do, cu, scale = make_inputs(lengths, 4, 2, 128, kind, 11)
+    firsts = cu[:-1].long()  # each document's first query sees only its first key
+    singles = torch.tensor([s for s, n in zip(cu[:-1].tolist(), lengths, strict=True) if n == 1])  # a 1-token document's key
+    typical = {}
+    for r in (rec, rec.with_(delta="input")):
+        got = attention_fn_for(r, scale)(q, k, v, cu, do)
+        rms = lambda x: float(x.double().pow(2).mean().sqrt())  # noqa: E731
+        typical[r.delta] = (rms(got["dq"][firsts]) / rms(got["dq"]), rms(got["dk"][singles]) / rms(got["dk"]))
+    assert max(typical["quantized"]) < 1e-6, typical
+    assert min(typical["input"]) > 1e-3, typical  # the control: D from the bf16 dO leaves them non-zero
+    ref = reference_attention(q, k, v, cu, cu, scale, True, do)
+    assert float(ref["dq"][firsts].abs().max()) < 1e-12

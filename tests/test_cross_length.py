@@ -76,8 +76,10 @@ def test_sub_range_equals_self_attention_on_the_whole_document(problem):
     part = _run(recipe, q[qr], k[kr], v[kr], cu_q, cu_k, scale, do[qr])
     assert torch.equal(part["out"], whole["out"][qr]) and torch.equal(part["lse"], whole["lse"][:, qr])
     assert torch.equal(part["dq"], whole["dq"][qr]) and torch.equal(part["dv"], whole["dv"][kr])
-    # dK sums fewer queries' terms in fp32 (the zero dO rows add exact zeros): equal up to the sum's rounding
-    torch.testing.assert_close(part["dk"].float(), whole["dk"][kr].float(), rtol=0, atol=2e-7)
+    # dK sums fewer queries' terms in fp32 (the zero dO rows add exact zeros, in other matmul blocks): equal up
+    # to the sum's rounding, which can move the bf16 result by one unit
+    torch.testing.assert_close(part["dk"].float(), whole["dk"][kr].float(), rtol=2**-7, atol=2e-7)
+    assert (part["dk"] != whole["dk"][kr]).sum() <= part["dk"].numel() // 10000
 
 
 def test_key_blocks_counted_from_the_query_range_would_differ(problem, monkeypatch):
