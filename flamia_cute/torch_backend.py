@@ -16,7 +16,8 @@ top-left `is_causal` with different query and key lengths, and on a GPU every ca
 
 The aten backward ops receive the bf16 inputs, not our saved FP8 operands. They quantize Q, K and V again
 (custom_ops.saved_from_inputs): the quantizers are deterministic functions of their inputs, so the backward
-reads the forward's operands byte for byte and the gradients are bit-identical to flamia_attn_varlen_func's.
+reads the forward's operands byte for byte and the gradients are bit-identical to flamia_attn_varlen_func's
+(for fp16 inputs, wherever |O| >= 2^-17: the backward's bf16 O is the returned fp16 O converted back).
 """
 
 from __future__ import annotations
