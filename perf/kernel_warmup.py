@@ -25,6 +25,7 @@ def call_kernels(recipe: str, head_dim: int, heads_q: int, heads_kv: int, length
     with rotations (rotary: custom_ops.rotary_key's (mode, width); a Hadamard recipe), dQ's conversion
     with Q's inverse rotations. deterministic: the call's deterministic argument."""
     from flamia_cute.plan import make_plan
+    from flamia_cute.recipes import NAMED_RECIPES
     from flamia_cute.sm90.attention_fwd import PERSISTENT_MAX_DOCS, per_tile_fallback
     from flamia_cute.sm90.codes import CodesConfig
     from flamia_cute.sm90.quantize import dout_delta_config
@@ -42,7 +43,8 @@ def call_kernels(recipe: str, head_dim: int, heads_q: int, heads_kv: int, length
     if train and plan.bwd is not None:
         out |= {("codes", CodesConfig(row_scale=True)), ("bwd", plan.bwd)}
         if plan.scaling != "tensor":
-            out.add(("quant", dout_delta_config(head_dim, heads_q, heads_q // heads_kv)))
+            quantized_delta = NAMED_RECIPES[recipe].delta == "quantized"
+            out.add(("quant", dout_delta_config(head_dim, heads_q, heads_q // heads_kv, quantized_delta)))
         if plan.dq_convert is not None:
             out.add(("grad_rotate", plan.dq_convert))
     return out

@@ -680,7 +680,9 @@ def _bwd_state(docs, recipe, causal, H, Hk, D, seed, tensors=None):
     block = RECIPES.get(recipe, 128)
     ops = _quantized(q, k, v, cu_q, cu_k, block)
     doq = quantize_thd(do, cu_q, 1, pv_order=True)
-    delta = (do.float() * out.float()).sum(-1).t().contiguous()
+    # D from the dO that dP reads where the recipe says so (recipes.DELTAS), as the dO pass computes it
+    d_src = doq.data_td.float() * doq.scale.t()[:, :, None] if rec.delta == "quantized" else do.float()
+    delta = (d_src * out.float()).sum(-1).t().contiguous()
     return dict(docs=docs, ops=ops, cu_q=cu_q, cu_k=cu_k, scale=scale, group=H // Hk, block=block, doq=doq,
                 out=out, lse=lse, delta=delta, emu=emulate_backward(do, ctx), inputs=(q, k, v, do))
 
@@ -705,7 +707,9 @@ def _bwd_model_fn(causal, bug=None, docs=CAUSAL_DOCS):
     return fn
 
 
-@pytest.mark.parametrize("doc, cut", [(2, 101), (5, 129)])
+# doc 5's queries start at key 128: cut 131 compares three queries on key block 1's diagonal tile (cut 129
+# compares one, whose dQ change under the control can vanish in bf16 rounding)
+@pytest.mark.parametrize("doc, cut", [(2, 101), (5, 131)])
 def test_cross_backward_model_passes_the_leakage_checks(doc, cut):
     """The future test (dQ before the cut bitwise) and document isolation (every other document's dQ, dK, dV)
     on the backward model; reading the block scales on the masked tiles fails the future test."""

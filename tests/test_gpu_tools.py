@@ -21,6 +21,7 @@ import soak  # noqa: E402
 
 from flamia_cute import compile_cache  # noqa: E402
 from flamia_cute.plan import KERNEL_SCALINGS, make_plan  # noqa: E402
+from flamia_cute.sm90.quantize import dout_delta_config  # noqa: E402
 from flamia_cute.testing import cu_seqlens_from_lengths  # noqa: E402
 
 # ----------------------------------------------------------------------------- compile_cache.kernel_builds
@@ -80,6 +81,8 @@ def test_call_kernels_follow_the_recipe_and_the_call():
     assert sorted(k for k, _ in train) == ["bwd", "codes", "fwd", "quant", "quant"]
     plan = make_plan("fp8_tokenblock_dsbf16", 128, 4, 2, 300, 435, 4)
     assert {("fwd", plan.fwd), ("quant", plan.qkv), ("bwd", plan.bwd)} <= train
+    # the dO pass as the backward builds it: D from dO's e4m3 values (the recipe's delta)
+    assert ("quant", dout_delta_config(128, 4, 2, rowdot_quantized=True)) in train
     no_grad = kernel_warmup.call_kernels("fp8_tokenblock_dsbf16", 128, 4, 2, [300, 5, 0, 130], False)
     assert sorted(k for k, _ in no_grad) == ["fwd", "quant"]
     # the control is quantized by torch; the e4m3-dS recipes' backward is the emulator's

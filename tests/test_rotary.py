@@ -664,7 +664,7 @@ def test_dout_pass_with_the_quantized_delta():
     want, size = prod.sum(-1).t(), prod.abs().sum(-1).t()  # fp32 sums in two orders: 1e-5 of the terms' size
     assert torch.equal(doq.data_td.view(torch.uint8), ref_q.data_td.view(torch.uint8))
     assert ((delta - want).abs() <= 1e-5 * size).all()
-    plain, _, _ = preprocess_bwd(do, out, cu, dv_ref_group=1)
+    plain, _, _ = preprocess_bwd(do, out, cu, dv_ref_group=1, delta_quantized=False)
     assert not torch.equal(plain, delta)
 
 

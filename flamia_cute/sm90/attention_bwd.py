@@ -1606,7 +1606,7 @@ def flamia_bwd_dsbf16_sm90(
     dout, out, lse, q_td, sq, k_td, sk, v_dt, sv, k_tok_td, sk_tok, v_tok_dt, sv_tok,
     cu_seqlens, max_seqlen: int, softmax_scale: float, config: BwdDsBf16Config,
     poison_outputs: bool = False, do_quantized=None, delta=None, dv_ref=None, q_bf16=None,
-    overlap_passes: bool | None = None, rope_tables=None, dq_convert=None, delta_quantized: bool = False,
+    overlap_passes: bool | None = None, rope_tables=None, dq_convert=None, delta_quantized: bool = True,
     cu_seqlens_k=None, max_seqlen_k: int | None = None,
 ):
     """Causal FP8 attention backward of the bf16-dS recipes on the current stream; returns (dq, dk, dv)
@@ -1629,7 +1629,7 @@ def flamia_bwd_dsbf16_sm90(
     rope_tables: (cos, sin) fp32 (rotary.kernel_tables) when config.rotary or dq_convert applies RoPE.
     dq_convert: a rotate.GradRotateConfig: dQ's conversion to bf16 applies Q's inverse rotations (the
     dK epilogue applies K's, config.rotary / config.hadamard). delta_quantized: D from dO's e4m3 values
-    (recipes.DELTAS "quantized") when the preprocess computes it.
+    (recipes.DELTAS "quantized", the default recipe's; False: the bf16 dO) when the preprocess computes it.
     config.separate_keys (cross_length, or causal=False): cu_seqlens holds the query documents and
     cu_seqlens_k the key documents (as many; max_seqlen_k their longest), K, V, their scales, dK and dV
     have T_k tokens, v_dt transposed_tokens(T_k, num_docs) columns; the causal build reads dO^T by key

@@ -9,14 +9,15 @@ import torch
 
 
 def preprocess_bwd(dout: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tensor, dv_ref_group: int = 0,
-                   delta_quantized: bool = False):
+                   delta_quantized: bool = True):
     """D = rowsum(dO * O) (H, T) fp32 and dO quantized per token in both orientations (QuantizedTHD).
 
     One launch of the fused quantization kernel: dO bit-exact with quant.quantize_thd, and D from
     the same read of dO (fp32 sums of exact bf16 products; the order differs from torch's by a
     rounding or two). With dv_ref_group g > 0 it also returns the bf16-dS backward's dV fold
     references (H / g, docs) fp32 from the same launch (bitwise dv_fold_reference's; one memset).
-    delta_quantized: D from dO's e4m3 values, sum(codes * O) * scale (recipes.DELTAS "quantized").
+    delta_quantized: D from dO's e4m3 values, sum(codes * O) * scale (recipes.DELTAS "quantized", the
+    default recipe's); False: from the bf16 dO.
     """
     from .quantize import dout_delta_config, quantize_with_rowdot_sm90
 
