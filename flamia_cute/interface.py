@@ -165,7 +165,9 @@ def flamia_attn_varlen_func(
     # as selective activation checkpointing (a policy can then save flamia_cute::varlen_fwd's outputs instead
     # of recomputing them), FakeTensorMode and FlopCounterMode; else the autograd Function, which skips the
     # custom op's dispatch (host time)
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+    # meta tensors (a model built on the meta device) take the custom ops too: their fake implementations
+    # give the outputs' shapes without reading values
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0 or q.device.type == "meta":
         out, lse = attention(*args)  # traceable, with fake implementations
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = Attention.apply(*args)

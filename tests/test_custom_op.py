@@ -426,3 +426,15 @@ def test_double_backward_raises(route, do_needs_grad):
     with pytest.raises(RuntimeError, match="not differentiable: create_graph=True"):
         torch.autograd.grad(out, leaves, grad_out, create_graph=True)
     assert all(g is not None for g in torch.autograd.grad(call(*leaves), leaves, do))  # without it: as before
+
+
+def test_meta_tensors_give_meta_outputs():
+    """A model built on the meta device runs the call for shapes: the custom ops' fake implementations, forward
+    and backward, without reading cu_seqlens' values."""
+    q = torch.empty(30, 4, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    k = torch.empty(30, 2, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    out, lse = flamia_attn_varlen_func(q, k, k, cu, cu, 20, 20, return_lse=True)
+    assert out.device.type == "meta" and out.shape == q.shape and lse.shape == (4, 30)
+    out.sum().backward()
+    assert q.grad.device.type == "meta" and q.grad.shape == q.shape and k.grad.shape == k.shape
