@@ -132,10 +132,12 @@ def test_default_delta_is_consistent_with_dp(kind):
     q, k, v, do, cu, scale = make_inputs(lengths, 4, 2, 128, kind, 11)
     firsts = cu[:-1].long()  # each document's first query sees only its first key
     singles = torch.tensor([s for s, n in zip(cu[:-1].tolist(), lengths, strict=True) if n == 1])  # a 1-token document's key
+    def rms(x):
+        return float(x.double().pow(2).mean().sqrt())
+
     typical = {}
     for r in (rec, rec.with_(delta="input")):
         got = attention_fn_for(r, scale)(q, k, v, cu, do)
-        rms = lambda x: float(x.double().pow(2).mean().sqrt())  # noqa: E731
         typical[r.delta] = (rms(got["dq"][firsts]) / rms(got["dq"]), rms(got["dk"][singles]) / rms(got["dk"]))
     assert max(typical["quantized"]) < 1e-6, typical
     assert min(typical["input"]) > 1e-3, typical  # the control: D from the bf16 dO leaves them non-zero
